@@ -1,0 +1,138 @@
+"""Device timing done right, and side-by-side tables.
+
+``time_jax(f, input_sets)`` jits ``f``, warms it up on every input set, then
+times it with the device's own timers (CUPTI through Mosaic GPU's profiler:
+the sum of the kernels' device durations, no host gaps) cycling through the
+input sets so that no run finds its inputs hot in L2. It returns a
+``Timing`` with the median and spread. On CPU, where there are no device
+timers, it falls back to wall clock around ``block_until_ready``.
+
+``time_torch(fn, input_sets)`` does the same for torch with CUDA events.
+
+Rows of results become a markdown table (``table``) and JSON (``write``).
+Every benchmark checks its output against the reference before timing it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import pathlib
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+
+from mosaic import target as target_lib
+
+
+@dataclasses.dataclass(frozen=True)
+class Timing:
+  median_s: float
+  min_s: float
+  max_s: float
+  n: int
+  timer: str  # "cupti", "cuda_events" or "wall"
+
+  def as_dict(self) -> dict:
+    return dataclasses.asdict(self)
+
+
+def _summ(samples: Sequence[float], timer: str) -> Timing:
+  if not samples:
+    raise RuntimeError("no timing samples were collected")
+  return Timing(statistics.median(samples), min(samples), max(samples), len(samples), timer)
+
+
+def time_jax(f: Callable[..., Any], input_sets: Sequence[Sequence[Any]], *, iters: int = 20,
+             warmup: int = 2) -> Timing:
+  """Median device time of ``f(*inputs)`` over ``iters`` runs on rotated inputs."""
+  if not input_sets:
+    raise ValueError("time_jax needs at least one input set")
+  jf = f if hasattr(f, "lower") else jax.jit(f)
+  for inputs in input_sets:
+    for _ in range(warmup):
+      jax.block_until_ready(jf(*inputs))
+  if target_lib.on_gpu():
+    from jax.experimental.mosaic.gpu import profiler
+
+    timed = profiler.measure(jf)
+    samples = []
+    for i in range(iters):
+      _, ms = timed(*input_sets[i % len(input_sets)])
+      if ms is None:
+        raise RuntimeError("CUPTI recorded no kernel: was the work optimized away?")
+      samples.append(ms * 1e-3)
+    return _summ(samples, "cupti")
+  samples = []
+  for i in range(iters):
+    inputs = input_sets[i % len(input_sets)]
+    t0 = time.perf_counter()
+    jax.block_until_ready(jf(*inputs))
+    samples.append(time.perf_counter() - t0)
+  return _summ(samples, "wall")
+
+
+def time_torch(fn: Callable[..., Any], input_sets: Sequence[Sequence[Any]], *, iters: int = 20,
+               warmup: int = 2) -> Timing:
+  """Median CUDA-event time of ``fn(*inputs)`` on rotated torch inputs."""
+  import torch
+
+  for inputs in input_sets:
+    for _ in range(warmup):
+      fn(*inputs)
+  torch.cuda.synchronize()
+  samples = []
+  for i in range(iters):
+    inputs = input_sets[i % len(input_sets)]
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn(*inputs)
+    end.record()
+    end.synchronize()
+    samples.append(start.elapsed_time(end) * 1e-3)
+  return _summ(samples, "cuda_events")
+
+
+def environment() -> dict[str, Any]:
+  t = target_lib.current()
+  return {
+      "device": t.name,
+      "kind": t.kind,
+      "jax": jax.__version__,
+      "date": datetime.date.today().isoformat(),
+      "ceilings": dataclasses.asdict(t.ceilings),
+  }
+
+
+def table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
+  """A markdown table of ``rows`` restricted to ``columns``."""
+
+  def fmt(v):
+    if isinstance(v, float):
+      return f"{v:.3g}" if abs(v) < 100 else f"{v:.0f}"
+    return str(v)
+
+  lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+  for r in rows:
+    lines.append("| " + " | ".join(fmt(r.get(c, "")) for c in columns) + " |")
+  return "\n".join(lines)
+
+
+def write(path: str | pathlib.Path, name: str, rows: Sequence[dict[str, Any]],
+          columns: Sequence[str], command: str) -> tuple[pathlib.Path, pathlib.Path]:
+  """Writes ``<path>/<name>.json`` and ``<name>.md`` (env, command, table)."""
+  path = pathlib.Path(path)
+  path.mkdir(parents=True, exist_ok=True)
+  env = environment()
+  j = path / f"{name}.json"
+  j.write_text(json.dumps({"env": env, "command": command, "rows": list(rows)}, indent=1) + "\n")
+  m = path / f"{name}.md"
+  m.write_text(
+      f"# {name}\n\ncard: {env['device']}, jax {env['jax']}, {env['date']}\n\n"
+      f"command: `{command}`\n\n{table(rows, columns)}\n"
+  )
+  return j, m

@@ -1,0 +1,89 @@
+"""FLOPs and bytes of each op call, and utilization against target ceilings.
+
+Bytes are the fewest a kernel must move: each input read once and each output
+written once. ``utilization(cost, seconds)`` turns a time into achieved
+TFLOP/s and GB/s, their fraction of the target's ceilings, and which bound
+(compute or memory) the roofline says applies.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from mosaic import target as target_lib
+
+
+@dataclasses.dataclass(frozen=True)
+class Cost:
+  flops: float
+  bytes: float
+
+  def __add__(self, other: "Cost") -> "Cost":
+    return Cost(self.flops + other.flops, self.bytes + other.bytes)
+
+  @property
+  def intensity(self) -> float:
+    return self.flops / self.bytes if self.bytes else math.inf
+
+
+def _isz(dtype) -> int:
+  import numpy as np
+
+  return np.dtype(dtype).itemsize
+
+
+def matmul(m: int, n: int, k: int, in_dtype="bfloat16", out_dtype="bfloat16",
+           weight_dtype=None) -> Cost:
+  w = weight_dtype or in_dtype
+  return Cost(2.0 * m * n * k, m * k * _isz(in_dtype) + k * n * _isz(w) + m * n * _isz(out_dtype))
+
+
+def attention(batch: int, heads_q: int, heads_kv: int, q_len: int, kv_len: int, head_dim: int,
+              causal: bool = False, dtype="bfloat16") -> Cost:
+  """Prefill/decode attention: QK^T and PV (4*B*H*Sq*Skv*D), halved if causal.
+
+  For causal with q_len == kv_len the visible fraction is (S+1)/(2S); with a
+  cached prefix (q_len < kv_len) queries see prefix + their own causal part.
+  """
+  if causal:
+    prefix = kv_len - q_len
+    visible = q_len * prefix + q_len * (q_len + 1) / 2
+  else:
+    visible = q_len * kv_len
+  flops = 4.0 * batch * heads_q * visible * head_dim
+  b = _isz(dtype)
+  io = batch * head_dim * b * (2 * heads_q * q_len + 2 * heads_kv * kv_len)
+  return Cost(flops, io)
+
+
+def rms_norm(rows: int, cols: int, dtype="bfloat16", weight_dtype=None) -> Cost:
+  b = _isz(dtype)
+  return Cost(4.0 * rows * cols, 2 * rows * cols * b + cols * _isz(weight_dtype or dtype))
+
+
+@dataclasses.dataclass(frozen=True)
+class Utilization:
+  seconds: float
+  tflops: float
+  gbps: float
+  tc_fraction: float  # of the target's dense bf16 peak
+  hbm_fraction: float  # of the target's HBM bandwidth
+  bound: str  # "compute" or "memory", by the roofline
+  ceilings_source: str
+
+  def as_dict(self) -> dict:
+    return dataclasses.asdict(self)
+
+
+def utilization(cost: Cost, seconds: float, target: target_lib.Target | None = None) -> Utilization:
+  if seconds <= 0:
+    raise ValueError(f"{seconds=} must be positive")
+  t = target or target_lib.current()
+  c = t.ceilings
+  tflops = cost.flops / seconds / 1e12
+  gbps = cost.bytes / seconds / 1e9
+  ridge = c.bf16_tflops * 1e12 / (c.hbm_gbps * 1e9)  # FLOP per byte
+  bound = "compute" if cost.intensity >= ridge else "memory"
+  src = c.source if t.is_gpu else f"{c.source} (CPU: not a tensor-core figure)"
+  return Utilization(seconds, tflops, gbps, tflops / c.bf16_tflops, gbps / c.hbm_gbps, bound, src)

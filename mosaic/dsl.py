@@ -1,0 +1,190 @@
+"""The Pallas / Mosaic GPU primitives our kernels use, in one place.
+
+Kernels import ``pl``, ``plgpu`` and the helpers from here, never from jax
+directly, so a jax API move is fixed once. On a machine without a GPU every
+kernel built with ``kernel()`` runs in Mosaic GPU interpret mode (set by
+``interpret_params()``; tests turn race detection on with
+``MOSAIC_DETECT_RACES=1``).
+
+The supported jax range is 0.10.2 through 0.12.x. Where the API differs:
+- ``InterpretGPUParams`` is exported by ``plgpu`` from 0.11; in 0.10 it lives
+  in ``jax._src.pallas.mosaic_gpu.interpret.params``.
+- ``reset_gpu_interpret_mode_state`` lives in the interpreter module in both.
+
+Interpret mode is a subset: ``pl.program_id`` returns 0 there, so kernels read
+their grid position with ``lax.axis_index(name)``; ``emit_pipeline`` with
+``out_specs`` and ``pl.run_state`` are not interpreted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import math
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from mosaic import target as target_lib
+
+try:  # jax >= 0.11
+  InterpretGPUParams = plgpu.InterpretGPUParams
+except AttributeError:  # jax 0.10
+  from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams  # type: ignore
+
+from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as _interp
+
+__all__ = [
+    "pl", "plgpu", "jax", "jnp", "lax", "InterpretGPUParams", "kernel",
+    "interpret_params", "interpreting", "reset_interpret_state", "races_found",
+    "smem_transforms", "swizzle_bytes", "pipeline", "warp_specialized_pipeline",
+    "WARPGROUP_THREADS", "cdiv", "round_up",
+]
+
+WARPGROUP_THREADS = 128  # a Pallas Mosaic GPU "thread" is one warpgroup
+
+
+def cdiv(a: int, b: int) -> int:
+  return -(-a // b)
+
+
+def round_up(a: int, b: int) -> int:
+  return cdiv(a, b) * b
+
+
+# --------------------------------------------------------------------------
+# Interpret mode
+
+
+def interpreting() -> bool:
+  """True when kernels run in the interpreter (no GPU, or forced by env)."""
+  if os.environ.get("MOSAIC_INTERPRET", "") == "1":
+    return True
+  return not target_lib.on_gpu()
+
+
+def interpret_params() -> InterpretGPUParams | None:
+  """The ``interpret=`` argument for a kernel launched now (None on GPU)."""
+  if not interpreting():
+    return None
+  return InterpretGPUParams(
+      detect_races=os.environ.get("MOSAIC_DETECT_RACES", "") == "1",
+      # NaN-filled scratch makes a read of memory nothing wrote visible.
+      uninitialized_memory="nan",
+  )
+
+
+def reset_interpret_state() -> None:
+  """Must be called after an exception inside an interpreted kernel."""
+  _interp.reset_gpu_interpret_mode_state()
+
+
+def races_found() -> bool:
+  """Whether the interpreter's race detector saw a race since the last reset."""
+  races = _interp.get_races()
+  return bool(getattr(races, "races_found", False))
+
+
+def kernel(body: Callable[..., None], **kwargs: Any):
+  """``plgpu.kernel`` that interprets itself when there is no GPU.
+
+  Same arguments as ``plgpu.kernel`` (``out_type``, ``grid``, ``grid_names``,
+  ``scratch_types``, ``num_threads``, ``thread_name``, ``compiler_params``).
+  """
+  kwargs.setdefault("interpret", interpret_params())
+  return plgpu.kernel(body, **kwargs)
+
+
+# --------------------------------------------------------------------------
+# Shared memory layout
+
+
+def swizzle_bytes(minor_dim: int, dtype: Any) -> int:
+  """Largest TMA/wgmma swizzle (128/64/32/16 bytes) for a row of ``minor_dim``."""
+  bits = minor_dim * jnp.dtype(dtype).itemsize * 8
+  for sw in (128, 64, 32, 16):
+    if bits % (sw * 8) == 0:
+      return sw
+  raise ValueError(
+      f"no swizzle for a minor dimension of {minor_dim} x {jnp.dtype(dtype).name}: "
+      f"{bits} bits is not a multiple of 128 (16 bytes)"
+  )
+
+
+def smem_transforms(block_shape: Sequence[int], dtype: Any) -> tuple[Any, ...]:
+  """Tiling + swizzle for a 2D SMEM block that wgmma / TMA will read.
+
+  The tile is (8 rows, one swizzle width of elements): the layout wgmma
+  expects, and the widest swizzle keeps TMA writes free of bank conflicts.
+  """
+  if len(block_shape) < 2:
+    raise ValueError(f"{block_shape=} must have at least 2 dims for an MMA layout")
+  sw = swizzle_bytes(block_shape[-1], dtype)
+  elems = sw // jnp.dtype(dtype).itemsize
+  if block_shape[-2] % 8:
+    raise ValueError(f"{block_shape=}: rows must be a multiple of 8 for a tiled layout")
+  return (plgpu.TilingTransform((8, elems)), plgpu.SwizzleTransform(sw))
+
+
+# --------------------------------------------------------------------------
+# Pipelines
+
+
+def pipeline(
+    body: Callable[..., Any],
+    *,
+    grid: Sequence[int],
+    in_specs: Sequence[Any],
+    stages: int = 2,
+    init_carry: Any = None,
+):
+  """A TMA-fed loop: ``body(indices, *smem_refs[, carry])`` per grid step.
+
+  Thin over ``plgpu.emit_pipeline``: ``stages`` SMEM buffers per input are in
+  flight, so the copy of step i+1.. overlaps the compute of step i. Outputs
+  are written by the caller (``emit_pipeline`` with ``out_specs`` is not
+  interpreted).
+  """
+  if stages < 1:
+    raise ValueError(f"{stages=} must be >= 1")
+  kw = {} if init_carry is None else {"init_carry": init_carry}
+  return plgpu.emit_pipeline(
+      body, grid=tuple(grid), in_specs=tuple(in_specs), max_concurrent_steps=stages, **kw
+  )
+
+
+def warp_specialized_pipeline(
+    body: Callable[..., Any],
+    *,
+    grid: Sequence[int],
+    in_specs: Sequence[Any],
+    out_specs: Sequence[Any] = (),
+    stages: int = 2,
+    num_compute_wgs: int,
+    wg_axis: str,
+    memory_registers: int = 40,
+    **kwargs: Any,
+):
+  """A producer warpgroup issuing TMA, ``num_compute_wgs`` consumers computing.
+
+  Thin over ``plgpu.emit_pipeline_warp_specialized``; ``memory_registers``
+  is what the producer keeps after ``setmaxnreg`` (40 suits Hopper).
+  """
+  return plgpu.emit_pipeline_warp_specialized(
+      body,
+      grid=tuple(grid),
+      in_specs=tuple(in_specs),
+      out_specs=tuple(out_specs),
+      max_concurrent_steps=stages,
+      num_compute_wgs=num_compute_wgs,
+      wg_axis=wg_axis,
+      memory_registers=memory_registers,
+      **kwargs,
+  )

@@ -1,0 +1,87 @@
+"""Reference comparison for kernels: relative Frobenius error, NaN never passes.
+
+``assert_close(out, ref)`` computes ||out - ref|| / ||ref|| in float64 on the
+host against a per-dtype tolerance. ``random_inputs`` draws fresh inputs from
+a key that changes every call unless a seed is given (so a test that passes by
+accident on one draw does not pass forever), and never returns zeros.
+``poisoned`` builds an output buffer full of NaN, for kernels that write into
+a given buffer: any element the kernel forgets stays NaN and fails.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# Relative Frobenius tolerances for one op against its float32 reference.
+TOLERANCE = {
+    "float32": 1e-5,
+    "bfloat16": 1.6e-2,
+    "float16": 2e-3,
+    "float8_e4m3fn": 6e-2,
+}
+
+_counter = itertools.count()
+_BASE_SEED = int(os.environ.get("MOSAIC_TEST_SEED", time.time_ns() % (2**31)))
+
+
+def tolerance(dtype) -> float:
+  name = jnp.dtype(dtype).name
+  if name not in TOLERANCE:
+    raise ValueError(f"no tolerance for dtype {name}; known: {sorted(TOLERANCE)}")
+  return TOLERANCE[name]
+
+
+def rel_error(out, ref) -> float:
+  """||out - ref||_F / ||ref||_F in float64; inf if out has NaN/inf."""
+  out = np.asarray(jnp.asarray(out, jnp.float32), dtype=np.float64)
+  ref = np.asarray(jnp.asarray(ref, jnp.float32), dtype=np.float64)
+  if out.shape != ref.shape:
+    raise AssertionError(f"shape mismatch: out {out.shape} vs ref {ref.shape}")
+  if not np.all(np.isfinite(out)):
+    return float("inf")
+  denom = np.linalg.norm(ref)
+  if denom == 0:
+    raise AssertionError("reference is all zeros: the comparison would mean nothing")
+  return float(np.linalg.norm(out - ref) / denom)
+
+
+def assert_close(out, ref, dtype=None, tol: float | None = None, what: str = "output"):
+  """Fails unless rel_error(out, ref) <= tol (default: per-dtype of ``dtype``)."""
+  dtype = dtype if dtype is not None else jnp.asarray(out).dtype
+  tol = tolerance(dtype) if tol is None else tol
+  err = rel_error(out, ref)
+  if not err <= tol:  # NaN-safe: NaN <= tol is False
+    n_bad = int(np.sum(~np.isfinite(np.asarray(jnp.asarray(out, jnp.float32)))))
+    raise AssertionError(
+        f"{what}: relative error {err:.3e} > tolerance {tol:.1e}"
+        + (f" ({n_bad} non-finite elements)" if n_bad else "")
+    )
+  return err
+
+
+def fresh_key(seed: int | None = None) -> jax.Array:
+  """A PRNG key that differs on every call (and every run) unless seeded."""
+  if seed is None:
+    seed = _BASE_SEED + next(_counter)
+  return jax.random.key(seed)
+
+
+def random_inputs(shapes, dtype, seed: int | None = None, scale: float = 1.0):
+  """Normal(0, scale) arrays of the given shapes; a fresh draw by default."""
+  keys = jax.random.split(fresh_key(seed), len(shapes))
+  outs = []
+  for k, s in zip(keys, shapes):
+    x = (jax.random.normal(k, s, jnp.float32) * scale).astype(dtype)
+    outs.append(x)
+  return outs
+
+
+def poisoned(shape, dtype) -> jax.Array:
+  """An output buffer of NaN: elements a kernel does not write fail the check."""
+  return jnp.full(shape, jnp.nan, dtype)
