@@ -1,0 +1,423 @@
+"""matmul: ``out = a @ b (+ bias) (+ residual)`` with fp32 accumulation.
+
+a[M, K] and b[K, N] (weights stored [in_features, out_features]) are bf16 or
+fp16; the output dtype defaults to a's and may be bf16, fp16 or fp32.
+
+Hopper kernel (``mosaic`` backend), how data flows:
+
+- A persistent grid of one CTA per SM walks the output tiles in a grouped
+  ("planar snake") order so that neighbouring CTAs share A rows / B columns
+  in L2.
+- Each CTA has three warpgroups: one producer issues TMA copies of an A
+  block [cta_m, tile_k] and a B block [tile_k, cta_n] into a ring of
+  ``stages`` swizzled SMEM buffers; two consumers each own half of the CTA
+  tile (split along N or M) and accumulate it with wgmma in fp32 registers.
+- The epilogue adds the bias (one TMA copy of the tile's slice, broadcast in
+  registers) and the residual (TMA-copied into the output staging buffer),
+  casts, and stores through SMEM with TMA in [epi_m, epi_n] pieces, double
+  buffered so the store of one piece overlaps the next.
+- Ragged edges: TMA fills out-of-bounds loads with zeros (so a partial K
+  block contributes nothing) and clips out-of-bounds stores, so any M, N, K
+  is handled without padding copies.
+- Small M (decode): the tile is 64 rows (the wgmma minimum; the missing rows
+  are TMA zero fill, never read from memory) and K is split over ``split_k``
+  CTAs so that every SM streams its share of the weights. Each split writes
+  fp32 partial sums; one fused XLA reduction adds them up with the bias and
+  residual and casts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from mosaic import dsl, registry, target as target_lib, tuning
+from mosaic.dsl import pl, plgpu
+
+OP = "matmul"
+IN_DTYPES = ("bfloat16", "float16")
+OUT_DTYPES = ("bfloat16", "float16", "float32")
+
+
+# --------------------------------------------------------------------------
+# Config
+
+
+@dataclasses.dataclass(frozen=True)
+class Config(tuning.KernelConfig):
+  """Tile shape and schedule of the Hopper kernel.
+
+  tile_m x tile_n is one consumer warpgroup's accumulator; the CTA tile is
+  twice that along ``wg_dim`` ("m" or "n"). ``split_k`` > 1 splits the K loop
+  over that many CTAs (fp32 partials, reduced outside the kernel).
+  """
+
+  tile_m: int = 128
+  tile_n: int = 128
+  tile_k: int = 64
+  stages: int = 4
+  epi_m: int = 64
+  epi_n: int = 64
+  wg_dim: str = "n"
+  grid_minor: str = "n"
+  grid_width: int = 8
+  split_k: int = 1
+
+  def __post_init__(self):
+    if self.tile_m not in (64, 128, 192, 256):
+      raise ValueError(f"{self.tile_m=} must be one of 64, 128, 192, 256 (wgmma rows)")
+    if self.tile_n % 8 or not 8 <= self.tile_n <= 256:
+      raise ValueError(f"{self.tile_n=} must be a multiple of 8 in [8, 256]")
+    if self.tile_k not in (32, 64, 128):
+      raise ValueError(f"{self.tile_k=} must be 32, 64 or 128")
+    if self.stages < 2:
+      raise ValueError(f"{self.stages=} must be >= 2")
+    if self.epi_m % 64 or self.tile_m % self.epi_m:
+      raise ValueError(f"{self.epi_m=} must be a multiple of 64 dividing {self.tile_m=}")
+    if self.epi_n % 8 or self.tile_n % self.epi_n:
+      raise ValueError(f"{self.epi_n=} must be a multiple of 8 dividing {self.tile_n=}")
+    if self.wg_dim not in ("m", "n"):
+      raise ValueError(f"{self.wg_dim=} must be 'm' or 'n'")
+    if self.grid_minor not in ("m", "n"):
+      raise ValueError(f"{self.grid_minor=} must be 'm' or 'n'")
+    if self.grid_width < 1:
+      raise ValueError(f"{self.grid_width=} must be >= 1")
+    if self.split_k < 1:
+      raise ValueError(f"{self.split_k=} must be >= 1")
+
+  @property
+  def cta_m(self) -> int:
+    return self.tile_m * (2 if self.wg_dim == "m" else 1)
+
+  @property
+  def cta_n(self) -> int:
+    return self.tile_n * (2 if self.wg_dim == "n" else 1)
+
+  def smem_bytes(self, in_itemsize: int = 2, out_itemsize: int = 2) -> int:
+    ring = self.stages * (self.cta_m + self.cta_n) * self.tile_k * in_itemsize
+    out_isz = 4 if self.split_k > 1 else out_itemsize
+    epi = 2 * 2 * self.epi_m * self.epi_n * out_isz
+    return ring + epi + 2 * self.tile_n * 4 + 1024
+
+
+SMEM_LIMIT = 227 * 1024
+
+
+# --------------------------------------------------------------------------
+# Kernel body
+
+
+def _kernel(a_gmem, b_gmem, bias_gmem, res_gmem, out_gmem, *, cfg: Config, k_iters: int,
+            out_dtype):
+  """Warp-specialized persistent body; ``out_gmem`` is [M, N] or [splits, M, N]."""
+  m, _ = a_gmem.shape
+  n = b_gmem.shape[1]
+  tm, tn, tk = cfg.tile_m, cfg.tile_n, cfg.tile_k
+  cta_m, cta_n = cfg.cta_m, cfg.cta_n
+  m_iters, n_iters = dsl.cdiv(m, cta_m), dsl.cdiv(n, cta_n)
+  splits = cfg.split_k
+  kps = dsl.cdiv(k_iters, splits)  # k blocks per split
+  split_out = splits > 1
+  dtype = a_gmem.dtype
+  acc_out_dtype = jnp.float32 if split_out else out_dtype
+
+  epi_m, epi_n = cfg.epi_m, cfg.epi_n
+  n_epi = (tm // epi_m) * (tn // epi_n)
+  slots = min(2, n_epi)
+  a_tr = dsl.smem_transforms((cta_m, tk), dtype)
+  b_tr = dsl.smem_transforms((tk, cta_n), dtype)
+  out_tr = dsl.smem_transforms((epi_m, epi_n), acc_out_dtype)
+
+  def make_pipeline(body, compute_context):
+    return dsl.warp_specialized_pipeline(
+        body,
+        grid=(kps,),
+        in_specs=[
+            plgpu.BlockSpec((cta_m, tk), lambda k: (0, k), transforms=a_tr),
+            plgpu.BlockSpec((tk, cta_n), lambda k: (k, 0), transforms=b_tr),
+        ],
+        stages=min(cfg.stages, kps) if kps > 1 else 2,
+        num_compute_wgs=2,
+        wg_axis="wg",
+        compute_context=compute_context,
+    )
+
+  ignore = lambda *_, **__: None
+  scratch = dict(
+      pipeline_allocs=make_pipeline(ignore, ignore).get_allocations(a_gmem, b_gmem),
+      out_smem=plgpu.SMEM((2, slots, epi_m, epi_n), acc_out_dtype, transforms=out_tr),
+      bias_smem=None if bias_gmem is None else plgpu.SMEM((2, tn), bias_gmem.dtype),
+      barriers=plgpu.Barrier(num_barriers=2 * (slots + 1)),
+  )
+
+  @functools.partial(pl.run_scoped, **scratch, collective_axes="wg")
+  def _scope(pipeline_allocs, out_smem, bias_smem, barriers):
+    wg = lax.axis_index("wg")
+    res_bar = lambda slot: barriers.at[wg * (slots + 1) + slot]
+    bias_bar = barriers.at[wg * (slots + 1) + slots]
+
+    @plgpu.nd_loop((m_iters * n_iters * splits,), collective_axes="sm")
+    def _tiles(info: plgpu.NDLoopInfo):
+      (lin,) = info.index
+      split = lin % splits
+      mn = lin // splits
+      mi, ni = plgpu.planar_snake(
+          mn, (m_iters, n_iters), 1 if cfg.grid_minor == "n" else 0, cfg.grid_width)
+      cta_ms = pl.ds(mi * cta_m, cta_m)
+      cta_ns = pl.ds(ni * cta_n, cta_n)
+      if cfg.wg_dim == "m":
+        wg_ms, wg_ns = pl.ds(wg * tm, tm), slice(None)
+        wg_n0 = ni * cta_n
+      else:
+        wg_ms, wg_ns = slice(None), pl.ds(wg * tn, tn)
+        wg_n0 = ni * cta_n + wg * tn
+      out_tile = (out_gmem.at[split] if split_out else out_gmem).at[cta_ms, cta_ns].at[
+          wg_ms, wg_ns]
+
+      def compute_context(run_pipeline):
+        @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tm, tn), jnp.float32))
+        def _acc(acc_ref):
+          if bias_gmem is not None:
+            # Issued before the K loop so the copy hides behind it.
+            plgpu.copy_gmem_to_smem(bias_gmem.at[pl.ds(wg_n0, tn)], bias_smem.at[wg], bias_bar)
+          run_pipeline(acc_ref)
+          acc = acc_ref[...]
+          if bias_gmem is not None:
+            plgpu.barrier_wait(bias_bar)
+            bias = plgpu.load(bias_smem.at[wg], (), layout=plgpu.Layout.WGMMA.reduce(0))
+            acc = acc + lax.broadcast_in_dim(bias.astype(jnp.float32), (tm, tn), [1])
+          # The previous tile's stores must have read their staging buffers.
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+          for emi in range(tm // epi_m):
+            for eni in range(tn // epi_n):
+              ems = slice(emi * epi_m, (emi + 1) * epi_m)
+              ens = slice(eni * epi_n, (eni + 1) * epi_n)
+              slot = (emi * (tn // epi_n) + eni) % slots
+              plgpu.wait_smem_to_gmem(slots - 1, wait_read_only=True)
+              piece = acc[ems, ens]
+              if res_gmem is not None:
+                plgpu.copy_gmem_to_smem(
+                    res_gmem.at[cta_ms, cta_ns].at[wg_ms, wg_ns].at[ems, ens],
+                    out_smem.at[wg, slot], res_bar(slot))
+                plgpu.barrier_wait(res_bar(slot))
+                piece = piece + out_smem[wg, slot].astype(jnp.float32)
+              out_smem[wg, slot] = piece.astype(acc_out_dtype)
+              plgpu.commit_smem()
+              plgpu.copy_smem_to_gmem(out_smem.at[wg, slot], out_tile.at[ems, ens])
+
+      def mma(_, a_smem, b_smem, acc_ref):
+        plgpu.wgmma(acc_ref, a_smem.at[wg_ms], b_smem.at[:, wg_ns])
+        plgpu.wgmma_wait(0)
+        return acc_ref
+
+      k0 = split * (kps * tk)
+      make_pipeline(mma, compute_context)(
+          a_gmem.at[cta_ms, pl.ds(k0, kps * tk)],
+          b_gmem.at[pl.ds(k0, kps * tk), cta_ns],
+          allocations=pipeline_allocs,
+      )
+
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def _num_sms() -> int:
+  if dsl.interpreting():
+    return 4
+  return jax.devices()[0].core_count
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "out_dtype"))
+def _run(a, b, bias, residual, *, cfg: Config, out_dtype):
+  m, k = a.shape
+  n = b.shape[1]
+  k_iters = dsl.cdiv(k, cfg.tile_k)
+  if cfg.split_k > 1:
+    # Every split gets at least one K block; the last may be partly zero fill.
+    splits = dsl.cdiv(k_iters, dsl.cdiv(k_iters, cfg.split_k))
+    cfg = dataclasses.replace(cfg, split_k=splits)
+  split_out = cfg.split_k > 1
+  tiles = dsl.cdiv(m, cfg.cta_m) * dsl.cdiv(n, cfg.cta_n) * cfg.split_k
+  grid = max(1, min(_num_sms(), tiles))
+  out_shape = (cfg.split_k, m, n) if split_out else (m, n)
+  body = functools.partial(
+      _kernel, cfg=cfg, k_iters=k_iters, out_dtype=jnp.dtype(out_dtype))
+  operands = [a, b]
+  names = ["a", "b"]
+  if not split_out:  # split partials get bias/residual in the reduction
+    for name, x in (("bias", bias), ("residual", residual)):
+      if x is not None:
+        operands.append(x)
+        names.append(name)
+  def entry(*refs):
+    *ins, out_ref = refs
+    r = dict(zip(names, ins))
+    body(r["a"], r["b"], r.get("bias"), r.get("residual"), out_ref)
+
+  call = dsl.kernel(
+      entry,
+      out_type=jax.ShapeDtypeStruct(out_shape, jnp.float32 if split_out else out_dtype),
+      grid=(grid,),
+      grid_names=("sm",),
+      num_threads=3,
+      thread_name="wg",
+      compiler_params=plgpu.CompilerParams(
+          lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+  )
+  out = call(*operands)
+  if split_out:
+    acc = out.sum(axis=0)
+    if bias is not None:
+      acc = acc + bias.astype(jnp.float32)
+    if residual is not None:
+      acc = acc + residual.astype(jnp.float32)
+    out = acc.astype(out_dtype)
+  return out
+
+
+# --------------------------------------------------------------------------
+# Public wrapper
+
+
+def _check(a, b, bias, residual, out_dtype):
+  """Shapes and dtypes every backend accepts; returns the output dtype."""
+  if getattr(a, "ndim", None) != 2 or getattr(b, "ndim", None) != 2:
+    raise ValueError(f"matmul needs 2D a[M, K] and b[K, N]; got {jnp.shape(a)=}, {jnp.shape(b)=}")
+  m, k = a.shape
+  k2, n = b.shape
+  if k != k2:
+    raise ValueError(f"contracting dims differ: {a.shape=} {b.shape=}")
+  if min(m, n, k) < 1:
+    raise ValueError(f"empty matmul is not supported: {a.shape=} {b.shape=}")
+  if bias is not None and tuple(bias.shape) != (n,):
+    raise ValueError(f"bias must be [N]={n}; got {bias.shape=}")
+  if residual is not None and tuple(residual.shape) != (m, n):
+    raise ValueError(f"residual must be [M, N]={(m, n)}; got {residual.shape=}")
+  out_dtype = jnp.dtype(a.dtype if out_dtype is None else out_dtype)
+  if not jnp.issubdtype(out_dtype, jnp.floating):
+    raise ValueError(f"{out_dtype=} must be a floating dtype")
+  return out_dtype
+
+
+def _mosaic_why_not(a, b, *, bias=None, residual=None, out_dtype=None, config=None) -> str | None:
+  del config
+  try:
+    out_dtype = _check(a, b, bias, residual, out_dtype)
+  except ValueError as e:
+    return str(e)
+  kind = target_lib.current().kind
+  if kind not in ("hopper", "cpu"):
+    return f"the mosaic matmul kernel targets Hopper (sm_90a); this device is {kind}"
+  if a.dtype != b.dtype or a.dtype.name not in IN_DTYPES:
+    return f"inputs must both be one of {IN_DTYPES}; got {a.dtype=}, {b.dtype=}"
+  if out_dtype.name not in OUT_DTYPES:
+    return f"{out_dtype=} must be one of {OUT_DTYPES}"
+  itemsize = a.dtype.itemsize
+  # TMA needs 16-byte aligned row strides in global memory.
+  for what, cols, isz in (("K", a.shape[1], itemsize), ("N", b.shape[1], itemsize),
+                          ("N", b.shape[1], out_dtype.itemsize)):
+    if (cols * isz) % 16:
+      return f"{what}={cols} x {isz} bytes is not a multiple of 16 bytes (TMA row alignment)"
+  if bias is not None and bias.dtype.name not in IN_DTYPES + ("float32",):
+    return f"{bias.dtype=} must be one of {IN_DTYPES + ('float32',)}"
+  if residual is not None and residual.dtype != out_dtype:
+    return f"{residual.dtype=} must equal the output dtype {out_dtype}"
+  return None
+
+
+def heuristic(m: int, n: int, k: int, num_sms: int = 132) -> Config:
+  """A config from the shape alone: big tiles for big M, split-K to fill the SMs."""
+  if m <= 64:
+    cfg = Config(tile_m=64, tile_n=128, tile_k=64, stages=4, wg_dim="n")
+  elif m <= 128:
+    cfg = Config(tile_m=64, tile_n=128, tile_k=64, stages=5, wg_dim="m")
+  else:
+    cfg = Config(tile_m=128, tile_n=128, tile_k=64, stages=4, wg_dim="n")
+  tiles = dsl.cdiv(m, cfg.cta_m) * dsl.cdiv(n, cfg.cta_n)
+  k_iters = dsl.cdiv(k, cfg.tile_k)
+  if tiles < 0.75 * num_sms and k_iters >= 8:
+    split = max(1, min(k_iters // 4, round(num_sms / tiles)))
+    cfg = dataclasses.replace(cfg, split_k=split)
+  return cfg
+
+
+def tuning_key(m: int, n: int, k: int, dtype) -> str:
+  return tuning.shape_key(m=tuning.bucket(m), n=n, k=k, dtype=jnp.dtype(dtype).name)
+
+
+def pick_config(m: int, n: int, k: int, dtype) -> Config:
+  sms = 132 if dsl.interpreting() else _num_sms()
+  return tuning.lookup(OP, tuning_key(m, n, k, dtype), Config, lambda: heuristic(m, n, k, sms))
+
+
+def matmul_mosaic(a, b, *, bias=None, residual=None, out_dtype=None, config: Config | None = None):
+  """The Hopper kernel; ``config`` overrides the tuning table / heuristic."""
+  why = _mosaic_why_not(a, b, bias=bias, residual=residual, out_dtype=out_dtype)
+  if why is not None:
+    raise ValueError(f"matmul mosaic: {why}")
+  out_dtype = _check(a, b, bias, residual, out_dtype)
+  m, k = a.shape
+  n = b.shape[1]
+  cfg = config or pick_config(m, n, k, a.dtype)
+  if cfg.smem_bytes(a.dtype.itemsize, out_dtype.itemsize) > SMEM_LIMIT:
+    raise ValueError(f"{cfg=} needs {cfg.smem_bytes()} bytes of SMEM > {SMEM_LIMIT}")
+  return _run(a, b, bias, residual, cfg=cfg, out_dtype=out_dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype",))
+def _xla(a, b, bias, residual, out_dtype):
+  acc = jnp.dot(a, b, preferred_element_type=jnp.float32)
+  if bias is not None:
+    acc = acc + bias.astype(jnp.float32)
+  if residual is not None:
+    acc = acc + residual.astype(jnp.float32)
+  return acc.astype(out_dtype)
+
+
+def matmul_xla(a, b, *, bias=None, residual=None, out_dtype=None):
+  """cuBLAS (through XLA) with the epilogue left to XLA's fusion."""
+  out_dtype = _check(a, b, bias, residual, out_dtype)
+  return _xla(a, b, bias, residual, out_dtype)
+
+
+# --------------------------------------------------------------------------
+# Reference
+
+
+def matmul_reference(a, b, *, bias=None, residual=None, out_dtype=None):
+  """The meaning of the op, in float32 (returned in float32)."""
+  _check(a, b, bias, residual, out_dtype)
+  f = lambda x: jnp.asarray(x, jnp.float32)
+  out = jnp.dot(f(a), f(b), precision=lax.Precision.HIGHEST)
+  if bias is not None:
+    out = out + f(bias)
+  if residual is not None:
+    out = out + f(residual)
+  return out
+
+
+def _reference_backend(a, b, *, bias=None, residual=None, out_dtype=None):
+  out_dtype = _check(a, b, bias, residual, out_dtype)
+  return matmul_reference(a, b, bias=bias, residual=residual).astype(out_dtype)
+
+
+def _valid(a, b, *, bias=None, residual=None, out_dtype=None) -> str | None:
+  try:
+    _check(a, b, bias, residual, out_dtype)
+  except ValueError as e:
+    return str(e)
+  return None
+
+
+# --------------------------------------------------------------------------
+# Registration
+
+_op = registry.op(OP, "a[M,K] @ b[K,N] (+ bias[N]) (+ residual[M,N]), fp32 accumulation")
+_op.register("mosaic", matmul_mosaic, supports=_mosaic_why_not,
+             doc="Hopper wgmma, warp-specialized, persistent; split-K for small M")
+_op.register("xla", matmul_xla, supports=_valid, doc="jnp.dot (cuBLAS on GPU)")
+_op.register("reference", _reference_backend, supports=_valid, doc="float32 jnp")
+_op.set_defaults(hopper=("mosaic", "xla"), cpu=("xla", "reference"), default=("xla", "reference"))
