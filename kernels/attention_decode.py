@@ -1,0 +1,616 @@
+"""Decode attention over a paged KV cache.
+
+``attention_decode(q[B,Tq,Hq,D], k_pages[Hkv,P,page,D], v_pages, lengths[B],
+page_table[B,max_pages])``: query t of sequence b sits at position
+``lengths[b] - Tq + t`` and attends every cached token at a position <= its
+own. Token j of sequence b lives in page ``page_table[b, j // page`` at slot
+``j % page``. Query head h reads kv head ``h // (Hq // Hkv)`` (GQA).
+
+Data flow of the Mosaic GPU kernel (``_mosaic_kernel``): the G = Hq // Hkv
+query heads sharing one kv head, times the Tq new tokens, are packed as the
+rows of one 64-row tile, so one KV page read from HBM serves all of them
+through one wgmma (decode is bound by HBM bytes, and this makes every K/V byte
+count G * Tq times). The grid is (batch, kv head, split, row tile): the pages
+of a sequence are divided into ``splits`` contiguous ranges, enough that
+batch x kv heads x splits fills the SMs when the batch is small (split-K).
+Each block reads its page indices from the page table, TMA-copies
+``pages_per_step`` pages of K and of V per step into a ring of ``stages``
+SMEM buffers (the copies of the next steps are in flight while this step
+computes), computes S = Q K^T with wgmma into registers, masks positions past
+each row's own, runs the online softmax in float32, writes P to SMEM and
+accumulates P V with a second wgmma. A single split writes the normalized
+output directly; several splits write float32 partial outputs and their
+log-sum-exp, merged by a small jnp combine step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import numpy as np
+
+from mosaic import dsl, registry, tuning
+from mosaic import target as target_lib
+from mosaic.dsl import jax, jnp, lax, pl, plgpu
+
+DEFAULT_PAGE_SIZE = 64
+MAX_TQ = 8  # speculative verification checks at most 8 tokens per step
+DTYPES = ("bfloat16", "float16", "float32")
+KERNEL_DTYPES = ("bfloat16", "float16")
+ROWS = 64  # wgmma M: one warpgroup's tile of packed (token, head) rows
+_LOG2E = math.log2(math.e)
+# Running max before any visible key: finite so that exp2(m_old - m_new) is 1,
+# not NaN, for a row that has seen nothing yet (its sums stay exactly 0).
+_M_INIT = -1e30
+
+
+# --------------------------------------------------------------------------
+# Config
+
+
+@dataclasses.dataclass(frozen=True)
+class Config(tuning.KernelConfig):
+  """Mosaic kernel config.
+
+  pages_per_step: pages whose K and V one loop step copies and multiplies;
+    the step's key block is pages_per_step * page_size tokens.
+  stages: SMEM ring depth; stages - 1 steps of copies are in flight while one
+    step computes.
+  splits: contiguous page ranges per sequence (split-K); 0 = chosen from the
+    batch, kv heads and SM count at call time.
+  """
+
+  pages_per_step: int = 1
+  stages: int = 4
+  splits: int = 0
+
+  def __post_init__(self):
+    if self.pages_per_step not in (1, 2, 4, 8, 16):
+      raise ValueError(f"{self.pages_per_step=} must be one of 1, 2, 4, 8, 16")
+    if not 1 <= self.stages <= 8:
+      raise ValueError(f"{self.stages=} must be in [1, 8]")
+    if self.splits < 0:
+      raise ValueError(f"{self.splits=} must be >= 0 (0 = automatic)")
+
+
+# --------------------------------------------------------------------------
+# Mosaic GPU kernel
+
+
+def _mosaic_kernel(lengths_ref, table_ref, q_ref, k_ref, v_ref, *refs, tq: int, group: int,
+                   page: int, pages_per_step: int, stages: int, steps_per_split: int,
+                   scale: float, split_out: bool):
+  """One block: (sequence b, kv head h, split s, row tile r)."""
+  if split_out:
+    o_ref, lse_ref, q_smem, k_smem, v_smem, p_smem, o_smem, lse_smem, bars = refs
+  else:
+    o_ref, q_smem, k_smem, v_smem, p_smem, o_smem, bars = refs
+    lse_ref = lse_smem = None
+  q_bar, k_bars, v_bars = bars
+  b = lax.axis_index("b")
+  h = lax.axis_index("h")
+  s = lax.axis_index("s")
+  r = lax.axis_index("r")
+  block_kv = pages_per_step * page
+  head_dim = q_smem.shape[-1]
+
+  length = lengths_ref[b]
+  n_pages = (length + (page - 1)) // page
+  first_step = s * steps_per_split
+  n_steps = jnp.clip((n_pages + (pages_per_step - 1)) // pages_per_step - first_step,
+                     0, steps_per_split)
+
+  def issue(step, slot):
+    """Starts the copies of step ``step``'s pages into ring slot ``slot``."""
+    for j in range(pages_per_step):
+      pg = table_ref[b, (first_step + step) * pages_per_step + j]
+      rows = pl.ds(j * page, page)
+      plgpu.copy_gmem_to_smem(k_ref.at[h, pg], k_smem.at[slot, rows], k_bars.at[slot])
+      plgpu.copy_gmem_to_smem(v_ref.at[h, pg], v_smem.at[slot, rows], v_bars.at[slot])
+
+  plgpu.copy_gmem_to_smem(q_ref.at[b, h, pl.ds(r * ROWS, ROWS)], q_smem, q_bar.at[0])
+  for i in range(stages):
+    @pl.when(i < n_steps)
+    def _():
+      issue(i, i)
+
+  plgpu.barrier_wait(q_bar.at[0])
+
+  layout = plgpu.Layout.WGMMA
+  row_ids = plgpu.broadcasted_iota(jnp.int32, (ROWS, block_kv), 0, layout=layout) + r * ROWS
+  col_ids = plgpu.broadcasted_iota(jnp.int32, (ROWS, block_kv), 1, layout=layout)
+  # Row i holds token t = i // group; it sees key j iff j <= length - tq + t,
+  # i.e. iff (j - length + tq) * group <= i (no vector division needed).
+  m_i = plgpu.layout_cast(jnp.full((ROWS,), _M_INIT, jnp.float32), layout.reduce(1))
+  l_i = plgpu.layout_cast(jnp.full((ROWS,), 0.0, jnp.float32), layout.reduce(1))
+  acc = plgpu.layout_cast(jnp.full((ROWS, head_dim), 0.0, jnp.float32), layout)
+
+  def body(i, carry):
+    acc, m_i, l_i = carry
+    slot = lax.rem(i, stages)
+    plgpu.barrier_wait(k_bars.at[slot])
+
+    def qk_scope(acc_ref):
+      plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+      return acc_ref[...]
+
+    qk = pl.run_scoped(qk_scope, plgpu.ACC((ROWS, block_kv), jnp.float32))
+    start = (first_step + i) * block_kv
+    visible = (col_ids + (start - length + tq)) * group <= row_ids
+    qk = jnp.where(visible, qk * (scale * _LOG2E), -jnp.inf)
+    m_new = jnp.maximum(m_i, qk.max(axis=1))
+    alpha = jnp.exp2(m_i - m_new)
+    p = jnp.exp2(qk - lax.broadcast_in_dim(m_new, qk.shape, [0]))
+    l_i = l_i * alpha + p.sum(axis=1)
+    p_smem[...] = p.astype(p_smem.dtype)
+    plgpu.commit_smem()  # P is read by the tensor cores next
+    plgpu.barrier_wait(v_bars.at[slot])
+
+    def pv_scope(acc_ref):
+      plgpu.wgmma(acc_ref, p_smem, v_smem.at[slot])
+      return acc_ref[...]
+
+    pv = pl.run_scoped(pv_scope, plgpu.ACC((ROWS, head_dim), jnp.float32))
+    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv
+
+    # Both wgmmas of this step are complete (their results were read), so
+    # the slot is free for the step `stages` ahead.
+    @pl.when(i + stages < n_steps)
+    def _():
+      issue(i + stages, slot)
+
+    return acc, m_new, l_i
+
+  acc, m_i, l_i = lax.fori_loop(0, n_steps, body, (acc, m_i, l_i))
+
+  seen = l_i > 0.0
+  inv = jnp.where(seen, 1.0 / jnp.where(seen, l_i, 1.0), 0.0)
+  o_smem[...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(o_smem.dtype)
+  if split_out:
+    lse_smem[...] = jnp.where(seen, m_i + jnp.log2(jnp.where(seen, l_i, 1.0)), -jnp.inf)
+  plgpu.commit_smem()
+  if split_out:
+    plgpu.copy_smem_to_gmem(o_smem, o_ref.at[s, b, h, pl.ds(r * ROWS, ROWS)])
+    plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[s, b, h, pl.ds(r * ROWS, ROWS)])
+  else:
+    plgpu.copy_smem_to_gmem(o_smem, o_ref.at[b, h, pl.ds(r * ROWS, ROWS)])
+  plgpu.wait_smem_to_gmem(0)
+
+
+def _num_sms() -> int:
+  return target_lib.current().ceilings.sms if target_lib.on_gpu() else 132
+
+
+def _pick_config(batch, hkv, tiles, max_pages, page, head_dim, dtype) -> Config:
+  key = tuning.shape_key(page=page, head_dim=head_dim, dtype=jnp.dtype(dtype).name,
+                         batch=tuning.bucket(batch), pages=tuning.bucket(max_pages))
+
+  def heuristic():
+    # ~64 tokens per step keeps each TMA burst large; 4 stages (<= 128 KB of
+    # K+V in flight at D=128) cover the HBM latency from one block per SM.
+    pps = max(1, min(16, 64 // page)) if page < 64 else 1
+    per_stage = 2 * pps * page * head_dim * jnp.dtype(dtype).itemsize
+    stages = max(2, min(4, (128 * 1024) // per_stage))
+    return Config(pages_per_step=pps, stages=stages, splits=0)
+
+  return tuning.lookup("attention_decode", key, Config, heuristic)
+
+
+def _auto_splits(batch, hkv, tiles, n_steps) -> int:
+  # One wave of blocks: split a sequence only while batch x kv heads leaves
+  # SMs idle, and never into ranges of less than two steps.
+  blocks = batch * hkv * tiles
+  s = max(1, _num_sms() // blocks)
+  return max(1, min(s, n_steps // 2 if n_steps >= 4 else 1))
+
+
+def _pack_q(q, hkv, tiles):
+  """q[B,Tq,Hq,D] -> [B,Hkv,tiles*64,D]: row t*G+g is token t, head h*G+g."""
+  b, tq, hq, d = q.shape
+  g = hq // hkv
+  x = q.reshape(b, tq, hkv, g, d).transpose(0, 2, 1, 3, 4).reshape(b, hkv, tq * g, d)
+  return jnp.pad(x, ((0, 0), (0, 0), (0, tiles * ROWS - tq * g), (0, 0)))
+
+
+def _unpack_o(o, tq, hq):
+  """[B,Hkv,rows,D] -> [B,Tq,Hq,D]."""
+  b, hkv, _, d = o.shape
+  g = hq // hkv
+  o = o[:, :, :tq * g].reshape(b, hkv, tq, g, d).transpose(0, 2, 1, 3, 4)
+  return o.reshape(b, tq, hq, d)
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "config"))
+def _attention_decode_mosaic(q, k_pages, v_pages, lengths, page_table, sm_scale: float,
+                             config: Config | None = None):
+  b, tq, hq, d = q.shape
+  hkv, _, page, _ = k_pages.shape
+  max_pages = page_table.shape[1]
+  g = hq // hkv
+  tiles = dsl.cdiv(tq * g, ROWS)
+  cfg = config or _pick_config(b, hkv, tiles, max_pages, page, d, q.dtype)
+  pps = cfg.pages_per_step
+  n_steps = dsl.cdiv(max_pages, pps)
+  splits = cfg.splits or _auto_splits(b, hkv, tiles, n_steps)
+  splits = min(splits, n_steps)
+  steps_per_split = dsl.cdiv(n_steps, splits)
+  # Steps past a sequence's last page are never run; the table is padded so
+  # that a partly used last step still reads valid page indices (page 0).
+  table = jnp.pad(page_table, ((0, 0), (0, splits * steps_per_split * pps - max_pages)))
+  lengths = jnp.minimum(lengths, max_pages * page)
+  qp = _pack_q(q, hkv, tiles)
+  split_out = splits > 1
+  rows = tiles * ROWS
+  block_kv = pps * page
+  dt = q.dtype
+  scratch = [
+      plgpu.SMEM((ROWS, d), dt, transforms=dsl.smem_transforms((ROWS, d), dt)),
+      plgpu.SMEM((cfg.stages, block_kv, d), dt, transforms=dsl.smem_transforms((block_kv, d), dt)),
+      plgpu.SMEM((cfg.stages, block_kv, d), dt, transforms=dsl.smem_transforms((block_kv, d), dt)),
+      plgpu.SMEM((ROWS, block_kv), dt, transforms=dsl.smem_transforms((ROWS, block_kv), dt)),
+  ]
+  if split_out:
+    out_type = (jax.ShapeDtypeStruct((splits, b, hkv, rows, d), jnp.float32),
+                jax.ShapeDtypeStruct((splits, b, hkv, rows), jnp.float32))
+    scratch += [plgpu.SMEM((ROWS, d), jnp.float32), plgpu.SMEM((ROWS,), jnp.float32)]
+  else:
+    out_type = jax.ShapeDtypeStruct((b, hkv, rows, d), dt)
+    scratch += [plgpu.SMEM((ROWS, d), dt)]
+  scratch.append((
+      plgpu.Barrier(num_barriers=1),
+      plgpu.Barrier(num_arrivals=pps, num_barriers=cfg.stages),
+      plgpu.Barrier(num_arrivals=pps, num_barriers=cfg.stages),
+  ))
+  body = functools.partial(
+      _mosaic_kernel, tq=tq, group=g, page=page, pages_per_step=pps, stages=cfg.stages,
+      steps_per_split=steps_per_split, scale=sm_scale, split_out=split_out)
+  out = dsl.kernel(
+      body,
+      out_type=out_type,
+      grid=(b, hkv, splits, tiles),
+      grid_names=("b", "h", "s", "r"),
+      scratch_types=scratch,
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+  )(lengths, table, qp, k_pages, v_pages)
+  if split_out:
+    o_parts, lse = out
+    o = _combine(o_parts, lse, exp2=True)
+  else:
+    o = out
+  return _unpack_o(o, tq, hq).astype(dt)
+
+
+def _combine(o_parts, lse, exp2: bool):
+  """Merges split partials: o = sum_s w_s o_s / sum_s w_s, w_s = exp(lse_s - max)."""
+  mx = lse.max(axis=0)
+  safe = jnp.where(jnp.isfinite(mx), mx, 0.0)
+  w = (jnp.exp2 if exp2 else jnp.exp)(lse - safe[None])
+  den = w.sum(axis=0)
+  num = (w[..., None] * o_parts).sum(axis=0)
+  return jnp.where((den > 0)[..., None], num / jnp.where(den > 0, den, 1.0)[..., None], 0.0)
+
+
+# --------------------------------------------------------------------------
+# Public wrappers, validation
+
+
+def _check(q, k_pages, v_pages, lengths, page_table):
+  for name, x in (("q", q), ("k_pages", k_pages), ("v_pages", v_pages), ("lengths", lengths),
+                  ("page_table", page_table)):
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+      raise ValueError(f"{name} must be an array, got {type(x).__name__}")
+  if q.ndim != 4:
+    raise ValueError(f"q must be [B, Tq, Hq, D], got {q.shape=}")
+  if k_pages.ndim != 4:
+    raise ValueError(f"k_pages must be [Hkv, num_pages, page_size, D], got {k_pages.shape=}")
+  if v_pages.shape != k_pages.shape:
+    raise ValueError(f"{v_pages.shape=} must equal {k_pages.shape=}")
+  b, tq, hq, d = q.shape
+  hkv, _, page, dk = k_pages.shape
+  if dk != d:
+    raise ValueError(f"head dims differ: {q.shape=} vs {k_pages.shape=}")
+  if hkv == 0 or hq % hkv:
+    raise ValueError(f"query heads must be a multiple of kv heads: {hq=}, {hkv=}")
+  if not 1 <= tq <= MAX_TQ:
+    raise ValueError(f"{tq=} (q.shape[1]) must be in [1, {MAX_TQ}]")
+  if lengths.shape != (b,) or jnp.dtype(lengths.dtype) != jnp.int32:
+    raise ValueError(f"lengths must be int32 [{b}], got {lengths.shape=} {lengths.dtype=}")
+  if page_table.ndim != 2 or page_table.shape[0] != b or jnp.dtype(page_table.dtype) != jnp.int32:
+    raise ValueError(f"page_table must be int32 [{b}, max_pages], got "
+                     f"{page_table.shape=} {page_table.dtype=}")
+  if page_table.shape[1] == 0 or page == 0:
+    raise ValueError(f"need at least one page: {page_table.shape=}, {k_pages.shape=}")
+  for name, x in (("q", q), ("k_pages", k_pages), ("v_pages", v_pages)):
+    if jnp.dtype(x.dtype).name not in DTYPES:
+      raise ValueError(f"{name}.dtype={jnp.dtype(x.dtype).name} is not supported; "
+                       f"supported: {DTYPES}")
+  if k_pages.dtype != q.dtype or v_pages.dtype != q.dtype:
+    raise ValueError(f"q, k_pages, v_pages must share a dtype: {q.dtype=}, "
+                     f"{k_pages.dtype=}, {v_pages.dtype=}")
+
+
+def _scale(sm_scale, d) -> float:
+  return float(d ** -0.5 if sm_scale is None else sm_scale)
+
+
+def attention_decode_mosaic(q, k_pages, v_pages, lengths, page_table, *, sm_scale=None,
+                            config: Config | None = None):
+  _check(q, k_pages, v_pages, lengths, page_table)
+  why = _mosaic_supports(q, k_pages, v_pages, lengths, page_table)
+  if why:
+    raise ValueError(f"attention_decode mosaic: {why}")
+  return _attention_decode_mosaic(q, k_pages, v_pages, lengths, page_table,
+                                  _scale(sm_scale, q.shape[-1]), config)
+
+
+def _mosaic_supports(q, k_pages, v_pages, lengths, page_table, **kwargs) -> str | None:
+  del kwargs
+  try:
+    _check(q, k_pages, v_pages, lengths, page_table)
+  except ValueError as e:
+    return str(e)
+  t = target_lib.current()
+  if not (t.kind == "hopper" or dsl.interpreting()):
+    return f"the kernel uses wgmma and TMA (Hopper); this target is {t.kind}"
+  name = jnp.dtype(q.dtype).name
+  if name not in KERNEL_DTYPES:
+    return f"dtype {name} is not supported (supported: {', '.join(KERNEL_DTYPES)})"
+  d = q.shape[-1]
+  if d % 64 or d > 256:
+    return f"head dim must be a multiple of 64 and <= 256, got {d}"
+  page = k_pages.shape[2]
+  if page % 8 or page > 256:
+    return f"page size must be a multiple of 8 and <= 256, got {page}"
+  return None
+
+
+# --------------------------------------------------------------------------
+# Pallas Triton paged kernel (a baseline; the layout of jax's paged_attention)
+
+
+def _triton_kernel(lengths_ref, table_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *,
+                   tq: int, group: int, pages_per_block: int, blocks_per_split: int,
+                   scale: float):
+  from jax.experimental.pallas import triton as pltriton
+
+  s = pl.program_id(2)
+  rows, _ = q_ref.shape
+  page = k_ref.shape[-2]
+  block_k = pages_per_block * page
+  length = lengths_ref[0]
+  q = q_ref[...]
+  row_ids = lax.broadcasted_iota(jnp.int32, (rows, block_k), 0)
+  col_ids = lax.broadcasted_iota(jnp.int32, (rows, block_k), 1)
+  first = s * blocks_per_split
+  n_pages = (length + page - 1) // page
+  n_blocks = jnp.clip((n_pages + pages_per_block - 1) // pages_per_block - first, 0,
+                      blocks_per_split)
+
+  def body(i, carry):
+    o, m, l = carry
+    pages = table_ref[pl.ds(i * pages_per_block, pages_per_block)]
+    k = k_ref[pages].reshape(block_k, -1)
+    v = v_ref[pages].reshape(block_k, -1)
+    x = pltriton.dot(q, k.T).astype(jnp.float32) * (scale * _LOG2E)
+    start = (first + i) * block_k
+    visible = (col_ids + (start - length + tq)) * group <= row_ids
+    x = jnp.where(visible, x, -jnp.inf)
+    m_new = jnp.maximum(m, x.max(axis=-1))
+    alpha = jnp.exp2(m - m_new)
+    p = jnp.exp2(x - m_new[:, None])
+    l = l * alpha + p.sum(axis=-1)
+    o = o * alpha[:, None] + pltriton.dot(p.astype(v.dtype), v).astype(jnp.float32)
+    return o, m_new, l
+
+  init = (jnp.zeros(q_ref.shape, jnp.float32), jnp.full((rows,), _M_INIT, jnp.float32),
+          jnp.zeros((rows,), jnp.float32))
+  o, m, l = lax.fori_loop(0, n_blocks, body, init)
+  o_ref[...] = o
+  m_ref[...] = jnp.where(l > 0, m, -jnp.inf)
+  l_ref[...] = l
+
+
+def _pow2(n: int) -> int:
+  return 1 << max(0, (n - 1).bit_length())
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "splits", "pages_per_block",
+                                             "num_warps", "num_stages"))
+def _attention_decode_triton(q, k_pages, v_pages, lengths, page_table, sm_scale: float,
+                             splits: int = 0, pages_per_block: int = 0, num_warps: int = 4,
+                             num_stages: int = 2):
+  from jax.experimental.pallas import triton as pltriton
+
+  b, tq, hq, d = q.shape
+  hkv, _, page, _ = k_pages.shape
+  g = hq // hkv
+  rows = max(16, _pow2(tq * g))
+  ppb = pages_per_block or max(1, 128 // page)
+  n_blocks = dsl.cdiv(page_table.shape[1], ppb)
+  if not splits:
+    splits = max(1, min(n_blocks, _num_sms() * 2 // (b * hkv)))
+  splits = min(splits, n_blocks)
+  bps = dsl.cdiv(n_blocks, splits)
+  table = jnp.pad(page_table, ((0, 0), (0, splits * bps * ppb - page_table.shape[1])))
+  table = table.reshape(b, splits, bps * ppb)
+  lengths = jnp.minimum(lengths, page_table.shape[1] * page)
+  qp = q.reshape(b, tq, hkv, g, d).transpose(0, 2, 1, 3, 4).reshape(b, hkv, tq * g, d)
+  qp = jnp.pad(qp, ((0, 0), (0, 0), (0, rows - tq * g), (0, 0)))
+  total_pages = k_pages.shape[1]
+  kernel = functools.partial(_triton_kernel, tq=tq, group=g, pages_per_block=ppb,
+                             blocks_per_split=bps, scale=sm_scale)
+  o, m, l = pl.pallas_call(
+      kernel,
+      grid=(b, hkv, splits),
+      in_specs=[
+          pl.BlockSpec((None, 1), lambda i, h, s: (i, 0)),
+          pl.BlockSpec((None, None, bps * ppb), lambda i, h, s: (i, s, 0)),
+          pl.BlockSpec((None, None, rows, d), lambda i, h, s: (i, h, 0, 0)),
+          pl.BlockSpec((None, total_pages, page, d), lambda i, h, s: (h, 0, 0, 0)),
+          pl.BlockSpec((None, total_pages, page, d), lambda i, h, s: (h, 0, 0, 0)),
+      ],
+      out_specs=[
+          pl.BlockSpec((None, None, None, rows, d), lambda i, h, s: (s, i, h, 0, 0)),
+          pl.BlockSpec((None, None, None, rows), lambda i, h, s: (s, i, h, 0)),
+          pl.BlockSpec((None, None, None, rows), lambda i, h, s: (s, i, h, 0)),
+      ],
+      out_shape=[
+          jax.ShapeDtypeStruct((splits, b, hkv, rows, d), jnp.float32),
+          jax.ShapeDtypeStruct((splits, b, hkv, rows), jnp.float32),
+          jax.ShapeDtypeStruct((splits, b, hkv, rows), jnp.float32),
+      ],
+      interpret=dsl.interpreting(),
+      compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+      name="paged_decode_attention",
+  )(lengths[:, None], table, qp, k_pages, v_pages)
+  # Per split: o unnormalized, running max m (log2 units), sum l.
+  mx = m.max(axis=0)
+  safe = jnp.where(jnp.isfinite(mx), mx, 0.0)
+  w = jnp.exp2(m - safe[None])
+  den = (w * l).sum(axis=0)
+  num = (w[..., None] * o).sum(axis=0)
+  out = jnp.where((den > 0)[..., None], num / jnp.where(den > 0, den, 1.0)[..., None], 0.0)
+  return _unpack_o(out, tq, hq).astype(q.dtype)
+
+
+def attention_decode_triton(q, k_pages, v_pages, lengths, page_table, *, sm_scale=None,
+                            splits: int = 0, pages_per_block: int = 0):
+  _check(q, k_pages, v_pages, lengths, page_table)
+  why = _triton_supports(q, k_pages, v_pages, lengths, page_table)
+  if why:
+    raise ValueError(f"attention_decode triton: {why}")
+  return _attention_decode_triton(q, k_pages, v_pages, lengths, page_table,
+                                  _scale(sm_scale, q.shape[-1]), splits, pages_per_block)
+
+
+def _triton_supports(q, k_pages, v_pages, lengths, page_table, **kwargs) -> str | None:
+  del kwargs
+  try:
+    _check(q, k_pages, v_pages, lengths, page_table)
+  except ValueError as e:
+    return str(e)
+  t = target_lib.current()
+  if t.kind == "cpu" and not dsl.interpreting():
+    return "Pallas Triton needs a CUDA GPU"
+  d, page = q.shape[-1], k_pages.shape[2]
+  if d < 16 or d & (d - 1):
+    return f"head dim must be a power of two >= 16, got {d}"
+  if page < 16 or page & (page - 1):
+    return f"page size must be a power of two >= 16, got {page}"
+  return None
+
+
+# --------------------------------------------------------------------------
+# XLA (gather + softmax) and the float32 reference
+
+
+def _gather(pages, page_table):
+  """[Hkv,P,page,D] x [B,max_pages] -> [B,Hkv,max_pages*page,D]."""
+  hkv, _, page, d = pages.shape
+  b, mp = page_table.shape
+  x = jnp.take(pages, page_table.reshape(-1), axis=1)  # [Hkv, B*mp, page, D]
+  return x.reshape(hkv, b, mp * page, d).transpose(1, 0, 2, 3)
+
+
+def _visible(lengths, tq, n):
+  """[B,Tq,n]: query t of sequence b sees key j iff j <= lengths[b] - tq + t."""
+  qpos = lengths[:, None] - tq + jnp.arange(tq)[None, :]
+  return jnp.arange(n)[None, None, :] <= qpos[:, :, None]
+
+
+def _attend(q, k, v, lengths, scale, compute_dtype):
+  b, tq, hq, d = q.shape
+  hkv = k.shape[1]
+  g = hq // hkv
+  qg = q.reshape(b, tq, hkv, g, d).astype(compute_dtype)
+  s = jnp.einsum("bthgd,bhnd->bhgtn", qg, k.astype(compute_dtype),
+                 preferred_element_type=jnp.float32) * scale
+  vis = _visible(lengths, tq, k.shape[2])[:, None, None]
+  s = jnp.where(vis, s, -jnp.inf)
+  mx = s.max(axis=-1, keepdims=True)
+  p = jnp.exp(s - jnp.where(jnp.isfinite(mx), mx, 0.0))
+  den = p.sum(axis=-1, keepdims=True)
+  p = p / jnp.where(den > 0, den, 1.0)  # a row that sees nothing stays 0
+  o = jnp.einsum("bhgtn,bhnd->bthgd", p.astype(compute_dtype), v.astype(compute_dtype),
+                 preferred_element_type=jnp.float32)
+  return o.reshape(b, tq, hq, d)
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale",))
+def _attention_decode_xla(q, k_pages, v_pages, lengths, page_table, sm_scale: float):
+  cap = page_table.shape[1] * k_pages.shape[2]
+  lengths = jnp.minimum(lengths, cap)
+  k = _gather(k_pages, page_table)
+  v = _gather(v_pages, page_table)
+  return _attend(q, k, v, lengths, sm_scale, q.dtype).astype(q.dtype)
+
+
+def attention_decode_xla(q, k_pages, v_pages, lengths, page_table, *, sm_scale=None):
+  _check(q, k_pages, v_pages, lengths, page_table)
+  return _attention_decode_xla(q, k_pages, v_pages, lengths, page_table,
+                               _scale(sm_scale, q.shape[-1]))
+
+
+def attention_decode_reference(q, k_pages, v_pages, lengths, page_table, *, sm_scale=None):
+  """The meaning of the op, in float32 (the result stays float32)."""
+  _check(q, k_pages, v_pages, lengths, page_table)
+  f32 = lambda x: jnp.asarray(x, jnp.float32)
+  cap = page_table.shape[1] * k_pages.shape[2]
+  lengths = jnp.minimum(jnp.asarray(lengths), cap)
+  k = _gather(f32(k_pages), page_table)
+  v = _gather(f32(v_pages), page_table)
+  return _attend(f32(q), k, v, lengths, _scale(sm_scale, q.shape[-1]), jnp.float32)
+
+
+def contiguous_to_paged(k, page_size: int = DEFAULT_PAGE_SIZE, num_pages: int | None = None,
+                        seed: int = 0):
+  """[B,S,Hkv,D] -> (pages [Hkv,P,page,D], page_table [B,cdiv(S,page)]).
+
+  Pages are handed out in a random order (page 0 stays the reserved null
+  page), the layout a long-running engine ends up with; for tests and
+  benchmarks.
+  """
+  b, s, hkv, d = k.shape
+  mp = dsl.cdiv(s, page_size)
+  need = b * mp + 1
+  num_pages = num_pages or need
+  if num_pages < need:
+    raise ValueError(f"{num_pages=} is too small for {b=} x {mp} pages + the null page")
+  perm = np.random.default_rng(seed).permutation(np.arange(1, num_pages))[:b * mp]
+  table = perm.reshape(b, mp).astype(np.int32)
+  x = jnp.pad(k, ((0, 0), (0, mp * page_size - s), (0, 0), (0, 0)))
+  x = x.reshape(b * mp, page_size, hkv, d).transpose(2, 0, 1, 3)
+  pages = jnp.zeros((hkv, num_pages, page_size, d), k.dtype)
+  pages = pages.at[:, jnp.asarray(table.reshape(-1))].set(x)
+  return pages, jnp.asarray(table)
+
+
+# --------------------------------------------------------------------------
+# Registration
+
+op = registry.op("attention_decode", "paged decode attention (GQA, Tq <= 8, split-K)")
+op.register("mosaic", attention_decode_mosaic, supports=_mosaic_supports,
+            doc="Mosaic GPU: GQA-packed wgmma rows, TMA page ring, split-K")
+op.register("triton", attention_decode_triton, supports=_triton_supports,
+            doc="Pallas Triton paged kernel with split-K")
+op.register("xla", attention_decode_xla, supports=lambda *a, **k: _try_check(*a),
+            doc="gather pages + softmax in jnp")
+op.register("reference", attention_decode_reference, supports=lambda *a, **k: _try_check(*a),
+            doc="float32 jnp; output stays float32")
+op.set_defaults(hopper=("mosaic", "triton", "xla"), blackwell=("triton", "xla"),
+                cuda=("triton", "xla"), default=("xla",))
+
+
+def _try_check(*args) -> str | None:
+  try:
+    _check(*args[:5])
+  except (ValueError, TypeError) as e:
+    return str(e)
+  return None
+
+
+def attention_decode(q, k_pages, v_pages, lengths, page_table, *, sm_scale=None,
+                     backend: str | None = None):
+  return op(q, k_pages, v_pages, lengths, page_table, sm_scale=sm_scale, backend=backend)

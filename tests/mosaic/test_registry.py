@@ -1,0 +1,74 @@
+import logging
+
+import pytest
+
+from mosaic import registry
+
+
+@pytest.fixture
+def op():
+  name = "toy_op_for_tests"
+  registry._OPS.pop(name, None)
+  o = registry.op(name, "doubles x")
+  o.register("fast", lambda x: ("fast", 2 * x),
+             supports=lambda x: None if x < 100 else "x must be < 100")
+  o.register("slow", lambda x: ("slow", 2 * x))
+  o.set_defaults(cpu=("fast", "slow"), default=("slow",))
+  yield o
+  registry._OPS.pop(name, None)
+
+
+def test_default_order_skips_unsupported(op):
+  assert op(3) == ("fast", 6)
+  assert op(300) == ("slow", 600)
+
+
+def test_explicit_choice_never_downgrades(op):
+  assert op(3, backend="slow") == ("slow", 6)
+  with pytest.raises(registry.BackendError, match="'fast' cannot run this call: x must be < 100"):
+    op(300, backend="fast")
+
+
+def test_unknown_name_lists_valid(op):
+  with pytest.raises(registry.BackendError, match="unknown toy_op_for_tests backend 'tpu'; valid: fast, slow"):
+    op(1, backend="tpu")
+  with pytest.raises(registry.BackendError, match="valid: fast, slow"):
+    with registry.use(toy_op_for_tests="tpu"):
+      pass
+  with pytest.raises(registry.BackendError, match="unknown op"):
+    registry.get_op("no_such_op")
+
+
+def test_context_and_env(op, monkeypatch):
+  with registry.use(toy_op_for_tests="slow"):
+    assert op(3)[0] == "slow"
+    assert op(3, backend="fast")[0] == "fast"  # the argument wins
+  assert op(3)[0] == "fast"
+  monkeypatch.setenv(registry.env_var("toy_op_for_tests"), "slow")
+  assert op(3)[0] == "slow"
+
+
+def test_choice_is_logged(op, caplog):
+  registry._LOGGED.clear()
+  with caplog.at_level(logging.INFO, logger="mosaic.registry"):
+    op(300)
+  assert "using backend 'slow'" in caplog.text and "x must be < 100" in caplog.text
+
+
+def test_no_backend_supports(op):
+  op.set_defaults(cpu=("fast",), default=("fast",))
+  with pytest.raises(registry.BackendError, match="no toy_op_for_tests backend supports"):
+    op(300)
+
+
+def test_duplicate_registration(op):
+  with pytest.raises(registry.BackendError, match="registered twice"):
+    op.register("fast", lambda x: x)
+
+
+def test_describe_lists_real_ops():
+  import kernels
+
+  kernels.load_all()
+  text = registry.describe()
+  assert "rms_norm: backends mosaic, reference, xla; default on cpu: xla" in text

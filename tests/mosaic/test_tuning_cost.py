@@ -1,0 +1,75 @@
+import dataclasses
+import json
+
+import pytest
+
+from mosaic import cost, target, tuning
+
+
+@dataclasses.dataclass(frozen=True)
+class Cfg(tuning.KernelConfig):
+  block: int = 64
+  stages: int = 2
+
+  def __post_init__(self):
+    if self.block % 64:
+      raise ValueError(f"{self.block=} must be a multiple of 64")
+
+
+def test_search_space_drops_invalid():
+  space = tuning.search_space(Cfg, block=[32, 64, 128], stages=[2, 3])
+  assert {c.block for c in space} == {64, 128} and len(space) == 4
+
+
+def test_from_dict_rejects_unknown():
+  assert Cfg.from_dict({"block": 128}) == Cfg(128, 2)
+  with pytest.raises(ValueError, match="unknown fields"):
+    Cfg.from_dict({"blk": 1})
+
+
+def test_table_roundtrip_and_heuristic(tmp_path, monkeypatch):
+  monkeypatch.setattr(tuning, "TABLE_DIR", tmp_path)
+  key = tuning.shape_key(m=tuning.bucket(100), n=4096)
+  assert key == "m=256,n=4096"
+  assert tuning.lookup("toy", key, Cfg, lambda: Cfg(64, 3), device_key="dev") == Cfg(64, 3)
+  path = tuning.save("toy", {key: Cfg(128, 4)}, device_name="Dev")
+  assert json.loads(path.read_text())["entries"][key] == {"block": 128, "stages": 4}
+  assert tuning.lookup("toy", key, Cfg, lambda: Cfg(), device_key="dev") == Cfg(128, 4)
+
+
+def test_autotune_checks_before_timing():
+  timed = []
+
+  def run(c):
+    return c.block
+
+  def check(out):
+    if out == 64:  # the fastest candidate is wrong: it must never win
+      raise AssertionError("wrong")
+
+  def time_fn(thunk):
+    timed.append(thunk())
+    return {64: 0.1, 128: 0.5, 192: 0.3}[timed[-1]]
+
+  best, results = tuning.autotune([Cfg(64), Cfg(128), Cfg(192)], run, check, time_fn)
+  assert best == Cfg(192) and 64 not in timed
+  assert results[0].seconds is None and "wrong" in results[0].error
+  with pytest.raises(RuntimeError, match="no candidate"):
+    tuning.autotune([Cfg(64)], run, check, time_fn)
+
+
+def test_costs_and_utilization():
+  c = cost.matmul(8192, 8192, 8192)
+  assert c.flops == 2 * 8192**3 and c.bytes == 3 * 8192 * 8192 * 2
+  h200 = target.make("gpu", "NVIDIA H200", "9.0")
+  u = cost.utilization(c, 2 * 8192**3 / 700e12, h200)
+  assert abs(u.tflops - 700) < 1e-6 and u.bound == "compute"
+  assert abs(u.tc_fraction - 700 / 989) < 1e-9
+  r = cost.rms_norm(8192, 8192)
+  assert cost.utilization(r, r.bytes / 4e12, h200).bound == "memory"
+  full = cost.attention(1, 32, 32, 4096, 4096, 128, causal=False)
+  causal = cost.attention(1, 32, 32, 4096, 4096, 128, causal=True)
+  assert full.flops == 4 * 32 * 4096 * 4096 * 128
+  assert abs(causal.flops / full.flops - 4097 / 8192) < 1e-12
+  with pytest.raises(ValueError):
+    cost.utilization(c, 0.0, h200)
