@@ -126,12 +126,13 @@ def autotune(
     candidates: Iterable[C],
     run: Callable[[C], Any],
     check: Callable[[Any], None],
-    time_fn: Callable[[Callable[[], Any]], float],
+    time_fn: Callable[[C], float],
 ) -> tuple[C, list[TuneResult]]:
   """Returns the fastest correct candidate and every candidate's outcome.
 
   ``run(cfg)`` computes the op with ``cfg``; ``check(out)`` raises if the
-  output is wrong; ``time_fn(thunk)`` returns seconds (e.g. mosaic.bench).
+  output is wrong; ``time_fn(cfg)`` returns the op's seconds with ``cfg``
+  (e.g. mosaic.bench.time_jax on rotated inputs).
   A candidate that fails to compile or fails the check is never timed.
   """
   results: list[TuneResult] = []
@@ -141,7 +142,7 @@ def autotune(
     except Exception as e:  # noqa: BLE001 -- a bad candidate is data, not a crash
       results.append(TuneResult(cfg, None, f"{type(e).__name__}: {e}"[:300]))
       continue
-    results.append(TuneResult(cfg, time_fn(lambda cfg=cfg: run(cfg))))
+    results.append(TuneResult(cfg, time_fn(cfg)))
   ok = [r for r in results if r.seconds is not None]
   if not ok:
     raise RuntimeError("autotune: no candidate was correct: "

@@ -47,9 +47,9 @@ def test_autotune_checks_before_timing():
     if out == 64:  # the fastest candidate is wrong: it must never win
       raise AssertionError("wrong")
 
-  def time_fn(thunk):
-    timed.append(thunk())
-    return {64: 0.1, 128: 0.5, 192: 0.3}[timed[-1]]
+  def time_fn(cfg):
+    timed.append(cfg.block)
+    return {64: 0.1, 128: 0.5, 192: 0.3}[cfg.block]
 
   best, results = tuning.autotune([Cfg(64), Cfg(128), Cfg(192)], run, check, time_fn)
   assert best == Cfg(192) and 64 not in timed

@@ -1,0 +1,45 @@
+"""Measures the card's two ceilings and writes mosaic/calibration/<device>.json.
+
+HBM: a large device-to-device copy (bytes read + written). Tensor cores: an
+8192^3 bf16 matmul through XLA (cuBLAS) on random data. Both medians of
+device-timed runs.
+
+  PYTHONPATH=. python3 bench/calibrate.py --out DIR
+"""
+
+import argparse
+import json
+
+import jax
+import jax.numpy as jnp
+
+from mosaic import bench, target, testing
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--out", required=True)
+  args = ap.parse_args()
+  t = target.current()
+  n = 1 << 30  # 2 GiB of bf16: far beyond L2
+  xs = [testing.random_inputs([(n,)], jnp.bfloat16)[0] for _ in range(2)]
+  copy = bench.time_jax(lambda x: x * jnp.bfloat16(1.0001), [(x,) for x in xs], iters=20)
+  hbm = 2 * n * 2 / copy.median_s / 1e9
+  del xs
+  a, b = testing.random_inputs([(8192, 8192), (8192, 8192)], jnp.bfloat16)
+  mm = bench.time_jax(lambda a, b: a @ b, [(a, b), (b, a)], iters=20)
+  tflops = 2 * 8192**3 / mm.median_s / 1e12
+  data = {"device": t.name, "bf16_tflops": round(tflops, 1), "hbm_gbps": round(hbm, 1),
+          "sms": t.ceilings.sms, "smem_per_block": t.ceilings.smem_per_block,
+          "method": "median device time: 2 GiB bf16 scale-copy; 8192^3 bf16 matmul via XLA",
+          "jax": jax.__version__}
+  path = target.CALIBRATION_DIR / f"{t.key}.json"
+  path.parent.mkdir(parents=True, exist_ok=True)
+  path.write_text(json.dumps(data, indent=1) + "\n")
+  print(json.dumps(data))
+  bench.write(args.out, "calibration", [data], ["device", "bf16_tflops", "hbm_gbps"],
+              "PYTHONPATH=. python3 bench/calibrate.py --out DIR")
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# The GPU machine's one script: gpu tests, calibration, benchmarks, from the
+# tree (no installs). Everything lands in $OUT/results.tgz (plus the logs).
+#
+#   bench/gpu.sh                      # tests + calibration + every benchmark
+#   BENCHES="rms_norm matmul" TESTS=0 bench/gpu.sh
+#   BENCH_ARGS="--tune" bench/gpu.sh  # also autotune where a bench supports it
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH=. PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/gpu_out}
+R=$OUT/results
+mkdir -p "$R"
+status=0
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee "$R/nvidia_smi.txt"
+if [ "${CALIBRATE:-1}" = 1 ]; then
+  python3 bench/calibrate.py --out "$R" 2>&1 | tee "$R/calibrate.log" || status=1
+fi
+if [ "${TESTS:-1}" = 1 ]; then
+  python3 -m pytest -q -m gpu -p no:cacheprovider ${TEST_PATHS:-tests} 2>&1 | tee "$R/gpu_tests.log"
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
+fi
+for b in ${BENCHES:-$(cd bench && ls *.py | grep -v -e calibrate -e __init__ | sed 's/\.py$//')}; do
+  echo "== bench $b"
+  timeout "${BENCH_TIMEOUT:-400}" python3 "bench/$b.py" --out "$R" ${BENCH_ARGS:-} 2>&1 | tee "$R/$b.log"
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
+done
+mkdir -p "$R/tables"
+cp -r mosaic/calibration "$R/tables/" 2>/dev/null
+cp -r kernels/tuning "$R/tables/" 2>/dev/null
+tar czf "$OUT/results.tgz" -C "$OUT" results
+echo "gpu.sh: status $status"
+exit $status
