@@ -1,0 +1,743 @@
+"""Prefill attention: o = softmax(q k^T * sm_scale + mask) v, with GQA.
+
+Shapes: q [B, Sq, Hq, D], k/v [B, Skv, Hkv, D]; query head h reads kv head
+h // (Hq // Hkv), so K/V are never repeated. Query i may see key j iff their
+segment ids are equal and non-zero (when given), kv_pos[j] <= q_pos[i] when
+causal, and q_pos[i] - kv_pos[j] < sliding_window when a window is set. By
+default the queries are the last Sq tokens of the kv sequence
+(q_pos = arange(Sq) + Skv - Sq): a cached prefix plus themselves. A query row
+that sees no key outputs 0 (and lse = -inf).
+
+Every backend but cuDNN reduces the mask to four int32 vectors (q_pos, q_seg,
+kv_pos, kv_seg) plus, per query block, the range of kv blocks that can hold a
+visible key (``_block_ranges``). The tiled kernels only visit that range,
+which is how causal block skipping, sliding windows and packed ragged batches
+(B = 1, one segment per sequence) cost only the visible blocks. Padding added
+to reach a block multiple gets segment 0 (never visible).
+
+Data flow of the Mosaic GPU kernel (``_mosaic_kernel``), FlashAttention-3
+style: one CTA owns 2 * block_q query rows of one head. Warpgroup 2 is the
+producer: it streams K, V and the kv position/segment vectors by TMA through
+a ``stages``-deep SMEM ring. Warpgroups 0 and 1 are consumers, each owning a
+block_q query tile held in SMEM: QK^T by wgmma into an fp32 accumulator,
+online softmax in registers with exp2 and the scale folded in, P (bf16/fp16)
+from registers times V by wgmma; a ping-pong barrier lets one consumer's
+softmax overlap the other's wgmma. Blocks fully inside the visible region skip
+the mask; diagonal/boundary blocks apply it from the position vectors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import numpy as np
+
+from mosaic import dsl, registry, tuning
+from mosaic import target as target_lib
+from mosaic.dsl import jax, jnp, lax, pl, plgpu
+
+DTYPES = ("bfloat16", "float16")
+REF_DTYPES = ("bfloat16", "float16", "float32")
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+
+
+# --------------------------------------------------------------------------
+# Config
+
+
+@dataclasses.dataclass(frozen=True)
+class Config(tuning.KernelConfig):
+  """Mosaic kernel tiling: each consumer warpgroup owns block_q query rows."""
+  block_q: int = 64
+  block_kv: int = 128
+  stages: int = 2
+  pingpong: bool = True
+
+  def __post_init__(self):
+    if self.block_q != 64:
+      raise ValueError(f"{self.block_q=} must be 64 (one wgmma M tile per warpgroup)")
+    if self.block_kv not in (64, 128, 192, 256):
+      raise ValueError(f"{self.block_kv=} must be one of 64, 128, 192, 256")
+    if not 2 <= self.stages <= 6:
+      raise ValueError(f"{self.stages=} must be in [2, 6]")
+
+
+# --------------------------------------------------------------------------
+# Input checks and mask vectors shared by all backends
+
+
+def _check(q, k, v, causal, sm_scale, q_positions, kv_positions, q_segment_ids,
+           kv_segment_ids, sliding_window, dtypes=REF_DTYPES):
+  for name, x in (("q", q), ("k", k), ("v", v)):
+    if not hasattr(x, "shape") or x.ndim != 4:
+      raise ValueError(f"{name} must be a 4D array [B, S, H, D], got "
+                       f"{getattr(x, 'shape', type(x))}")
+  B, Sq, Hq, D = q.shape
+  Bk, Skv, Hkv, Dk = k.shape
+  if k.shape != v.shape:
+    raise ValueError(f"k and v must have the same shape: {k.shape=} {v.shape=}")
+  if Bk != B or Dk != D:
+    raise ValueError(f"k/v batch and head dim must match q: {q.shape=} {k.shape=}")
+  if Hq % Hkv:
+    raise ValueError(f"query heads must be a multiple of kv heads: {Hq=} {Hkv=}")
+  if Sq < 1 or Skv < 1:
+    raise ValueError(f"sequence lengths must be >= 1: {Sq=} {Skv=}")
+  if not (q.dtype == k.dtype == v.dtype):
+    raise ValueError(f"q, k, v must share a dtype: {q.dtype=} {k.dtype=} {v.dtype=}")
+  if jnp.dtype(q.dtype).name not in dtypes:
+    raise ValueError(f"{q.dtype=} is not supported; supported: {dtypes}")
+  if not isinstance(causal, (bool, np.bool_)):
+    raise ValueError(f"{causal=} must be a Python bool")
+  if sm_scale is not None and not isinstance(sm_scale, (int, float)):
+    raise ValueError(f"{sm_scale=} must be a Python float or None")
+  if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
+    raise ValueError(f"{sliding_window=} must be a positive int or None")
+  for name, x, s in (("q_positions", q_positions, Sq), ("kv_positions", kv_positions, Skv),
+                     ("q_segment_ids", q_segment_ids, Sq), ("kv_segment_ids", kv_segment_ids, Skv)):
+    if x is None:
+      continue
+    if not hasattr(x, "shape") or tuple(x.shape) != (B, s):
+      raise ValueError(f"{name} must have shape {(B, s)}, got {getattr(x, 'shape', type(x))}")
+    if not jnp.issubdtype(x.dtype, jnp.integer):
+      raise ValueError(f"{name} must be integer, got {x.dtype=}")
+  if (q_segment_ids is None) != (kv_segment_ids is None):
+    raise ValueError("q_segment_ids and kv_segment_ids must be given together")
+  return B, Sq, Hq, D, Skv, Hkv
+
+
+def _vectors(B, Sq, Skv, q_positions, kv_positions, q_segment_ids, kv_segment_ids):
+  """int32 [B, S] positions and segments with the op's defaults filled in."""
+  if q_positions is None:
+    q_positions = jnp.broadcast_to(jnp.arange(Sq, dtype=jnp.int32) + (Skv - Sq), (B, Sq))
+  if kv_positions is None:
+    kv_positions = jnp.broadcast_to(jnp.arange(Skv, dtype=jnp.int32), (B, Skv))
+  if q_segment_ids is None:
+    q_segment_ids = jnp.ones((B, Sq), jnp.int32)
+    kv_segment_ids = jnp.ones((B, Skv), jnp.int32)
+  return (jnp.asarray(q_positions, jnp.int32), jnp.asarray(q_segment_ids, jnp.int32),
+          jnp.asarray(kv_positions, jnp.int32), jnp.asarray(kv_segment_ids, jnp.int32))
+
+
+def _mask(qp, qs, kp, ks, causal, window):
+  """[B, Sq', Skv'] bool: which query sees which key."""
+  m = (qs[:, :, None] == ks[:, None, :]) & (qs[:, :, None] != 0)
+  if causal:
+    m &= kp[:, None, :] <= qp[:, :, None]
+  if window is not None:
+    m &= (qp[:, :, None] - kp[:, None, :]) < window
+  return m
+
+
+def _pad_to(x, axis, size, value=0):
+  n = x.shape[axis]
+  if n == size:
+    return x
+  pad = [(0, 0)] * x.ndim
+  pad[axis] = (0, size - n)
+  return jnp.pad(x, pad, constant_values=value)
+
+
+def _block_summary(pos, seg, block):
+  """Per block of ``block`` tokens: (has_real, all_real, seg_min, seg_max, pos_min, pos_max)."""
+  B, S = pos.shape
+  n = S // block
+  p = pos.reshape(B, n, block)
+  s = seg.reshape(B, n, block)
+  real = s != 0
+  big = jnp.iinfo(jnp.int32).max
+  return (real.any(-1), real.all(-1),
+          jnp.where(real, s, big).min(-1), jnp.where(real, s, -big).max(-1),
+          jnp.where(real, p, big).min(-1), jnp.where(real, p, -big).max(-1))
+
+
+def _block_ranges(qp, qs, kp, ks, block_q, block_kv, causal, window):
+  """Per query block: [lo, hi) of kv blocks that may hold a visible key, and
+  [full_lo, full_hi) inside it whose keys are all visible to all its rows.
+
+  Conservative from per-block min/max, so [lo, hi) may include blocks with
+  nothing visible (the element mask handles those) but never misses one.
+  Empty blocks get lo = hi = full_lo = full_hi = 0. Returns int32 [B, nq, 4].
+  """
+  qh, qa, qsmin, qsmax, qpmin, qpmax = _block_summary(qp, qs, block_q)
+  kh, ka, ksmin, ksmax, kpmin, kpmax = _block_summary(kp, ks, block_kv)
+  e = lambda x: x[:, :, None]
+  f = lambda x: x[:, None, :]
+  vis = e(qh) & f(kh) & (e(qsmin) <= f(ksmax)) & (f(ksmin) <= e(qsmax))
+  full = (e(qa) & f(ka) & (e(qsmin) == e(qsmax)) & (f(ksmin) == f(ksmax))
+          & (e(qsmin) == f(ksmin)))
+  if causal:
+    vis &= f(kpmin) <= e(qpmax)
+    full &= f(kpmax) <= e(qpmin)
+  if window is not None:
+    vis &= (e(qpmin) - f(kpmax)) < window
+    full &= (e(qpmax) - f(kpmin)) < window
+  nk = vis.shape[-1]
+  idx = jnp.arange(nk, dtype=jnp.int32)
+  any_vis = vis.any(-1)
+  lo = jnp.where(vis, idx, nk).min(-1)
+  hi = jnp.where(vis, idx + 1, 0).max(-1)
+  lo = jnp.where(any_vis, lo, 0)
+  hi = jnp.where(any_vis, hi, 0)
+  any_full = full.any(-1)
+  flo = jnp.where(full, idx, nk).min(-1)
+  # The unmasked run is the contiguous run of full blocks starting at flo.
+  fhi = jnp.where((idx >= e(flo)) & ~full, idx, nk).min(-1)
+  fhi = jnp.minimum(fhi, hi)
+  flo = jnp.where(any_full, flo, lo)
+  fhi = jnp.where(any_full, fhi, lo)
+  return jnp.stack([lo, hi, flo, fhi], -1).astype(jnp.int32)
+
+
+# --------------------------------------------------------------------------
+# Mosaic GPU kernel (FA3)
+
+
+def _mosaic_kernel(meta_ref, q_ref, k_ref, v_ref, qp_ref, qs_ref, kp_ref, ks_ref,
+                   o_ref, lse_ref, *, cfg: Config, groups: int, scale: float,
+                   causal: bool, window: int | None, has_lse: bool):
+  block_q, block_kv, stages = cfg.block_q, cfg.block_kv, cfg.stages
+  D = q_ref.shape[-1]
+  dtype = q_ref.dtype
+  c = scale * LOG2E  # exp(s * scale) == exp2(s * c)
+
+  def body(q_smem, k_smem, v_smem, qvec_smem, kvec_smem, lse_smem,
+           q_bar, k_bar, v_bar, k_free, v_free, sched):
+    b = lax.axis_index("batch")
+    h = lax.axis_index("heads")
+    t = lax.axis_index("q_seq")
+    wg = lax.axis_index("wg")
+    # The CTA's kv range is the union of its two consumers' ranges.
+    lo_cta = meta_ref[b, t, 2, 0]
+    hi_cta = meta_ref[b, t, 2, 1]
+    n = hi_cta - lo_cta
+
+    def sync_sched():
+      plgpu.barrier_arrive(sched)
+      plgpu.barrier_wait(sched)
+
+    @pl.when(wg < 2)
+    def _consumer():
+      plgpu.set_max_registers(232, action="increase")
+      lo = meta_ref[b, t, wg, 0]
+      hi = meta_ref[b, t, wg, 1]
+      flo = meta_ref[b, t, wg, 2]
+      fhi = meta_ref[b, t, wg, 3]
+      q0 = (2 * t + wg) * block_q
+      qo = q_smem.at[wg]
+      plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q0, block_q), h], qo, q_bar.at[wg])
+      plgpu.copy_gmem_to_smem(qp_ref.at[b, pl.ds(q0, block_q)], qvec_smem.at[wg, 0], q_bar.at[wg])
+      plgpu.copy_gmem_to_smem(qs_ref.at[b, pl.ds(q0, block_q)], qvec_smem.at[wg, 1], q_bar.at[wg])
+      plgpu.barrier_wait(q_bar.at[wg])
+      row = plgpu.Layout.WGMMA.reduce(1)
+      col = plgpu.Layout.WGMMA.reduce(0)
+      qpos = plgpu.load(qvec_smem.at[wg, 0], (), layout=row)
+      qseg = plgpu.load(qvec_smem.at[wg, 1], (), layout=row)
+
+      m_i = plgpu.layout_cast(jnp.full((block_q,), -jnp.inf, jnp.float32), row)
+      l_i = plgpu.layout_cast(jnp.full((block_q,), 0.0, jnp.float32), row)
+      acc = plgpu.layout_cast(jnp.full((block_q, D), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+
+      if cfg.pingpong:
+        pl.when(wg == 1)(sync_sched)
+
+      def step(s, carry, masked: bool):
+        acc, m_i, l_i = carry
+        slot = lax.rem(s - lo_cta, stages)
+        plgpu.barrier_wait(k_bar.at[slot])
+
+        def qk(acc_ref):
+          plgpu.wgmma(acc_ref, qo, k_smem.at[slot].T)
+          if cfg.pingpong:
+            sync_sched()
+          return acc_ref[...]
+
+        sc = pl.run_scoped(qk, plgpu.ACC((block_q, block_kv), jnp.float32))
+        if masked:
+          kpos = plgpu.load(kvec_smem.at[slot, 0], (), layout=col)
+          kseg = plgpu.load(kvec_smem.at[slot, 1], (), layout=col)
+          shape = (block_q, block_kv)
+          qp2 = lax.broadcast_in_dim(qpos, shape, [0])
+          qs2 = lax.broadcast_in_dim(qseg, shape, [0])
+          kp2 = lax.broadcast_in_dim(kpos, shape, [1])
+          ks2 = lax.broadcast_in_dim(kseg, shape, [1])
+          vis = qs2 == ks2
+          if causal:
+            vis = vis & (kp2 <= qp2)
+          if window is not None:
+            vis = vis & ((qp2 - kp2) < window)
+          sc = jnp.where(vis, sc, -jnp.inf)
+        plgpu.barrier_arrive(k_free.at[slot])
+        m_new = jnp.maximum(m_i, sc.max(axis=1) * c)
+        if masked:
+          # A row with nothing visible yet keeps m = -inf; subtract 0 there.
+          m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        else:
+          m_use = m_new
+        alpha = jnp.exp2(m_i - m_use)
+        p = jnp.exp2(sc * c - lax.broadcast_in_dim(m_use, sc.shape, [0]))
+        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+        l_i = l_i * alpha + p.sum(axis=1)
+        p16 = p.astype(dtype)
+        if cfg.pingpong:
+          plgpu.barrier_arrive(sched)
+        plgpu.barrier_wait(v_bar.at[slot])
+        if cfg.pingpong:
+          plgpu.barrier_wait(sched)
+
+        def pv(acc_ref):
+          plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+          return acc_ref[...]
+
+        acc = acc + pl.run_scoped(pv, plgpu.ACC((block_q, D), jnp.float32))
+        plgpu.barrier_arrive(v_free.at[slot])
+        return acc, m_new, l_i
+
+      def skip(s, _):
+        # Steps of the CTA's range this consumer does not need: keep the
+        # barrier phases and the ping-pong in step with the other consumer.
+        slot = lax.rem(s - lo_cta, stages)
+        plgpu.barrier_wait(k_bar.at[slot])
+        plgpu.barrier_arrive(k_free.at[slot])
+        plgpu.barrier_wait(v_bar.at[slot])
+        plgpu.barrier_arrive(v_free.at[slot])
+        if cfg.pingpong:
+          sync_sched()
+          sync_sched()
+        return _
+
+      carry = (acc, m_i, l_i)
+      lax.fori_loop(lo_cta, lo, skip, None)
+      carry = lax.fori_loop(lo, flo, functools.partial(step, masked=True), carry)
+      carry = lax.fori_loop(flo, fhi, functools.partial(step, masked=False), carry)
+      carry = lax.fori_loop(fhi, hi, functools.partial(step, masked=True), carry)
+      lax.fori_loop(hi, hi_cta, skip, None)
+      acc, m_i, l_i = carry
+      if cfg.pingpong:
+        pl.when(wg == 0)(sync_sched)
+
+      l_safe = jnp.where(l_i == 0.0, 1.0, l_i)
+      acc = acc * lax.broadcast_in_dim(1.0 / l_safe, acc.shape, [0])
+      qo[...] = acc.astype(dtype)
+      if has_lse:
+        lse_smem.at[wg][...] = jnp.where(l_i == 0.0, -jnp.inf, (m_i + jnp.log2(l_safe)) * LN2)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(qo, o_ref.at[b, pl.ds(q0, block_q), h])
+      if has_lse:
+        plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b, h, pl.ds(q0, block_q)])
+      plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == 2)
+    def _producer():
+      plgpu.set_max_registers(40, action="decrease")
+      hk = lax.div(h, jnp.int32(groups))
+
+      def issue(s):
+        slot = lax.rem(s - lo_cta, stages)
+        rows = pl.ds(s * block_kv, block_kv)
+        plgpu.copy_gmem_to_smem(k_ref.at[b, rows, hk], k_smem.at[slot], k_bar.at[slot])
+        plgpu.copy_gmem_to_smem(kp_ref.at[b, rows], kvec_smem.at[slot, 0], k_bar.at[slot])
+        plgpu.copy_gmem_to_smem(ks_ref.at[b, rows], kvec_smem.at[slot, 1], k_bar.at[slot])
+        plgpu.copy_gmem_to_smem(v_ref.at[b, rows, hk], v_smem.at[slot], v_bar.at[slot])
+
+      @pl.loop(lo_cta, hi_cta)
+      def _(s):
+        slot = lax.rem(s - lo_cta, stages)
+
+        @pl.when(s - lo_cta >= stages)
+        def _():
+          plgpu.barrier_wait(k_free.at[slot])
+          plgpu.barrier_wait(v_free.at[slot])
+
+        issue(s)
+
+      # Wait for the last releases so that no arrival is left unobserved.
+      @pl.loop(jnp.maximum(hi_cta - stages, lo_cta), hi_cta)
+      def _(s):
+        slot = lax.rem(s - lo_cta, stages)
+        plgpu.barrier_wait(k_free.at[slot])
+        plgpu.barrier_wait(v_free.at[slot])
+
+  tf_q = dsl.smem_transforms((block_q, D), dtype)
+  tf_kv = dsl.smem_transforms((block_kv, D), dtype)
+  scratch = [
+      plgpu.SMEM((2, block_q, D), dtype, transforms=tf_q),
+      plgpu.SMEM((stages, block_kv, D), dtype, transforms=tf_kv),
+      plgpu.SMEM((stages, block_kv, D), dtype, transforms=tf_kv),
+      plgpu.SMEM((2, 2, block_q), jnp.int32),
+      plgpu.SMEM((stages, 2, block_kv), jnp.int32),
+      plgpu.SMEM((2, block_q), jnp.float32) if has_lse else None,
+  ]
+  barriers = [
+      plgpu.Barrier(num_arrivals=3, num_barriers=2),
+      plgpu.Barrier(num_arrivals=3, num_barriers=stages),
+      plgpu.Barrier(num_arrivals=1, num_barriers=stages),
+      plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+      plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+      plgpu.Barrier(num_arrivals=2),
+  ]
+  pl.run_scoped(lambda *refs: body(*refs), *scratch, *barriers, collective_axes="wg")
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "causal", "scale", "window", "has_lse"))
+def _attention_mosaic(q, k, v, qp, qs, kp, ks, *, cfg: Config, causal: bool, scale: float,
+                      window: int | None, has_lse: bool):
+  B, Sq, Hq, D = q.shape
+  _, Skv, Hkv, _ = k.shape
+  bq2 = 2 * cfg.block_q
+  Sq_p = dsl.round_up(Sq, bq2)
+  Skv_p = dsl.round_up(Skv, cfg.block_kv)
+  q = _pad_to(q, 1, Sq_p)
+  k = _pad_to(k, 1, Skv_p)
+  v = _pad_to(v, 1, Skv_p)
+  qp = _pad_to(qp, 1, Sq_p)
+  kp = _pad_to(kp, 1, Skv_p)
+  # Padding queries get segment -1 and padding keys 0: never equal, and a
+  # real query's segment 0 (padding in the caller's packing) becomes -1 too.
+  qs = jnp.where(_pad_to(qs, 1, Sq_p) == 0, -1, _pad_to(qs, 1, Sq_p))
+  ks = _pad_to(ks, 1, Skv_p)
+  per_tile = _block_ranges(qp, jnp.where(qs < 0, 0, qs), kp, ks, cfg.block_q, cfg.block_kv,
+                           causal, window)
+  nt = Sq_p // bq2
+  per_tile = per_tile.reshape(B, nt, 2, 4)
+  lo_c = per_tile[..., 0].min(-1)
+  hi_c = per_tile[..., 1].max(-1)
+  empty = per_tile[..., 0] == per_tile[..., 1]
+  # An empty consumer range sits at lo_c so the skip loops cover the CTA range.
+  per_tile = jnp.where(empty[..., None], lo_c[..., None, None], per_tile)
+  lo_c = jnp.where(empty.all(-1), 0, lo_c)
+  hi_c = jnp.where(empty.all(-1), 0, hi_c)
+  cta = jnp.stack([lo_c, hi_c, lo_c, hi_c], -1)[:, :, None]
+  meta = jnp.concatenate([per_tile, cta], axis=2).astype(jnp.int32)
+  out_type = [jax.ShapeDtypeStruct((B, Sq_p, Hq, D), q.dtype)]
+  out_type.append(jax.ShapeDtypeStruct((B, Hq, Sq_p), jnp.float32) if has_lse else None)
+
+  def entry(meta_ref, q_ref, k_ref, v_ref, qp_ref, qs_ref, kp_ref, ks_ref, o_ref, lse_ref):
+    _mosaic_kernel(meta_ref, q_ref, k_ref, v_ref, qp_ref, qs_ref, kp_ref, ks_ref, o_ref,
+                   lse_ref, cfg=cfg, groups=Hq // Hkv, scale=scale, causal=causal,
+                   window=window, has_lse=has_lse)
+
+  o, lse = dsl.kernel(
+      entry,
+      out_type=out_type,
+      grid=(Hq, nt, B),
+      grid_names=("heads", "q_seq", "batch"),
+      num_threads=3,
+      thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+  )(meta, q, k, v, qp, qs, kp, ks)
+  o = o[:, :Sq]
+  return (o, lse[:, :, :Sq]) if has_lse else o
+
+
+def _pick_config(Sq, Skv, D, dtype) -> Config:
+  key = tuning.shape_key(head_dim=D, dtype=jnp.dtype(dtype).name,
+                         kv=tuning.bucket(Skv, (256, 2048, 8192, 65536)))
+
+  def heuristic():
+    # SMEM: 2 Q tiles + stages x (K + V); D = 64 has room for a deeper ring.
+    if D <= 64:
+      return Config(block_q=64, block_kv=128, stages=4)
+    return Config(block_q=64, block_kv=128, stages=2)
+
+  return tuning.lookup("attention_prefill", key, Config, heuristic)
+
+
+def attention_prefill_mosaic(q, k, v, *, causal=True, sm_scale=None, q_positions=None,
+                             kv_positions=None, q_segment_ids=None, kv_segment_ids=None,
+                             sliding_window=None, return_lse=False, config: Config | None = None):
+  B, Sq, Hq, D, Skv, Hkv = _check(q, k, v, causal, sm_scale, q_positions, kv_positions,
+                                  q_segment_ids, kv_segment_ids, sliding_window, DTYPES)
+  why = _mosaic_why_not(q, k, v)
+  if why:
+    raise ValueError(why)
+  cfg = config or _pick_config(Sq, Skv, D, q.dtype)
+  vecs = _vectors(B, Sq, Skv, q_positions, kv_positions, q_segment_ids, kv_segment_ids)
+  scale = float(D ** -0.5 if sm_scale is None else sm_scale)
+  return _attention_mosaic(q, k, v, *vecs, cfg=cfg, causal=bool(causal), scale=scale,
+                           window=sliding_window, has_lse=bool(return_lse))
+
+
+def _mosaic_why_not(q, k, v) -> str | None:
+  if not all(hasattr(x, "shape") and x.ndim == 4 for x in (q, k, v)):
+    return "q, k, v must be 4D arrays"
+  if jnp.dtype(q.dtype).name not in DTYPES:
+    return f"dtype {jnp.dtype(q.dtype).name} is not supported (supported: {', '.join(DTYPES)})"
+  D = q.shape[-1]
+  if D not in (64, 128):
+    return f"head dim {D} is not supported (supported: 64, 128)"
+  if target_lib.current().kind not in ("hopper", "cpu"):
+    return f"the kernel uses Hopper wgmma; {target_lib.current().kind} is not supported"
+  return None
+
+
+def _mosaic_supports(q, k, v, **kwargs) -> str | None:
+  del kwargs
+  return _mosaic_why_not(q, k, v)
+
+
+# --------------------------------------------------------------------------
+# Pallas Triton kernel (portable, used as a baseline and a fallback)
+
+
+def _triton_kernel(meta_ref, q_ref, k_ref, v_ref, qp_ref, qs_ref, kp_ref, ks_ref, o_ref,
+                   *lse_refs, c: float, causal: bool, window: int | None, block_k: int):
+  q = q_ref[...]
+  qp = qp_ref[...]
+  qs = qs_ref[...]
+  meta = meta_ref[...]
+  sel = jnp.arange(4, dtype=jnp.int32)
+  lo = jnp.sum(jnp.where(sel == 0, meta, 0))
+  hi = jnp.sum(jnp.where(sel == 1, meta, 0))
+  bq, D = q.shape
+
+  def body(j, carry):
+    acc, m_i, l_i = carry
+    rows = pl.ds(j * block_k, block_k)
+    kk = k_ref[rows, :]
+    s = lax.dot_general(q, kk, (((1,), (1,)), ((), ())),
+                        preferred_element_type=jnp.float32) * c
+    kp = kp_ref[rows]
+    ks = ks_ref[rows]
+    vis = (qs[:, None] == ks[None, :]) & (qs[:, None] != 0)
+    if causal:
+      vis &= kp[None, :] <= qp[:, None]
+    if window is not None:
+      vis &= (qp[:, None] - kp[None, :]) < window
+    s = jnp.where(vis, s, -jnp.inf)
+    m_new = jnp.maximum(m_i, s.max(axis=1))
+    m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    alpha = jnp.exp2(m_i - m_use)
+    p = jnp.exp2(s - m_use[:, None])
+    l_i = l_i * alpha + p.sum(axis=1)
+    acc = acc * alpha[:, None] + jnp.dot(p.astype(kk.dtype), v_ref[rows, :],
+                                         preferred_element_type=jnp.float32)
+    return acc, m_new, l_i
+
+  acc = jnp.zeros((bq, D), jnp.float32)
+  m_i = jnp.full((bq,), -jnp.inf, jnp.float32)
+  l_i = jnp.zeros((bq,), jnp.float32)
+  acc, m_i, l_i = lax.fori_loop(lo, hi, body, (acc, m_i, l_i))
+  l_safe = jnp.where(l_i == 0.0, 1.0, l_i)
+  o_ref[...] = (acc / l_safe[:, None]).astype(o_ref.dtype)
+  if lse_refs:
+    lse_refs[0][...] = jnp.where(l_i == 0.0, -jnp.inf, (m_i + jnp.log2(l_safe)) * LN2)
+
+
+@functools.partial(jax.jit, static_argnames=("causal", "scale", "window", "has_lse",
+                                             "block_q", "block_k", "interpret"))
+def _attention_triton(q, k, v, qp, qs, kp, ks, *, causal, scale, window, has_lse,
+                      block_q=64, block_k=64, interpret=False):
+  from jax.experimental.pallas import triton as pltriton
+
+  B, Sq, Hq, D = q.shape
+  _, Skv, Hkv, _ = k.shape
+  G = Hq // Hkv
+  Sq_p = dsl.round_up(Sq, block_q)
+  Skv_p = dsl.round_up(Skv, block_k)
+  q, qp, qs = _pad_to(q, 1, Sq_p), _pad_to(qp, 1, Sq_p), _pad_to(qs, 1, Sq_p)
+  k, v = _pad_to(k, 1, Skv_p), _pad_to(v, 1, Skv_p)
+  kp, ks = _pad_to(kp, 1, Skv_p), _pad_to(ks, 1, Skv_p)
+  meta = _block_ranges(qp, qs, kp, ks, block_q, block_k, causal, window)
+  nq = Sq_p // block_q
+  kernel = functools.partial(_triton_kernel, c=scale * LOG2E, causal=causal, window=window,
+                             block_k=block_k)
+  in_specs = [
+      pl.BlockSpec((None, None, 4), lambda i, b, h: (b, i, 0)),
+      pl.BlockSpec((None, block_q, None, D), lambda i, b, h: (b, i, h, 0)),
+      pl.BlockSpec((None, Skv_p, None, D), lambda i, b, h: (b, 0, h // G, 0)),
+      pl.BlockSpec((None, Skv_p, None, D), lambda i, b, h: (b, 0, h // G, 0)),
+      pl.BlockSpec((None, block_q), lambda i, b, h: (b, i)),
+      pl.BlockSpec((None, block_q), lambda i, b, h: (b, i)),
+      pl.BlockSpec((None, Skv_p), lambda i, b, h: (b, 0)),
+      pl.BlockSpec((None, Skv_p), lambda i, b, h: (b, 0)),
+  ]
+  out_shape = [jax.ShapeDtypeStruct((B, Sq_p, Hq, D), q.dtype)]
+  out_specs = [pl.BlockSpec((None, block_q, None, D), lambda i, b, h: (b, i, h, 0))]
+  if has_lse:
+    out_shape.append(jax.ShapeDtypeStruct((B, Hq, Sq_p), jnp.float32))
+    out_specs.append(pl.BlockSpec((None, None, block_q), lambda i, b, h: (b, h, i)))
+  outs = pl.pallas_call(
+      kernel,
+      grid=(nq, B, Hq),
+      in_specs=in_specs,
+      out_specs=out_specs,
+      out_shape=out_shape,
+      compiler_params=pltriton.CompilerParams(num_warps=4 if D <= 64 else 8, num_stages=2),
+      interpret=interpret,
+      name="attention_prefill_triton",
+  )(meta, q, k, v, qp, qs, kp, ks)
+  o = outs[0][:, :Sq]
+  return (o, outs[1][:, :, :Sq]) if has_lse else o
+
+
+def attention_prefill_triton(q, k, v, *, causal=True, sm_scale=None, q_positions=None,
+                             kv_positions=None, q_segment_ids=None, kv_segment_ids=None,
+                             sliding_window=None, return_lse=False):
+  B, Sq, Hq, D, Skv, Hkv = _check(q, k, v, causal, sm_scale, q_positions, kv_positions,
+                                  q_segment_ids, kv_segment_ids, sliding_window, REF_DTYPES)
+  why = _triton_why_not(q)
+  if why:
+    raise ValueError(why)
+  vecs = _vectors(B, Sq, Skv, q_positions, kv_positions, q_segment_ids, kv_segment_ids)
+  scale = float(D ** -0.5 if sm_scale is None else sm_scale)
+  return _attention_triton(q, k, v, *vecs, causal=bool(causal), scale=scale,
+                           window=sliding_window, has_lse=bool(return_lse),
+                           interpret=not target_lib.on_gpu())
+
+
+def _triton_why_not(q) -> str | None:
+  if not hasattr(q, "shape") or q.ndim != 4:
+    return "q must be a 4D array"
+  D = q.shape[-1]
+  if D not in (16, 32, 64, 128, 256):
+    return f"head dim {D} is not supported (Triton blocks need a power of two in 16..256)"
+  if jnp.dtype(q.dtype).name not in REF_DTYPES:
+    return f"dtype {jnp.dtype(q.dtype).name} is not supported (supported: {REF_DTYPES})"
+  return None
+
+
+def _triton_supports(q, k, v, **kwargs) -> str | None:
+  del k, v, kwargs
+  return _triton_why_not(q)
+
+
+# --------------------------------------------------------------------------
+# cuDNN through jax.nn.dot_product_attention
+
+
+def _cudnn_why_not(q, k, v, *, causal=True, sm_scale=None, q_positions=None,
+                   kv_positions=None, q_segment_ids=None, kv_segment_ids=None,
+                   sliding_window=None, return_lse=False) -> str | None:
+  del sm_scale
+  if not target_lib.on_gpu():
+    return f"cuDNN needs a CUDA GPU (running on {target_lib.current().kind})"
+  if not all(hasattr(x, "shape") and x.ndim == 4 for x in (q, k, v)):
+    return "q, k, v must be 4D arrays"
+  if jnp.dtype(q.dtype).name not in DTYPES:
+    return f"dtype {jnp.dtype(q.dtype).name} is not supported (supported: {', '.join(DTYPES)})"
+  if q.shape[-1] % 8 or q.shape[-1] > 128:
+    return f"head dim {q.shape[-1]} is not supported (a multiple of 8 up to 128)"
+  if q_segment_ids is not None or kv_segment_ids is not None:
+    return ("segment ids (packed ragged batches) are not supported by "
+            "jax.nn.dot_product_attention's cuDNN path")
+  if q_positions is not None or kv_positions is not None:
+    return "explicit positions are not supported by jax.nn.dot_product_attention"
+  if causal and q.shape[1] != k.shape[1]:
+    return ("jax.nn.dot_product_attention's causal mask is top-left aligned; a cached prefix "
+            "(Sq != Skv) needs bottom-right alignment")
+  if sliding_window is not None and not causal:
+    return "a sliding window is supported only with causal=True"
+  if return_lse:
+    return "jax.nn.dot_product_attention does not return the log-sum-exp"
+  return None
+
+
+def attention_prefill_cudnn(q, k, v, *, causal=True, sm_scale=None, q_positions=None,
+                            kv_positions=None, q_segment_ids=None, kv_segment_ids=None,
+                            sliding_window=None, return_lse=False):
+  kw = dict(causal=causal, sm_scale=sm_scale, q_positions=q_positions,
+            kv_positions=kv_positions, q_segment_ids=q_segment_ids,
+            kv_segment_ids=kv_segment_ids, sliding_window=sliding_window, return_lse=return_lse)
+  _check(q, k, v, causal, sm_scale, q_positions, kv_positions, q_segment_ids, kv_segment_ids,
+         sliding_window, DTYPES)
+  why = _cudnn_why_not(q, k, v, **kw)
+  if why:
+    raise ValueError(why)
+  window = None if sliding_window is None else (sliding_window - 1, 0)
+  return jax.nn.dot_product_attention(q, k, v, scale=sm_scale, is_causal=bool(causal),
+                                      local_window_size=window, implementation="cudnn")
+
+
+# --------------------------------------------------------------------------
+# XLA (jnp, query-chunked) and the float32 reference
+
+
+def _attend_dense(q, k, v, qp, qs, kp, ks, causal, scale, window, out_dtype):
+  """Exact masked softmax attention for a (chunk of) queries, fp32 math, no K/V repeat."""
+  B, Sq, Hq, D = q.shape
+  Hkv = k.shape[2]
+  G = Hq // Hkv
+  qg = q.reshape(B, Sq, Hkv, G, D)
+  s = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k, preferred_element_type=jnp.float32) * scale
+  vis = _mask(qp, qs, kp, ks, causal, window)[:, None, None]
+  s = jnp.where(vis, s, -jnp.inf)
+  m = s.max(-1, keepdims=True)
+  m = jnp.where(jnp.isfinite(m), m, 0.0)
+  p = jnp.exp(s - m)
+  l = p.sum(-1, keepdims=True)
+  o = jnp.einsum("bhgqk,bkhd->bqhgd", p.astype(v.dtype) if out_dtype != jnp.float32 else p, v,
+                 preferred_element_type=jnp.float32)
+  l_t = jnp.moveaxis(l[..., 0], -1, 1)[..., None]  # [B, Sq, Hkv, G, 1]
+  o = (o / jnp.where(l_t == 0, 1.0, l_t)).reshape(B, Sq, Hq, D).astype(out_dtype)
+  lse = jnp.where(l[..., 0] == 0, -jnp.inf, m[..., 0] + jnp.log(jnp.where(l[..., 0] == 0, 1.0, l[..., 0])))
+  return o, lse.reshape(B, Hq, Sq)
+
+
+def attention_prefill_reference(q, k, v, *, causal=True, sm_scale=None, q_positions=None,
+                                kv_positions=None, q_segment_ids=None, kv_segment_ids=None,
+                                sliding_window=None, return_lse=False):
+  """The meaning of the op in float32 (outputs stay float32)."""
+  B, Sq, Hq, D, Skv, Hkv = _check(q, k, v, causal, sm_scale, q_positions, kv_positions,
+                                  q_segment_ids, kv_segment_ids, sliding_window, REF_DTYPES)
+  vecs = _vectors(B, Sq, Skv, q_positions, kv_positions, q_segment_ids, kv_segment_ids)
+  scale = float(D ** -0.5 if sm_scale is None else sm_scale)
+  f = lambda x: jnp.asarray(x, jnp.float32)
+  o, lse = _attend_dense(f(q), f(k), f(v), *vecs, bool(causal), scale, sliding_window,
+                         jnp.float32)
+  return (o, lse) if return_lse else o
+
+
+@functools.partial(jax.jit, static_argnames=("causal", "scale", "window", "has_lse", "chunk"))
+def _attention_xla(q, k, v, qp, qs, kp, ks, *, causal, scale, window, has_lse, chunk):
+  B, Sq, Hq, D = q.shape
+  if Sq <= chunk:
+    o, lse = _attend_dense(q, k, v, qp, qs, kp, ks, causal, scale, window, q.dtype)
+    return (o, lse) if has_lse else o
+  Sq_p = dsl.round_up(Sq, chunk)
+  n = Sq_p // chunk
+  qc = _pad_to(q, 1, Sq_p).reshape(B, n, chunk, Hq, D).swapaxes(0, 1)
+  qpc = _pad_to(qp, 1, Sq_p).reshape(B, n, chunk).swapaxes(0, 1)
+  qsc = _pad_to(qs, 1, Sq_p).reshape(B, n, chunk).swapaxes(0, 1)
+  o, lse = lax.map(lambda a: _attend_dense(a[0], k, v, a[1], a[2], kp, ks, causal, scale,
+                                           window, q.dtype), (qc, qpc, qsc))
+  o = o.swapaxes(0, 1).reshape(B, Sq_p, Hq, D)[:, :Sq]
+  lse = jnp.moveaxis(lse, 0, 2).reshape(B, Hq, Sq_p)[:, :, :Sq]
+  return (o, lse) if has_lse else o
+
+
+def attention_prefill_xla(q, k, v, *, causal=True, sm_scale=None, q_positions=None,
+                          kv_positions=None, q_segment_ids=None, kv_segment_ids=None,
+                          sliding_window=None, return_lse=False):
+  B, Sq, Hq, D, Skv, Hkv = _check(q, k, v, causal, sm_scale, q_positions, kv_positions,
+                                  q_segment_ids, kv_segment_ids, sliding_window, REF_DTYPES)
+  vecs = _vectors(B, Sq, Skv, q_positions, kv_positions, q_segment_ids, kv_segment_ids)
+  scale = float(D ** -0.5 if sm_scale is None else sm_scale)
+  # Scores of one chunk are B * Hq * chunk * Skv fp32: keep them near 512 MB.
+  budget = (512 << 20) // (4 * B * Hq * Skv)
+  chunk = max(16, min(Sq, 1 << max(4, budget.bit_length() - 1)))
+  return _attention_xla(q, k, v, *vecs, causal=bool(causal), scale=scale, window=sliding_window,
+                        has_lse=bool(return_lse), chunk=chunk)
+
+
+# --------------------------------------------------------------------------
+# Registration
+
+op = registry.op("attention_prefill", "softmax(q k^T * scale + mask) v with GQA, causal, "
+                 "segments, positions, sliding window")
+op.register("mosaic", attention_prefill_mosaic, supports=_mosaic_supports,
+            doc="Mosaic GPU FA3: TMA K/V ring, 2 consumer warpgroups, ping-pong, exp2")
+op.register("cudnn", attention_prefill_cudnn, supports=_cudnn_why_not,
+            doc="cuDNN via jax.nn.dot_product_attention")
+op.register("triton", attention_prefill_triton, supports=_triton_supports,
+            doc="Pallas Triton flash attention (interpreted on CPU)")
+op.register("xla", attention_prefill_xla, doc="jnp, query-chunked, fp32 softmax")
+op.register("reference", attention_prefill_reference, doc="float32 jnp; outputs stay float32")
+op.set_defaults(hopper=("cudnn", "xla"), blackwell=("cudnn", "xla"),
+                cuda=("triton", "xla"), default=("xla",))
+
+
+def attention_prefill(q, k, v, *, backend: str | None = None, **kwargs):
+  return op(q, k, v, backend=backend, **kwargs)
