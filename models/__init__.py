@@ -54,3 +54,9 @@ API used by serving::
 
 CLI: ``python -m models.generate --model default --prompt "..."``.
 """
+
+from models.config import ModelConfig  # noqa: E402
+from models.llama import DEFAULT_PAGE_SIZE, KVCache  # noqa: E402
+from models.model import Model, generate, load, save  # noqa: E402
+
+__all__ = ["DEFAULT_PAGE_SIZE", "KVCache", "Model", "ModelConfig", "generate", "load", "save"]

@@ -1,0 +1,392 @@
+"""Checkpoints: Hugging Face folders, GGUF files, our own orbax directories.
+
+Every reader produces ``(ModelConfig, pure params dict, Tokenizer)``; the pure
+dict has the nesting of ``nnx.state(Llama)`` (``embed``, ``layers.attn.wq.w``,
+..., stacked layer weights [num_layers, ...], matrices [in, out]), with host
+numpy arrays that ``models.model`` turns into device arrays of the chosen dtype.
+
+- HF: config.json + model.safetensors or sharded model-0000x-of-0000y.safetensors
+  (+ model.safetensors.index.json). torch Linear weights are [out, in]: they
+  are transposed. safetensors are read with our own header parser into numpy
+  memory maps (bf16 through ml_dtypes), one tensor at a time.
+- GGUF: the ``gguf`` package reads and dequantizes; llama.cpp stores the Q and
+  K rows of "llama" models permuted for interleaved RoPE, which is undone here
+  since our RoPE rotates the two halves of a head.
+- orbax: ``save(dir, model)`` writes params (orbax StandardCheckpointer),
+  model.json (our config + tokenizer kind) and the tokenizer files.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import shutil
+from typing import Any, Callable
+
+import ml_dtypes
+import numpy as np
+
+from models import tokenizer as tok_lib
+from models.config import ModelConfig
+
+_ST_DTYPES = {
+    "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "F64": np.float64,
+    "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
+    "BOOL": np.bool_,
+}
+
+
+def _progress(iterable, total, desc):
+  try:
+    from tqdm import tqdm
+  except ImportError:  # progress is a nicety
+    return iterable
+  return tqdm(iterable, total=total, desc=desc, unit="tensor", disable=None, leave=False)
+
+
+# ---------------------------------------------------------------- params tree
+
+
+def _target(cfg: ModelConfig) -> dict[str, Any]:
+  """Shapes of our params tree, nested like nnx.state(Llama)."""
+  d, hd, f, n = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size, cfg.num_layers
+  lin = lambda i, o, bias=False: {"w": (n, i, o), **({"b": (n, o)} if bias else {})}
+  tree = {
+      "embed": (cfg.vocab_size, d),
+      "layers": {
+          "attn_norm": {"w": (n, d)},
+          "attn": {
+              "wq": lin(d, cfg.num_heads * hd, cfg.qkv_bias),
+              "wk": lin(d, cfg.num_kv_heads * hd, cfg.qkv_bias),
+              "wv": lin(d, cfg.num_kv_heads * hd, cfg.qkv_bias),
+              "wo": lin(cfg.num_heads * hd, d),
+          },
+          "mlp_norm": {"w": (n, d)},
+          "mlp": {"w_gate": lin(d, f), "w_up": lin(d, f), "w_down": lin(f, d)},
+      },
+      "final_norm": {"w": (d,)},
+  }
+  if not cfg.tie_embeddings:
+    tree["lm_head"] = {"w": (d, cfg.vocab_size)}
+  return tree
+
+
+def _fill(cfg: ModelConfig, get: Callable[[str, int | None], np.ndarray], names: dict,
+          dtype, source: str, desc: str) -> dict[str, Any]:
+  """Builds the params tree; ``names`` maps our leaf path to a source name
+  (with "{i}" for the layer), ``get(name, layer)`` returns the tensor already
+  in our orientation."""
+  target = _target(cfg)
+  out: dict[str, Any] = {}
+  leaves = []
+
+  def walk(t, prefix):
+    for k, v in t.items():
+      if isinstance(v, dict):
+        walk(v, prefix + (k,))
+      else:
+        leaves.append((prefix + (k,), v))
+
+  walk(target, ())
+  per_layer = [p for p in leaves if p[0][0] == "layers"]
+  total = len(leaves) - len(per_layer) + len(per_layer) * cfg.num_layers
+  bar = _progress(range(total), total, desc)
+  it = iter(bar)
+  for path, shape in leaves:
+    key = ".".join(path)
+    name = names[key]
+    if path[0] == "layers":
+      arr = np.empty(shape, dtype)
+      for i in range(cfg.num_layers):
+        arr[i] = _checked(get(name.format(i=i), i), shape[1:], name.format(i=i), source)
+        next(it, None)
+    else:
+      arr = _checked(get(name, None), shape, name, source).astype(dtype)
+      next(it, None)
+    node = out
+    for k in path[:-1]:
+      node = node.setdefault(k, {})
+    node[path[-1]] = arr
+  if hasattr(bar, "close"):
+    bar.close()
+  return out
+
+
+def _checked(arr, shape, name, source):
+  if tuple(arr.shape) != tuple(shape):
+    raise ValueError(f"{source}: tensor {name!r} has shape {tuple(arr.shape)}, "
+                     f"the config implies {tuple(shape)}")
+  return arr
+
+
+# ---------------------------------------------------------------- Hugging Face
+
+
+class _SafetensorsFile:
+  """Header + memory map of one .safetensors file."""
+
+  def __init__(self, path: pathlib.Path):
+    self.path = path
+    try:
+      with open(path, "rb") as fh:
+        n = int.from_bytes(fh.read(8), "little")
+        if not 0 < n < (1 << 30):
+          raise ValueError(f"header length {n}")
+        header = json.loads(fh.read(n))
+    except (OSError, ValueError, UnicodeDecodeError) as e:
+      raise ValueError(f"{path}: not a readable safetensors file ({e})") from None
+    header.pop("__metadata__", None)
+    self.header = header
+    self.offset = 8 + n
+    self._mm = None
+
+  def get(self, name: str) -> np.ndarray:
+    info = self.header[name]
+    if info["dtype"] not in _ST_DTYPES:
+      raise ValueError(f"{self.path}: tensor {name!r} has dtype {info['dtype']}; "
+                       f"supported: {', '.join(_ST_DTYPES)}")
+    if self._mm is None:
+      self._mm = np.memmap(self.path, np.uint8, mode="r")
+    a, b = info["data_offsets"]
+    raw = self._mm[self.offset + a:self.offset + b]
+    return raw.view(_ST_DTYPES[info["dtype"]]).reshape(info["shape"])
+
+
+def _hf_names(cfg: ModelConfig) -> dict[str, str]:
+  p = "model.layers.{i}."
+  names = {
+      "embed": "model.embed_tokens.weight",
+      "layers.attn_norm.w": p + "input_layernorm.weight",
+      "layers.mlp_norm.w": p + "post_attention_layernorm.weight",
+      "final_norm.w": "model.norm.weight",
+      "lm_head.w": "lm_head.weight",
+  }
+  for ours, theirs in (("wq", "q_proj"), ("wk", "k_proj"), ("wv", "v_proj"), ("wo", "o_proj")):
+    names[f"layers.attn.{ours}.w"] = p + f"self_attn.{theirs}.weight"
+    names[f"layers.attn.{ours}.b"] = p + f"self_attn.{theirs}.bias"
+  for ours, theirs in (("w_gate", "gate_proj"), ("w_up", "up_proj"), ("w_down", "down_proj")):
+    names[f"layers.mlp.{ours}.w"] = p + f"mlp.{theirs}.weight"
+  return names
+
+
+def read_hf(folder, dtype=np.float32) -> tuple[ModelConfig, dict, tok_lib.Tokenizer]:
+  folder = pathlib.Path(folder)
+  if not folder.is_dir():
+    raise FileNotFoundError(f"{folder}: not a directory")
+  cfg_path = folder / "config.json"
+  if not cfg_path.exists():
+    raise FileNotFoundError(f"{cfg_path}: missing (a Hugging Face model folder needs config.json)")
+  try:
+    hf = json.loads(cfg_path.read_text())
+  except json.JSONDecodeError as e:
+    raise ValueError(f"{cfg_path}: not valid JSON ({e})") from None
+  try:
+    cfg = ModelConfig.from_hf(hf, name=folder.name)
+  except ValueError as e:
+    raise ValueError(f"{cfg_path}: {e}") from None
+  tokenizer = tok_lib.from_folder(folder)
+
+  files = sorted(folder.glob("*.safetensors"))
+  if not files:
+    raise FileNotFoundError(f"{folder}: no *.safetensors weights (only safetensors are read)")
+  index: dict[str, _SafetensorsFile] = {}
+  for f in files:
+    st = _SafetensorsFile(f)
+    for name in st.header:
+      index[name] = st
+  if cfg.tie_embeddings is False and "lm_head.weight" not in index and \
+      "model.embed_tokens.weight" in index:
+    # Some exports drop lm_head when it equals the embedding.
+    cfg = cfg.replace(tie_embeddings=True)
+
+  def get(name, layer):
+    del layer
+    if name not in index:
+      raise ValueError(f"{folder}: tensor {name!r} missing from {', '.join(f.name for f in files)}")
+    a = index[name].get(name)
+    if a.ndim == 2 and not name.endswith("embed_tokens.weight"):
+      a = a.T  # torch Linear [out, in] -> ours [in, out]
+    return a
+
+  params = _fill(cfg, get, _hf_names(cfg), dtype, str(folder), "loading safetensors")
+  return cfg, params, tokenizer
+
+
+# ---------------------------------------------------------------- GGUF
+
+
+def _gguf_value(field) -> Any:
+  import gguf
+
+  if hasattr(field, "contents"):
+    return field.contents()
+  # Older gguf: decode by hand (scalars and string arrays cover our keys).
+  if field.types and field.types[0] == gguf.GGUFValueType.ARRAY:
+    return [bytes(field.parts[i]).decode() if field.types[-1] == gguf.GGUFValueType.STRING
+            else field.parts[i].tolist()[0] for i in field.data]
+  v = field.parts[field.data[0]]
+  return bytes(v).decode() if field.types[0] == gguf.GGUFValueType.STRING else v.tolist()[0]
+
+
+def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
+  """Inverse of llama.cpp's convert permute on a [out, in] Q/K weight (or [out] bias)."""
+  out = w.shape[0]
+  rest = w.shape[1:]
+  return w.reshape(n_heads, out // n_heads // 2, 2, *rest).swapaxes(1, 2).reshape(w.shape)
+
+
+GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2")
+
+
+def read_gguf(path, dtype=np.float32) -> tuple[ModelConfig, dict, tok_lib.Tokenizer]:
+  import gguf
+
+  path = pathlib.Path(path)
+  if not path.is_file():
+    raise FileNotFoundError(f"{path}: no such GGUF file")
+  try:
+    reader = gguf.GGUFReader(str(path))
+  except Exception as e:
+    raise ValueError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
+  fields = {k: _gguf_value(f) for k, f in reader.fields.items()}
+  arch = fields.get("general.architecture")
+  if arch not in GGUF_ARCHITECTURES:
+    raise ValueError(f"{path}: unsupported architecture {arch!r}; supported: "
+                     f"{', '.join(GGUF_ARCHITECTURES)}")
+  tensors = {t.name: t for t in reader.tensors}
+  if "rope_freqs.weight" in tensors:
+    raise ValueError(f"{path}: per-frequency RoPE factors (rope_freqs.weight, Llama 3.1+ "
+                     "scaling) are not supported from GGUF; use the HF folder of this model")
+
+  def meta(key, default=None, required=True):
+    v = fields.get(f"{arch}.{key}", default)
+    if v is None and required:
+      raise ValueError(f"{path}: GGUF metadata {arch}.{key} is missing")
+    return v
+
+  heads = int(meta("attention.head_count"))
+  d = int(meta("embedding_length"))
+  tokens = fields.get("tokenizer.ggml.tokens")
+  vocab = int(meta("vocab_size", None, required=False) or (len(tokens) if tokens else 0))
+  if not vocab:
+    vocab = int(tensors["token_embd.weight"].shape[-1])
+  cfg = ModelConfig(
+      name=path.stem,
+      vocab_size=vocab,
+      hidden_size=d,
+      num_layers=int(meta("block_count")),
+      num_heads=heads,
+      num_kv_heads=int(meta("attention.head_count_kv", heads)),
+      head_dim=int(meta("attention.key_length", None, required=False)
+                   or meta("rope.dimension_count", None, required=False) or d // heads),
+      intermediate_size=int(meta("feed_forward_length")),
+      rope_theta=float(meta("rope.freq_base", 10000.0)),
+      rms_norm_eps=float(meta("attention.layer_norm_rms_epsilon", 1e-5)),
+      tie_embeddings="output.weight" not in tensors,
+      qkv_bias="blk.0.attn_q.bias" in tensors,
+      sliding_window=meta("attention.sliding_window", None, required=False),
+      max_position_embeddings=int(meta("context_length", 8192)),
+  )
+  tokenizer = tok_lib.from_gguf_fields(fields, str(path))
+  permuted = arch in ("llama", "mistral")
+
+  names = {
+      "embed": "token_embd.weight",
+      "layers.attn_norm.w": "blk.{i}.attn_norm.weight",
+      "layers.mlp_norm.w": "blk.{i}.ffn_norm.weight",
+      "final_norm.w": "output_norm.weight",
+      "lm_head.w": "output.weight",
+  }
+  for ours, theirs in (("wq", "attn_q"), ("wk", "attn_k"), ("wv", "attn_v"), ("wo", "attn_output")):
+    names[f"layers.attn.{ours}.w"] = f"blk.{{i}}.{theirs}.weight"
+    names[f"layers.attn.{ours}.b"] = f"blk.{{i}}.{theirs}.bias"
+  for ours, theirs in (("w_gate", "ffn_gate"), ("w_up", "ffn_up"), ("w_down", "ffn_down")):
+    names[f"layers.mlp.{ours}.w"] = f"blk.{{i}}.{theirs}.weight"
+
+  def get(name, layer):
+    del layer
+    if name not in tensors:
+      raise ValueError(f"{path}: tensor {name!r} missing")
+    t = tensors[name]
+    a = gguf.quants.dequantize(t.data, t.tensor_type)
+    a = np.asarray(a).reshape(tuple(int(x) for x in reversed(t.shape)))  # numpy order: [out, in]
+    if permuted and (".attn_q." in name or ".attn_k." in name):
+      a = _unpermute(a, cfg.num_heads if ".attn_q." in name else cfg.num_kv_heads)
+    if a.ndim == 2 and name != "token_embd.weight":
+      a = a.T  # [out, in] -> [in, out]
+    return a
+
+  params = _fill(cfg, get, names, dtype, str(path), "loading gguf")
+  return cfg, params, tokenizer
+
+
+# ---------------------------------------------------------------- orbax
+
+
+def save(directory, model) -> pathlib.Path:
+  """Writes params (orbax), model.json and the tokenizer into ``directory``."""
+  import orbax.checkpoint as ocp
+  from flax import nnx
+
+  directory = pathlib.Path(directory).absolute()
+  directory.mkdir(parents=True, exist_ok=True)
+  pure = nnx.to_pure_dict(model.params)
+  with ocp.StandardCheckpointer() as ckptr:
+    ckptr.save(directory / "params", pure, force=True)
+  tok = model.tokenizer
+  meta: dict[str, Any] = {"config": model.config.to_dict(), "dtype": str(model.dtype)}
+  if isinstance(tok, tok_lib.ByteTokenizer):
+    meta["tokenizer"] = "byte"
+  elif isinstance(tok, tok_lib.HFTokenizer):
+    meta["tokenizer"] = "tokenizer.json"
+    tok.tk.save(str(directory / "tokenizer.json"))
+  elif isinstance(tok, tok_lib.SentencePieceTokenizer):
+    meta["tokenizer"] = "tokenizer.model"
+    (directory / "tokenizer.model").write_bytes(tok.sp.serialized_model_proto())
+  else:
+    raise ValueError(f"cannot save tokenizer of type {type(tok).__name__}")
+  if not isinstance(tok, tok_lib.ByteTokenizer):
+    (directory / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": tok.bos_token or None, "eos_token": tok.eos_token or None,
+        "chat_template": tok.chat_template}))
+    (directory / "generation_config.json").write_text(json.dumps({
+        "bos_token_id": tok.bos_id, "eos_token_id": list(tok.eos_ids)}))
+  (directory / "model.json").write_text(json.dumps(meta, indent=1))
+  return directory
+
+
+def is_orbax_dir(path) -> bool:
+  path = pathlib.Path(path)
+  return (path / "model.json").exists() and (path / "params").is_dir()
+
+
+def read_orbax(directory, dtype) -> tuple[ModelConfig, dict, tok_lib.Tokenizer]:
+  """Restores what ``save`` wrote, as arrays of ``dtype``."""
+  import jax
+  import jax.numpy as jnp
+  import orbax.checkpoint as ocp
+
+  directory = pathlib.Path(directory).absolute()
+  meta_path = directory / "model.json"
+  if not meta_path.exists():
+    raise FileNotFoundError(f"{meta_path}: missing (not a directory written by models.save)")
+  meta = json.loads(meta_path.read_text())
+  cfg = ModelConfig.from_dict(meta["config"])
+  if meta.get("tokenizer") == "byte":
+    tokenizer: tok_lib.Tokenizer = tok_lib.ByteTokenizer()
+  else:
+    tokenizer = tok_lib.from_folder(directory)
+  saved = jnp.dtype(meta.get("dtype", "float32"))
+  target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, saved), _target(cfg),
+                        is_leaf=lambda x: isinstance(x, tuple))
+  with ocp.StandardCheckpointer() as ckptr:
+    params = ckptr.restore(directory / "params", target)
+  params = jax.tree.map(lambda a: jnp.asarray(a, dtype), params)
+  return cfg, params, tokenizer
+
+
+def copy_tokenizer_files(src: pathlib.Path, dst: pathlib.Path) -> None:
+  for name in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json",
+               "generation_config.json", "chat_template.jinja"):
+    if (src / name).exists():
+      shutil.copy(src / name, dst / name)

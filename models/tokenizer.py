@@ -1,0 +1,205 @@
+"""Tokenizers behind one small interface.
+
+Every tokenizer has ``encode(str) -> list[int]`` (no BOS added: the caller
+decides), ``decode(list[int]) -> str`` (special tokens skipped), ``bos_id``,
+``eos_ids`` and ``apply_chat_template(messages, add_generation_prompt=True)``
+which renders the model's Jinja chat template (``None`` when it has none).
+
+Sources: a byte-level tokenizer that needs no files (the "tiny" model), a
+Hugging Face ``tokenizer.json`` (the ``tokenizers`` package), a sentencepiece
+``tokenizer.model``, and the GPT-2 style BPE vocabulary embedded in a GGUF file.
+``from_folder`` picks the right one for an HF folder.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from typing import Any, Sequence
+
+
+class Tokenizer:
+  bos_id: int | None = None
+  eos_ids: tuple[int, ...] = ()
+  chat_template: str | None = None
+  bos_token: str = ""
+  eos_token: str = ""
+
+  def encode(self, text: str) -> list[int]:
+    raise NotImplementedError
+
+  def decode(self, ids: Sequence[int]) -> str:
+    raise NotImplementedError
+
+  def apply_chat_template(self, messages: list[dict[str, str]], *,
+                          add_generation_prompt: bool = True) -> str | None:
+    if not self.chat_template:
+      return None
+    import jinja2
+    from jinja2 import sandbox
+
+    def raise_exception(msg):
+      raise ValueError(f"chat template: {msg}")
+
+    env = sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = raise_exception
+    try:
+      tmpl = env.from_string(self.chat_template)
+    except jinja2.TemplateSyntaxError as e:
+      raise ValueError(f"chat template does not parse: {e}") from None
+    return tmpl.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                       bos_token=self.bos_token, eos_token=self.eos_token)
+
+
+class ByteTokenizer(Tokenizer):
+  """UTF-8 bytes shifted by 3; 0 = pad, 1 = BOS, 2 = EOS. Needs vocab >= 259."""
+
+  OFFSET = 3
+
+  def __init__(self):
+    self.bos_id, self.eos_ids = 1, (2,)
+    self.bos_token, self.eos_token = "<s>", "</s>"
+    self.chat_template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n"
+                          "{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}")
+
+  def encode(self, text: str) -> list[int]:
+    return [b + self.OFFSET for b in text.encode("utf-8")]
+
+  def decode(self, ids: Sequence[int]) -> str:
+    return bytes(i - self.OFFSET for i in ids
+                 if self.OFFSET <= i < 256 + self.OFFSET).decode("utf-8", "replace")
+
+
+class HFTokenizer(Tokenizer):
+  """A ``tokenizers.Tokenizer`` (from tokenizer.json or built from GGUF)."""
+
+  def __init__(self, tk, *, bos_id=None, eos_ids=(), chat_template=None):
+    self.tk = tk
+    self.bos_id = bos_id
+    self.eos_ids = tuple(eos_ids)
+    self.chat_template = chat_template
+    self.bos_token = tk.id_to_token(bos_id) if bos_id is not None else ""
+    self.eos_token = tk.id_to_token(self.eos_ids[0]) if self.eos_ids else ""
+
+  def encode(self, text: str) -> list[int]:
+    return self.tk.encode(text, add_special_tokens=False).ids
+
+  def decode(self, ids: Sequence[int]) -> str:
+    return self.tk.decode(list(ids), skip_special_tokens=True)
+
+
+class SentencePieceTokenizer(Tokenizer):
+
+  def __init__(self, path: pathlib.Path, *, bos_id=None, eos_ids=None, chat_template=None):
+    import sentencepiece as spm
+
+    self.sp = spm.SentencePieceProcessor(model_file=str(path))
+    self.bos_id = bos_id if bos_id is not None else (self.sp.bos_id() if self.sp.bos_id() >= 0 else None)
+    self.eos_ids = tuple(eos_ids) if eos_ids else ((self.sp.eos_id(),) if self.sp.eos_id() >= 0 else ())
+    self.chat_template = chat_template
+    self.bos_token = self.sp.id_to_piece(self.bos_id) if self.bos_id is not None else ""
+    self.eos_token = self.sp.id_to_piece(self.eos_ids[0]) if self.eos_ids else ""
+
+  def encode(self, text: str) -> list[int]:
+    return self.sp.encode(text)
+
+  def decode(self, ids: Sequence[int]) -> str:
+    return self.sp.decode([int(i) for i in ids])
+
+
+def _token_id(tk, value) -> int | None:
+  """An id from tokenizer_config's bos/eos entry (a string or an AddedToken dict)."""
+  if value is None:
+    return None
+  if isinstance(value, dict):
+    value = value.get("content")
+  return tk.token_to_id(value) if hasattr(tk, "token_to_id") else None
+
+
+def from_folder(folder: pathlib.Path) -> Tokenizer:
+  """tokenizer.json if present, else tokenizer.model; bos/eos and the chat
+  template from tokenizer_config.json / generation_config.json."""
+  folder = pathlib.Path(folder)
+  tcfg: dict[str, Any] = {}
+  if (folder / "tokenizer_config.json").exists():
+    tcfg = json.loads((folder / "tokenizer_config.json").read_text())
+  gcfg: dict[str, Any] = {}
+  if (folder / "generation_config.json").exists():
+    gcfg = json.loads((folder / "generation_config.json").read_text())
+  template = tcfg.get("chat_template")
+  if template is None and (folder / "chat_template.jinja").exists():
+    template = (folder / "chat_template.jinja").read_text()
+  if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
+    template = next((t["template"] for t in template if t.get("name") == "default"),
+                    template[0]["template"] if template else None)
+  gen_eos = gcfg.get("eos_token_id")
+  gen_eos = [gen_eos] if isinstance(gen_eos, int) else list(gen_eos or [])
+
+  if (folder / "tokenizer.json").exists():
+    import tokenizers
+
+    try:
+      tk = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
+    except Exception as e:
+      raise ValueError(f"{folder / 'tokenizer.json'}: cannot be read: {e}") from None
+    bos = _token_id(tk, tcfg.get("bos_token"))
+    if bos is None:
+      bos = gcfg.get("bos_token_id")
+    eos = gen_eos or [i for i in [_token_id(tk, tcfg.get("eos_token"))] if i is not None]
+    return HFTokenizer(tk, bos_id=bos, eos_ids=eos, chat_template=template)
+  if (folder / "tokenizer.model").exists():
+    return SentencePieceTokenizer(folder / "tokenizer.model", bos_id=gcfg.get("bos_token_id"),
+                                  eos_ids=gen_eos, chat_template=template)
+  raise FileNotFoundError(
+      f"{folder}: no tokenizer found: expected tokenizer.json (Hugging Face tokenizers) "
+      "or tokenizer.model (sentencepiece)")
+
+
+# llama.cpp's pre-tokenizer names -> the split regex of the original tokenizer.
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?"
+                 r"[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?"
+                r"[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+def from_gguf_fields(fields: dict[str, Any], path: str = "<gguf>") -> Tokenizer:
+  """Builds the tokenizer embedded in a GGUF file (``fields``: key -> value)."""
+  kind = fields.get("tokenizer.ggml.model")
+  if kind is None:
+    raise ValueError(f"{path}: the GGUF file has no embedded tokenizer (tokenizer.ggml.model)")
+  if kind != "gpt2":
+    raise ValueError(f"{path}: GGUF tokenizer model {kind!r} is not supported; supported: "
+                     "'gpt2' (byte-level BPE). Use an HF folder with tokenizer.json instead")
+  import tokenizers
+  from tokenizers import decoders, models as tk_models, pre_tokenizers
+
+  tokens = list(fields["tokenizer.ggml.tokens"])
+  merges = [tuple(m.split(" ", 1)) for m in fields["tokenizer.ggml.merges"]]
+  vocab = {t: i for i, t in enumerate(tokens)}
+  tk = tokenizers.Tokenizer(tk_models.BPE(vocab=vocab, merges=merges))
+  pre = fields.get("tokenizer.ggml.pre", "default")
+  if pre == "smollm":
+    tk.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+  elif pre in ("llama-bpe", "llama3", "qwen2"):
+    pattern = _LLAMA3_SPLIT if pre != "qwen2" else _QWEN2_SPLIT
+    tk.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(tokenizers.Regex(pattern), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+  else:
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tk.decoder = decoders.ByteLevel()
+  types = list(fields.get("tokenizer.ggml.token_type", []))
+  # 3 = CONTROL, 4 = USER_DEFINED: matched whole in the text, never split.
+  special = [tokenizers.AddedToken(tokens[i], special=True, normalized=False)
+             for i, t in enumerate(types) if t in (3, 4)]
+  tk.add_special_tokens(special)
+  bos = fields.get("tokenizer.ggml.bos_token_id")
+  eos = fields.get("tokenizer.ggml.eos_token_id")
+  eos_ids = [int(eos)] if eos is not None else []
+  eot = fields.get("tokenizer.ggml.eot_token_id")
+  if eot is not None and int(eot) not in eos_ids:
+    eos_ids.append(int(eot))
+  return HFTokenizer(tk, bos_id=None if bos is None else int(bos), eos_ids=eos_ids,
+                     chat_template=fields.get("tokenizer.chat_template"))
