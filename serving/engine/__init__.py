@@ -1,0 +1,54 @@
+"""The engine behind the service: interface (api), batching engine, runners.
+
+Constructors:
+  tiny_engine(...)   the counting model (next byte = previous + 1): known output
+  toy_engine(...)    a small random jnp decoder with the models serving API
+  model_engine(spec) a models.load(spec) model (None = the embedded default)
+"""
+
+from __future__ import annotations
+
+from serving.engine.api import (  # noqa: F401
+    Delta, Draining, Engine, EngineInfo, EngineStats, Failed, Final, FinishReason,
+    InvalidRequest, QueueFull, Request, RequestHandle, SamplingParams, TokenLogprob)
+from serving.engine.engine import BatchingEngine, EngineConfig  # noqa: F401
+from serving.engine.runners import CountingRunner, ModelRunner  # noqa: F401
+
+
+def tiny_engine(*, num_pages: int = 64, page_size: int = 4, max_context: int = 1024,
+                **config) -> BatchingEngine:
+  config.setdefault("warmup", False)
+  runner = CountingRunner(num_pages=num_pages, page_size=page_size, max_context=max_context)
+  return BatchingEngine(runner, EngineConfig(**config))
+
+
+def toy_engine(*, num_pages: int = 128, page_size: int = 8, seed: int = 0,
+               **config) -> BatchingEngine:
+  from serving.engine.toy_model import ToyModel
+
+  runner = ModelRunner(ToyModel(seed=seed), num_pages=num_pages, page_size=page_size)
+  return BatchingEngine(runner, EngineConfig(**config))
+
+
+def default_page_size() -> int:
+  try:
+    from kernels.attention_decode import DEFAULT_PAGE_SIZE
+    return int(DEFAULT_PAGE_SIZE)
+  except ImportError:
+    return 64
+
+
+def model_engine(spec: str | None = None, *, dtype: str = "bfloat16", num_pages: int = 1024,
+                 page_size: int | None = None, attention: str | None = None,
+                 matmul: str | None = None, **config) -> BatchingEngine:
+  """An engine over ``models.load(spec)``; ``spec`` "toy" gives the jnp toy model."""
+  if spec == "toy":
+    return toy_engine(num_pages=num_pages, page_size=page_size or 8, **config)
+  if spec == "counting":
+    return tiny_engine(num_pages=num_pages, page_size=page_size or 4, **config)
+  import models
+
+  model = models.load(spec, dtype=dtype)
+  runner = ModelRunner(model, num_pages=num_pages, page_size=page_size or default_page_size(),
+                       attention=attention, matmul=matmul)
+  return BatchingEngine(runner, EngineConfig(**config))

@@ -1,0 +1,218 @@
+"""The engine interface the service depends on, and the values it exchanges.
+
+``Engine.submit(Request) -> RequestHandle`` queues a request (or raises
+``InvalidRequest`` / ``QueueFull``); the handle's ``events`` queue then yields
+``Delta`` events (new token ids, their text, logprobs) and one ``Final``
+event. ``Engine.cancel(request_id)`` ends a request within one step; its
+pages return to the allocator. ``Engine.drain()`` stops admission of new
+requests and waits for the running ones.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import enum
+import math
+import queue
+import time
+from collections.abc import Sequence
+
+MAX_TOP_LOGPROBS = 5
+
+
+class InvalidRequest(ValueError):
+  """A request the engine cannot run as asked (bad parameter, prompt too long)."""
+
+
+class QueueFull(RuntimeError):
+  """The bounded waiting queue is full; retry later."""
+
+
+class Draining(RuntimeError):
+  """The engine is shutting down and admits no new requests."""
+
+
+class FinishReason(enum.IntEnum):
+  # Values match serving/proto/generate.proto FinishReason.
+  LENGTH = 1
+  STOP = 2
+  EOS = 3
+  CANCELLED = 4
+  DEADLINE = 5
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+  """Per-request sampling; defaults give greedy decoding."""
+
+  temperature: float = 0.0
+  top_k: int = 0
+  top_p: float = 1.0
+  min_p: float = 0.0
+  repetition_penalty: float = 1.0
+  presence_penalty: float = 0.0
+  frequency_penalty: float = 0.0
+  seed: int | None = None
+  max_tokens: int | None = None
+  stop: tuple[str, ...] = ()
+  stop_token_ids: tuple[int, ...] = ()
+  logprobs: bool = False
+  top_logprobs: int = 0
+  ignore_eos: bool = False
+
+  def __post_init__(self):
+    def finite(name):
+      v = getattr(self, name)
+      if not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise InvalidRequest(f"{name}={v!r} must be a finite number")
+    for f in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+              "frequency_penalty"):
+      finite(f)
+    if self.temperature < 0 or self.temperature > 100:
+      raise InvalidRequest(f"temperature={self.temperature} must be in [0, 100] (0 = greedy)")
+    if self.top_k < 0:
+      raise InvalidRequest(f"top_k={self.top_k} must be >= 0 (0 = no cut)")
+    if not 0 < self.top_p <= 1:
+      raise InvalidRequest(f"top_p={self.top_p} must be in (0, 1]")
+    if not 0 <= self.min_p <= 1:
+      raise InvalidRequest(f"min_p={self.min_p} must be in [0, 1]")
+    if not 0 < self.repetition_penalty <= 100:
+      raise InvalidRequest(
+          f"repetition_penalty={self.repetition_penalty} must be in (0, 100] (1 = none)")
+    for f in ("presence_penalty", "frequency_penalty"):
+      if not -2 <= getattr(self, f) <= 2:
+        raise InvalidRequest(f"{f}={getattr(self, f)} must be in [-2, 2]")
+    if self.seed is not None and not 0 <= self.seed < 2**64:
+      raise InvalidRequest(f"seed={self.seed} must be in [0, 2**64)")
+    if self.max_tokens is not None and self.max_tokens < 1:
+      raise InvalidRequest(f"max_tokens={self.max_tokens} must be >= 1")
+    if len(self.stop) > 16 or any(not s or len(s) > 256 for s in self.stop):
+      raise InvalidRequest(
+          f"stop has {len(self.stop)} strings; at most 16 non-empty strings of <= 256 chars")
+    if len(self.stop_token_ids) > 64:
+      raise InvalidRequest(f"{len(self.stop_token_ids)=} stop token ids; at most 64")
+    if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+      raise InvalidRequest(f"top_logprobs={self.top_logprobs} must be in [0, {MAX_TOP_LOGPROBS}]")
+
+  @property
+  def greedy(self) -> bool:
+    return self.temperature == 0.0
+
+  @property
+  def penalized(self) -> bool:
+    return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0)
+
+
+@dataclasses.dataclass
+class Request:
+  request_id: str
+  prompt_ids: Sequence[int] | None = None
+  prompt_text: str | None = None
+  sampling: SamplingParams = dataclasses.field(default_factory=SamplingParams)
+  deadline: float | None = None  # time.monotonic() by which the request must end
+  add_bos: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenLogprob:
+  token_id: int
+  logprob: float
+  top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Delta:
+  token_ids: tuple[int, ...]
+  text: str
+  logprobs: tuple[TokenLogprob, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Final:
+  reason: FinishReason
+  prompt_tokens: int
+  completion_tokens: int
+  cached_prompt_tokens: int
+  queue_s: float
+  first_token_s: float
+  total_s: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Failed:
+  """The engine failed on this request (an internal error, not the client's)."""
+
+  message: str
+
+
+@dataclasses.dataclass
+class RequestHandle:
+  request_id: str
+  prompt_tokens: int
+  events: "queue.SimpleQueue[Delta | Final | Failed]"
+  submitted: float = dataclasses.field(default_factory=time.monotonic)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineInfo:
+  model_name: str
+  vocab_size: int
+  max_context: int
+  eos_token_id: int
+  bos_token_id: int
+  max_batch: int
+  page_size: int
+  num_pages: int
+  dtype: str
+  backends: dict[str, str] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineStats:
+  running: int
+  waiting: int
+  pages_in_use: int
+  pages_cached: int
+  pages_total: int  # usable pages (page 0 excluded)
+  steps: int
+  draining: bool
+
+
+class Engine(abc.ABC):
+  """What the service needs from an engine."""
+
+  info: EngineInfo
+
+  @abc.abstractmethod
+  def start(self) -> None:
+    """Compiles the bucketed shapes and starts the scheduler thread."""
+
+  @abc.abstractmethod
+  def submit(self, request: Request) -> RequestHandle:
+    """Queues a request; raises InvalidRequest, QueueFull or Draining."""
+
+  @abc.abstractmethod
+  def cancel(self, request_id: str) -> None:
+    """Ends the request within one step (no-op if it already ended)."""
+
+  @abc.abstractmethod
+  def tokenize(self, text: str, add_bos: bool = False) -> list[int]:
+    ...
+
+  @abc.abstractmethod
+  def token_pieces(self, ids: Sequence[int]) -> list[str]:
+    ...
+
+  @abc.abstractmethod
+  def stats(self) -> EngineStats:
+    ...
+
+  @abc.abstractmethod
+  def drain(self, timeout: float | None = None) -> bool:
+    """Stops admitting; waits for running and waiting requests; True if all ended."""
+
+  @abc.abstractmethod
+  def stop(self) -> None:
+    """Cancels everything and stops the scheduler thread."""

@@ -1,0 +1,566 @@
+"""The batching engine: one scheduler thread, one model step per iteration.
+
+Each iteration (``step``):
+1. takes new submissions and cancellations from the other threads; ends the
+   requests that were cancelled or ran past their deadline (pages freed now);
+2. gives every decoding request room for one more token, preempting the most
+   recently admitted request (its pages freed, its tokens recomputed later)
+   when the allocator runs dry;
+3. spends the rest of the step's token budget on prefill chunks: first the
+   requests already part-way through their prompt, then new ones admitted in
+   arrival order while their whole prompt fits in free pages and a batch slot
+   is free; page-aligned prompt blocks seen before come from the prefix cache;
+4. runs the prefill chunk batch and the decode batch (shapes padded to the
+   configured buckets, all compiled by ``warmup`` at start), samples on the
+   device, and hands each request its tokens, text and final event.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import enum
+import logging
+import queue
+import random
+import threading
+import time
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from serving.engine import api, sampling
+from serving.engine.pages import PageAllocator, block_hashes
+from serving.engine.text import IncrementalText
+
+log = logging.getLogger("serving.engine")
+
+
+def _pow2_buckets(lo: int, hi: int, factor: int = 2) -> tuple[int, ...]:
+  out, b = [], lo
+  while b < hi:
+    out.append(b)
+    b *= factor
+  out.append(hi)
+  return tuple(out)
+
+
+def _bucket(n: int, buckets: Sequence[int]) -> int:
+  for b in buckets:
+    if b >= n:
+      return b
+  raise ValueError(f"{n=} exceeds the largest bucket {buckets[-1]}")
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+  max_batch: int = 64  # requests decoding together
+  max_waiting: int = 256  # bounded queue: beyond it, submit raises QueueFull
+  max_seq_len: int | None = None  # default: the model's context
+  prefill_chunk: int = 512  # largest prompt chunk per request and step
+  min_chunk: int = 16
+  prefill_rows: int = 4  # prompts prefilled together in one call
+  token_budget: int | None = None  # tokens per step; default max_batch + prefill_chunk
+  default_max_tokens: int = 256
+  prefix_caching: bool = True
+  warmup: bool = True
+  batch_buckets: tuple[int, ...] | None = None  # default: powers of 2 up to max_batch
+
+  def __post_init__(self):
+    for f in ("max_batch", "max_waiting", "prefill_chunk", "min_chunk", "prefill_rows",
+              "default_max_tokens"):
+      if getattr(self, f) < 1:
+        raise ValueError(f"EngineConfig.{f}={getattr(self, f)} must be >= 1")
+    if self.min_chunk > self.prefill_chunk:
+      raise ValueError(f"{self.min_chunk=} must be <= {self.prefill_chunk=}")
+    if self.token_budget is not None and self.token_budget < 1:
+      raise ValueError(f"{self.token_budget=} must be >= 1")
+
+  @property
+  def budget(self) -> int:
+    return self.token_budget or self.max_batch + self.prefill_chunk
+
+
+class _State(enum.Enum):
+  WAITING = 0
+  PREFILL = 1
+  DECODE = 2
+  DONE = 3
+
+
+class _Seq:
+
+  def __init__(self, req: api.Request, handle: api.RequestHandle, prompt: list[int],
+               max_tokens: int, seed: int, tokenizer, order: int):
+    self.req, self.handle, self.params = req, handle, req.sampling
+    self.prompt = prompt
+    self.generated: list[int] = []
+    self.max_tokens = max_tokens
+    self.seed = seed
+    self.order = order  # arrival order: earlier requests are preempted last
+    self.state = _State.WAITING
+    self.pages: list[int] = []
+    self.computed = 0  # tokens whose KV is in the cache
+    self.registered = 0  # full pages registered in the prefix cache
+    self.slot = -1
+    self.cached_tokens = 0
+    self.cancel: api.FinishReason | None = None
+    self.text = IncrementalText(tokenizer, req.sampling.stop, context=prompt)
+    self.scheduled_at: float | None = None
+    self.first_token_at: float | None = None
+    self.hashes: list[bytes] | None = None
+
+  @property
+  def tokens(self) -> list[int]:
+    return self.prompt + self.generated if self.generated else self.prompt
+
+
+class BatchingEngine(api.Engine):
+
+  def __init__(self, runner, config: EngineConfig = EngineConfig()):
+    self.runner = runner
+    self.config = config
+    self.tok = runner.tokenizer
+    self.page_size = runner.page_size
+    self.alloc = PageAllocator(runner.num_pages, runner.page_size,
+                               prefix_caching=config.prefix_caching)
+    self.max_seq_len = min(config.max_seq_len or runner.max_context, runner.max_context)
+    self.max_pages = -(-self.max_seq_len // self.page_size)
+    # The whole cache may hold fewer tokens than the context: a request stops there.
+    self.capacity = min(self.max_seq_len, self.alloc.usable * self.page_size)
+    self.batch_buckets = tuple(sorted(config.batch_buckets or _pow2_buckets(1, config.max_batch)))
+    if self.batch_buckets[-1] != config.max_batch:
+      raise ValueError(f"the largest of {config.batch_buckets=} must be {config.max_batch=}")
+    self.chunk_buckets = _pow2_buckets(config.min_chunk, config.prefill_chunk, 4)
+    self.row_buckets = _pow2_buckets(1, config.prefill_rows)
+    eos = tuple(getattr(self.tok, "eos_ids", ()) or ())
+    bos = getattr(self.tok, "bos_id", None)
+    self.eos_ids = frozenset(eos)
+    self.info = api.EngineInfo(
+        model_name=runner.name, vocab_size=runner.vocab_size, max_context=self.max_seq_len,
+        eos_token_id=eos[0] if eos else -1, bos_token_id=-1 if bos is None else bos,
+        max_batch=config.max_batch, page_size=self.page_size, num_pages=runner.num_pages,
+        dtype=runner.dtype, backends=dict(runner.backends))
+    v = runner.vocab_size
+    self._counts = jnp.zeros((config.max_batch, v), jnp.int32)
+    self._prompt_mask = jnp.zeros((config.max_batch, v), bool)
+    self._free_slots = list(range(config.max_batch - 1, -1, -1))
+    self._lock = threading.Lock()
+    self._wake = threading.Condition(self._lock)
+    self._inbox: list[_Seq] = []
+    self._cancels: list[str] = []
+    self._waiting: collections.deque[_Seq] = collections.deque()
+    self._running: list[_Seq] = []  # admitted, in admission order
+    self._by_id: dict[str, _Seq] = {}
+    self._order = 0
+    self._draining = False
+    self._stopping = False
+    self._thread: threading.Thread | None = None
+    self.steps = 0
+    self.error: BaseException | None = None
+    # Host-side accounting of the last steps: (wall seconds, seconds blocked on device).
+    self.step_times: collections.deque[tuple[float, float, int]] = collections.deque(maxlen=4096)
+    self.observer = None  # optional metrics sink: .on_step(...), .on_final(...)
+
+  # -- the interface -------------------------------------------------------
+
+  def start(self) -> None:
+    if self._thread is not None:
+      return
+    if self.config.warmup:
+      self.warmup()
+    self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
+    self._thread.start()
+
+  def tokenize(self, text: str, add_bos: bool = False) -> list[int]:
+    ids = list(self.tok.encode(text))
+    bos = getattr(self.tok, "bos_id", None)
+    return [bos] + ids if add_bos and bos is not None else ids
+
+  def token_pieces(self, ids: Sequence[int]) -> list[str]:
+    return [self.tok.decode([i]) for i in ids]
+
+  def submit(self, request: api.Request) -> api.RequestHandle:
+    if self._draining or self._stopping:
+      raise api.Draining("the server is shutting down and admits no new requests")
+    if self.error is not None:
+      raise RuntimeError(f"the engine stopped after an error: {self.error!r}")
+    prompt = self._prompt_ids(request)
+    p = request.sampling
+    room = self.max_seq_len - len(prompt)
+    if room < 1:
+      raise api.InvalidRequest(
+          f"the prompt has {len(prompt)} tokens; at most {self.max_seq_len - 1} fit the "
+          f"context of {self.max_seq_len}")
+    max_tokens = min(p.max_tokens or self.config.default_max_tokens, room)
+    if p.max_tokens is not None and p.max_tokens > room:
+      raise api.InvalidRequest(
+          f"prompt ({len(prompt)} tokens) + max_tokens ({p.max_tokens}) exceeds the "
+          f"context of {self.max_seq_len}")
+    if len(prompt) >= self.capacity:
+      raise api.InvalidRequest(
+          f"the prompt has {len(prompt)} tokens; the KV cache holds {self.capacity}")
+    bad = [t for t in p.stop_token_ids if not 0 <= t < self.runner.vocab_size]
+    if bad:
+      raise api.InvalidRequest(f"stop_token_ids {bad} are outside the vocabulary "
+                               f"[0, {self.runner.vocab_size})")
+    seed = p.seed if p.seed is not None else random.getrandbits(64)
+    handle = api.RequestHandle(request.request_id, len(prompt), queue.SimpleQueue())
+    with self._lock:
+      if request.request_id in self._by_id:
+        raise api.InvalidRequest(f"request_id {request.request_id!r} is already running")
+      if len(self._waiting) + len(self._inbox) >= self.config.max_waiting:
+        raise api.QueueFull(f"{self.config.max_waiting} requests are waiting already")
+      self._order += 1
+      seq = _Seq(request, handle, prompt, max_tokens, seed, self.tok, self._order)
+      self._by_id[request.request_id] = seq
+      self._inbox.append(seq)
+      self._wake.notify()
+    return handle
+
+  def _prompt_ids(self, request: api.Request) -> list[int]:
+    if (request.prompt_ids is None) == (request.prompt_text is None):
+      raise api.InvalidRequest("give the prompt as text or as token ids (exactly one)")
+    if request.prompt_text is not None:
+      ids = self.tokenize(request.prompt_text, add_bos=request.add_bos)
+    else:
+      ids = [int(t) for t in request.prompt_ids]
+      bad = [t for t in ids if not 0 <= t < self.runner.vocab_size]
+      if bad:
+        raise api.InvalidRequest(
+            f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.runner.vocab_size})")
+    if not ids:
+      raise api.InvalidRequest("the prompt is empty")
+    return ids
+
+  def cancel(self, request_id: str) -> None:
+    with self._lock:
+      self._cancels.append(request_id)
+      self._wake.notify()
+
+  def stats(self) -> api.EngineStats:
+    with self._lock:
+      waiting = len(self._waiting) + len(self._inbox)
+      running = len(self._running)
+    return api.EngineStats(running=running, waiting=waiting, pages_in_use=self.alloc.in_use,
+                           pages_cached=self.alloc.cached, pages_total=self.alloc.usable,
+                           steps=self.steps, draining=self._draining)
+
+  def drain(self, timeout: float | None = None) -> bool:
+    self._draining = True
+    end = None if timeout is None else time.monotonic() + timeout
+    while True:
+      with self._lock:
+        if not self._by_id:
+          return True
+      if end is not None and time.monotonic() > end:
+        return False
+      time.sleep(0.01)
+
+  def stop(self) -> None:
+    self._stopping = True
+    with self._lock:
+      self._cancels.extend(self._by_id)
+      self._wake.notify()
+    if self._thread is not None:
+      self._thread.join(timeout=30)
+      self._thread = None
+
+  # -- the scheduler -------------------------------------------------------
+
+  def _loop(self) -> None:
+    try:
+      while True:
+        with self._lock:
+          while not (self._inbox or self._cancels or self._waiting or self._running
+                     or self._stopping):
+            self._wake.wait()
+          if self._stopping and not (self._by_id or self._inbox or self._cancels):
+            return
+        if not self.step():
+          time.sleep(0.001)  # nothing could run: do not spin
+        if self._stopping:
+          with self._lock:
+            if not self._by_id:
+              return
+    except BaseException as e:  # noqa: BLE001 - every request must hear about it
+      log.exception("engine step failed")
+      self.error = e
+      with self._lock:
+        seqs = list(self._by_id.values())
+        self._by_id.clear()
+      for s in seqs:
+        s.handle.events.put(api.Failed(f"engine error: {e!r}"))
+
+  def step(self) -> bool:
+    """One iteration; False when nothing could be scheduled."""
+    t0 = time.perf_counter()
+    now = time.monotonic()
+    with self._lock:
+      inbox, self._inbox = self._inbox, []
+      cancels, self._cancels = self._cancels, []
+    self._waiting.extend(inbox)
+    for rid in cancels:
+      seq = self._by_id.get(rid)
+      if seq is not None and seq.cancel is None:
+        seq.cancel = api.FinishReason.CANCELLED
+    for seq in list(self._waiting) + self._running:
+      if seq.cancel is None and seq.req.deadline is not None and now >= seq.req.deadline:
+        seq.cancel = api.FinishReason.DEADLINE
+      if seq.cancel is not None:
+        self._finish(seq, seq.cancel)
+
+    decodes = self._schedule_decodes()
+    prefills = self._schedule_prefills(self.config.budget - len(decodes))
+    if not decodes and not prefills:
+      return False
+    results = []  # (seqs, device outputs, sampled?)
+    if prefills:
+      results.append(self._run_prefill(prefills))
+    if decodes:
+      results.append(self._run_decode(decodes))
+    t_wait = 0.0
+    for seqs, out, want_lp in results:
+      tw = time.perf_counter()
+      tokens = np.asarray(out[0])
+      lp = [np.asarray(x) for x in out[1:4]] if want_lp else None
+      t_wait += time.perf_counter() - tw
+      for i, seq in enumerate(seqs):
+        if seq is not None:
+          self._emit(seq, int(tokens[i]), None if lp is None else (lp[0][i], lp[1][i], lp[2][i]))
+    self.steps += 1
+    dt = time.perf_counter() - t0
+    self.step_times.append((dt, t_wait, len(decodes)))
+    if self.observer is not None:
+      self.observer.on_step(self, dt, t_wait, len(decodes), sum(n for _, n in prefills))
+    return True
+
+  def _schedule_decodes(self) -> list[_Seq]:
+    decodes = []
+    for seq in sorted((s for s in self._running if s.state == _State.DECODE),
+                      key=lambda s: s.order):
+      if seq.state != _State.DECODE:
+        continue  # preempted below while making room for an earlier one
+      while not self._reserve(seq, seq.computed + 1):
+        victim = max((s for s in self._running if s.state != _State.WAITING),
+                     key=lambda s: s.order)
+        self._preempt(victim)
+        if victim is seq:
+          break
+      if seq.state == _State.DECODE:
+        decodes.append(seq)
+    return decodes
+
+  def _reserve(self, seq: _Seq, tokens: int) -> bool:
+    need = -(-tokens // self.page_size) - len(seq.pages)
+    if need <= 0:
+      return True
+    pages = self.alloc.allocate(need)
+    if pages is None:
+      return False
+    seq.pages.extend(pages)
+    return True
+
+  def _preempt(self, seq: _Seq) -> None:
+    log.info("preempting %s (%d tokens) to free KV pages", seq.req.request_id, len(seq.tokens))
+    self.alloc.release(seq.pages)
+    seq.pages, seq.computed, seq.registered = [], 0, 0
+    seq.state = _State.WAITING
+    self._running.remove(seq)
+    self._free_slots.append(seq.slot)
+    seq.slot = -1
+    self._waiting.appendleft(seq)
+
+  def _admit(self, seq: _Seq) -> bool:
+    if not self._free_slots:
+      return False
+    tokens = seq.tokens
+    seq.hashes = block_hashes(tokens, self.page_size)
+    # At least one token is computed, for the logits of the next token.
+    cached = self.alloc.lookup(seq.hashes[:(len(tokens) - 1) // self.page_size])
+    need = -(-len(tokens) // self.page_size) - len(cached)
+    fresh = self.alloc.allocate(need)
+    if fresh is None:
+      self.alloc.release(cached)
+      return False
+    seq.pages = cached + fresh
+    seq.computed = seq.registered = len(cached) * self.page_size
+    if not seq.generated:
+      seq.cached_tokens = seq.computed
+    seq.state = _State.PREFILL
+    seq.slot = self._free_slots.pop()
+    if seq.scheduled_at is None:
+      seq.scheduled_at = time.monotonic()
+    if seq.params.penalized:
+      v = self.runner.vocab_size
+      counts = np.bincount(np.asarray(seq.generated, np.int64), minlength=v)[:v].astype(np.int32)
+      mask = np.zeros(v, bool)
+      mask[np.asarray(seq.prompt)] = True
+      self._counts, self._prompt_mask = sampling.set_rows(
+          self._counts, self._prompt_mask, np.int32(seq.slot), counts, mask)
+    self._running.append(seq)
+    return True
+
+  def _schedule_prefills(self, budget: int) -> list[tuple[_Seq, int]]:
+    out = []
+    cap = self.config.prefill_chunk
+    for seq in self._running:
+      if len(out) == self.config.prefill_rows or budget <= 0:
+        return out
+      if seq.state == _State.PREFILL:
+        n = min(len(seq.tokens) - seq.computed, budget, cap)
+        out.append((seq, n))
+        budget -= n
+    while (self._waiting and len(out) < self.config.prefill_rows and budget > 0
+           and not self._stopping):
+      seq = self._waiting[0]
+      if not self._admit(seq):
+        break
+      self._waiting.popleft()
+      n = min(len(seq.tokens) - seq.computed, budget, cap)
+      out.append((seq, n))
+      budget -= n
+    return out
+
+  def _sampling_call(self, seqs: list[_Seq | None], logits, batch: int):
+    live = [s for s in seqs if s is not None]
+    arrays = sampling.pack(
+        [s.params if s else None for s in seqs], [s.seed if s else 0 for s in seqs],
+        [len(s.generated) if s else 0 for s in seqs], [s.slot if s else -1 for s in seqs], batch)
+    if all(s.params.greedy and not s.params.penalized for s in live):
+      out = sampling.greedy(logits, arrays, self._counts)
+    else:
+      out = sampling.sample(logits, arrays, self._counts, self._prompt_mask)
+    self._counts = out[4]
+    return out[:4], any(s.params.logprobs or s.params.top_logprobs for s in live)
+
+  def _run_prefill(self, chunks: list[tuple[_Seq, int]]):
+    rows = _bucket(len(chunks), self.row_buckets)
+    t = _bucket(max(n for _, n in chunks), self.chunk_buckets)
+    tokens = np.zeros((rows, t), np.int32)
+    positions = np.zeros((rows,), np.int32)
+    lengths = np.zeros((rows,), np.int32)
+    table = np.zeros((rows, self.max_pages), np.int32)
+    finishing: list[_Seq | None] = [None] * rows
+    for i, (seq, n) in enumerate(chunks):
+      tokens[i, :n] = seq.tokens[seq.computed:seq.computed + n]
+      positions[i], lengths[i] = seq.computed, n
+      table[i, :len(seq.pages)] = seq.pages
+      seq.computed += n
+      self._register_blocks(seq)
+      if seq.computed == len(seq.tokens):
+        finishing[i] = seq
+    logits = self.runner.prefill(tokens, positions, lengths, table)
+    out, want_lp = self._sampling_call(finishing, logits, rows)
+    for seq in finishing:
+      if seq is not None:
+        seq.state = _State.DECODE
+    return finishing, out, want_lp
+
+  def _register_blocks(self, seq: _Seq) -> None:
+    full = min(seq.computed // self.page_size, len(seq.hashes or ()))
+    for i in range(seq.registered // self.page_size, full):
+      self.alloc.register(seq.pages[i], seq.hashes[i])
+    seq.registered = max(seq.registered, full * self.page_size)
+
+  def _run_decode(self, seqs: list[_Seq]):
+    b = _bucket(len(seqs), self.batch_buckets)
+    tokens = np.zeros((b,), np.int32)
+    lengths = np.zeros((b,), np.int32)
+    table = np.zeros((b, self.max_pages), np.int32)
+    for i, seq in enumerate(seqs):
+      tokens[i] = seq.generated[-1]
+      lengths[i] = seq.computed + 1
+      table[i, :len(seq.pages)] = seq.pages
+      seq.computed += 1
+    logits = self.runner.decode(tokens, lengths, table)
+    rows: list[_Seq | None] = list(seqs) + [None] * (b - len(seqs))
+    out, want_lp = self._sampling_call(rows, logits, b)
+    return rows, out, want_lp
+
+  def _emit(self, seq: _Seq, token: int, lp) -> None:
+    now = time.monotonic()
+    if seq.first_token_at is None:
+      seq.first_token_at = now
+    seq.generated.append(token)
+    p = seq.params
+    reason = None
+    is_eos = token in self.eos_ids and not p.ignore_eos
+    is_stop = token in p.stop_token_ids
+    text = seq.text.push([token], skip=is_eos or is_stop)
+    if is_eos:
+      reason = api.FinishReason.EOS
+    elif is_stop or seq.text.stopped:
+      reason = api.FinishReason.STOP
+    elif len(seq.generated) >= seq.max_tokens or len(seq.tokens) >= self.capacity:
+      reason = api.FinishReason.LENGTH
+    if reason is not None and reason != api.FinishReason.STOP:
+      text += seq.text.flush()
+    ids = () if is_eos or is_stop else (token,)
+    logprobs = ()
+    if lp is not None and (p.logprobs or p.top_logprobs) and ids:
+      chosen, top_ids, top_lp = lp
+      top = tuple((int(top_ids[j]), float(top_lp[j])) for j in range(p.top_logprobs))
+      logprobs = (api.TokenLogprob(token, float(chosen), top),)
+    if ids or text:
+      seq.handle.events.put(api.Delta(ids, text, logprobs))
+    if reason is not None:
+      self._finish(seq, reason)
+
+  def _finish(self, seq: _Seq, reason: api.FinishReason) -> None:
+    if seq.state == _State.DONE:
+      return
+    if seq.state == _State.WAITING:
+      self._waiting.remove(seq)
+    else:
+      self._running.remove(seq)
+      self.alloc.release(seq.pages)
+      seq.pages = []
+      self._free_slots.append(seq.slot)
+    seq.state = _State.DONE
+    with self._lock:
+      self._by_id.pop(seq.req.request_id, None)
+    now = time.monotonic()
+    t0 = seq.handle.submitted
+    final = api.Final(
+        reason=reason, prompt_tokens=len(seq.prompt), completion_tokens=len(seq.generated),
+        cached_prompt_tokens=seq.cached_tokens,
+        queue_s=(seq.scheduled_at or now) - t0,
+        first_token_s=(seq.first_token_at - t0) if seq.first_token_at else 0.0,
+        total_s=now - t0)
+    seq.handle.events.put(final)
+    if self.observer is not None:
+      self.observer.on_final(final)
+
+  # -- warm-up ---------------------------------------------------------------
+
+  def warmup(self) -> None:
+    """Compiles every bucketed shape once, writing only to the null page."""
+    t0 = time.perf_counter()
+    v = self.runner.vocab_size
+    table_w = self.max_pages
+    for b in self.batch_buckets:
+      logits = self.runner.decode(np.zeros((b,), np.int32), np.zeros((b,), np.int32),
+                                  np.zeros((b, table_w), np.int32))
+      self._warm_sampling(logits, b)
+    for rows in self.row_buckets:
+      for t in self.chunk_buckets:
+        logits = self.runner.prefill(np.zeros((rows, t), np.int32), np.zeros((rows,), np.int32),
+                                     np.zeros((rows,), np.int32),
+                                     np.zeros((rows, table_w), np.int32))
+        self._warm_sampling(logits, rows)
+    jax.block_until_ready(self._counts)
+    del v
+    log.info("warm-up compiled %d decode and %d prefill shapes in %.1f s",
+             len(self.batch_buckets), len(self.row_buckets) * len(self.chunk_buckets),
+             time.perf_counter() - t0)
+
+  def _warm_sampling(self, logits, b):
+    arrays = sampling.pack([], [], [], [], b)
+    out = sampling.greedy(logits, arrays, self._counts)
+    self._counts = out[4]
+    out = sampling.sample(logits, arrays, self._counts, self._prompt_mask)
+    self._counts = out[4]
+    jax.block_until_ready(out[0])

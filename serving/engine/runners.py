@@ -1,0 +1,71 @@
+"""Model runners: what the batching engine calls to run one step.
+
+A runner owns the KV cache and exposes ``prefill(tokens[B, T], positions[B],
+lengths[B], page_table[B, P]) -> logits[B, V]`` and ``decode(tokens[B],
+lengths[B], page_table[B, P]) -> logits[B, V]`` on host (numpy) inputs,
+returning device logits. ``ModelRunner`` wraps anything with the ``models``
+API (models.Model, or the toy model); ``CountingRunner`` is a model whose
+next token is the previous token + 1, so the service's output is known.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+class ModelRunner:
+
+  def __init__(self, model, *, num_pages: int, page_size: int, attention: str | None = None,
+               matmul: str | None = None):
+    self.model = model
+    cfg = model.config
+    self.name = getattr(cfg, "name", type(model).__name__)
+    self.vocab_size = int(cfg.vocab_size)
+    self.max_context = int(cfg.max_position_embeddings)
+    self.tokenizer = model.tokenizer
+    self.page_size = page_size
+    self.num_pages = num_pages
+    self.cache = model.init_cache(num_pages, page_size=page_size)
+    self.dtype = str(self.cache.k.dtype)
+    self._kw = {k: v for k, v in (("attention", attention), ("matmul", matmul)) if v}
+    self.backends = dict(self._kw)
+
+  def prefill(self, tokens, positions, lengths, page_table):
+    logits, self.cache = self.model.prefill(self.cache, tokens, positions, lengths, page_table,
+                                            **self._kw)
+    return logits
+
+  def decode(self, tokens, lengths, page_table):
+    logits, self.cache = self.model.decode(self.cache, tokens, lengths, page_table, **self._kw)
+    return logits
+
+
+class CountingRunner:
+  """Byte-level 'model': after byte b comes byte (b + 1) % 256, with certainty."""
+
+  def __init__(self, *, num_pages: int = 64, page_size: int = 4, vocab_size: int = 258,
+               max_context: int = 1024):
+    from serving.engine.text import ByteTokenizer
+
+    self.name = "counting"
+    self.vocab_size = vocab_size
+    self.max_context = max_context
+    self.tokenizer = ByteTokenizer(vocab_size)
+    self.page_size = page_size
+    self.num_pages = num_pages
+    self.dtype = "float32"
+    self.backends = {}
+
+  def _logits(self, last):
+    out = np.full((len(last), self.vocab_size), -10.0, np.float32)
+    out[np.arange(len(last)), (np.asarray(last) + 1) % 256] = 10.0
+    return out
+
+  def prefill(self, tokens, positions, lengths, page_table):
+    del positions, page_table
+    lengths = np.asarray(lengths)
+    return self._logits(np.asarray(tokens)[np.arange(len(lengths)), np.maximum(lengths - 1, 0)])
+
+  def decode(self, tokens, lengths, page_table):
+    del lengths, page_table
+    return self._logits(np.asarray(tokens))

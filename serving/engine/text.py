@@ -1,0 +1,93 @@
+"""Tokenizers the engine can use, and incremental detokenization with stops.
+
+``IncrementalText.push(token_ids)`` returns the text that became final with
+those tokens. It decodes a short window of recent tokens rather than the
+whole output (a token's text can depend on its neighbours: byte fallback,
+leading spaces) and holds back an incomplete UTF-8 character. With stop
+strings it also holds back a tail that could be the start of a stop string,
+and reports the stop once the text contains one (text cut before it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+
+class Tokenizer(Protocol):
+  bos_id: int | None
+  eos_ids: tuple[int, ...]
+
+  def encode(self, text: str) -> list[int]: ...
+
+  def decode(self, ids: Sequence[int]) -> str: ...
+
+
+class ByteTokenizer:
+  """UTF-8 bytes as tokens 0..255, then BOS and EOS; needs no files."""
+
+  def __init__(self, vocab_size: int = 258):
+    if vocab_size < 258:
+      raise ValueError(f"{vocab_size=} must be >= 258 (256 bytes + BOS + EOS)")
+    self.vocab_size = vocab_size
+    self.bos_id = 256
+    self.eos_ids = (257,)
+
+  def encode(self, text: str) -> list[int]:
+    return list(text.encode("utf-8"))
+
+  def decode(self, ids: Sequence[int]) -> str:
+    return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
+
+
+_WINDOW = 6  # prompt tokens of left context for the first new token
+
+
+class IncrementalText:
+
+  def __init__(self, tokenizer: Tokenizer, stop: Sequence[str] = (),
+               context: Sequence[int] = ()):
+    self._tok = tokenizer
+    # The prompt's last tokens give the first new token its left context.
+    self._ids: list[int] = list(context[-_WINDOW:])
+    self._prefix = 0  # window start
+    self._read = len(self._ids)  # tokens whose text is already in self._text
+    self._text = ""  # everything decoded as final so far
+    self._emitted = 0  # chars of self._text handed out
+    self._stop = tuple(stop)
+    self._hold = max((len(s) for s in self._stop), default=1) - 1
+    self.stopped = False
+
+  @property
+  def text(self) -> str:
+    return self._text[:self._emitted]
+
+  def push(self, ids: Sequence[int], *, skip: bool = False) -> str:
+    """Adds tokens; returns newly final text. ``skip``: tokens add no text (EOS)."""
+    if self.stopped:
+      return ""
+    if not skip:
+      self._ids.extend(ids)
+      prev = self._tok.decode(self._ids[self._prefix:self._read])
+      cur = self._tok.decode(self._ids[self._prefix:])
+      if len(cur) > len(prev) and not cur.endswith("\ufffd"):
+        self._text += cur[len(prev):]
+        self._prefix, self._read = self._read, len(self._ids)
+    for s in self._stop:
+      i = self._text.find(s, max(0, self._emitted - len(s) + 1))
+      if i >= 0:
+        self.stopped = True
+        self._text = self._text[:i]
+        break
+    end = len(self._text) if self.stopped else max(self._emitted, len(self._text) - self._hold)
+    out = self._text[self._emitted:end]
+    self._emitted = end
+    return out
+
+  def flush(self) -> str:
+    """The held-back tail, at the end of a request that did not stop on a string."""
+    if self.stopped:
+      return ""
+    out = self._text[self._emitted:]
+    self._emitted = len(self._text)
+    return out
