@@ -23,7 +23,7 @@ def main():
   t = target.current()
   n = 1 << 30  # 2 GiB of bf16: far beyond L2
   xs = [testing.random_inputs([(n,)], jnp.bfloat16)[0] for _ in range(2)]
-  copy = bench.time_jax(lambda x: x * jnp.bfloat16(1.0001), [(x,) for x in xs], iters=20)
+  copy = bench.time_jax(lambda x: x * jnp.bfloat16(2), [(x,) for x in xs], iters=20)
   hbm = 2 * n * 2 / copy.median_s / 1e9
   del xs
   a, b = testing.random_inputs([(8192, 8192), (8192, 8192)], jnp.bfloat16)
@@ -31,7 +31,7 @@ def main():
   tflops = 2 * 8192**3 / mm.median_s / 1e12
   data = {"device": t.name, "bf16_tflops": round(tflops, 1), "hbm_gbps": round(hbm, 1),
           "sms": t.ceilings.sms, "smem_per_block": t.ceilings.smem_per_block,
-          "method": "median device time: 2 GiB bf16 scale-copy; 8192^3 bf16 matmul via XLA",
+          "method": "median device time: 2 GiB bf16 x*2; 8192^3 bf16 matmul via XLA",
           "jax": jax.__version__}
   path = target.CALIBRATION_DIR / f"{t.key}.json"
   path.parent.mkdir(parents=True, exist_ok=True)

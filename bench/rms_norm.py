@@ -47,7 +47,8 @@ def main():
               functools.partial(rn._rms_norm_mosaic, eps=1e-6, config=cfg), sets, iters=10).median_s,
       )
       for r in results:
-        print(f"  tune {shape} {r.config}: {r.seconds and r.seconds * 1e6:.1f} us {r.error or ''}")
+        us = f"{r.seconds * 1e6:.1f} us" if r.seconds is not None else "failed"
+        print(f"  tune {shape} {r.config}: {us} {r.error or ''}")
       tuned[tuning.shape_key(cols=shape[1], dtype="bfloat16")] = best
       impls["mosaic"] = functools.partial(rn._rms_norm_mosaic, eps=1e-6, config=best)
     for name, f in impls.items():

@@ -45,10 +45,14 @@ __all__ = [
     "pl", "plgpu", "jax", "jnp", "lax", "InterpretGPUParams", "kernel",
     "interpret_params", "interpreting", "reset_interpret_state", "races_found",
     "smem_transforms", "swizzle_bytes", "pipeline", "warp_specialized_pipeline",
-    "WARPGROUP_THREADS", "cdiv", "round_up",
+    "WARPGROUP_THREADS", "IN_BOUNDS", "cdiv", "round_up",
 ]
 
 WARPGROUP_THREADS = 128  # a Pallas Mosaic GPU "thread" is one warpgroup
+
+# oob_mode for copies the caller guarantees in bounds: a contiguous one then
+# lowers to a plain bulk copy (no tensor map, no 256-element box limit).
+IN_BOUNDS = plgpu.OOBFillMode.PROMISE_IN_BOUNDS
 
 
 def cdiv(a: int, b: int) -> int:
