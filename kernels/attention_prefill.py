@@ -55,6 +55,9 @@ class Config(tuning.KernelConfig):
   block_kv: int = 128
   stages: int = 2
   pingpong: bool = True
+  # P goes to wgmma from SMEM instead of registers (the interpreter reads
+  # wgmma operands only from SMEM, so interpret mode forces this on).
+  p_smem: bool = False
 
   def __post_init__(self):
     if self.block_q != 64:
@@ -203,7 +206,7 @@ def _mosaic_kernel(meta_ref, q_ref, k_ref, v_ref, qp_ref, qs_ref, kp_ref, ks_ref
   dtype = q_ref.dtype
   c = scale * LOG2E  # exp(s * scale) == exp2(s * c)
 
-  def body(q_smem, k_smem, v_smem, qvec_smem, kvec_smem, lse_smem,
+  def body(q_smem, k_smem, v_smem, qvec_smem, kvec_smem, lse_smem, p_smem,
            q_bar, k_bar, v_bar, k_free, v_free, sched):
     b = lax.axis_index("batch")
     h = lax.axis_index("heads")
@@ -287,8 +290,15 @@ def _mosaic_kernel(meta_ref, q_ref, k_ref, v_ref, qp_ref, qs_ref, kp_ref, ks_ref
         if cfg.pingpong:
           plgpu.barrier_wait(sched)
 
+        if p_smem is not None:
+          p_smem.at[wg][...] = p16
+          plgpu.commit_smem()
+          p_op = p_smem.at[wg]
+        else:
+          p_op = p16
+
         def pv(acc_ref):
-          plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+          plgpu.wgmma(acc_ref, p_op, v_smem.at[slot])
           return acc_ref[...]
 
         acc = acc + pl.run_scoped(pv, plgpu.ACC((block_q, D), jnp.float32))
@@ -369,6 +379,8 @@ def _mosaic_kernel(meta_ref, q_ref, k_ref, v_ref, qp_ref, qs_ref, kp_ref, ks_ref
       plgpu.SMEM((2, 2, block_q), jnp.int32),
       plgpu.SMEM((stages, 2, block_kv), jnp.int32),
       plgpu.SMEM((2, block_q), jnp.float32) if has_lse else None,
+      plgpu.SMEM((2, block_q, block_kv), dtype, transforms=dsl.smem_transforms(
+          (block_q, block_kv), dtype)) if cfg.p_smem else None,
   ]
   barriers = [
       plgpu.Barrier(num_arrivals=3, num_barriers=2),
@@ -454,6 +466,8 @@ def attention_prefill_mosaic(q, k, v, *, causal=True, sm_scale=None, q_positions
   if why:
     raise ValueError(why)
   cfg = config or _pick_config(Sq, Skv, D, q.dtype)
+  if dsl.interpreting() and not cfg.p_smem:
+    cfg = dataclasses.replace(cfg, p_smem=True)
   vecs = _vectors(B, Sq, Skv, q_positions, kv_positions, q_segment_ids, kv_segment_ids)
   scale = float(D ** -0.5 if sm_scale is None else sm_scale)
   return _attention_mosaic(q, k, v, *vecs, cfg=cfg, causal=bool(causal), scale=scale,

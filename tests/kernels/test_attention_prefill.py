@@ -1,0 +1,187 @@
+"""attention_prefill: every backend against the float32 reference, the
+reference against a naive per-row loop, and the Mosaic kernel's code paths
+(causal skipping, unmasked blocks, consumer skip steps, GQA, cached prefix,
+packed segments, sliding window, lse, padding) in interpret mode on CPU."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernels import attention_prefill as ap
+from mosaic import dsl, registry, testing
+
+
+def _qkv(B, Sq, Skv, Hq, Hkv, D, dtype=jnp.bfloat16):
+  return testing.random_inputs([(B, Sq, Hq, D), (B, Skv, Hkv, D), (B, Skv, Hkv, D)], dtype)
+
+
+def _packed(lengths, total):
+  """Segment ids and restarting positions of sequences packed into one row."""
+  seg, pos = [], []
+  for i, n in enumerate(lengths):
+    seg += [i + 1] * n
+    pos += list(range(n))
+  seg += [0] * (total - len(seg))
+  pos += [0] * (total - len(pos))
+  return jnp.array([seg], jnp.int32), jnp.array([pos], jnp.int32)
+
+
+def _naive(q, k, v, causal, scale, qp, qs, kp, ks, window):
+  q, k, v = (np.asarray(jnp.asarray(x, jnp.float32), np.float64) for x in (q, k, v))
+  B, Sq, Hq, D = q.shape
+  G = Hq // k.shape[2]
+  o = np.zeros_like(q)
+  for b in range(B):
+    for h in range(Hq):
+      for i in range(Sq):
+        ok = [(qs[b, i] == ks[b, j] and qs[b, i] != 0 and (not causal or kp[b, j] <= qp[b, i])
+               and (window is None or qp[b, i] - kp[b, j] < window)) for j in range(k.shape[1])]
+        ok = np.array(ok)
+        if not ok.any():
+          continue
+        s = (k[b, :, h // G] @ q[b, i, h]) * scale
+        s = np.where(ok, s, -np.inf)
+        p = np.exp(s - s.max())
+        o[b, i, h] = (p / p.sum()) @ v[b, :, h // G]
+  return o
+
+
+@pytest.mark.parametrize("causal,window,packed", [(True, None, False), (False, None, False),
+                                                  (True, 5, False), (True, None, True)])
+def test_reference_matches_naive_loop(causal, window, packed):
+  B, Sq, Skv = (1, 24, 24) if packed else (2, 7, 19)
+  q, k, v = _qkv(B, Sq, Skv, 4, 2, 16, jnp.float32)
+  if packed:
+    qs, qp = _packed([9, 4, 8], Sq)
+    ks, kp = qs, qp
+    kw = dict(q_segment_ids=qs, kv_segment_ids=ks, q_positions=qp, kv_positions=kp)
+  else:
+    qp = np.broadcast_to(np.arange(Sq) + Skv - Sq, (B, Sq))
+    kp = np.broadcast_to(np.arange(Skv), (B, Skv))
+    qs, ks = np.ones((B, Sq), int), np.ones((B, Skv), int)
+    kw = {}
+  out = ap.attention_prefill_reference(q, k, v, causal=causal, sliding_window=window,
+                                       sm_scale=0.3, **kw)
+  want = _naive(q, k, v, causal, 0.3, np.asarray(qp), np.asarray(qs), np.asarray(kp),
+                np.asarray(ks), window)
+  testing.assert_close(out, want, jnp.float32)
+  if packed:  # padding queries output exactly 0
+    assert np.all(np.asarray(out)[0, 21:] == 0)
+
+
+def _case(name):
+  """(shape kwargs, op kwargs, mosaic config) for the named case."""
+  seg, pos = _packed([40, 100, 70, 30], 256)
+  cases = {
+      "noncausal": (dict(B=1, Sq=128, Skv=128, Hq=2, Hkv=2, D=64), dict(causal=False), None),
+      # block_kv=64: one consumer needs fewer kv blocks than the other (skip
+      # steps), some blocks are fully visible (the unmasked loop).
+      "causal_skip": (dict(B=1, Sq=256, Skv=256, Hq=2, Hkv=1, D=64), dict(causal=True),
+                      ap.Config(block_kv=64, stages=3)),
+      "prefix_gqa_pad": (dict(B=2, Sq=100, Skv=200, Hq=4, Hkv=1, D=64), dict(causal=True), None),
+      "d128_window": (dict(B=1, Sq=128, Skv=256, Hq=2, Hkv=2, D=128),
+                      dict(causal=True, sliding_window=70), ap.Config(block_kv=64)),
+      "packed": (dict(B=1, Sq=256, Skv=256, Hq=2, Hkv=1, D=64),
+                 dict(causal=True, q_segment_ids=seg, kv_segment_ids=seg, q_positions=pos,
+                      kv_positions=pos), ap.Config(block_kv=64, stages=2)),
+  }
+  return cases[name]
+
+
+CASES = ["noncausal", "causal_skip", "prefix_gqa_pad", "d128_window", "packed"]
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_mosaic_matches_reference(name):
+  shape, kw, cfg = _case(name)
+  dtype = jnp.float16 if name == "d128_window" else jnp.bfloat16
+  q, k, v = _qkv(**shape, dtype=dtype)
+  ref, lse_ref = ap.attention_prefill_reference(q, k, v, return_lse=True, **kw)
+  out, lse = ap.attention_prefill_mosaic(q, k, v, return_lse=True, config=cfg, **kw)
+  assert out.dtype == q.dtype and lse.shape == lse_ref.shape
+  testing.assert_close(out, ref, dtype)
+  finite = np.isfinite(np.asarray(lse_ref))
+  np.testing.assert_array_equal(np.isfinite(np.asarray(lse)), finite)
+  testing.assert_close(jnp.where(finite, lse, 0), jnp.where(finite, lse_ref, 0), jnp.float32,
+                       tol=1e-5, what="lse")
+  if "q_segment_ids" in kw:
+    assert np.all(np.asarray(out, np.float32)[0, 240:] == 0)
+  assert not dsl.races_found()
+
+
+@pytest.mark.parametrize("backend", ["xla", "triton"])
+@pytest.mark.parametrize("name", ["prefix_gqa_pad", "packed", "d128_window"])
+def test_portable_backends_match_reference(backend, name):
+  shape, kw, _ = _case(name)
+  q, k, v = _qkv(**shape)
+  ref, lse_ref = ap.attention_prefill_reference(q, k, v, return_lse=True, **kw)
+  out, lse = registry.get_op("attention_prefill")(q, k, v, backend=backend, return_lse=True, **kw)
+  testing.assert_close(out, ref, jnp.bfloat16)
+  finite = np.isfinite(np.asarray(lse_ref))
+  testing.assert_close(jnp.where(finite, lse, 0), jnp.where(finite, lse_ref, 0), jnp.float32,
+                       tol=1e-5, what="lse")
+
+
+def test_xla_chunked_path_matches_reference(monkeypatch):
+  q, k, v = _qkv(1, 80, 80, 2, 1, 16, jnp.float32)
+  ref = ap.attention_prefill_reference(q, k, v, causal=True)
+  out = ap._attention_xla(q, k, v, *ap._vectors(1, 80, 80, None, None, None, None),
+                          causal=True, scale=0.25, window=None, has_lse=False, chunk=32)
+  testing.assert_close(out, ref, jnp.float32)
+
+
+def test_default_backend_on_cpu_is_not_interpreted():
+  q, k, v = _qkv(1, 16, 16, 2, 2, 64)
+  impl = registry.get_op("attention_prefill").select(q, k, v)
+  assert impl.name in ("xla", "reference")
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(q=(1, 16, 3, 64), k=(1, 16, 2, 64)), "multiple of kv heads"),
+    (dict(q=(1, 16, 2, 64), k=(1, 16, 2, 32)), "head dim"),
+    (dict(q=(16, 2, 64), k=(1, 16, 2, 64)), "4D"),
+])
+def test_bad_shapes_are_rejected(bad, match):
+  q = jnp.ones(bad["q"], jnp.bfloat16)
+  k = jnp.ones(bad["k"], jnp.bfloat16)
+  for backend in ("reference", "xla"):
+    with pytest.raises(ValueError, match=match):
+      registry.get_op("attention_prefill")(q, k, k, backend=backend)
+
+
+def test_mosaic_rejects_what_it_cannot_run():
+  q = jnp.ones((1, 16, 2, 64), jnp.float32)
+  with pytest.raises(registry.BackendError, match="dtype float32"):
+    registry.get_op("attention_prefill")(q, q, q, backend="mosaic")
+  q = jnp.ones((1, 16, 2, 96), jnp.bfloat16)
+  with pytest.raises(registry.BackendError, match="head dim 96"):
+    registry.get_op("attention_prefill")(q, q, q, backend="mosaic")
+  seg = jnp.ones((1, 17), jnp.int32)
+  q = jnp.ones((1, 16, 2, 64), jnp.bfloat16)
+  with pytest.raises(ValueError, match="q_segment_ids must have shape"):
+    ap.attention_prefill_mosaic(q, q, q, q_segment_ids=seg, kv_segment_ids=seg)
+  with pytest.raises(ValueError, match="block_q"):
+    ap.Config(block_q=128)
+
+
+def test_cudnn_says_why_not():
+  q = jnp.ones((1, 16, 2, 64), jnp.bfloat16)
+  why = ap._cudnn_why_not(q, q, q)
+  if not jax.devices()[0].platform == "gpu":
+    assert "CUDA GPU" in why
+  seg = jnp.ones((1, 16), jnp.int32)
+  with pytest.raises(registry.BackendError):
+    registry.get_op("attention_prefill")(q, q, q, backend="cudnn", q_segment_ids=seg,
+                                          kv_segment_ids=seg)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("hq,hkv,d", [(32, 32, 128), (32, 8, 128), (16, 16, 64)])
+def test_mosaic_full_size_on_gpu(causal, hq, hkv, d):
+  q, k, v = _qkv(1, 4096, 4096, hq, hkv, d)
+  ref = ap.attention_prefill_xla(q.astype(jnp.float32), k.astype(jnp.float32),
+                                 v.astype(jnp.float32), causal=causal)
+  out = ap.attention_prefill_mosaic(q, k, v, causal=causal)
+  testing.assert_close(out, ref, jnp.bfloat16)
