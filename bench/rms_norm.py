@@ -37,7 +37,8 @@ def main():
         "xla": jax.jit(functools.partial(rn.rms_norm_xla, eps=1e-6)),
     }
     if args.tune:
-      space = tuning.search_space(rn.Config, block_rows=[1, 2, 4, 8, 16])
+      space = tuning.search_space(rn.Config, block_rows=[1, 2, 4], stages=[2, 3, 4],
+                                  blocks_per_sm=[1, 2, 3])
       space = [s for s in space if shape[0] % s.block_rows == 0]
       best, results = tuning.autotune(
           space,

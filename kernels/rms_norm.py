@@ -1,13 +1,13 @@
 """RMSNorm: y = x / sqrt(mean(x^2, -1) + eps) * weight.
 
-Data flow of the Mosaic GPU kernel: the input is viewed as [rows, D]; each
-block owns ``block_rows`` consecutive rows. One TMA copy brings the rows into
-SMEM (a second brings the weight), the single warpgroup reads a row into
-registers in float32, reduces its sum of squares, scales it, and writes the
-result back over the row in SMEM; one TMA store sends the block out. The op
-is bound by HBM: each element is read once and written once. Blocks are small
-(a few rows) so that several are resident per SM and one block's copies
-overlap another's arithmetic.
+Data flow of the Mosaic GPU kernel: the input is viewed as [rows, D] and cut
+into row blocks of ``block_rows`` rows. A persistent grid of a few blocks per
+SM loads the weight into SMEM once, then walks its share of row blocks
+through a ``stages``-deep TMA pipeline. Per row the single warpgroup reads
+the row into registers in float32, reduces its sum of squares, scales it,
+and writes the result into one of two output slots in SMEM, which a TMA
+store sends out while the next rows are computed. The op is bound by HBM:
+each element is read once and written once.
 """
 
 from __future__ import annotations
@@ -26,42 +26,56 @@ MAX_COLS = 8192  # a row and the weight both live in registers (fp32)
 
 @dataclasses.dataclass(frozen=True)
 class Config(tuning.KernelConfig):
-  block_rows: int = 4
+  block_rows: int = 1  # rows per pipeline step
+  stages: int = 3  # row blocks in flight per block (TMA ring depth)
+  blocks_per_sm: int = 2  # persistent grid = min(row blocks, SMs * this)
 
   def __post_init__(self):
     if self.block_rows not in (1, 2, 4, 8, 16):
       raise ValueError(f"{self.block_rows=} must be one of 1, 2, 4, 8, 16")
+    if not 1 <= self.stages <= 8:
+      raise ValueError(f"{self.stages=} must be in [1, 8]")
+    if not 1 <= self.blocks_per_sm <= 8:
+      raise ValueError(f"{self.blocks_per_sm=} must be in [1, 8]")
 
 
-def _kernel(x_gmem, w_gmem, o_gmem, x_smem, w_smem, bars, *, eps: float, block_rows: int):
-  blk = lax.axis_index("rows")
-  rows = pl.ds(blk * block_rows, block_rows)
-  # In bounds by construction (block_rows divides rows), which lets the copy be
-  # one plain bulk transfer with no tensor map and no 256-element box limit.
-  plgpu.copy_gmem_to_smem(x_gmem.at[rows], x_smem, bars.at[0], oob_mode=dsl.IN_BOUNDS)
-  plgpu.copy_gmem_to_smem(w_gmem, w_smem, bars.at[1], oob_mode=dsl.IN_BOUNDS)
-  plgpu.barrier_wait(bars.at[1])
+def _kernel(x_gmem, w_gmem, o_gmem, w_smem, out_smem, bar, *, eps: float, block_rows: int,
+            stages: int, num_blocks: int, row_blocks: int):
+  # Persistent: block c handles row blocks c, c + G, c + 2G, ... (G blocks).
+  cta = lax.axis_index("blocks")
+  plgpu.copy_gmem_to_smem(w_gmem, w_smem, bar, oob_mode=dsl.IN_BOUNDS)
+  plgpu.barrier_wait(bar)
   w = w_smem[...].astype(jnp.float32)
-  plgpu.barrier_wait(bars.at[0])
-  inv_d = 1.0 / x_smem.shape[-1]
-  for r in range(block_rows):
-    x = x_smem[r].astype(jnp.float32)
-    scale = lax.rsqrt(jnp.sum(x * x) * inv_d + eps)
-    x_smem[r] = (x * scale * w).astype(x_smem.dtype)
-  plgpu.commit_smem()  # make the register->SMEM stores visible to TMA
-  plgpu.copy_smem_to_gmem(x_smem, o_gmem.at[rows])
+  inv_d = 1.0 / x_gmem.shape[-1]
+
+  def step(indices, x_smem):
+    (i,) = indices
+    slot = lax.rem(i, 2)
+    # The store that used this output slot two steps ago must have read it.
+    plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+    for r in range(block_rows):
+      x = x_smem[r].astype(jnp.float32)
+      scale = lax.rsqrt(jnp.sum(x * x) * inv_d + eps)
+      out_smem[slot, r] = (x * scale * w).astype(out_smem.dtype)
+    plgpu.commit_smem()  # register->SMEM stores visible to the TMA engine
+    rows = pl.ds((cta + i * num_blocks) * block_rows, block_rows)
+    plgpu.copy_smem_to_gmem(out_smem.at[slot], o_gmem.at[rows])
+
+  my_steps = (row_blocks - cta + num_blocks - 1) // num_blocks
+  spec = plgpu.BlockSpec(
+      (block_rows, x_gmem.shape[-1]),
+      lambda i: (cta + i * num_blocks, 0),
+      # In bounds by construction (block_rows divides rows): one plain bulk
+      # copy per step, no tensor map and no 256-element box limit.
+      oob_fill_mode=dsl.IN_BOUNDS,
+  )
+  dsl.pipeline(step, grid=(my_steps,), in_specs=[spec], stages=stages)(x_gmem)
   plgpu.wait_smem_to_gmem(0)
 
 
 def _pick_config(rows: int, cols: int, dtype) -> Config:
   key = tuning.shape_key(cols=cols, dtype=jnp.dtype(dtype).name)
-
-  def heuristic():
-    # ~16 KB of input per block keeps several blocks resident per SM.
-    want = max(1, min(16, (16 * 1024) // (cols * jnp.dtype(dtype).itemsize)))
-    return Config(block_rows=1 << (want.bit_length() - 1))
-
-  cfg = tuning.lookup("rms_norm", key, Config, heuristic)
+  cfg = tuning.lookup("rms_norm", key, Config, Config)
   # The block must divide the rows: no padding copy, no out-of-bounds tile.
   br = cfg.block_rows
   while rows % br:
@@ -79,15 +93,20 @@ def _rms_norm_mosaic(x, weight, eps: float, config: Config | None = None):
   if rows % cfg.block_rows:
     raise ValueError(f"{cfg.block_rows=} must divide {rows=}")
   br = cfg.block_rows
+  row_blocks = rows // br
+  num_blocks = min(row_blocks, target_lib.current().ceilings.sms * cfg.blocks_per_sm)
+  if dsl.interpreting():
+    num_blocks = min(row_blocks, 2)  # still more than one step per block
   out = dsl.kernel(
-      functools.partial(_kernel, eps=eps, block_rows=br),
+      functools.partial(_kernel, eps=eps, block_rows=br, stages=cfg.stages,
+                        num_blocks=num_blocks, row_blocks=row_blocks),
       out_type=jax.ShapeDtypeStruct((rows, cols), x.dtype),
-      grid=(rows // br,),
-      grid_names=("rows",),
+      grid=(num_blocks,),
+      grid_names=("blocks",),
       scratch_types=[
-          plgpu.SMEM((br, cols), x.dtype),
           plgpu.SMEM((cols,), weight.dtype),
-          plgpu.Barrier(num_barriers=2),
+          plgpu.SMEM((2, br, cols), x.dtype),
+          plgpu.Barrier(),
       ],
   )(x2, weight)
   return out.reshape(shape)

@@ -25,10 +25,12 @@ def test_matches_reference(backend, dtype, shape):
   assert not dsl.races_found()
 
 
-@pytest.mark.parametrize("block_rows", [1, 2, 4])
-def test_each_block_size(block_rows):
+@pytest.mark.parametrize("block_rows,stages", [(1, 1), (2, 3), (4, 2)])
+def test_each_config(block_rows, stages):
+  # 8 rows over 2 persistent blocks: each walks several pipeline steps, and
+  # with 3 stages the ring wraps around.
   x, w = testing.random_inputs([(8, 128), (128,)], "bfloat16")
-  out = rn.rms_norm_mosaic(x, w, config=rn.Config(block_rows=block_rows))
+  out = rn.rms_norm_mosaic(x, w, config=rn.Config(block_rows=block_rows, stages=stages))
   testing.assert_close(out, rn.rms_norm_reference(x, w), "bfloat16")
 
 
@@ -62,6 +64,8 @@ def test_bad_inputs():
     rn.rms_norm(x, x[0], backend="cuda")
   with pytest.raises(ValueError, match="block_rows"):
     rn.Config(block_rows=3)
+  with pytest.raises(ValueError, match="stages"):
+    rn.Config(stages=0)
 
 
 @pytest.mark.gpu

@@ -1,0 +1,221 @@
+"""matmul: our Mosaic GPU kernel against cuBLAS (through XLA and through torch).
+
+Shapes: 8192^3 and the Llama-3-8B layer shapes (qkv 4096->6144, o 4096->4096,
+gate_up 4096->28672, down 14336->4096, lm_head 4096->128256) at M in
+{1, 16, 64, 256, 2048, 8192}, bf16 in, bf16 out. For every shape each
+backend's output is first checked against the float32 reference (relative
+Frobenius error), then timed on two rotating input sets (so weights do not
+sit hot in L2) with device timers; the table gives microseconds, TFLOP/s
+and GB/s (each operand read once, the output written once) and the ratio
+to the faster cuBLAS figure.
+
+``--tune`` then tries a few configs per shape within ``--budget-s`` seconds
+and writes the measured winners as a tuning table (``matmul_tuning.json``)
+next to the results; a config that is wrong is never timed.
+
+  PYTHONPATH=. python3 bench/matmul.py --out /tmp/mm [--tune] [--small]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import pathlib
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+
+from kernels import matmul as mm
+from mosaic import bench, cost, dsl, target as target_lib, tuning
+
+LAYERS = {  # name: (K, N)
+    "qkv": (4096, 6144),
+    "o": (4096, 4096),
+    "gate_up": (4096, 28672),
+    "down": (14336, 4096),
+    "lm_head": (4096, 128256),
+}
+MS = (1, 16, 64, 256, 2048, 8192)
+COLUMNS = ["shape", "M", "N", "K", "config", "mosaic_us", "xla_us", "torch_us", "mosaic_tflops",
+           "mosaic_GBps", "xla_tflops", "torch_tflops", "vs_best_cublas", "err_mosaic"]
+
+
+def shapes(small: bool):
+  if small:
+    return [("square", 256, 256, 256), ("qkv", 1, 384, 256), ("o", 64, 256, 512)]
+  out = [("square", 8192, 8192, 8192)]
+  for name, (k, n) in LAYERS.items():
+    out += [(name, m, n, k) for m in MS]
+  return out
+
+
+@jax.jit
+def _rel_err(out, ref):
+  d = out.astype(jnp.float32) - ref
+  return jnp.sqrt(jnp.sum(d * d) / jnp.sum(ref * ref))
+
+
+@jax.jit
+def _ref(a, b):
+  return jnp.dot(a.astype(jnp.float32), b.astype(jnp.float32),
+                 precision=jax.lax.Precision.HIGHEST)
+
+
+def candidates(m: int, n: int, k: int, sms: int) -> list[mm.Config]:
+  """A handful of configs around the heuristic's choice."""
+  h = mm.heuristic(m, n, k, sms)
+  C, rep = mm.Config, dataclasses.replace
+  if m <= 64:
+    cs = [h, rep(h, tile_n=64), rep(h, split_k=max(1, h.split_k * 2)),
+          rep(h, split_k=max(1, h.split_k // 2)), rep(h, tile_k=128, stages=2)]
+  elif m <= 256:
+    cs = [h, C(tile_m=64, tile_n=128, stages=5, wg_dim="m"), C(tile_m=64, tile_n=64, stages=6),
+          rep(h, split_k=max(1, h.split_k * 2)), C(tile_m=128, tile_n=128, stages=4)]
+  else:
+    cs = [h, rep(h, wg_dim="m"), rep(h, grid_width=16), rep(h, grid_width=4),
+          rep(h, grid_minor="m"), C(tile_m=64, tile_n=256, stages=4, wg_dim="m", epi_n=64)]
+  seen, out = set(), []
+  for c in cs:
+    if c not in seen and c.smem_bytes() <= mm.SMEM_LIMIT:
+      seen.add(c)
+      out.append(c)
+  return out
+
+
+def cfg_str(c: mm.Config) -> str:
+  return (f"{c.tile_m}x{c.tile_n}x{c.tile_k}/{c.wg_dim} s{c.stages} w{c.grid_width}"
+          f"{c.grid_minor}" + (f" sk{c.split_k}" if c.split_k > 1 else ""))
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--out", required=True)
+  p.add_argument("--small", action="store_true", help="tiny shapes (CPU smoke run)")
+  p.add_argument("--tune", action="store_true")
+  p.add_argument("--budget-s", type=float, default=120.0, help="time allowed for --tune")
+  p.add_argument("--only", default="", help="comma-separated shape names to run")
+  p.add_argument("--no-torch", action="store_true")
+  args = p.parse_args(argv)
+  t_start = time.time()
+  tgt = target_lib.current()
+  sms = jax.devices()[0].core_count if tgt.is_gpu else 132
+  tol = 1.6e-2
+  torch = None
+  if tgt.is_gpu and not args.no_torch:
+    try:
+      import torch
+    except ImportError:
+      torch = None
+  command = "python3 bench/matmul.py " + " ".join(argv if argv is not None else sys.argv[1:])
+  rows, tune_log, winners = [], [], {}
+  todo = shapes(args.small)
+  if args.only:
+    keep = set(args.only.split(","))
+    todo = [s for s in todo if s[0] in keep]
+
+  def timed(f, sets):
+    return bench.time_jax(f, sets, iters=10 if args.small else 20).median_s
+
+  for name, m, n, k in todo:
+    key = jax.random.key(m * 7 + n * 3 + k)
+    ka, kb = jax.random.split(key)
+    sets = []
+    for i in range(1 if args.small else 2):
+      a = jax.random.normal(jax.random.fold_in(ka, i), (m, k), jnp.float32).astype(jnp.bfloat16)
+      b = jax.random.normal(jax.random.fold_in(kb, i), (k, n), jnp.float32).astype(jnp.bfloat16)
+      sets.append((a, b))
+    ref = _ref(*sets[0])
+    c = cost.matmul(m, n, k)
+    row = {"shape": name, "M": m, "N": n, "K": k}
+    cfg = mm.pick_config(m, n, k, jnp.bfloat16)
+    row["config"] = cfg_str(cfg)
+    fns = {
+        "mosaic": jax.jit(lambda a, b, cfg=cfg: mm.matmul_mosaic(a, b, config=cfg)),
+        "xla": jax.jit(lambda a, b: mm.matmul_xla(a, b)),
+    }
+    for backend, f in fns.items():
+      try:
+        err = float(_rel_err(f(*sets[0]), ref))
+        row[f"err_{backend}"] = err
+        if not err <= tol:
+          row[f"{backend}_us"] = f"WRONG {err:.2e}"
+          continue
+        s = timed(f, sets)
+        row[f"{backend}_us"] = s * 1e6
+        u = cost.utilization(c, s)
+        row[f"{backend}_tflops"] = u.tflops
+        row[f"{backend}_GBps"] = u.gbps
+      except Exception as e:  # noqa: BLE001 -- a failure is a row, not a crash
+        row[f"{backend}_us"] = f"FAIL {type(e).__name__}"
+        row[f"{backend}_error"] = str(e)[:400]
+        print(f"{name} M={m} {backend}: {type(e).__name__}: {str(e)[:400]}", flush=True)
+    if torch is not None:
+      ta, tb = (torch.from_dlpack(sets[0][0]), torch.from_dlpack(sets[0][1]))
+      tsets = [(torch.from_dlpack(a), torch.from_dlpack(b)) for a, b in sets]
+      terr = float(_rel_err(jnp.from_dlpack(torch.matmul(ta, tb)), ref))
+      row["err_torch"] = terr
+      if terr <= tol:
+        s = bench.time_torch(torch.matmul, tsets).median_s
+        row["torch_us"] = s * 1e6
+        row["torch_tflops"] = c.flops / s / 1e12
+    best = min([row[x] for x in ("xla_us", "torch_us") if isinstance(row.get(x), float)],
+               default=None)
+    if best and isinstance(row.get("mosaic_us"), float):
+      row["vs_best_cublas"] = best / row["mosaic_us"]
+    rows.append(row)
+    print(" ".join(f"{k_}={v:.4g}" if isinstance(v, float) else f"{k_}={v}"
+                   for k_, v in row.items() if not k_.endswith("_error")), flush=True)
+    bench.write(args.out, "matmul", rows, COLUMNS, command)  # kept if a later shape hangs
+
+  if args.tune:
+    for name, m, n, k in todo:
+      if time.time() - t_start > args.budget_s:
+        tune_log.append({"shape": name, "M": m, "skipped": "budget"})
+        continue
+      kk = jax.random.key(m + n + k)
+      a = jax.random.normal(kk, (m, k), jnp.float32).astype(jnp.bfloat16)
+      b = jax.random.normal(jax.random.fold_in(kk, 1), (k, n), jnp.float32).astype(jnp.bfloat16)
+      ref = _ref(a, b)
+
+      def check(out):
+        err = float(_rel_err(out, ref))
+        if not err <= tol:
+          raise AssertionError(f"relative error {err:.3e}")
+
+      try:
+        best, results = tuning.autotune(
+            candidates(m, n, k, sms),
+            lambda cfg: mm.matmul_mosaic(a, b, config=cfg),
+            check,
+            lambda cfg: bench.time_jax(
+                jax.jit(lambda a, b, cfg=cfg: mm.matmul_mosaic(a, b, config=cfg)),
+                [(a, b)], iters=10).median_s,
+        )
+      except RuntimeError as e:
+        tune_log.append({"shape": name, "M": m, "error": str(e)[:500]})
+        continue
+      winners[mm.tuning_key(m, n, k, jnp.bfloat16)] = best
+      for r in results:
+        tune_log.append({"shape": name, "M": m, "N": n, "K": k, "config": cfg_str(r.config),
+                         "us": None if r.seconds is None else r.seconds * 1e6,
+                         "error": r.error})
+      print(f"tune {name} M={m}: " + ", ".join(
+          f"{cfg_str(r.config)}={'x' if r.seconds is None else f'{r.seconds * 1e6:.1f}'}"
+          for r in results), flush=True)
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "matmul_tune_log.json").write_text(json.dumps(tune_log, indent=1) + "\n")
+    if winners:
+      tuning.save("matmul", winners, path=out / "matmul_tuning.json",
+                  extra={"source": command, "date": bench.environment()["date"]})
+
+  print()
+  print(bench.table(rows, COLUMNS))
+  print(f"total {time.time() - t_start:.0f}s")
+
+
+if __name__ == "__main__":
+  main()
