@@ -86,21 +86,22 @@ def _mosaic_kernel(lengths_ref, table_ref, q_ref, k_ref, v_ref, *refs, tq: int, 
   if split_out:
     o_ref, lse_ref, q_smem, k_smem, v_smem, p_smem, o_smem, lse_smem, bars = refs
   else:
-    o_ref, q_smem, k_smem, v_smem, p_smem, o_smem, bars = refs
+    o_ref, q_smem, k_smem, v_smem, p_smem, bars = refs
+    o_smem = q_smem  # Q is dead after the loop: its buffer stages the output
     lse_ref = lse_smem = None
   q_bar, k_bars, v_bars = bars
   b = lax.axis_index("b")
   h = lax.axis_index("h")
   s = lax.axis_index("s")
   r = lax.axis_index("r")
-  block_kv = pages_per_step * page
   head_dim = q_smem.shape[-1]
 
   length = lengths_ref[b]
-  n_pages = (length + (page - 1)) // page
+  block_kv = pages_per_step * page
   first_step = s * steps_per_split
-  n_steps = jnp.clip((n_pages + (pages_per_step - 1)) // pages_per_step - first_step,
-                     0, steps_per_split)
+  # Scalar arithmetic stays in div/min/max: lengths are >= 0.
+  total_steps = lax.div(length + (block_kv - 1), jnp.int32(block_kv))
+  n_steps = jnp.minimum(jnp.maximum(total_steps - first_step, 0), steps_per_split)
 
   def issue(step, slot):
     """Starts the copies of step ``step``'s pages into ring slot ``slot``."""
@@ -129,7 +130,7 @@ def _mosaic_kernel(lengths_ref, table_ref, q_ref, k_ref, v_ref, *refs, tq: int, 
 
   def body(i, carry):
     acc, m_i, l_i = carry
-    slot = lax.rem(i, stages)
+    slot = lax.rem(i, jnp.int32(stages))
     plgpu.barrier_wait(k_bars.at[slot])
 
     def qk_scope(acc_ref):
@@ -232,6 +233,9 @@ def _attention_decode_mosaic(q, k_pages, v_pages, lengths, page_table, sm_scale:
   tiles = dsl.cdiv(tq * g, ROWS)
   cfg = config or _pick_config(b, hkv, tiles, max_pages, page, d, q.dtype)
   pps = cfg.pages_per_step
+  if (pps * page) % 16:
+    raise ValueError(f"{cfg.pages_per_step=} x {page=} must be a multiple of 16 tokens "
+                     "(the K dimension of the P V wgmma)")
   n_steps = dsl.cdiv(max_pages, pps)
   splits = cfg.splits or _auto_splits(b, hkv, tiles, n_steps)
   splits = min(splits, n_steps)
@@ -257,7 +261,6 @@ def _attention_decode_mosaic(q, k_pages, v_pages, lengths, page_table, sm_scale:
     scratch += [plgpu.SMEM((ROWS, d), jnp.float32), plgpu.SMEM((ROWS,), jnp.float32)]
   else:
     out_type = jax.ShapeDtypeStruct((b, hkv, rows, d), dt)
-    scratch += [plgpu.SMEM((ROWS, d), dt)]
   scratch.append((
       plgpu.Barrier(num_barriers=1),
       plgpu.Barrier(num_arrivals=pps, num_barriers=cfg.stages),

@@ -1,0 +1,191 @@
+"""attention_decode: every backend against the float32 reference.
+
+The reference itself is checked against a per-query numpy loop written from
+the interface's words. Pages are handed out in random order, lengths are
+random and include 0, 1, non-multiples of the page size and lengths shorter
+than Tq. The Mosaic kernel runs in interpret mode on CPU (race detection on).
+"""
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+from kernels import attention_decode as ad
+from mosaic import registry, testing
+
+
+def _seed() -> int:
+  return int(jax.random.randint(testing.fresh_key(), (), 0, 2**31 - 1))
+
+
+def _case(b, tq, hq, hkv, d, page, lengths=None, max_len=None, dtype=jnp.bfloat16,
+          extra_pages=3):
+  """Random q, pages in a random order, a page table with junk past each sequence."""
+  rng = np.random.default_rng(_seed())
+  if lengths is None:
+    lengths = rng.integers(1, max_len + 1, size=b)
+  lengths = np.asarray(lengths, np.int32)
+  mp = max(1, int(-(-lengths.max() // page))) + 1  # one spare column: junk entries
+  num_pages = b * mp + extra_pages
+  perm = rng.permutation(np.arange(1, num_pages))
+  table = perm[:b * mp].reshape(b, mp).astype(np.int32)
+  for i, n in enumerate(lengths):
+    used = -(-int(n) // page)
+    table[i, used:] = rng.integers(0, num_pages, size=mp - used)  # arbitrary valid pages
+  q, kp, vp = testing.random_inputs(
+      [(b, tq, hq, d), (hkv, num_pages, page, d), (hkv, num_pages, page, d)], dtype)
+  return q, kp, vp, jnp.asarray(lengths), jnp.asarray(table)
+
+
+def _naive(q, kp, vp, lengths, table, sm_scale=None):
+  q, kp, vp = (np.asarray(jnp.asarray(x, jnp.float32), np.float64) for x in (q, kp, vp))
+  lengths, table = np.asarray(lengths), np.asarray(table)
+  b, tq, hq, d = q.shape
+  hkv, _, page, _ = kp.shape
+  scale = d ** -0.5 if sm_scale is None else sm_scale
+  out = np.zeros(q.shape)
+  for i in range(b):
+    for t in range(tq):
+      pos = int(lengths[i]) - tq + t
+      for h in range(hq):
+        kh = h // (hq // hkv)
+        keys = [kp[kh, table[i, j // page], j % page] for j in range(pos + 1)]
+        vals = [vp[kh, table[i, j // page], j % page] for j in range(pos + 1)]
+        if not keys:
+          continue
+        s = np.stack(keys) @ q[i, t, h] * scale
+        w = np.exp(s - s.max())
+        out[i, t, h] = (w / w.sum()) @ np.stack(vals)
+  return out
+
+
+@pytest.mark.parametrize("tq", [1, 3])
+def test_reference_matches_naive_loop(tq):
+  args = _case(3, tq, 4, 2, 16, 8, lengths=[1, 13, 24], dtype=jnp.float32)
+  ref = ad.attention_decode_reference(*args, sm_scale=0.3)
+  assert ref.dtype == jnp.float32
+  testing.assert_close(ref, _naive(*args, sm_scale=0.3), tol=1e-5)
+
+
+def test_reference_short_and_empty_rows_are_zero():
+  # length 0: nothing to see; length 1 with Tq=3: queries 0 and 1 sit before
+  # the sequence start and see nothing either.
+  q, kp, vp, lengths, table = _case(2, 3, 4, 2, 16, 8, lengths=[0, 1])
+  out = np.asarray(ad.attention_decode_reference(q, kp, vp, lengths, table))
+  assert np.all(out[0] == 0) and np.all(out[1, :2] == 0)
+  v0 = np.asarray(vp[:, table[1, 0], 0], np.float32)  # the single visible value
+  np.testing.assert_allclose(out[1, 2], np.repeat(v0, 2, axis=0), rtol=1e-6)
+
+
+CASES = {
+    # name: (b, tq, hq, hkv, d, page, lengths)
+    "tq1_gqa4": (4, 1, 8, 2, 64, 16, [1, 37, 64, 5]),
+    "tq4_short": (3, 4, 8, 4, 64, 16, [2, 0, 50]),
+    "tq8_mha": (2, 8, 2, 2, 64, 32, [8, 77]),
+}
+
+
+@pytest.mark.parametrize("backend", ["xla", "triton", "mosaic"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_backend_matches_reference(backend, case):
+  b, tq, hq, hkv, d, page, lengths = CASES[case]
+  args = _case(b, tq, hq, hkv, d, page, lengths=lengths)
+  out = ad.attention_decode(*args, backend=backend)
+  assert out.shape == args[0].shape and out.dtype == args[0].dtype
+  testing.assert_close(out, ad.attention_decode_reference(*args), jnp.bfloat16)
+  # Rows that see no key are exactly 0 (length 0, or a query before the start).
+  out = np.asarray(out, np.float32)
+  for i, n in enumerate(lengths):
+    for t in range(tq):
+      if n - tq + t < 0:
+        assert np.all(out[i, t] == 0), (i, t)
+
+
+@pytest.mark.parametrize("config", [
+    ad.Config(pages_per_step=2, stages=2, splits=3),  # split-K + combine, 2 pages a step
+    ad.Config(pages_per_step=1, stages=3, splits=1),  # ring wraps several times
+])
+def test_mosaic_configs(config):
+  args = _case(3, 2, 8, 2, 64, 16, max_len=150)
+  out = ad.attention_decode_mosaic(*args, config=config)
+  testing.assert_close(out, ad.attention_decode_reference(*args), jnp.bfloat16)
+
+
+def test_mosaic_two_row_tiles_fp16_d128():
+  # 16 query heads on one kv head x 8 tokens = 128 packed rows: two tiles.
+  args = _case(1, 8, 16, 1, 128, 64, lengths=[100], dtype=jnp.float16)
+  out = ad.attention_decode_mosaic(*args, sm_scale=0.05,
+                                   config=ad.Config(pages_per_step=1, stages=2, splits=2))
+  testing.assert_close(out, ad.attention_decode_reference(*args, sm_scale=0.05), jnp.float16)
+
+
+def test_triton_splits():
+  args = _case(2, 2, 8, 2, 64, 16, max_len=200)
+  out = ad.attention_decode_triton(*args, splits=4, pages_per_block=2)
+  testing.assert_close(out, ad.attention_decode_reference(*args), jnp.bfloat16)
+
+
+def test_contiguous_to_paged_round_trip():
+  b, s, hkv, d = 2, 40, 2, 16
+  k, v, q = testing.random_inputs([(b, s, hkv, d), (b, s, hkv, d), (b, 1, 4, d)], jnp.float32)
+  kp, table = ad.contiguous_to_paged(k, page_size=16, seed=_seed())
+  vp, table2 = ad.contiguous_to_paged(v, page_size=16, seed=0)
+  vp = vp.at[:, table.reshape(-1)].set(vp[:, table2.reshape(-1)])
+  assert int(table.min()) >= 1  # page 0 stays the null page
+  lengths = jnp.array([s, s], jnp.int32)
+  out = ad.attention_decode_reference(q, kp, vp, lengths, table)
+  want = jax.nn.dot_product_attention(q, k, v)  # GQA, every key visible
+  testing.assert_close(out, want, tol=1e-5)
+
+
+def test_default_backend_on_cpu_is_xla():
+  args = _case(1, 1, 4, 2, 64, 16, lengths=[5])
+  assert registry.get_op("attention_decode").select(*args).name == "xla"
+  assert ad.DEFAULT_PAGE_SIZE == 64
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(lengths=jnp.array([3], jnp.int64 if jax.config.jax_enable_x64 else jnp.float32)),
+     "lengths must be int32"),
+    (dict(q=jnp.ones((1, 9, 4, 64), jnp.bfloat16)), "tq=9"),
+    (dict(q=jnp.ones((1, 1, 3, 64), jnp.bfloat16)), "multiple of kv heads"),
+    (dict(q=jnp.ones((1, 1, 4, 32), jnp.bfloat16)), "head dims differ"),
+    (dict(page_table=jnp.zeros((2, 3), jnp.int32)), "page_table must be int32"),
+    (dict(v_pages=jnp.ones((2, 5, 16, 64), jnp.float16)), "share a dtype"),
+])
+def test_bad_inputs_are_rejected(bad, match):
+  q, kp, vp, lengths, table = _case(1, 1, 4, 2, 64, 16, lengths=[5])
+  args = dict(q=q, k_pages=kp, v_pages=vp, lengths=lengths, page_table=table)
+  args.update(bad)
+  for backend in ("xla", "reference"):
+    with pytest.raises(ValueError, match=match):
+      ad.attention_decode(*args.values(), backend=backend)
+
+
+def test_mosaic_says_why_not():
+  q, kp, vp, lengths, table = _case(1, 1, 4, 2, 64, 16, lengths=[5], dtype=jnp.float32)
+  with pytest.raises(registry.BackendError, match="dtype float32 is not supported"):
+    ad.attention_decode(q, kp, vp, lengths, table, backend="mosaic")
+  with pytest.raises(ValueError, match="pages_per_step"):
+    ad.Config(pages_per_step=3)
+  args = _case(1, 1, 4, 2, 64, 8, lengths=[5])
+  with pytest.raises(ValueError, match="multiple of 16 tokens"):
+    ad.attention_decode_mosaic(*args, config=ad.Config(pages_per_step=1))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["mosaic", "triton", "xla"])
+def test_gpu_full_size(backend):
+  args = _case(8, 1, 32, 8, 128, 64, max_len=4096)
+  out = ad.attention_decode(*args, backend=backend)
+  testing.assert_close(out, ad.attention_decode_reference(*args), jnp.bfloat16)
+
+
+@pytest.mark.gpu
+def test_gpu_speculative_edges():
+  args = _case(5, 8, 32, 8, 128, 64, lengths=[0, 1, 7, 64, 3001])
+  for backend in ("mosaic", "triton"):
+    out = ad.attention_decode(*args, backend=backend)
+    testing.assert_close(out, ad.attention_decode_reference(*args), jnp.bfloat16)
