@@ -188,7 +188,7 @@ def _kernel(a_gmem, b_gmem, bias_gmem, res_gmem, out_gmem, *, cfg: Config, k_ite
           acc = acc_ref[...]
           if bias_gmem is not None:
             plgpu.barrier_wait(bias_bar)
-            bias = plgpu.load(bias_smem.at[wg], (), layout=plgpu.Layout.WGMMA.reduce(0))
+            bias = plgpu.load(bias_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(0))
             acc = acc + lax.broadcast_in_dim(bias.astype(jnp.float32), (tm, tn), [1])
           # The previous tile's stores must have read their staging buffers.
           plgpu.wait_smem_to_gmem(0, wait_read_only=True)
