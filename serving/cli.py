@@ -1,0 +1,193 @@
+"""``python -m serving serve | generate | loadgen``: flags are parsed only here."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import pathlib
+import sys
+import time
+
+_SAMPLING_FLAGS = (("temperature", float), ("top_k", int), ("top_p", float), ("min_p", float),
+                   ("repetition_penalty", float), ("presence_penalty", float),
+                   ("frequency_penalty", float), ("seed", int), ("max_tokens", int),
+                   ("top_logprobs", int))
+
+
+def _client_args(p):
+  p.add_argument("--target", default="127.0.0.1:50051", help="server host:port")
+  p.add_argument("--token", default=os.environ.get("MOSAIC_SERVING_TOKEN"),
+                 help="bearer token (default $MOSAIC_SERVING_TOKEN)")
+  p.add_argument("--tls-ca", type=pathlib.Path, help="CA certificate (PEM) to verify the server")
+  p.add_argument("--tls-server-name", help="expected server name in its certificate")
+
+
+def _client(a):
+  from serving.client import Client
+
+  return Client(a.target, token=a.token, tls_ca=a.tls_ca.read_bytes() if a.tls_ca else None,
+                tls_server_name=a.tls_server_name)
+
+
+def build_engine(a):
+  from serving import engine as E
+
+  cfg = dict(max_batch=a.max_batch, max_waiting=a.max_waiting, prefill_chunk=a.prefill_chunk,
+             prefill_rows=a.prefill_rows, max_seq_len=a.max_seq_len,
+             prefix_caching=not a.no_prefix_cache, warmup=not a.no_warmup,
+             default_max_tokens=a.default_max_tokens)
+  if a.token_budget:
+    cfg["token_budget"] = a.token_budget
+  spec = None if a.model in (None, "default") else a.model
+  return E.model_engine(spec, dtype=a.dtype, num_pages=a.num_pages, page_size=a.page_size,
+                        attention=a.attention_backend, matmul=a.matmul_backend, **cfg)
+
+
+def cmd_serve(a) -> int:
+  from serving.service import Server
+
+  tls = None
+  if a.tls_cert or a.tls_key:
+    if not (a.tls_cert and a.tls_key):
+      raise SystemExit("--tls-cert and --tls-key go together")
+    tls = (a.tls_cert.read_bytes(), a.tls_key.read_bytes())
+  engine = build_engine(a)
+  server = Server(engine, host=a.host, port=a.port, auth_token=a.auth_token, tls=tls,
+                  metrics_port=a.metrics_port)
+  server.handle_signals(a.drain_timeout)
+  server.start()
+  print(f"serving {engine.info.model_name} on {server.address}", flush=True)
+  if a.ready_file:
+    tmp = a.ready_file.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"port": server.port, "pid": os.getpid(),
+                               "metrics_port": server.metrics_http.server_port
+                               if server.metrics_http else None}))
+    tmp.replace(a.ready_file)
+  server.wait()
+  return 0
+
+
+def _sampling(a) -> dict:
+  kw = {f: getattr(a, f) for f, _ in _SAMPLING_FLAGS if getattr(a, f) is not None}
+  if a.stop:
+    kw["stop"] = a.stop
+  if a.ignore_eos:
+    kw["ignore_eos"] = True
+  if a.logprobs:
+    kw["logprobs"] = True
+  return kw
+
+
+def cmd_generate(a) -> int:
+  with _client(a) as c:
+    t0 = time.perf_counter()
+    first = None
+    n = 0
+    final = None
+    for chunk in c.stream(a.prompt, timeout=a.timeout, **_sampling(a)):
+      if chunk.token_ids and first is None:
+        first = time.perf_counter() - t0
+      n += len(chunk.token_ids)
+      sys.stdout.write(chunk.text)
+      sys.stdout.flush()
+      if chunk.HasField("final"):
+        final = chunk.final
+    total = time.perf_counter() - t0
+  print()
+  if final is not None:
+    from serving.proto import generate_pb2 as pb
+
+    reason = pb.FinishReason.Name(final.finish_reason)
+    per_tok = (total - (first or 0)) / max(n - 1, 1) * 1e3
+    print(f"[{n} tokens, {reason}; prompt {final.usage.prompt_tokens} tokens "
+          f"({final.usage.cached_prompt_tokens} cached); time to first token "
+          f"{(first or 0) * 1e3:.1f} ms, {per_tok:.1f} ms/token after it, total "
+          f"{total * 1e3:.0f} ms; server queue {final.timings.queue_s * 1e3:.1f} ms]",
+          file=sys.stderr)
+  return 0
+
+
+def cmd_loadgen(a) -> int:
+  from serving import loadgen
+
+  with _client(a) as c:
+    info = c.model_info()
+    r = loadgen.run(c, num_requests=a.num_requests, input_len=a.input_len,
+                    output_len=a.output_len, concurrency=a.concurrency, rate=a.rate,
+                    vocab=min(info.vocab_size, 256) if a.byte_prompts else info.vocab_size,
+                    seed=a.seed)
+  print(loadgen.format_report(r))
+  if a.json:
+    a.json.write_text(json.dumps(r, indent=1))
+  return 0
+
+
+def parser() -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(prog="python -m serving", description=__doc__)
+  p.add_argument("-v", "--verbose", action="store_true")
+  sub = p.add_subparsers(dest="cmd", required=True)
+
+  s = sub.add_parser("serve", help="run the gRPC server")
+  s.add_argument("--model", default="default",
+                 help="default (embedded model), tiny, toy, counting, or a checkpoint path")
+  s.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+  s.add_argument("--attention-backend", help="attention implementation (mosaic, cudnn, ...)")
+  s.add_argument("--matmul-backend", help="matmul implementation (mosaic, xla, ...)")
+  s.add_argument("--host", default="127.0.0.1")
+  s.add_argument("--port", type=int, default=50051, help="0 picks a free port")
+  s.add_argument("--max-batch", type=int, default=64)
+  s.add_argument("--max-waiting", type=int, default=256)
+  s.add_argument("--num-pages", type=int, default=1024, help="KV pages (page 0 reserved)")
+  s.add_argument("--page-size", type=int, help="tokens per KV page (default: the kernel's)")
+  s.add_argument("--max-seq-len", type=int, help="context limit (default: the model's)")
+  s.add_argument("--prefill-chunk", type=int, default=512)
+  s.add_argument("--prefill-rows", type=int, default=4)
+  s.add_argument("--token-budget", type=int, help="tokens per step (default batch + chunk)")
+  s.add_argument("--default-max-tokens", type=int, default=256)
+  s.add_argument("--no-prefix-cache", action="store_true")
+  s.add_argument("--no-warmup", action="store_true")
+  s.add_argument("--auth-token", default=os.environ.get("MOSAIC_SERVING_TOKEN"),
+                 help="require this bearer token (default $MOSAIC_SERVING_TOKEN)")
+  s.add_argument("--tls-cert", type=pathlib.Path)
+  s.add_argument("--tls-key", type=pathlib.Path)
+  s.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port")
+  s.add_argument("--drain-timeout", type=float, default=30.0)
+  s.add_argument("--ready-file", type=pathlib.Path,
+                 help="write {port, pid} here as JSON once serving")
+  s.set_defaults(fn=cmd_serve)
+
+  g = sub.add_parser("generate", help="stream a completion to the terminal")
+  _client_args(g)
+  g.add_argument("prompt")
+  for f, t in _SAMPLING_FLAGS:
+    g.add_argument("--" + f.replace("_", "-"), type=t)
+  g.add_argument("--stop", action="append")
+  g.add_argument("--ignore-eos", action="store_true")
+  g.add_argument("--logprobs", action="store_true")
+  g.add_argument("--timeout", type=float, help="deadline in seconds")
+  g.set_defaults(fn=cmd_generate)
+
+  l = sub.add_parser("loadgen", help="measure TTFT / ITL / throughput")
+  _client_args(l)
+  l.add_argument("--concurrency", type=int)
+  l.add_argument("--rate", type=float, help="Poisson arrivals per second")
+  l.add_argument("--num-requests", type=int, default=64)
+  l.add_argument("--input-len", type=int, default=512)
+  l.add_argument("--output-len", type=int, default=256)
+  l.add_argument("--byte-prompts", action="store_true", help="prompt ids below 256 only")
+  l.add_argument("--seed", type=int, default=0)
+  l.add_argument("--json", type=pathlib.Path, help="write the results here")
+  l.set_defaults(fn=cmd_loadgen)
+  return p
+
+
+def main(argv=None) -> int:
+  a = parser().parse_args(argv)
+  if a.cmd == "loadgen" and (a.concurrency is None) == (a.rate is None):
+    a.concurrency = a.concurrency or (1 if a.rate is None else None)
+  logging.basicConfig(level=logging.INFO if a.verbose or a.cmd == "serve" else logging.WARNING,
+                      format="%(asctime)s %(name)s %(levelname)s %(message)s")
+  logging.getLogger("jax").setLevel(logging.WARNING)
+  return a.fn(a)

@@ -1,0 +1,74 @@
+"""A thin client of the TextGeneration service (used by the CLI and tests)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import grpc
+
+from serving.proto import generate_pb2 as pb
+from serving.proto import generate_pb2_grpc as pb_grpc
+from serving.proto import health_pb2, health_pb2_grpc
+
+_SAMPLING_FIELDS = frozenset(pb.SamplingParams.DESCRIPTOR.fields_by_name)
+
+
+def make_request(prompt: str | Sequence[int], *, request_id: str = "",
+                 **sampling) -> pb.GenerateRequest:
+  """``prompt`` as text or token ids; ``sampling`` keys are SamplingParams fields."""
+  unknown = set(sampling) - _SAMPLING_FIELDS
+  if unknown:
+    raise ValueError(f"unknown sampling fields {sorted(unknown)}; valid: {sorted(_SAMPLING_FIELDS)}")
+  sp = pb.SamplingParams(**{k: v for k, v in sampling.items() if v is not None})
+  if isinstance(prompt, str):
+    return pb.GenerateRequest(request_id=request_id, text=prompt, sampling=sp)
+  return pb.GenerateRequest(request_id=request_id, token_ids=pb.TokenIds(ids=list(prompt)),
+                            sampling=sp)
+
+
+class Client:
+
+  def __init__(self, target: str, *, token: str | None = None, tls_ca: bytes | None = None,
+               tls_server_name: str | None = None):
+    if tls_ca is not None:
+      opts = [("grpc.ssl_target_name_override", tls_server_name)] if tls_server_name else []
+      self.channel = grpc.secure_channel(target, grpc.ssl_channel_credentials(tls_ca), opts)
+    else:
+      self.channel = grpc.insecure_channel(target)
+    self.stub = pb_grpc.TextGenerationStub(self.channel)
+    self.health_stub = health_pb2_grpc.HealthStub(self.channel)
+    self.metadata = (("authorization", f"Bearer {token}"),) if token else ()
+
+  def close(self) -> None:
+    self.channel.close()
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    self.close()
+
+  def stream(self, prompt, *, timeout: float | None = None, request_id: str = "",
+             **sampling) -> Iterator[pb.GenerateStreamChunk]:
+    """Server-streaming call; cancel it with ``.cancel()`` on the returned iterator."""
+    return self.stub.GenerateStream(make_request(prompt, request_id=request_id, **sampling),
+                                    timeout=timeout, metadata=self.metadata)
+
+  def generate(self, prompt, *, timeout: float | None = None, request_id: str = "",
+               **sampling) -> pb.GenerateResponse:
+    return self.stub.Generate(make_request(prompt, request_id=request_id, **sampling),
+                              timeout=timeout, metadata=self.metadata)
+
+  def tokenize(self, text: str, add_bos: bool = False) -> pb.TokenizeResponse:
+    return self.stub.Tokenize(pb.TokenizeRequest(text=text, add_bos=add_bos),
+                              metadata=self.metadata)
+
+  def model_info(self) -> pb.ModelInfoResponse:
+    return self.stub.ModelInfo(pb.ModelInfoRequest(), metadata=self.metadata)
+
+  def health(self, service: str = "", timeout: float = 5.0) -> int:
+    return self.health_stub.Check(health_pb2.HealthCheckRequest(service=service),
+                                  timeout=timeout).status
+
+  def wait_ready(self, timeout: float = 120.0) -> None:
+    grpc.channel_ready_future(self.channel).result(timeout=timeout)

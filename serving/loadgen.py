@@ -1,0 +1,97 @@
+"""Load generator: TTFT / inter-token latency / throughput percentiles.
+
+Sends ``num_requests`` streaming requests of ``input_len`` random prompt
+tokens and exactly ``output_len`` generated tokens (ignore_eos) either with
+``concurrency`` requests in flight, or arriving as a Poisson process at
+``rate`` requests per second. Times are measured at the client.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import random
+import statistics
+import time
+
+from serving.client import Client
+
+
+@dataclasses.dataclass
+class Sample:
+  ttft: float
+  itls: list[float]
+  e2e: float
+  tokens: int
+
+
+def _pct(xs, q):
+  if not xs:
+    return float("nan")
+  xs = sorted(xs)
+  return xs[min(len(xs) - 1, int(q / 100 * len(xs)))]
+
+
+def run(client: Client, *, num_requests: int, input_len: int, output_len: int,
+        concurrency: int | None = None, rate: float | None = None, vocab: int = 256,
+        token_range: tuple[int, int] | None = None, seed: int = 0,
+        timeout: float = 600.0) -> dict:
+  if (concurrency is None) == (rate is None):
+    raise ValueError(f"give exactly one of {concurrency=} or {rate=}")
+  if num_requests < 1 or input_len < 1 or output_len < 1:
+    raise ValueError(f"{num_requests=}, {input_len=} and {output_len=} must be >= 1")
+  rng = random.Random(seed)
+  lo, hi = token_range or (0, vocab)
+  prompts = [[rng.randrange(lo, hi) for _ in range(input_len)] for _ in range(num_requests)]
+
+  def one(prompt) -> Sample:
+    t0 = time.perf_counter()
+    times, n = [], 0
+    for chunk in client.stream(prompt, timeout=timeout, max_tokens=output_len, ignore_eos=True):
+      if chunk.token_ids:
+        times.append(time.perf_counter())
+        n += len(chunk.token_ids)
+    end = time.perf_counter()
+    return Sample(times[0] - t0 if times else float("nan"),
+                  [b - a for a, b in zip(times, times[1:])], end - t0, n)
+
+  t_start = time.perf_counter()
+  workers = concurrency or min(num_requests, 1024)
+  with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+    if concurrency is not None:
+      samples = list(pool.map(one, prompts))
+    else:
+      futures, t = [], time.perf_counter()
+      for p in prompts:
+        t += rng.expovariate(rate)
+        time.sleep(max(0.0, t - time.perf_counter()))
+        futures.append(pool.submit(one, p))
+      samples = [f.result() for f in futures]
+  wall = time.perf_counter() - t_start
+  ttft = [s.ttft for s in samples]
+  itl = [x for s in samples for x in s.itls]
+  tpot = [(s.e2e - s.ttft) / (s.tokens - 1) for s in samples if s.tokens > 1]
+  tokens = sum(s.tokens for s in samples)
+  out = {
+      "num_requests": num_requests, "input_len": input_len, "output_len": output_len,
+      "concurrency": concurrency, "rate": rate, "wall_s": wall,
+      "output_tokens": tokens, "output_tok_s": tokens / wall,
+      "requests_s": num_requests / wall,
+  }
+  for name, xs in (("ttft", ttft), ("itl", itl), ("tpot", tpot), ("e2e", [s.e2e for s in samples])):
+    for q in (50, 90, 99):
+      out[f"{name}_p{q}_ms"] = _pct(xs, q) * 1e3
+    out[f"{name}_mean_ms"] = statistics.fmean(xs) * 1e3 if xs else float("nan")
+  return out
+
+
+def format_report(r: dict) -> str:
+  mode = f"concurrency {r['concurrency']}" if r["concurrency"] else f"rate {r['rate']}/s"
+  lines = [f"{r['num_requests']} requests, {r['input_len']} in / {r['output_len']} out, {mode}: "
+           f"{r['output_tok_s']:.1f} output tok/s, {r['requests_s']:.2f} req/s",
+           "           p50      p90      p99   (ms)"]
+  for name in ("ttft", "itl", "tpot", "e2e"):
+    lines.append(f"  {name:5s} " + " ".join(f"{r[f'{name}_p{q}_ms']:8.2f}" for q in (50, 90, 99)))
+  return "\n".join(lines)
+
+

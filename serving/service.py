@@ -1,0 +1,372 @@
+"""The gRPC server: text generation, health, reflection, auth, drain.
+
+``Server(engine, ...)`` wires the ``TextGeneration`` servicer (proto in
+serving/proto/generate.proto) to an ``Engine``: each RPC converts its request
+to an engine ``Request`` (bad fields -> INVALID_ARGUMENT), submits it (full
+queue -> RESOURCE_EXHAUSTED, draining -> UNAVAILABLE), then relays the
+request's events as stream chunks. The client's deadline becomes the
+request's deadline (the engine ends it within one step: DEADLINE_EXCEEDED);
+a client that goes away cancels its request through the RPC's done callback,
+which frees its pages at the next step. ``drain`` flips health to
+NOT_SERVING, refuses new requests and lets the running ones finish.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import queue
+import signal
+import threading
+import time
+import uuid
+
+import grpc
+from google.protobuf import descriptor_pool
+
+from serving.engine import api
+from serving.metrics import Metrics, serve_http
+from serving.proto import generate_pb2 as pb
+from serving.proto import generate_pb2_grpc as pb_grpc
+from serving.proto import health_pb2, health_pb2_grpc
+from serving.proto import reflection_v1_pb2, reflection_v1_pb2_grpc
+from serving.proto import reflection_v1alpha_pb2, reflection_v1alpha_pb2_grpc
+
+log = logging.getLogger("serving.service")
+
+SERVICE_NAME = "mosaic.serving.v1.TextGeneration"
+MAX_PROMPT_CHARS = 1 << 20
+_POLL_S = 0.05
+
+
+def sampling_from_proto(s: pb.SamplingParams) -> api.SamplingParams:
+  kw = {}
+  for f in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+            "frequency_penalty", "seed", "max_tokens", "logprobs", "top_logprobs", "ignore_eos"):
+    if s.HasField(f):
+      kw[f] = getattr(s, f)
+  kw["stop"] = tuple(s.stop)
+  kw["stop_token_ids"] = tuple(s.stop_token_ids)
+  return api.SamplingParams(**kw)
+
+
+def _final_proto(f: api.Final) -> tuple[pb.Usage, pb.Timings]:
+  return (pb.Usage(prompt_tokens=f.prompt_tokens, completion_tokens=f.completion_tokens,
+                   cached_prompt_tokens=f.cached_prompt_tokens),
+          pb.Timings(queue_s=f.queue_s, first_token_s=f.first_token_s, total_s=f.total_s))
+
+
+def _logprobs_proto(lps) -> list[pb.TokenLogprob]:
+  return [pb.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob,
+                          top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
+          for lp in lps]
+
+
+class TextGenerationServicer(pb_grpc.TextGenerationServicer):
+
+  def __init__(self, engine: api.Engine, metrics: Metrics):
+    self.engine = engine
+    self.metrics = metrics
+
+  def _submit(self, request: pb.GenerateRequest, context) -> tuple[str, str, api.RequestHandle]:
+    rid = request.request_id or uuid.uuid4().hex
+    key = uuid.uuid4().hex  # engine-side id: clients may reuse theirs
+    try:
+      which = request.WhichOneof("prompt")
+      if which is None:
+        raise api.InvalidRequest("the request has no prompt: set text or token_ids")
+      if which == "text" and len(request.text) > MAX_PROMPT_CHARS:
+        raise api.InvalidRequest(f"the prompt text has {len(request.text)} chars; at most "
+                                 f"{MAX_PROMPT_CHARS}")
+      remaining = context.time_remaining()
+      req = api.Request(
+          request_id=key,
+          prompt_text=request.text if which == "text" else None,
+          prompt_ids=list(request.token_ids.ids) if which == "token_ids" else None,
+          sampling=sampling_from_proto(request.sampling),
+          deadline=None if remaining is None else time.monotonic() + remaining)
+      handle = self.engine.submit(req)
+    except api.InvalidRequest as e:
+      self.metrics.rejected.inc()
+      context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+    except api.QueueFull as e:
+      self.metrics.rejected.inc()
+      context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+    except api.Draining as e:
+      self.metrics.rejected.inc()
+      context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+    context.add_callback(lambda: self.engine.cancel(key))
+    return rid, key, handle
+
+  def _events(self, handle: api.RequestHandle, context):
+    last = None
+    while True:
+      try:
+        ev = handle.events.get(timeout=_POLL_S)
+      except queue.Empty:
+        if not context.is_active():
+          return
+        continue
+      if isinstance(ev, api.Delta):
+        now = time.monotonic()
+        if last is not None and ev.token_ids:
+          self.metrics.itl.observe(now - last)
+        last = now
+      yield ev
+      if isinstance(ev, api.Failed):
+        context.abort(grpc.StatusCode.INTERNAL, ev.message)
+      if isinstance(ev, api.Final):
+        if ev.reason == api.FinishReason.DEADLINE:
+          context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                        f"deadline exceeded after {ev.completion_tokens} tokens")
+        if ev.reason == api.FinishReason.CANCELLED:
+          context.abort(grpc.StatusCode.CANCELLED, "the request was cancelled")
+        return
+
+  def GenerateStream(self, request, context):
+    rid, key, handle = self._submit(request, context)
+    try:
+      for ev in self._events(handle, context):
+        if isinstance(ev, api.Delta):
+          yield pb.GenerateStreamChunk(request_id=rid, token_ids=ev.token_ids, text=ev.text,
+                                       logprobs=_logprobs_proto(ev.logprobs))
+        elif isinstance(ev, api.Final):
+          usage, timings = _final_proto(ev)
+          yield pb.GenerateStreamChunk(request_id=rid, final=pb.FinalInfo(
+              finish_reason=int(ev.reason), usage=usage, timings=timings))
+    finally:
+      self.engine.cancel(key)
+
+  def Generate(self, request, context):
+    rid, key, handle = self._submit(request, context)
+    ids, text, lps = [], [], []
+    try:
+      for ev in self._events(handle, context):
+        if isinstance(ev, api.Delta):
+          ids += ev.token_ids
+          text.append(ev.text)
+          lps += _logprobs_proto(ev.logprobs)
+        elif isinstance(ev, api.Final):
+          usage, timings = _final_proto(ev)
+          return pb.GenerateResponse(request_id=rid, text="".join(text), token_ids=ids,
+                                     logprobs=lps, finish_reason=int(ev.reason), usage=usage,
+                                     timings=timings)
+    finally:
+      self.engine.cancel(key)
+    context.abort(grpc.StatusCode.CANCELLED, "the request was cancelled")
+
+  def Tokenize(self, request, context):
+    if len(request.text) > MAX_PROMPT_CHARS:
+      context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                    f"the text has {len(request.text)} chars; at most {MAX_PROMPT_CHARS}")
+    ids = self.engine.tokenize(request.text, add_bos=request.add_bos)
+    return pb.TokenizeResponse(token_ids=ids, pieces=self.engine.token_pieces(ids))
+
+  def ModelInfo(self, request, context):
+    i = self.engine.info
+    return pb.ModelInfoResponse(
+        model_name=i.model_name, vocab_size=i.vocab_size, max_context=i.max_context,
+        eos_token_id=i.eos_token_id, bos_token_id=i.bos_token_id, max_batch=i.max_batch,
+        page_size=i.page_size, num_pages=i.num_pages, backends=i.backends, dtype=i.dtype)
+
+
+class HealthServicer(health_pb2_grpc.HealthServicer):
+  """grpc.health.v1: "" is the server as a whole."""
+
+  Status = health_pb2.HealthCheckResponse.ServingStatus
+
+  def __init__(self):
+    self._status: dict[str, int] = {}
+    self._changed = threading.Condition()
+
+  def set(self, service: str, status: int) -> None:
+    with self._changed:
+      self._status[service] = status
+      self._changed.notify_all()
+
+  def set_all(self, status: int) -> None:
+    with self._changed:
+      for k in self._status:
+        self._status[k] = status
+      self._changed.notify_all()
+
+  def Check(self, request, context):
+    with self._changed:
+      status = self._status.get(request.service)
+    if status is None:
+      context.abort(grpc.StatusCode.NOT_FOUND, f"unknown service {request.service!r}")
+    return health_pb2.HealthCheckResponse(status=status)
+
+  def List(self, request, context):
+    with self._changed:
+      return health_pb2.HealthListResponse(statuses={
+          k: health_pb2.HealthCheckResponse(status=v) for k, v in self._status.items()})
+
+  def Watch(self, request, context):
+    last = None
+    while context.is_active():
+      with self._changed:
+        status = self._status.get(request.service, self.Status.SERVICE_UNKNOWN)
+        if status == last:
+          self._changed.wait(timeout=0.5)
+          continue
+      last = status
+      yield health_pb2.HealthCheckResponse(status=status)
+
+
+def _reflection_servicer(pb2, pb2_grpc, services: list[str]):
+  pool = descriptor_pool.Default()
+
+  def files(fd, seen):
+    if fd.name in seen:
+      return []
+    seen.add(fd.name)
+    out = [fd.serialized_pb]
+    for dep in fd.dependencies:
+      out += files(dep, seen)
+    return out
+
+  class Reflection(pb2_grpc.ServerReflectionServicer):
+    def ServerReflectionInfo(self, request_iterator, context):
+      for req in request_iterator:
+        which = req.WhichOneof("message_request")
+        resp = pb2.ServerReflectionResponse(valid_host=req.host, original_request=req)
+        try:
+          if which == "list_services":
+            resp.list_services_response.service.extend(
+                pb2.ServiceResponse(name=s) for s in services)
+          elif which == "file_by_filename":
+            resp.file_descriptor_response.file_descriptor_proto.extend(
+                files(pool.FindFileByName(req.file_by_filename), set()))
+          elif which == "file_containing_symbol":
+            resp.file_descriptor_response.file_descriptor_proto.extend(
+                files(pool.FindFileContainingSymbol(req.file_containing_symbol), set()))
+          else:
+            resp.error_response.error_code = grpc.StatusCode.UNIMPLEMENTED.value[0]
+            resp.error_response.error_message = f"{which} is not supported"
+        except KeyError as e:
+          resp.error_response.error_code = grpc.StatusCode.NOT_FOUND.value[0]
+          resp.error_response.error_message = f"not found: {e}"
+        yield resp
+
+  return Reflection()
+
+
+class _BearerAuth(grpc.ServerInterceptor):
+  """Requires ``authorization: Bearer <token>``; health checks are exempt."""
+
+  def __init__(self, token: str):
+    self._expected = f"Bearer {token}"
+
+  def intercept_service(self, continuation, details):
+    handler = continuation(details)
+    if details.method.startswith("/grpc.health.v1.Health/") or handler is None:
+      return handler
+    md = dict(details.invocation_metadata or ())
+    if md.get("authorization") == self._expected:
+      return handler
+
+    def deny(request, context):
+      context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
+
+    if handler.response_streaming:
+      def deny_stream(request, context):
+        deny(request, context)
+        yield  # pragma: no cover
+      make = (grpc.stream_stream_rpc_method_handler if handler.request_streaming
+              else grpc.unary_stream_rpc_method_handler)
+      return make(deny_stream, handler.request_deserializer, handler.response_serializer)
+    make = (grpc.stream_unary_rpc_method_handler if handler.request_streaming
+            else grpc.unary_unary_rpc_method_handler)
+    return make(deny, handler.request_deserializer, handler.response_serializer)
+
+
+class Server:
+  """The engine behind gRPC; ``start`` returns once both are ready."""
+
+  def __init__(self, engine: api.Engine, *, host: str = "127.0.0.1", port: int = 0,
+               auth_token: str | None = None, tls: tuple[bytes, bytes] | None = None,
+               metrics_port: int | None = None, max_workers: int | None = None):
+    self.engine = engine
+    self.host, self.port = host, port
+    self.metrics = Metrics(engine)
+    if hasattr(engine, "observer"):
+      engine.observer = self.metrics
+    info = engine.info
+    waiting = getattr(getattr(engine, "config", None), "max_waiting", 256)
+    workers = max_workers or info.max_batch + waiting + 16
+    self._grpc = grpc.server(
+        concurrent.futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="rpc"),
+        interceptors=[_BearerAuth(auth_token)] if auth_token else [],
+        maximum_concurrent_rpcs=workers - 4,
+        options=[("grpc.so_reuseport", 0)])
+    pb_grpc.add_TextGenerationServicer_to_server(
+        TextGenerationServicer(engine, self.metrics), self._grpc)
+    self.health = HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(self.health, self._grpc)
+    services = [SERVICE_NAME, "grpc.health.v1.Health", "grpc.reflection.v1.ServerReflection",
+                "grpc.reflection.v1alpha.ServerReflection"]
+    reflection_v1_pb2_grpc.add_ServerReflectionServicer_to_server(
+        _reflection_servicer(reflection_v1_pb2, reflection_v1_pb2_grpc, services), self._grpc)
+    reflection_v1alpha_pb2_grpc.add_ServerReflectionServicer_to_server(
+        _reflection_servicer(reflection_v1alpha_pb2, reflection_v1alpha_pb2_grpc, services),
+        self._grpc)
+    addr = f"{host}:{port}"
+    if tls:
+      creds = grpc.ssl_server_credentials([(tls[1], tls[0])])  # (key, cert)
+      self.port = self._grpc.add_secure_port(addr, creds)
+    else:
+      self.port = self._grpc.add_insecure_port(addr)
+    if not self.port:
+      raise OSError(f"cannot bind {addr}")
+    self._metrics_port = metrics_port
+    self.metrics_http = None
+    self._stopped = threading.Event()
+    self._drain_lock = threading.Lock()
+
+  @property
+  def address(self) -> str:
+    return f"{self.host}:{self.port}"
+
+  def start(self) -> "Server":
+    for s in ("", SERVICE_NAME):
+      self.health.set(s, HealthServicer.Status.NOT_SERVING)
+    self._grpc.start()
+    self.engine.start()  # warm-up compiles here: health says NOT_SERVING meanwhile
+    if self._metrics_port is not None:
+      self.metrics_http = serve_http(self.metrics, self.host, self._metrics_port)
+    for s in ("", SERVICE_NAME):
+      self.health.set(s, HealthServicer.Status.SERVING)
+    log.info("serving %s on %s", self.engine.info.model_name, self.address)
+    return self
+
+  def drain_and_stop(self, timeout: float = 30.0) -> None:
+    """Health NOT_SERVING, no new requests, running ones finish, then stop."""
+    with self._drain_lock:
+      if self._stopped.is_set():
+        return
+      self.health.set_all(HealthServicer.Status.NOT_SERVING)
+      finished = self.engine.drain(timeout)
+      if not finished:
+        log.warning("drain timed out after %.0f s; cancelling the rest", timeout)
+      self.stop(grace=1.0)
+
+  def stop(self, grace: float | None = 1.0) -> None:
+    self.health.set_all(HealthServicer.Status.NOT_SERVING)
+    self.engine.stop()
+    self._grpc.stop(grace).wait()
+    if self.metrics_http is not None:
+      self.metrics_http.shutdown()
+    self._stopped.set()
+
+  def wait(self) -> None:
+    self._stopped.wait()
+
+  def handle_signals(self, drain_timeout: float = 30.0) -> None:
+    """SIGTERM / SIGINT start a drain in a background thread (main thread only)."""
+    def on_signal(signum, frame):
+      del frame
+      log.info("signal %d: draining", signum)
+      threading.Thread(target=self.drain_and_stop, args=(drain_timeout,), daemon=True).start()
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
