@@ -444,9 +444,8 @@ def _attention_mosaic(q, k, v, qp, qs, kp, ks, *, cfg: Config, causal: bool, sca
   return (o, lse[:, :, :Sq]) if has_lse else o
 
 
-def _pick_config(Sq, Skv, D, dtype) -> Config:
-  key = tuning.shape_key(head_dim=D, dtype=jnp.dtype(dtype).name,
-                         kv=tuning.bucket(Skv, (256, 2048, 8192, 65536)))
+def _pick_config(D, dtype, causal) -> Config:
+  key = tuning.shape_key(head_dim=D, dtype=jnp.dtype(dtype).name, causal=int(causal))
 
   def heuristic():
     # SMEM: 2 Q tiles + stages x (K + V); D = 64 has room for a deeper ring.
@@ -465,7 +464,7 @@ def attention_prefill_mosaic(q, k, v, *, causal=True, sm_scale=None, q_positions
   why = _mosaic_why_not(q, k, v)
   if why:
     raise ValueError(why)
-  cfg = config or _pick_config(Sq, Skv, D, q.dtype)
+  cfg = config or _pick_config(D, q.dtype, causal)
   if dsl.interpreting() and not cfg.p_smem:
     cfg = dataclasses.replace(cfg, p_smem=True)
   vecs = _vectors(B, Sq, Skv, q_positions, kv_positions, q_segment_ids, kv_segment_ids)
