@@ -41,8 +41,9 @@ def build_engine(a):
   if a.token_budget:
     cfg["token_budget"] = a.token_budget
   spec = None if a.model in (None, "default") else a.model
+  extra = {"step_delay": a.step_delay} if a.step_delay else {}
   return E.model_engine(spec, dtype=a.dtype, num_pages=a.num_pages, page_size=a.page_size,
-                        attention=a.attention_backend, matmul=a.matmul_backend, **cfg)
+                        attention=a.attention_backend, matmul=a.matmul_backend, **extra, **cfg)
 
 
 def cmd_serve(a) -> int:
@@ -154,6 +155,8 @@ def parser() -> argparse.ArgumentParser:
   s.add_argument("--tls-key", type=pathlib.Path)
   s.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port")
   s.add_argument("--drain-timeout", type=float, default=30.0)
+  s.add_argument("--step-delay", type=float, default=0.0,
+                 help="counting model only: seconds per step (drain and timeout tests)")
   s.add_argument("--ready-file", type=pathlib.Path,
                  help="write {port, pid} here as JSON once serving")
   s.set_defaults(fn=cmd_serve)

@@ -16,9 +16,10 @@ from serving.engine.runners import CountingRunner, ModelRunner  # noqa: F401
 
 
 def tiny_engine(*, num_pages: int = 64, page_size: int = 4, max_context: int = 1024,
-                **config) -> BatchingEngine:
+                step_delay: float = 0.0, **config) -> BatchingEngine:
   config.setdefault("warmup", False)
-  runner = CountingRunner(num_pages=num_pages, page_size=page_size, max_context=max_context)
+  runner = CountingRunner(num_pages=num_pages, page_size=page_size, max_context=max_context,
+                          step_delay=step_delay)
   return BatchingEngine(runner, EngineConfig(**config))
 
 
@@ -40,12 +41,14 @@ def default_page_size() -> int:
 
 def model_engine(spec: str | None = None, *, dtype: str = "bfloat16", num_pages: int = 1024,
                  page_size: int | None = None, attention: str | None = None,
-                 matmul: str | None = None, **config) -> BatchingEngine:
-  """An engine over ``models.load(spec)``; ``spec`` "toy" gives the jnp toy model."""
+                 matmul: str | None = None, step_delay: float = 0.0,
+                 **config) -> BatchingEngine:
+  """An engine over ``models.load(spec)``; "toy" and "counting" are the test models."""
   if spec == "toy":
     return toy_engine(num_pages=num_pages, page_size=page_size or 8, **config)
   if spec == "counting":
-    return tiny_engine(num_pages=num_pages, page_size=page_size or 4, **config)
+    return tiny_engine(num_pages=num_pages, page_size=page_size or 4, step_delay=step_delay,
+                       **config)
   import models
 
   model = models.load(spec, dtype=dtype)

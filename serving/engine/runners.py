@@ -10,6 +10,8 @@ next token is the previous token + 1, so the service's output is known.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 
@@ -41,10 +43,10 @@ class ModelRunner:
 
 
 class CountingRunner:
-  """Byte-level 'model': after byte b comes byte (b + 1) % 256, with certainty."""
+  """Byte-level 'model': after byte b comes byte (b + 1) % 256, after "~" EOS."""
 
   def __init__(self, *, num_pages: int = 64, page_size: int = 4, vocab_size: int = 258,
-               max_context: int = 1024):
+               max_context: int = 1024, step_delay: float = 0.0):
     from serving.engine.text import ByteTokenizer
 
     self.name = "counting"
@@ -55,17 +57,22 @@ class CountingRunner:
     self.num_pages = num_pages
     self.dtype = "float32"
     self.backends = {}
+    self.step_delay = step_delay  # seconds per call: makes timing tests deterministic
 
   def _logits(self, last):
     out = np.full((len(last), self.vocab_size), -10.0, np.float32)
-    out[np.arange(len(last)), (np.asarray(last) + 1) % 256] = 10.0
+    last = np.asarray(last)
+    nxt = np.where(last == ord("~"), self.tokenizer.eos_ids[0], (last + 1) % 256)
+    out[np.arange(len(last)), nxt] = 10.0
     return out
 
   def prefill(self, tokens, positions, lengths, page_table):
     del positions, page_table
+    time.sleep(self.step_delay)
     lengths = np.asarray(lengths)
     return self._logits(np.asarray(tokens)[np.arange(len(lengths)), np.maximum(lengths - 1, 0)])
 
   def decode(self, tokens, lengths, page_table):
     del lengths, page_table
+    time.sleep(self.step_delay)
     return self._logits(np.asarray(tokens))

@@ -1,0 +1,249 @@
+"""The gRPC service against the counting engine, whose output is known."""
+
+import threading
+import time
+
+import grpc
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from serving import engine as E
+from serving.proto import generate_pb2 as pb
+from serving.proto import health_pb2
+from serving.proto import reflection_v1_pb2, reflection_v1_pb2_grpc
+
+from tests.serving.conftest import running, wait_for
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+
+
+def _expected(last: str, n: int) -> str:
+  return "".join(chr(ord(last) + 1 + i) for i in range(n))
+
+
+def test_generate_and_stream_give_the_known_continuation(counting):
+  server, c = counting
+  r = c.generate("hello a", max_tokens=7, request_id="r1")
+  assert r.text == _expected("a", 7) and r.request_id == "r1"
+  assert list(r.token_ids) == [ord(ch) for ch in r.text]
+  assert r.finish_reason == pb.FINISH_REASON_LENGTH
+  assert r.usage.prompt_tokens == 8 and r.usage.completion_tokens == 7  # BOS + 7 bytes
+  assert 0 <= r.timings.queue_s <= r.timings.first_token_s <= r.timings.total_s
+  chunks = list(c.stream("x" * 3 + "k", max_tokens=5))
+  assert "".join(ch.text for ch in chunks) == _expected("k", 5)
+  assert [i for ch in chunks for i in ch.token_ids] == [ord(x) for x in _expected("k", 5)]
+  assert chunks[-1].HasField("final") and not any(ch.HasField("final") for ch in chunks[:-1])
+  assert chunks[-1].final.finish_reason == pb.FINISH_REASON_LENGTH
+
+
+def test_token_id_prompts_stops_and_logprobs(counting):
+  _, c = counting
+  r = c.generate([ord("a")], max_tokens=20, stop=["ef"])
+  assert r.text == "bcd" and r.finish_reason == pb.FINISH_REASON_STOP
+  r = c.generate([ord("a")], max_tokens=20, stop_token_ids=[ord("e")])
+  assert r.text == "bcd" and r.finish_reason == pb.FINISH_REASON_STOP
+  r = c.generate([ord("a")], max_tokens=3, logprobs=True, top_logprobs=2)
+  assert len(r.logprobs) == 3
+  for lp, tid in zip(r.logprobs, r.token_ids):
+    assert lp.token_id == tid and -1e-3 < lp.logprob <= 0 and len(lp.top) == 2
+    assert lp.top[0].token_id == tid
+
+
+def test_eos_and_ignore_eos(counting):
+  _, c = counting
+  r = c.generate("x", max_tokens=20)  # the counting model says EOS after "~"
+  assert r.text == "yz{|}~" and r.finish_reason == pb.FINISH_REASON_EOS
+  assert r.usage.completion_tokens == 7 and list(r.token_ids) == [ord(x) for x in "yz{|}~"]
+  r = c.generate("x", max_tokens=9, ignore_eos=True)
+  assert list(r.token_ids) == [ord(x) for x in "yz{|}~"] + [257, 2, 3]
+  assert r.finish_reason == pb.FINISH_REASON_LENGTH
+
+
+def test_tokenize_model_info_health_reflection(counting):
+  server, c = counting
+  t = c.tokenize("hé", add_bos=True)
+  assert list(t.token_ids) == [256, 104, 0xC3, 0xA9]
+  info = c.model_info()
+  assert info.model_name == "counting" and info.vocab_size == 258 and info.max_batch == 8
+  assert c.health() == SERVING and c.health("mosaic.serving.v1.TextGeneration") == SERVING
+  with pytest.raises(grpc.RpcError) as e:
+    c.health("nope")
+  assert e.value.code() == grpc.StatusCode.NOT_FOUND
+  stub = reflection_v1_pb2_grpc.ServerReflectionStub(c.channel)
+  reqs = [reflection_v1_pb2.ServerReflectionRequest(list_services=""),
+          reflection_v1_pb2.ServerReflectionRequest(
+              file_containing_symbol="mosaic.serving.v1.TextGeneration")]
+  resps = list(stub.ServerReflectionInfo(iter(reqs)))
+  names = [s.name for s in resps[0].list_services_response.service]
+  assert "mosaic.serving.v1.TextGeneration" in names and "grpc.health.v1.Health" in names
+  assert resps[1].file_descriptor_response.file_descriptor_proto
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(temperature=-1.0), "temperature"), (dict(top_p=1.5), "top_p"),
+    (dict(max_tokens=5000), "exceeds the context"), (dict(top_logprobs=6), "top_logprobs"),
+    (dict(stop_token_ids=[999]), "outside the vocabulary"),
+])
+def test_bad_parameters_are_invalid_argument(counting, kw, match):
+  _, c = counting
+  with pytest.raises(grpc.RpcError) as e:
+    c.generate("a", **kw)
+  assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+  assert match in e.value.details()
+
+
+def test_bad_prompts_are_invalid_argument(counting):
+  _, c = counting
+  for req in (pb.GenerateRequest(), pb.GenerateRequest(token_ids=pb.TokenIds(ids=[])),
+              pb.GenerateRequest(token_ids=pb.TokenIds(ids=[-1])),
+              pb.GenerateRequest(text="a" * 2000)):  # longer than the 1024 context
+    with pytest.raises(grpc.RpcError) as e:
+      c.stub.Generate(req)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, req
+
+
+_floats = st.one_of(st.floats(allow_nan=True, allow_infinity=True, width=32), st.none())
+_ints = st.one_of(st.integers(-2**31, 2**31 - 1), st.none())
+
+
+@st.composite
+def _requests(draw):
+  sp = {}
+  for f in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+            "frequency_penalty"):
+    v = draw(_floats)
+    if v is not None:
+      sp[f] = v
+  for f in ("top_k", "max_tokens", "top_logprobs"):
+    v = draw(_ints)
+    if v is not None:
+      sp[f] = v if f != "max_tokens" else (v % 64 if draw(st.booleans()) else v)
+  sp["seed"] = draw(st.integers(0, 2**64 - 1))
+  sp["stop"] = draw(st.lists(st.text(max_size=4), max_size=3))
+  sp["stop_token_ids"] = draw(st.lists(st.integers(-2**31, 2**31 - 1), max_size=3))
+  sp["logprobs"] = draw(st.booleans())
+  sp["ignore_eos"] = draw(st.booleans())
+  prompt = draw(st.one_of(
+      st.text(max_size=20).map(lambda t: dict(text=t)),
+      st.lists(st.integers(-5, 300), max_size=20).map(lambda i: dict(token_ids=pb.TokenIds(ids=i))),
+      st.just({})))
+  return pb.GenerateRequest(request_id=draw(st.text(max_size=8)), sampling=pb.SamplingParams(**sp),
+                            **prompt)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(req=_requests(), stream=st.booleans())
+def test_malformed_requests_never_crash_the_server(counting, req, stream):
+  server, c = counting
+  try:
+    if stream:
+      list(c.stub.GenerateStream(req, timeout=20))
+    else:
+      c.stub.Generate(req, timeout=20)
+  except grpc.RpcError as e:
+    assert e.code() == grpc.StatusCode.INVALID_ARGUMENT, (e.code(), e.details())
+  assert c.health() == SERVING
+  assert server.engine.error is None
+
+
+def test_raw_garbage_bytes_get_a_status_not_a_crash(counting):
+  server, c = counting
+  call = c.channel.unary_unary("/mosaic.serving.v1.TextGeneration/Generate",
+                               request_serializer=lambda b: b, response_deserializer=lambda b: b)
+  for junk in (b"\xff\xff\xff", b"\x12\x05abc", b"\x1a\x02\x08"):
+    with pytest.raises(grpc.RpcError) as e:
+      call(junk, timeout=10)
+    assert e.value.code() in (grpc.StatusCode.INTERNAL, grpc.StatusCode.INVALID_ARGUMENT)
+  assert c.generate("a", max_tokens=2).text == "bc"
+
+
+def test_full_queue_is_resource_exhausted():
+  engine = E.tiny_engine(max_batch=1, max_waiting=2, step_delay=0.02)
+  with running(engine) as (server, c):
+    streams = [c.stream("a", max_tokens=200) for _ in range(3)]
+    first = [next(s) for s in streams[:1]]  # one running; the others wait
+    assert first[0].text == "b"
+    wait_for(lambda: engine.stats().waiting == 2, what="2 waiting")
+    with pytest.raises(grpc.RpcError) as e:
+      c.generate("a", max_tokens=2)
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    for s in streams:
+      s.cancel()
+    wait_for(lambda: engine.stats().running + engine.stats().waiting == 0, what="idle")
+    assert engine.stats().pages_in_use == 0
+    assert c.generate("a", max_tokens=2).text == "bc"
+
+
+def test_cancel_and_deadline_free_all_pages():
+  engine = E.tiny_engine(max_batch=4, step_delay=0.01)
+  with running(engine) as (server, c):
+    streams = [c.stream("abc" * 10, max_tokens=500) for _ in range(6)]
+    for s in streams[:4]:
+      next(s)
+    assert engine.stats().pages_in_use > 0
+    t0 = time.monotonic()
+    for s in streams:
+      s.cancel()
+    wait_for(lambda: engine.stats().pages_in_use == 0, what="pages freed")
+    assert time.monotonic() - t0 < 2.0
+    assert engine.stats().running == engine.stats().waiting == 0
+    with pytest.raises(grpc.RpcError) as e:
+      c.generate("abc", max_tokens=500, timeout=0.3)
+    assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    with pytest.raises(grpc.RpcError) as e:
+      list(c.stream("abc", max_tokens=500, timeout=0.3))
+    assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    wait_for(lambda: engine.stats().pages_in_use == 0 and engine.stats().running == 0,
+             what="pages freed after deadlines")
+    engine.alloc.check()
+
+
+def test_bearer_token_is_required_when_set():
+  with running(E.tiny_engine(), auth_token="s3cret") as (server, c):
+    assert c.generate("a", max_tokens=2).text == "bc"
+    c.metadata = ()
+    with pytest.raises(grpc.RpcError) as e:
+      c.generate("a", max_tokens=2)
+    assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    with pytest.raises(grpc.RpcError) as e:
+      list(c.stream("a", max_tokens=2))
+    assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    c.metadata = (("authorization", "Bearer wrong"),)
+    with pytest.raises(grpc.RpcError) as e:
+      c.model_info()
+    assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert c.health() == SERVING  # probes need no token
+
+
+def test_drain_refuses_new_requests_and_finishes_running():
+  engine = E.tiny_engine(max_batch=2, step_delay=0.01)
+  with running(engine) as (server, c):
+    s = c.stream("a", max_tokens=60)
+    next(s)
+    t = threading.Thread(target=server.drain_and_stop, args=(30,))
+    t.start()
+    wait_for(lambda: engine.stats().draining, what="draining")
+    assert c.health() == health_pb2.HealthCheckResponse.NOT_SERVING
+    with pytest.raises(grpc.RpcError) as e:
+      c.generate("a", max_tokens=2)
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+    rest = list(s)
+    assert rest[-1].final.finish_reason == pb.FINISH_REASON_LENGTH
+    assert rest[-1].final.usage.completion_tokens == 60
+    t.join(10)
+    assert not t.is_alive()
+
+
+def test_metrics_are_exposed():
+  import urllib.request
+
+  engine = E.tiny_engine()
+  with running(engine, metrics_port=0) as (server, c):
+    c.generate("a", max_tokens=4)
+    body = urllib.request.urlopen(
+        f"http://127.0.0.1:{server.metrics_http.server_port}/metrics").read().decode()
+  for name in ("time_to_first_token_seconds_count 1", "generation_tokens_total 4.0",
+               "kv_pages_total 63", "inter_token_latency_seconds_bucket",
+               "queue_time_seconds_count 1", "request_latency_seconds_count 1",
+               "requests_running 0", "requests_waiting 0", "kv_pages_in_use 0"):
+    assert "mosaic_serving_" + name in body, name

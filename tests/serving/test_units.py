@@ -1,0 +1,162 @@
+"""Engine parts on their own: page allocator, detokenization with stops, sampling."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from serving.engine import api, sampling
+from serving.engine.pages import PageAllocator, block_hashes
+from serving.engine.text import ByteTokenizer, IncrementalText
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from("alrcx"), st.integers(0, 6)), max_size=60))
+def test_allocator_invariants_under_random_use(ops):
+  a = PageAllocator(12, 4)
+  held: list[list[int]] = []
+  hashes = block_hashes(list(range(40)), 4)
+  for op, n in ops:
+    if op == "a":
+      pages = a.allocate(n)
+      if pages is not None:
+        assert 0 not in pages and len(pages) == n
+        held.append(pages)
+    elif op == "l":
+      held.append(a.lookup(hashes[:n]))
+    elif op == "r" and held:
+      a.release(held.pop(n % len(held)))
+    elif op == "c" and held and held[-1]:
+      for i, p in enumerate(held[-1][:len(hashes)]):
+        a.register(p, hashes[i])
+    a.check()
+    assert a.in_use == len({p for h in held for p in h})
+  for h in held:
+    a.release(h)
+  a.check()
+  assert a.in_use == 0
+
+
+def test_prefix_cache_reuses_and_evicts():
+  a = PageAllocator(4, 2)
+  hs = block_hashes([1, 2, 3, 4, 5], 2)
+  assert len(hs) == 2 and hs != block_hashes([1, 2, 3, 9, 5], 2)
+  assert hs[0] == block_hashes([1, 2, 7, 7], 2)[0]
+  p = a.allocate(2)
+  a.register(p[0], hs[0])
+  a.register(p[1], hs[1])
+  a.release(p)
+  assert a.in_use == 0 and a.cached == 2
+  assert a.lookup(hs) == p
+  a.release(p)
+  assert a.allocate(3) is not None  # the idle cached pages are evicted for fresh ones
+  assert a.cached == 0 and a.lookup(hs) == []
+  with pytest.raises(ValueError, match="num_pages"):
+    PageAllocator(1, 4)
+
+
+def _run_text(tok, ids, stop=(), context=()):
+  t = IncrementalText(tok, stop, context=context)
+  out = "".join(t.push([i]) for i in ids)
+  return out + t.flush(), t.stopped
+
+
+def test_incremental_text_utf8_and_stops():
+  tok = ByteTokenizer()
+  s = "héllo wörld ✓ done"
+  ids = tok.encode(s)
+  assert _run_text(tok, ids) == (s, False)
+  assert _run_text(tok, ids, stop=("wör",)) == ("héllo ", True)
+  assert _run_text(tok, ids, stop=("zz", "✓")) == ("héllo wörld ", True)
+  # A partial match that does not complete is released at the end.
+  assert _run_text(tok, tok.encode("abc do"), stop=("done",)) == ("abc do", False)
+
+
+def test_incremental_text_holds_back_possible_stop_prefix():
+  tok = ByteTokenizer()
+  t = IncrementalText(tok, ("END",))
+  got = [t.push([i]) for i in tok.encode("xxEN")]
+  assert "".join(got) == "xx"  # "EN" could start "END"
+  assert t.push(tok.encode("D")) == "" and t.stopped
+
+
+def _arrays(params, batch, slots=None):
+  slots = slots or list(range(len(params)))
+  return sampling.pack(params, [p.seed or 0 for p in params], [0] * len(params), slots, batch)
+
+
+def test_greedy_and_topk1_pick_the_argmax():
+  rng = np.random.default_rng(0)
+  logits = rng.normal(size=(4, 50)).astype(np.float32)
+  counts = jnp.zeros((4, 50), jnp.int32)
+  mask = jnp.zeros((4, 50), bool)
+  params = [api.SamplingParams(), api.SamplingParams(temperature=1.0, top_k=1, seed=3),
+            api.SamplingParams(temperature=0.5, min_p=1.0, seed=4)]
+  tok, lp, top_ids, top_lp, counts = sampling.sample(logits, _arrays(params, 4), counts, mask)
+  np.testing.assert_array_equal(np.asarray(tok)[:3], logits[:3].argmax(-1))
+  ref_lp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+  np.testing.assert_allclose(np.asarray(lp)[:3], ref_lp[np.arange(3), logits[:3].argmax(-1)],
+                             rtol=1e-5)
+  np.testing.assert_array_equal(np.asarray(top_ids)[:, 0], logits.argmax(-1))
+  # Counts gained one per live row; the padding row (slot -1) none.
+  assert np.asarray(counts).sum() == 3
+  g = sampling.greedy(logits, _arrays(params[:1], 4), jnp.zeros((4, 50), jnp.int32))
+  assert int(g[0][0]) == logits[0].argmax()
+
+
+@pytest.mark.parametrize("p", [
+    api.SamplingParams(temperature=1.0, top_k=5, seed=1),
+    api.SamplingParams(temperature=0.7, top_p=0.9, seed=2),
+    api.SamplingParams(temperature=1.3, min_p=0.2, seed=3),
+    api.SamplingParams(temperature=1.0, top_k=8, repetition_penalty=1.8, presence_penalty=1.0,
+                       frequency_penalty=0.5, seed=4),
+])
+def test_samples_stay_in_the_reference_allowed_set(p):
+  v = 32
+  rng = np.random.default_rng(1)
+  logits = rng.normal(size=(v,)).astype(np.float32) * 2
+  counts = np.zeros((1, v), np.int32)
+  counts[0, rng.integers(0, v, 6)] = rng.integers(1, 4, 6)
+  mask = np.zeros((1, v), bool)
+  mask[0, rng.integers(0, v, 5)] = True
+  allowed = sampling.reference(logits, p, counts[0], mask[0])
+  assert 2 <= allowed.sum() < v  # the cut matters and leaves a choice
+  batch = 16
+  seen = set()
+  for step in range(8):
+    arrays = sampling.pack([p] * batch, [p.seed * 100 + i for i in range(batch)], [step] * batch,
+                           [0] * batch, batch)
+    out = sampling.sample(np.repeat(logits[None], batch, 0), arrays,
+                          jnp.asarray(np.repeat(counts, 1, 0)), jnp.asarray(mask))
+    seen |= set(np.asarray(out[0]).tolist())
+  assert seen <= set(np.flatnonzero(allowed).tolist())
+  assert len(seen) > 1  # it samples, not argmax
+
+
+def test_seeded_sampling_ignores_batch_neighbours():
+  v = 64
+  rng = np.random.default_rng(2)
+  row = rng.normal(size=(v,)).astype(np.float32)
+  p = api.SamplingParams(temperature=1.0, seed=1234)
+  other = api.SamplingParams(temperature=1.0, seed=99)
+  counts, mask = jnp.zeros((4, v), jnp.int32), jnp.zeros((4, v), bool)
+  alone = sampling.sample(row[None].repeat(1, 0), sampling.pack([p], [p.seed], [5], [0], 1),
+                          counts, mask)[0]
+  logits = np.stack([rng.normal(size=v).astype(np.float32), row, row, row])
+  mixed = sampling.sample(logits, sampling.pack([other, p, other, other], [99, 1234, 7, 8],
+                                                [0, 5, 1, 2], [1, 0, 2, 3], 4),
+                          jnp.zeros((4, v), jnp.int32), mask)[0]
+  assert int(alone[0]) == int(mixed[1])
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(temperature=-1.0), "temperature"), (dict(top_p=0.0), "top_p"),
+    (dict(top_k=-2), "top_k"), (dict(min_p=1.5), "min_p"),
+    (dict(repetition_penalty=0.0), "repetition_penalty"),
+    (dict(presence_penalty=3.0), "presence_penalty"), (dict(max_tokens=0), "max_tokens"),
+    (dict(top_logprobs=9), "top_logprobs"), (dict(temperature=float("nan")), "temperature"),
+    (dict(stop=("",)), "stop"),
+])
+def test_sampling_params_refuse_bad_values(kw, match):
+  with pytest.raises(api.InvalidRequest, match=match):
+    api.SamplingParams(**kw)
