@@ -160,7 +160,7 @@ def test_raw_garbage_bytes_get_a_status_not_a_crash(counting):
 def test_full_queue_is_resource_exhausted():
   engine = E.tiny_engine(max_batch=1, max_waiting=2, step_delay=0.02)
   with running(engine) as (server, c):
-    streams = [c.stream("a", max_tokens=200) for _ in range(3)]
+    streams = [c.stream("a", max_tokens=200, ignore_eos=True) for _ in range(3)]
     first = [next(s) for s in streams[:1]]  # one running; the others wait
     assert first[0].text == "b"
     wait_for(lambda: engine.stats().waiting == 2, what="2 waiting")
@@ -177,7 +177,7 @@ def test_full_queue_is_resource_exhausted():
 def test_cancel_and_deadline_free_all_pages():
   engine = E.tiny_engine(max_batch=4, step_delay=0.01)
   with running(engine) as (server, c):
-    streams = [c.stream("abc" * 10, max_tokens=500) for _ in range(6)]
+    streams = [c.stream("abc" * 10, max_tokens=500, ignore_eos=True) for _ in range(6)]
     for s in streams[:4]:
       next(s)
     assert engine.stats().pages_in_use > 0
@@ -188,10 +188,10 @@ def test_cancel_and_deadline_free_all_pages():
     assert time.monotonic() - t0 < 2.0
     assert engine.stats().running == engine.stats().waiting == 0
     with pytest.raises(grpc.RpcError) as e:
-      c.generate("abc", max_tokens=500, timeout=0.3)
+      c.generate("abc", max_tokens=500, timeout=0.3, ignore_eos=True)
     assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     with pytest.raises(grpc.RpcError) as e:
-      list(c.stream("abc", max_tokens=500, timeout=0.3))
+      list(c.stream("abc", max_tokens=500, timeout=0.3, ignore_eos=True))
     assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     wait_for(lambda: engine.stats().pages_in_use == 0 and engine.stats().running == 0,
              what="pages freed after deadlines")
@@ -218,7 +218,7 @@ def test_bearer_token_is_required_when_set():
 def test_drain_refuses_new_requests_and_finishes_running():
   engine = E.tiny_engine(max_batch=2, step_delay=0.01)
   with running(engine) as (server, c):
-    s = c.stream("a", max_tokens=60)
+    s = c.stream("a", max_tokens=60, ignore_eos=True)
     next(s)
     t = threading.Thread(target=server.drain_and_stop, args=(30,))
     t.start()
