@@ -156,6 +156,8 @@ class Linear(nnx.Module):
     r = None if residual is None else residual.reshape(a.shape[0], -1)
     y = ops()["matmul"](a, self.w[...], bias=None if self.b is None else self.b[...],
                         residual=r, out_dtype=out_dtype)
+    # The float32 reference backends may hand back float32: keep the model dtype.
+    y = y.astype(out_dtype or x.dtype)
     return y.reshape(*lead, y.shape[-1])
 
 
@@ -166,7 +168,7 @@ class RMSNorm(nnx.Module):
     self.eps = eps
 
   def __call__(self, x):
-    return ops()["rms_norm"](x, self.w[...], eps=self.eps)
+    return ops()["rms_norm"](x, self.w[...], eps=self.eps).astype(x.dtype)
 
 
 class Attention(nnx.Module):
@@ -290,7 +292,7 @@ class Llama(nnx.Module):
       o = ops()["attention_prefill"](
           q, kg, vg, causal=True, q_positions=tpos, kv_positions=kv_pos,
           q_segment_ids=q_seg, kv_segment_ids=kv_seg, sliding_window=cfg.sliding_window)
-      return o.reshape(b, t, -1), kc, vc
+      return o.reshape(b, t, -1).astype(h.dtype), kc, vc
 
     x = jnp.take(self.embed[...], tokens, axis=0)  # [B, T, D]
     x, cache = self._run_layers(x, cache, attend)
@@ -327,7 +329,7 @@ class Llama(nnx.Module):
         o = ops()["attention_prefill"](
             q, kg, vg, causal=True, q_positions=tpos, kv_positions=kv_pos,
             q_segment_ids=q_seg, kv_segment_ids=kv_seg, sliding_window=cfg.sliding_window)
-      return o.reshape(b, tq, -1), kc, vc
+      return o.reshape(b, tq, -1).astype(h.dtype), kc, vc
 
     x = jnp.take(self.embed[...], tokens, axis=0)  # [B, Tq, D]
     x, cache = self._run_layers(x, cache, attend)
