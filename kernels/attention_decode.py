@@ -434,8 +434,9 @@ def _attention_decode_triton(q, k_pages, v_pages, lengths, page_table, sm_scale:
   n_blocks = dsl.cdiv(page_table.shape[1], ppb)
   if not splits:
     splits = max(1, min(n_blocks, _num_sms() * 2 // (b * hkv)))
-  splits = min(splits, n_blocks)
-  bps = dsl.cdiv(n_blocks, splits)
+  # Triton blocks are powers of two: so is each split's slice of the table.
+  bps = _pow2(dsl.cdiv(n_blocks, min(splits, n_blocks)))
+  splits = dsl.cdiv(n_blocks, bps)
   table = jnp.pad(page_table, ((0, 0), (0, splits * bps * ppb - page_table.shape[1])))
   table = table.reshape(b, splits, bps * ppb)
   lengths = jnp.minimum(lengths, page_table.shape[1] * page)

@@ -1,0 +1,209 @@
+"""Paged decode attention on the GPU: our Mosaic kernel against cuDNN, Triton, XLA.
+
+Llama-3-8B-like heads (Hq=32, Hkv=8, D=128, bf16), one new token per
+sequence, every sequence at full length L, pages of DEFAULT_PAGE_SIZE handed
+out in random order. cuDNN runs on the same K/V laid out contiguously
+([B, L, Hkv, D], jax.nn.dot_product_attention and torch SDPA), the rest on
+the paged cache. Effective bandwidth = K and V bytes read once / time.
+Every implementation is checked against the float32 reference at full size
+before it is timed. ``--tune`` sweeps the Mosaic kernel's configs (each one
+checked first) and saves the winners in the tuning table; ``--edges`` also
+checks ragged lengths, Tq > 1 and split-K at small shapes.
+
+  PYTHONPATH=. python3 bench/attention_decode.py --out bench/results [--tune] [--edges]
+"""
+
+import argparse
+import functools
+import json
+import pathlib
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kernels import attention_decode as ad
+from mosaic import bench, cost, testing, tuning
+
+HQ, HKV, D = 32, 8, 128
+SHAPES = [(64, 4096), (8, 32768), (1, 131072), (256, 512)]  # (batch, kv length)
+
+
+def _err(e: Exception) -> str:
+  return f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+
+
+def _edges():
+  """Ragged lengths (0, 1, non-multiples), Tq up to 8, forced split-K."""
+  rng = np.random.default_rng(1)
+  for b, tq, lengths, cfg in [
+      (5, 1, [0, 1, 63, 65, 3001], None),
+      (4, 8, [1, 8, 200, 1500], ad.Config(pages_per_step=1, stages=3, splits=3)),
+      (3, 4, [4, 129, 700], ad.Config(pages_per_step=2, stages=2, splits=2)),
+  ]:
+    page = ad.DEFAULT_PAGE_SIZE
+    mp = -(-max(lengths) // page) + 1
+    num_pages = b * mp + 5
+    table = rng.permutation(np.arange(1, num_pages))[:b * mp].reshape(b, mp).astype(np.int32)
+    q, kp, vp = testing.random_inputs(
+        [(b, tq, HQ, D), (HKV, num_pages, page, D), (HKV, num_pages, page, D)], jnp.bfloat16)
+    args = (q, kp, vp, jnp.array(lengths, jnp.int32), jnp.asarray(table))
+    ref = ad.attention_decode_reference(*args)
+    for name, f in [("mosaic", functools.partial(ad.attention_decode_mosaic, config=cfg)),
+                    ("triton", ad.attention_decode_triton)]:
+      try:
+        err = testing.assert_close(f(*args), ref, jnp.bfloat16)
+        print(f"edge b={b} tq={tq} lengths={lengths} cfg={cfg} {name}: ok rel_err={err:.2e}")
+      except Exception as e:  # noqa: BLE001 -- report and go on
+        print(f"edge b={b} tq={tq} lengths={lengths} cfg={cfg} {name}: FAILED {_err(e)}")
+
+
+def _torch_sdpa(k, v, q):
+  """torch SDPA on the contiguous cache, cuDNN backend (None if unavailable)."""
+  import torch
+  from torch.nn.attention import SDPBackend, sdpa_kernel
+
+  from mosaic import torch as mt
+
+  tq, tk, tv = (mt.to_torch(x).transpose(1, 2).contiguous() for x in (q, k, v))
+
+  def run(q, k, v):
+    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+      return torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+
+  return run, (tq, tk, tv)
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--out", required=True)
+  ap.add_argument("--tune", action="store_true")
+  ap.add_argument("--edges", action="store_true")
+  ap.add_argument("--shapes", default="", help="e.g. 64x4096,1x131072 (default: all)")
+  args = ap.parse_args()
+  t0 = time.time()
+  if args.edges:
+    _edges()
+    print(f"[{time.time() - t0:.0f}s] edges done")
+  shapes = SHAPES
+  if args.shapes:
+    shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
+  rows, tuned, sweep = [], {}, []
+  page = ad.DEFAULT_PAGE_SIZE
+  for b, length in shapes:
+    shape = f"B={b} L={length}"
+    k, v, q = testing.random_inputs([(b, length, HKV, D), (b, length, HKV, D), (b, 1, HQ, D)],
+                                    jnp.bfloat16)
+    kp, table = ad.contiguous_to_paged(k, page, seed=b)
+    vp, table_v = ad.contiguous_to_paged(v, page, seed=b)
+    assert np.array_equal(np.asarray(table), np.asarray(table_v))
+    lengths = jnp.full((b,), length, jnp.int32)
+    paged = (q, kp, vp, lengths, table)
+    ref = ad.attention_decode_reference(*paged)
+    kv_bytes = 2 * b * length * HKV * D * 2
+    c = cost.Cost(4.0 * b * HQ * length * D, kv_bytes)
+    scale = D ** -0.5
+    impls = {}
+    if args.tune:
+      mp = table.shape[1]
+      auto = ad._auto_splits(b, HKV, 1, mp)
+      space = [ad.Config(pages_per_step=p, stages=s, splits=sp)
+               for p, s in [(1, 2), (1, 3), (1, 4), (2, 2), (2, 3)]
+               for sp in sorted({auto, 2 * auto} if auto > 1 else {1})]
+      try:
+        results = []  # (config, seconds or None, error); wrong configs are never timed
+        for cfg in space:
+          f = functools.partial(ad._attention_decode_mosaic, sm_scale=scale, config=cfg)
+          try:
+            testing.assert_close(f(*paged), ref, jnp.bfloat16)
+            s = bench.time_jax(f, [paged], iters=10).median_s
+            results.append((cfg, s, None))
+          except Exception as e:  # noqa: BLE001 -- a bad candidate is data
+            results.append((cfg, None, _err(e)))
+        for cfg, s, e in results:
+          gbs = f"{kv_bytes / s / 1e9:.0f} GB/s" if s else "failed"
+          sweep.append({"shape": shape, "config": cfg.to_dict(),
+                        "us": s * 1e6 if s else None, "error": e})
+          print(f"  tune {shape} {cfg}: {gbs} {e or ''}")
+        ok = [(s, cfg) for cfg, s, e in results if s]
+        if ok:
+          best = min(ok, key=lambda x: x[0])[1]
+          key = tuning.shape_key(page=page, head_dim=D, dtype="bfloat16",
+                                 batch=tuning.bucket(b), pages=tuning.bucket(mp))
+          tuned[key] = best
+          impls["mosaic"] = functools.partial(ad._attention_decode_mosaic, sm_scale=scale,
+                                              config=best)
+      except Exception as e:  # noqa: BLE001
+        print(f"  tune {shape}: FAILED {_err(e)}")
+      print(f"[{time.time() - t0:.0f}s] tuned {shape}")
+    impls.setdefault("mosaic", functools.partial(ad._attention_decode_mosaic, sm_scale=scale))
+    impls["triton"] = functools.partial(ad._attention_decode_triton, sm_scale=scale)
+    impls["xla"] = functools.partial(ad._attention_decode_xla, sm_scale=scale)
+    for name, f in impls.items():
+      try:
+        err = testing.assert_close(f(*paged), ref, jnp.bfloat16, what=f"{name} {shape}")
+        t = bench.time_jax(f, [paged], iters=20)
+        rows.append({"shape": shape, "impl": name, "cache": "paged", "us": t.median_s * 1e6,
+                     "GB/s": kv_bytes / t.median_s / 1e9,
+                     "hbm_frac": cost.utilization(c, t.median_s).hbm_fraction,
+                     "rel_err": err, "timer": t.timer})
+      except Exception as e:  # noqa: BLE001
+        print(f"{name} {shape}: FAILED {_err(e)}")
+        traceback.print_exc(limit=3)
+    # cuDNN on the contiguous cache.
+    cud = jax.jit(functools.partial(jax.nn.dot_product_attention, implementation="cudnn"))
+    try:
+      err = testing.assert_close(cud(q, k, v), ref, jnp.bfloat16, what=f"cudnn {shape}")
+      t = bench.time_jax(cud, [(q, k, v)], iters=20)
+      rows.append({"shape": shape, "impl": "cudnn (jax)", "cache": "contiguous",
+                   "us": t.median_s * 1e6, "GB/s": kv_bytes / t.median_s / 1e9,
+                   "hbm_frac": cost.utilization(c, t.median_s).hbm_fraction,
+                   "rel_err": err, "timer": t.timer})
+    except Exception as e:  # noqa: BLE001
+      print(f"cudnn (jax) {shape}: FAILED {_err(e)}")
+    try:
+      import torch
+
+      from mosaic import torch as mt
+
+      run, targs = _torch_sdpa(k, v, q)
+      out = run(*targs).transpose(1, 2).contiguous()
+      err = testing.assert_close(mt.to_jax(out), ref, jnp.bfloat16, what=f"torch {shape}")
+      t = bench.time_torch(run, [targs], iters=20)
+      rows.append({"shape": shape, "impl": "cudnn (torch sdpa)", "cache": "contiguous",
+                   "us": t.median_s * 1e6, "GB/s": kv_bytes / t.median_s / 1e9,
+                   "hbm_frac": cost.utilization(c, t.median_s).hbm_fraction,
+                   "rel_err": err, "timer": t.timer})
+      del targs, out
+      torch.cuda.empty_cache()
+    except Exception as e:  # noqa: BLE001
+      print(f"cudnn (torch sdpa) {shape}: FAILED {_err(e)}")
+    print(f"[{time.time() - t0:.0f}s] timed {shape}")
+    del k, v, kp, vp, ref, paged
+    _write(args.out, rows, tuned, sweep)  # after every shape: a cut-off run keeps its data
+  print(bench.table(rows, COLS))
+
+
+COLS = ["shape", "impl", "cache", "us", "GB/s", "hbm_frac", "vs_cudnn", "rel_err"]
+
+
+def _write(out, rows, tuned, sweep):
+  by = {(r["shape"], r["impl"]): r for r in rows}
+  for r in rows:
+    base = by.get((r["shape"], "cudnn (jax)")) or by.get((r["shape"], "cudnn (torch sdpa)"))
+    r["vs_cudnn"] = base["us"] / r["us"] if base else ""
+  out = pathlib.Path(out)
+  out.mkdir(parents=True, exist_ok=True)
+  if tuned:
+    path = tuning.save("attention_decode", tuned)
+    (out / "attention_decode_tuning.json").write_text(path.read_text())
+  if sweep:
+    (out / "attention_decode_sweep.json").write_text(json.dumps(sweep, indent=1) + "\n")
+  bench.write(out, "attention_decode", rows, COLS,
+              "PYTHONPATH=. python3 bench/attention_decode.py --tune --edges --out DIR")
+
+
+if __name__ == "__main__":
+  main()
