@@ -20,6 +20,7 @@ API used by serving::
   model.tokenizer   # .encode(str) -> list[int]  (no BOS added)
                     # .decode(list[int]) -> str
                     # .bos_id: int | None, .eos_ids: tuple[int, ...]
+                    # .add_bos: bool (prepend bos_id to a plain prompt)
                     # .apply_chat_template(messages) -> str  (None if the model has no template)
                     #   messages: [{"role": "user", "content": "..."}]
 

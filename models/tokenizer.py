@@ -1,8 +1,8 @@
 """Tokenizers behind one small interface.
 
 Every tokenizer has ``encode(str) -> list[int]`` (no BOS added: the caller
-decides), ``decode(list[int]) -> str`` (special tokens skipped), ``bos_id``,
-``eos_ids`` and ``apply_chat_template(messages, add_generation_prompt=True)``
+decides, helped by ``add_bos``), ``decode(list[int]) -> str`` (special tokens
+skipped), ``bos_id``, ``eos_ids``, ``add_bos`` and ``apply_chat_template(messages, add_generation_prompt=True)``
 which renders the model's Jinja chat template (``None`` when it has none).
 
 Sources: a byte-level tokenizer that needs no files (the "tiny" model), a
@@ -24,6 +24,7 @@ class Tokenizer:
   chat_template: str | None = None
   bos_token: str = ""
   eos_token: str = ""
+  add_bos: bool = False  # whether the model expects BOS before a plain prompt
 
   def encode(self, text: str) -> list[int]:
     raise NotImplementedError
@@ -57,7 +58,7 @@ class ByteTokenizer(Tokenizer):
   OFFSET = 3
 
   def __init__(self):
-    self.bos_id, self.eos_ids = 1, (2,)
+    self.bos_id, self.eos_ids, self.add_bos = 1, (2,), True
     self.bos_token, self.eos_token = "<s>", "</s>"
     self.chat_template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n"
                           "{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}")
@@ -78,6 +79,8 @@ class HFTokenizer(Tokenizer):
     self.bos_id = bos_id
     self.eos_ids = tuple(eos_ids)
     self.chat_template = chat_template
+    # The tokenizer's own post-processor says whether it would prepend BOS.
+    self.add_bos = bos_id is not None and tk.encode("a", add_special_tokens=True).ids[:1] == [bos_id]
     self.bos_token = tk.id_to_token(bos_id) if bos_id is not None else ""
     self.eos_token = tk.id_to_token(self.eos_ids[0]) if self.eos_ids else ""
 
@@ -97,6 +100,7 @@ class SentencePieceTokenizer(Tokenizer):
     self.bos_id = bos_id if bos_id is not None else (self.sp.bos_id() if self.sp.bos_id() >= 0 else None)
     self.eos_ids = tuple(eos_ids) if eos_ids else ((self.sp.eos_id(),) if self.sp.eos_id() >= 0 else ())
     self.chat_template = chat_template
+    self.add_bos = self.bos_id is not None
     self.bos_token = self.sp.id_to_piece(self.bos_id) if self.bos_id is not None else ""
     self.eos_token = self.sp.id_to_piece(self.eos_ids[0]) if self.eos_ids else ""
 
@@ -201,5 +205,7 @@ def from_gguf_fields(fields: dict[str, Any], path: str = "<gguf>") -> Tokenizer:
   eot = fields.get("tokenizer.ggml.eot_token_id")
   if eot is not None and int(eot) not in eos_ids:
     eos_ids.append(int(eot))
-  return HFTokenizer(tk, bos_id=None if bos is None else int(bos), eos_ids=eos_ids,
-                     chat_template=fields.get("tokenizer.chat_template"))
+  out = HFTokenizer(tk, bos_id=None if bos is None else int(bos), eos_ids=eos_ids,
+                    chat_template=fields.get("tokenizer.chat_template"))
+  out.add_bos = bool(fields.get("tokenizer.ggml.add_bos_token", False)) and bos is not None
+  return out

@@ -1,0 +1,161 @@
+"""The decoder's serving entry points on the tiny config (random weights).
+
+Checks that batching, padding, page placement and chunking do not change the
+numbers: a ragged batch must give what each sequence gives alone; the plain
+jnp forward below is the float32 meaning of the model.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import models
+from models import llama, model as model_lib
+from mosaic import testing
+
+
+@pytest.fixture(scope="module")
+def tiny():
+  return models.load("tiny", dtype="float32")
+
+
+def _dense_forward(m, ids):
+  """Causal forward over one sequence in plain jnp, float32: logits [T, V]."""
+  cfg, p = m.config, jax.tree.map(lambda a: jnp.asarray(a, jnp.float32),
+                                  model_lib.nnx.to_pure_dict(m.params))
+  t = len(ids)
+  pos = jnp.arange(t)[None]
+  inv = jnp.asarray(llama.rope_inv_freq(cfg))
+  norm = lambda x, w: x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + cfg.rms_norm_eps) * w
+  x = p["embed"][jnp.asarray(ids)][None]
+  for i in range(cfg.num_layers):
+    L = jax.tree.map(lambda a: a[i], p["layers"])
+    h = norm(x, L["attn_norm"]["w"])
+    q = (h @ L["attn"]["wq"]["w"]).reshape(1, t, cfg.num_heads, cfg.head_dim)
+    k = (h @ L["attn"]["wk"]["w"]).reshape(1, t, cfg.num_kv_heads, cfg.head_dim)
+    v = (h @ L["attn"]["wv"]["w"]).reshape(1, t, cfg.num_kv_heads, cfg.head_dim)
+    q, k = llama.apply_rope(q, pos, inv), llama.apply_rope(k, pos, inv)
+    k = jnp.repeat(k, cfg.q_per_kv, axis=2)
+    v = jnp.repeat(v, cfg.q_per_kv, axis=2)
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * cfg.head_dim**-0.5
+    s = jnp.where(jnp.tril(jnp.ones((t, t), bool)), s, -jnp.inf)
+    o = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, -1), v).reshape(1, t, -1)
+    x = x + o @ L["attn"]["wo"]["w"]
+    h = norm(x, L["mlp_norm"]["w"])
+    x = x + (jax.nn.silu(h @ L["mlp"]["w_gate"]["w"]) * (h @ L["mlp"]["w_up"]["w"])) @ L["mlp"]["w_down"]["w"]
+  x = norm(x, p["final_norm"]["w"])
+  return (x @ p["lm_head"]["w"])[0]
+
+
+def test_prefill_matches_dense_forward(tiny):
+  ids = np.random.default_rng().integers(3, 259, 21).tolist()
+  cache = tiny.init_cache(8, 4)
+  logits, _ = tiny.prefill(cache, [ids], [0], [len(ids)], np.arange(1, 7)[None], all_logits=True)
+  testing.assert_close(logits[0], _dense_forward(tiny, ids), dtype=jnp.float32, what="prefill")
+
+
+def test_ragged_batch_equals_single_sequences(tiny):
+  """Three prompts of different lengths, pages interleaved, one padding row;
+  then three batched decode steps (one row finishing early)."""
+  rng = np.random.default_rng()
+  lens = [5, 17, 1]
+  prompts = [rng.integers(3, 259, n).tolist() for n in lens]
+  ps, per_seq = 4, 6
+  pages = rng.permutation(np.arange(1, 1 + per_seq * 3)).reshape(3, per_seq)
+  table = np.concatenate([pages, np.zeros((1, per_seq), int)])
+  cache = tiny.init_cache(1 + per_seq * 3, ps)
+  toks = np.zeros((4, max(lens)), np.int32)
+  for i, p in enumerate(prompts):
+    toks[i, :len(p)] = p
+  logits, cache = tiny.prefill(cache, toks, [0] * 4, lens + [0], table)
+  steps = [np.asarray(logits[:3])]
+  cur = list(lens)
+  nxt = [int(np.argmax(steps[-1][i])) for i in range(3)]
+  seqs = [p + [t] for p, t in zip(prompts, nxt)]
+  for step in range(3):
+    cur = [c + 1 for c in cur]
+    lengths = cur + [0]
+    if step == 2:
+      lengths[1] = 0  # row 1 is done: a padding row from now on
+    logits, cache = tiny.decode(cache, nxt + [0], lengths, table)
+    logits = np.asarray(logits)
+    steps.append(logits[:3])
+    nxt = [int(np.argmax(logits[i])) for i in range(3)]
+    for i in range(3):
+      seqs[i].append(nxt[i])
+  for i in range(3):
+    dense = np.asarray(_dense_forward(tiny, seqs[i][:-1]))
+    got = np.stack([s[i] for s in steps[:4 if i != 1 else 3]])
+    want = dense[lens[i] - 1:lens[i] - 1 + len(got)]
+    testing.assert_close(got, want, dtype=jnp.float32, what=f"row {i}")
+
+
+def test_buckets_do_not_recompile(tiny):
+  table = np.arange(1, 7)[None]
+  tiny.prefill(tiny.init_cache(8, 4), [[5, 6, 7]], [0], [3], table)
+  before = llama.prefill_step._cache_size()
+  for n in (2, 9, 16):
+    cache = tiny.init_cache(8, 4)
+    _, cache = tiny.prefill(cache, [list(range(3, 3 + n))], [0], [n], table)
+  assert llama.prefill_step._cache_size() == before, "a length within one bucket recompiled"
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(lengths=[5]), r"lengths must be in \[0, T=3\]"),
+    (dict(page_table=np.array([[1]])), "page_table has 1 pages per row"),
+    (dict(page_table=np.array([[1, 99]])), r"page_table entries must be in \[0, 8\)"),
+    (dict(positions=[-1]), "positions must be"),
+])
+def test_prefill_rejects_bad_input(tiny, bad, match):
+  args = dict(tokens=[[5, 6, 7]], positions=[0], lengths=[3], page_table=np.array([[1, 2]]))
+  args.update(bad)
+  cache = tiny.init_cache(8, 2)
+  with pytest.raises(ValueError, match=match):
+    tiny.prefill(cache, **args)
+
+
+def test_decode_rejects_bad_input(tiny):
+  cache = tiny.init_cache(8, 2)
+  with pytest.raises(ValueError, match="1 <= Tq <= 8"):
+    tiny.decode(cache, np.zeros((1, 9), int), [9], np.array([[1, 2, 3, 4, 5]]))
+  with pytest.raises(ValueError, match="include the 2 new tokens"):
+    tiny.decode(cache, [[3, 4]], [1], np.array([[1]]))
+  with pytest.raises(ValueError, match="unknown attention_decode backend 'nope'"):
+    tiny.decode(cache, [3], [1], np.array([[1]]), attention="nope")
+
+
+def test_generate_tiny_is_deterministic_and_decodes(tiny):
+  ids = [tiny.tokenizer.bos_id] + tiny.tokenizer.encode("hello")
+  a = models.generate(tiny, ids, 6, page_size=4, stop_at_eos=False)
+  b = models.generate(models.load("tiny", dtype="float32"), ids, 6, page_size=4, stop_at_eos=False)
+  assert a == b and len(a) == 6
+  assert isinstance(tiny.tokenizer.decode(a), str)
+  with pytest.raises(ValueError, match="prompt_ids is empty"):
+    models.generate(tiny, [], 3)
+
+
+def test_rope_llama3_scaling_bands():
+  cfg = models.config.get("llama3.1-8b")
+  scaled = llama.rope_inv_freq(cfg)
+  plain = llama.rope_inv_freq(cfg.replace(rope_scaling=None))
+  wavelen = 2 * np.pi / plain
+  s = cfg.rope_scaling
+  hi = wavelen < s.original_max_position_embeddings / s.high_freq_factor
+  lo = wavelen > s.original_max_position_embeddings / s.low_freq_factor
+  np.testing.assert_allclose(scaled[hi], plain[hi], rtol=1e-6)
+  np.testing.assert_allclose(scaled[lo], plain[lo] / s.factor, rtol=1e-6)
+  mid = ~hi & ~lo
+  assert mid.any() and np.all(scaled[mid] < plain[mid]) and np.all(scaled[mid] > plain[mid] / s.factor)
+
+
+def test_config_validation():
+  cfg = models.config.get("tiny")
+  with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+    cfg.replace(num_kv_heads=3)
+  with pytest.raises(ValueError, match="unknown model config 'gpt5'"):
+    models.config.get("gpt5")
+  with pytest.raises(ValueError, match="unsupported architecture 'GPT2LMHeadModel'"):
+    models.ModelConfig.from_hf({"architectures": ["GPT2LMHeadModel"]})
+  for name, c in models.config.CONFIGS.items():
+    assert models.ModelConfig.from_dict(c.to_dict()) == c, name
