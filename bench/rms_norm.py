@@ -37,8 +37,9 @@ def main():
         "xla": jax.jit(functools.partial(rn.rms_norm_xla, eps=1e-6)),
     }
     if args.tune:
-      space = tuning.search_space(rn.Config, block_rows=[1, 2, 4], stages=[2, 3, 4],
-                                  blocks_per_sm=[1, 2, 3])
+      space = tuning.search_space(rn.Config, block_rows=[1, 2, 4], persistent=[False])
+      space += [rn.Config(block_rows=b, persistent=True, stages=s, blocks_per_sm=g)
+                for b, s, g in [(1, 3, 1), (2, 2, 1), (2, 4, 3), (4, 4, 2)]]
       space = [s for s in space if shape[0] % s.block_rows == 0]
       best, results = tuning.autotune(
           space,

@@ -1,7 +1,9 @@
 """RMSNorm: y = x / sqrt(mean(x^2, -1) + eps) * weight.
 
 Data flow of the Mosaic GPU kernel: the input is viewed as [rows, D] and cut
-into row blocks of ``block_rows`` rows. A persistent grid of a few blocks per
+into row blocks of ``block_rows`` rows. Two schedules, chosen by the tuning
+table: one row block per CUDA block (TMA in, normalize in place in SMEM, TMA
+out; many blocks resident per SM hide each other's latency), or a persistent grid of a few blocks per
 SM loads the weight into SMEM once, then walks its share of row blocks
 through a ``stages``-deep TMA pipeline. Per row the single warpgroup reads
 the row into registers in float32, reduces its sum of squares, scales it,
@@ -26,9 +28,10 @@ MAX_COLS = 8192  # a row and the weight both live in registers (fp32)
 
 @dataclasses.dataclass(frozen=True)
 class Config(tuning.KernelConfig):
-  block_rows: int = 1  # rows per pipeline step
-  stages: int = 3  # row blocks in flight per block (TMA ring depth)
-  blocks_per_sm: int = 2  # persistent grid = min(row blocks, SMs * this)
+  block_rows: int = 1  # rows per pipeline step (per block if not persistent)
+  persistent: bool = False
+  stages: int = 3  # persistent only: row blocks in flight per block (TMA ring)
+  blocks_per_sm: int = 2  # persistent only: grid = min(row blocks, SMs * this)
 
   def __post_init__(self):
     if self.block_rows not in (1, 2, 4, 8, 16):
@@ -39,7 +42,27 @@ class Config(tuning.KernelConfig):
       raise ValueError(f"{self.blocks_per_sm=} must be in [1, 8]")
 
 
-def _kernel(x_gmem, w_gmem, o_gmem, w_smem, out_smem, bar, *, eps: float, block_rows: int,
+def _kernel_one_block(x_gmem, w_gmem, o_gmem, x_smem, w_smem, bars, *, eps: float,
+                      block_rows: int):
+  # One row block per CUDA block: many small blocks resident per SM overlap
+  # each other's copies and arithmetic, with no pipeline bookkeeping.
+  rows = pl.ds(lax.axis_index("blocks") * block_rows, block_rows)
+  plgpu.copy_gmem_to_smem(x_gmem.at[rows], x_smem, bars.at[0], oob_mode=dsl.IN_BOUNDS)
+  plgpu.copy_gmem_to_smem(w_gmem, w_smem, bars.at[1], oob_mode=dsl.IN_BOUNDS)
+  plgpu.barrier_wait(bars.at[1])
+  w = w_smem[...].astype(jnp.float32)
+  plgpu.barrier_wait(bars.at[0])
+  inv_d = 1.0 / x_smem.shape[-1]
+  for r in range(block_rows):
+    x = x_smem[r].astype(jnp.float32)
+    scale = lax.rsqrt(jnp.sum(x * x) * inv_d + eps)
+    x_smem[r] = (x * scale * w).astype(x_smem.dtype)  # in place
+  plgpu.commit_smem()  # register->SMEM stores visible to the TMA engine
+  plgpu.copy_smem_to_gmem(x_smem, o_gmem.at[rows])
+  plgpu.wait_smem_to_gmem(0)
+
+
+def _kernel_persistent(x_gmem, w_gmem, o_gmem, w_smem, out_smem, bar, *, eps: float, block_rows: int,
             stages: int, num_blocks: int, row_blocks: int):
   # Persistent: block c handles row blocks c, c + G, c + 2G, ... (G blocks).
   cta = lax.axis_index("blocks")
@@ -94,20 +117,24 @@ def _rms_norm_mosaic(x, weight, eps: float, config: Config | None = None):
     raise ValueError(f"{cfg.block_rows=} must divide {rows=}")
   br = cfg.block_rows
   row_blocks = rows // br
+  out_type = jax.ShapeDtypeStruct((rows, cols), x.dtype)
+  if not cfg.persistent:
+    out = dsl.kernel(
+        functools.partial(_kernel_one_block, eps=eps, block_rows=br),
+        out_type=out_type, grid=(row_blocks,), grid_names=("blocks",),
+        scratch_types=[plgpu.SMEM((br, cols), x.dtype), plgpu.SMEM((cols,), weight.dtype),
+                       plgpu.Barrier(num_barriers=2)],
+    )(x2, weight)
+    return out.reshape(shape)
   num_blocks = min(row_blocks, target_lib.current().ceilings.sms * cfg.blocks_per_sm)
   if dsl.interpreting():
     num_blocks = min(row_blocks, 2)  # still more than one step per block
   out = dsl.kernel(
-      functools.partial(_kernel, eps=eps, block_rows=br, stages=cfg.stages,
+      functools.partial(_kernel_persistent, eps=eps, block_rows=br, stages=cfg.stages,
                         num_blocks=num_blocks, row_blocks=row_blocks),
-      out_type=jax.ShapeDtypeStruct((rows, cols), x.dtype),
-      grid=(num_blocks,),
-      grid_names=("blocks",),
-      scratch_types=[
-          plgpu.SMEM((cols,), weight.dtype),
-          plgpu.SMEM((2, br, cols), x.dtype),
-          plgpu.Barrier(),
-      ],
+      out_type=out_type, grid=(num_blocks,), grid_names=("blocks",),
+      scratch_types=[plgpu.SMEM((cols,), weight.dtype), plgpu.SMEM((2, br, cols), x.dtype),
+                     plgpu.Barrier()],
   )(x2, weight)
   return out.reshape(shape)
 

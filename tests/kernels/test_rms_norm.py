@@ -25,12 +25,14 @@ def test_matches_reference(backend, dtype, shape):
   assert not dsl.races_found()
 
 
-@pytest.mark.parametrize("block_rows,stages", [(1, 1), (2, 3), (4, 2)])
-def test_each_config(block_rows, stages):
+@pytest.mark.parametrize("block_rows,stages,persistent",
+                         [(1, 1, True), (2, 3, True), (4, 2, True), (1, 1, False), (4, 1, False)])
+def test_each_config(block_rows, stages, persistent):
   # 8 rows over 2 persistent blocks: each walks several pipeline steps, and
   # with 3 stages the ring wraps around.
   x, w = testing.random_inputs([(8, 128), (128,)], "bfloat16")
-  out = rn.rms_norm_mosaic(x, w, config=rn.Config(block_rows=block_rows, stages=stages))
+  out = rn.rms_norm_mosaic(x, w, config=rn.Config(block_rows=block_rows, stages=stages,
+                                                   persistent=persistent))
   testing.assert_close(out, rn.rms_norm_reference(x, w), "bfloat16")
 
 
