@@ -16,6 +16,8 @@ Hopper kernel (``mosaic`` backend), how data flows:
   registers) and the residual (TMA-copied into the output staging buffer),
   casts, and stores through SMEM with TMA in [epi_m, epi_n] pieces, double
   buffered so the store of one piece overlaps the next.
+- On Blackwell the same entry point runs kernels/matmul_blackwell.py
+  (tcgen05 MMA into tensor memory).
 - Ragged edges: TMA fills out-of-bounds loads with zeros (so a partial K
   block contributes nothing) and clips out-of-bounds stores, so any M, N, K
   is handled without padding copies.
@@ -309,8 +311,8 @@ def _mosaic_why_not(a, b, *, bias=None, residual=None, out_dtype=None, config=No
   except ValueError as e:
     return str(e)
   kind = target_lib.current().kind
-  if kind not in ("hopper", "cpu"):
-    return f"the mosaic matmul kernel targets Hopper (sm_90a); this device is {kind}"
+  if kind not in ("hopper", "blackwell", "cpu"):
+    return f"the mosaic matmul kernels target Hopper and Blackwell; this device is {kind}"
   if a.dtype != b.dtype or a.dtype.name not in IN_DTYPES:
     return f"inputs must both be one of {IN_DTYPES}; got {a.dtype=}, {b.dtype=}"
   if out_dtype.name not in OUT_DTYPES:
@@ -361,6 +363,13 @@ def matmul_mosaic(a, b, *, bias=None, residual=None, out_dtype=None, config: Con
   out_dtype = _check(a, b, bias, residual, out_dtype)
   m, k = a.shape
   n = b.shape[1]
+  if target_lib.current().kind == "blackwell":
+    from kernels import matmul_blackwell as bw
+
+    if config is not None and not isinstance(config, bw.Config):
+      raise ValueError(f"on Blackwell config must be a matmul_blackwell.Config; got {config=}")
+    return bw.run(a, b, bias, residual, cfg=config or bw.heuristic(m, n, k),
+                  out_dtype=out_dtype, num_sms=_num_sms())
   cfg = config or pick_config(m, n, k, a.dtype)
   if cfg.smem_bytes(a.dtype.itemsize, out_dtype.itemsize) > SMEM_LIMIT:
     raise ValueError(f"{cfg=} needs {cfg.smem_bytes()} bytes of SMEM > {SMEM_LIMIT}")
@@ -420,4 +429,6 @@ _op.register("mosaic", matmul_mosaic, supports=_mosaic_why_not,
              doc="Hopper wgmma, warp-specialized, persistent; split-K for small M")
 _op.register("xla", matmul_xla, supports=_valid, doc="jnp.dot (cuBLAS on GPU)")
 _op.register("reference", _reference_backend, supports=_valid, doc="float32 jnp")
-_op.set_defaults(hopper=("mosaic", "xla"), cpu=("xla", "reference"), default=("xla", "reference"))
+# Blackwell keeps cuBLAS first until the tcgen05 kernel has run on a card.
+_op.set_defaults(hopper=("mosaic", "xla"), blackwell=("xla", "mosaic"), cpu=("xla", "reference"),
+                 default=("xla", "reference"))

@@ -124,3 +124,22 @@ def test_mosaic_gpu_full_size(m, n, k):
   a, b, bias, res = _inputs(m, n, k)
   out = registry.get_op("matmul")(a, b, bias=bias, residual=res, backend="mosaic")
   testing.assert_close(out, mm.matmul_reference(a, b, bias=bias, residual=res), jnp.bfloat16)
+
+
+@pytest.mark.parametrize("m,n,k,cfg,use_bias,use_res", [
+    pytest.param(128, 256, 128, None, False, False, id="aligned"),
+    pytest.param(200, 200, 200, "ragged", True, True, id="ragged-bias-residual-4-tiles-per-cta"),
+])
+def test_blackwell_kernel_interpreted(m, n, k, cfg, use_bias, use_res):
+  # tcgen05 cannot run on the Hopper card; the interpreter checks the kernel's logic.
+  if not dsl.interpreting():
+    pytest.skip("Blackwell kernel is checked in interpret mode only")
+  from kernels import matmul_blackwell as bw
+
+  cfg = bw.Config(tile_n=64, stages=3, epi_n=32) if cfg else bw.Config(tile_n=128, stages=2)
+  a, b, bias, res = _inputs(m, n, k)
+  bias = bias if use_bias else None
+  res = res if use_res else None
+  out = bw.run(a, b, bias, res, cfg=cfg, out_dtype=jnp.dtype(jnp.bfloat16), num_sms=2)
+  testing.assert_close(out, mm.matmul_reference(a, b, bias=bias, residual=res), jnp.bfloat16)
+  assert not dsl.races_found()
