@@ -185,10 +185,12 @@ class Attention(nnx.Module):
     """h [B, T, D] -> q [B, T, Hq, hd], k/v [B, T, Hkv, hd], RoPE applied."""
     cfg = self.cfg
     b, t, _ = h.shape
-    q = self.wq(h).reshape(b, t, cfg.num_heads, cfg.head_dim)
-    k = self.wk(h).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
-    v = self.wv(h).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
-    return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
+    with jax.named_scope("qkv"):  # scopes name the ops in profiles (serving.profiler)
+      q = self.wq(h).reshape(b, t, cfg.num_heads, cfg.head_dim)
+      k = self.wk(h).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+      v = self.wv(h).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+    with jax.named_scope("rope"):
+      return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
 
 
 class MLP(nnx.Module):
@@ -201,10 +203,13 @@ class MLP(nnx.Module):
     self.w_down = Linear(f, d, dtype=dtype, rngs=rngs)
 
   def __call__(self, h, residual):
-    g = self.w_gate(h)
-    u = self.w_up(h)
-    act = (jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)).astype(h.dtype)
-    return self.w_down(act, residual=residual)
+    with jax.named_scope("gate_up"):
+      g = self.w_gate(h)
+      u = self.w_up(h)
+    with jax.named_scope("act"):
+      act = (jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)).astype(h.dtype)
+    with jax.named_scope("down"):
+      return self.w_down(act, residual=residual)
 
 
 class Block(nnx.Module):
@@ -237,12 +242,14 @@ class Llama(nnx.Module):
 
   def _logits(self, x):
     """x [..., D] -> [..., vocab] float32."""
-    h = self.final_norm(x)
-    if self.lm_head is not None:
-      return self.lm_head(h, out_dtype=jnp.float32)
-    lead = h.shape[:-1]
-    y = ops()["matmul"](h.reshape(-1, h.shape[-1]), self.embed[...].T, out_dtype=jnp.float32)
-    return y.reshape(*lead, -1)
+    with jax.named_scope("final_norm"):
+      h = self.final_norm(x)
+    with jax.named_scope("lm_head"):
+      if self.lm_head is not None:
+        return self.lm_head(h, out_dtype=jnp.float32)
+      lead = h.shape[:-1]
+      y = ops()["matmul"](h.reshape(-1, h.shape[-1]), self.embed[...].T, out_dtype=jnp.float32)
+      return y.reshape(*lead, -1)
 
   def _run_layers(self, x, cache: KVCache, attend):
     """Scans the blocks; ``attend(block, h, k_cache, v_cache, layer)`` does the
@@ -254,9 +261,14 @@ class Llama(nnx.Module):
       x, kc, vc = carry
       state, layer = xs
       block = nnx.merge(graphdef, state)
-      o, kc, vc = attend(block, block.attn_norm(x), kc, vc, layer)
-      x = block.attn.wo(o, residual=x)
-      x = block.mlp(block.mlp_norm(x), residual=x)
+      with jax.named_scope("attn_norm"):
+        h = block.attn_norm(x)
+      o, kc, vc = attend(block, h, kc, vc, layer)
+      with jax.named_scope("o_proj"):
+        x = block.attn.wo(o, residual=x)
+      with jax.named_scope("mlp_norm"):
+        h = block.mlp_norm(x)
+      x = block.mlp(h, residual=x)
       return (x, kc, vc), None
 
     (x, k, v), _ = jax.lax.scan(body, (x, cache.k, cache.v), (layer_state, layer_ids))
@@ -286,15 +298,18 @@ class Llama(nnx.Module):
 
     def attend(block, h, kc, vc, layer):
       q, k, v = block.attn.qkv(h, tpos, inv_freq)
-      kc = kc.at[layer, :, page, slot].set(k.astype(kc.dtype))  # [B, T, Hkv, hd] rows
-      vc = vc.at[layer, :, page, slot].set(v.astype(vc.dtype))
-      kg, vg = _gather_pages(kc, vc, layer, page_table)  # [B, Skv, Hkv, hd]
-      o = ops()["attention_prefill"](
-          q, kg, vg, causal=True, q_positions=tpos, kv_positions=kv_pos,
-          q_segment_ids=q_seg, kv_segment_ids=kv_seg, sliding_window=cfg.sliding_window)
+      with jax.named_scope("kv_write"):
+        kc = kc.at[layer, :, page, slot].set(k.astype(kc.dtype))  # [B, T, Hkv, hd] rows
+        vc = vc.at[layer, :, page, slot].set(v.astype(vc.dtype))
+      with jax.named_scope("attention"):
+        kg, vg = _gather_pages(kc, vc, layer, page_table)  # [B, Skv, Hkv, hd]
+        o = ops()["attention_prefill"](
+            q, kg, vg, causal=True, q_positions=tpos, kv_positions=kv_pos,
+            q_segment_ids=q_seg, kv_segment_ids=kv_seg, sliding_window=cfg.sliding_window)
       return o.reshape(b, t, -1).astype(h.dtype), kc, vc
 
-    x = jnp.take(self.embed[...], tokens, axis=0)  # [B, T, D]
+    with jax.named_scope("embed"):
+      x = jnp.take(self.embed[...], tokens, axis=0)  # [B, T, D]
     x, cache = self._run_layers(x, cache, attend)
     if not all_logits:
       last = jnp.maximum(lengths - 1, 0)
@@ -320,10 +335,12 @@ class Llama(nnx.Module):
 
     def attend(block, h, kc, vc, layer):
       q, k, v = block.attn.qkv(h, jnp.maximum(tpos, 0), inv_freq)
-      kc = kc.at[layer, :, page, slot].set(k.astype(kc.dtype))
-      vc = vc.at[layer, :, page, slot].set(v.astype(vc.dtype))
+      with jax.named_scope("kv_write"):
+        kc = kc.at[layer, :, page, slot].set(k.astype(kc.dtype))
+        vc = vc.at[layer, :, page, slot].set(v.astype(vc.dtype))
       if cfg.sliding_window is None:
-        o = ops()["attention_decode"](q, kc[layer], vc[layer], lengths, page_table)
+        with jax.named_scope("attention"):
+          o = ops()["attention_decode"](q, kc[layer], vc[layer], lengths, page_table)
       else:
         kg, vg = _gather_pages(kc, vc, layer, page_table)
         o = ops()["attention_prefill"](
@@ -331,7 +348,8 @@ class Llama(nnx.Module):
             q_segment_ids=q_seg, kv_segment_ids=kv_seg, sliding_window=cfg.sliding_window)
       return o.reshape(b, tq, -1).astype(h.dtype), kc, vc
 
-    x = jnp.take(self.embed[...], tokens, axis=0)  # [B, Tq, D]
+    with jax.named_scope("embed"):
+      x = jnp.take(self.embed[...], tokens, axis=0)  # [B, Tq, D]
     x, cache = self._run_layers(x, cache, attend)
     return self._logits(x), cache
 
