@@ -58,6 +58,7 @@ CLI: ``python -m models.generate --model default --prompt "..."``.
 
 from models.config import ModelConfig  # noqa: E402
 from models.llama import DEFAULT_PAGE_SIZE, KVCache  # noqa: E402
-from models.model import Model, generate, load, save  # noqa: E402
+from models.model import Model, load, save  # noqa: E402
+from models import generate  # noqa: E402  (a callable module: greedy helper + CLI)
 
 __all__ = ["DEFAULT_PAGE_SIZE", "KVCache", "Model", "ModelConfig", "generate", "load", "save"]

@@ -280,8 +280,9 @@ def read_gguf(path, dtype=np.float32) -> tuple[ModelConfig, dict, tok_lib.Tokeni
       head_dim=int(meta("attention.key_length", None, required=False)
                    or meta("rope.dimension_count", None, required=False) or d // heads),
       intermediate_size=int(meta("feed_forward_length")),
-      rope_theta=float(meta("rope.freq_base", 10000.0)),
-      rms_norm_eps=float(meta("attention.layer_norm_rms_epsilon", 1e-5)),
+      # GGUF keeps float32: 1e-5 comes back as 9.99999975e-06; print it as written.
+      rope_theta=float(f'{meta("rope.freq_base", 10000.0):.7g}'),
+      rms_norm_eps=float(f'{meta("attention.layer_norm_rms_epsilon", 1e-5):.7g}'),
       tie_embeddings="output.weight" not in tensors,
       qkv_bias="blk.0.attn_q.bias" in tensors,
       sliding_window=meta("attention.sliding_window", None, required=False),

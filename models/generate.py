@@ -6,6 +6,10 @@
 --model: default (embedded SmolLM2-135M-Instruct), tiny, an HF folder, a .gguf
 file or an orbax directory. --attention/--decode-attention/--matmul/--norm
 choose the ops' backends (names as in mosaic.registry).
+
+The module is also the greedy helper: ``models.generate(model, prompt_ids,
+max_new_tokens)`` calls ``models.model.generate`` (importing this module for
+``-m`` would otherwise shadow the function of that name on the package).
 """
 
 from __future__ import annotations
@@ -13,6 +17,9 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+import types
+
+from models.model import generate
 
 
 def main(argv=None) -> int:
@@ -53,7 +60,7 @@ def main(argv=None) -> int:
   ids = model.tokenizer.encode(text)
   if model.tokenizer.add_bos and not args.chat:  # chat templates spell BOS themselves
     ids = [model.tokenizer.bos_id] + ids
-  out = models.generate(model, ids, args.max_new_tokens, attention=args.attention,
+  out = generate(model, ids, args.max_new_tokens, attention=args.attention,
                         decode_attention=args.decode_attention, matmul=args.matmul,
                         norm=args.norm)
   t2 = time.perf_counter()
@@ -62,6 +69,14 @@ def main(argv=None) -> int:
         f"{t2 - t1:.1f}s]", file=sys.stderr)
   return 0
 
+
+class _CallableModule(types.ModuleType):
+
+  def __call__(self, *args, **kwargs):
+    return generate(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule
 
 if __name__ == "__main__":
   sys.exit(main())

@@ -178,7 +178,7 @@ def from_gguf_fields(fields: dict[str, Any], path: str = "<gguf>") -> Tokenizer:
   from tokenizers import decoders, models as tk_models, pre_tokenizers
 
   tokens = list(fields["tokenizer.ggml.tokens"])
-  merges = [tuple(m.split(" ", 1)) for m in fields["tokenizer.ggml.merges"]]
+  merges = [tuple(m.split(" ", 1)) for m in fields.get("tokenizer.ggml.merges", [])]
   vocab = {t: i for i, t in enumerate(tokens)}
   tk = tokenizers.Tokenizer(tk_models.BPE(vocab=vocab, merges=merges))
   pre = fields.get("tokenizer.ggml.pre", "default")

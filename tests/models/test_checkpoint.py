@@ -1,0 +1,203 @@
+"""Checkpoint import/export and tokenizers: orbax round trip, a GGUF written
+from known weights (Q/K permuted as llama.cpp does), the embedded default
+model, and clear errors for bad inputs."""
+
+import json
+import pathlib
+import shutil
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import models
+from models import checkpoint, model as model_lib, tokenizer as tok_lib
+from mosaic import testing
+
+
+def _logits(m, ids, ps=4):
+  cache = m.init_cache(2 + len(ids) // ps, ps)
+  table = np.arange(1, 2 + len(ids) // ps)[None]
+  out, _ = m.prefill(cache, [ids], [0], [len(ids)], table, all_logits=True)
+  return np.asarray(out[0])
+
+
+def _ids(m, n=11):
+  return np.random.default_rng().integers(3, 259, n).tolist()
+
+
+def test_orbax_round_trip(tmp_path):
+  cfg = models.config.get("tiny")
+  params = model_lib.random_params(cfg, seed=int(np.random.default_rng().integers(1 << 30)))
+  m = models.Model(cfg, params, tok_lib.ByteTokenizer(), dtype="float32")
+  models.save(tmp_path / "ck", m)
+  r = models.load(tmp_path / "ck", dtype="float32")
+  assert r.config == m.config and isinstance(r.tokenizer, tok_lib.ByteTokenizer)
+  ids = _ids(m)
+  np.testing.assert_array_equal(_logits(r, ids), _logits(m, ids))
+
+
+def test_orbax_keeps_hf_tokenizer(tmp_path, hf_oracle):
+  m = models.load(hf_oracle / "qwen2", dtype="float32")
+  models.save(tmp_path / "ck", m)
+  r = models.load(tmp_path / "ck", dtype="float32")
+  text = "the brown fox"
+  assert r.tokenizer.encode(text) == m.tokenizer.encode(text)
+  assert r.tokenizer.eos_ids == m.tokenizer.eos_ids
+  assert r.tokenizer.apply_chat_template([{"role": "user", "content": "x"}]) == \
+      m.tokenizer.apply_chat_template([{"role": "user", "content": "x"}])
+  ids = _ids(m)
+  testing.assert_close(_logits(r, ids), _logits(m, ids), dtype=jnp.float32)
+
+
+def _permute(w, n_heads):
+  """llama.cpp's convert_hf_to_gguf permute of Q/K rows ([out, in])."""
+  return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _write_gguf(path, cfg, params):
+  import gguf
+
+  w = gguf.GGUFWriter(str(path), "llama")
+  w.add_block_count(cfg.num_layers)
+  w.add_context_length(cfg.max_position_embeddings)
+  w.add_embedding_length(cfg.hidden_size)
+  w.add_feed_forward_length(cfg.intermediate_size)
+  w.add_head_count(cfg.num_heads)
+  w.add_head_count_kv(cfg.num_kv_heads)
+  w.add_rope_freq_base(cfg.rope_theta)
+  w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+  w.add_rope_dimension_count(cfg.head_dim)
+  from tokenizers import pre_tokenizers
+
+  alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+  tokens = ["<s>", "</s>"] + alphabet
+  tokens += [f"<extra_{i}>" for i in range(cfg.vocab_size - len(tokens))]
+  w.add_tokenizer_model("gpt2")
+  w.add_token_list(tokens)
+  w.add_token_types([3, 3] + [1] * len(alphabet) + [4] * (cfg.vocab_size - 2 - len(alphabet)))
+  w.add_token_merges([])
+  w.add_bos_token_id(0)
+  w.add_eos_token_id(1)
+  L = params["layers"]
+  f32 = lambda a: np.ascontiguousarray(np.asarray(a, np.float32))
+  w.add_tensor("token_embd.weight", f32(params["embed"]))
+  w.add_tensor("output_norm.weight", f32(params["final_norm"]["w"]))
+  w.add_tensor("output.weight", f32(np.asarray(params["lm_head"]["w"]).T))
+  for i in range(cfg.num_layers):
+    a = L["attn"]
+    w.add_tensor(f"blk.{i}.attn_norm.weight", f32(L["attn_norm"]["w"][i]))
+    w.add_tensor(f"blk.{i}.ffn_norm.weight", f32(L["mlp_norm"]["w"][i]))
+    w.add_tensor(f"blk.{i}.attn_q.weight", f32(_permute(np.asarray(a["wq"]["w"][i]).T, cfg.num_heads)))
+    w.add_tensor(f"blk.{i}.attn_k.weight", f32(_permute(np.asarray(a["wk"]["w"][i]).T, cfg.num_kv_heads)))
+    w.add_tensor(f"blk.{i}.attn_v.weight", f32(np.asarray(a["wv"]["w"][i]).T))
+    w.add_tensor(f"blk.{i}.attn_output.weight", f32(np.asarray(a["wo"]["w"][i]).T))
+    for ours, theirs in (("w_gate", "ffn_gate"), ("w_up", "ffn_up"), ("w_down", "ffn_down")):
+      w.add_tensor(f"blk.{i}.{theirs}.weight", f32(np.asarray(L["mlp"][ours]["w"][i]).T))
+  w.write_header_to_file()
+  w.write_kv_data_to_file()
+  w.write_tensors_to_file()
+  w.close()
+
+
+def test_gguf_import_undoes_rope_permutation(tmp_path):
+  cfg = models.config.get("tiny")
+  params = model_lib.random_params(cfg, seed=int(np.random.default_rng().integers(1 << 30)))
+  _write_gguf(tmp_path / "t.gguf", cfg, params)
+  g = models.load(tmp_path / "t.gguf", dtype="float32")
+  assert g.config.replace(name="tiny") == cfg
+  m = models.Model(cfg, params, tok_lib.ByteTokenizer(), dtype="float32")
+  ids = _ids(m)
+  testing.assert_close(_logits(g, ids), _logits(m, ids), dtype=jnp.float32, what="gguf logits")
+  assert g.tokenizer.decode(g.tokenizer.encode("héllo, world")) == "héllo, world"
+  assert g.tokenizer.encode("<s>") == [0]  # control tokens are matched whole
+
+
+DEFAULT = model_lib.default_model_path()
+
+
+@pytest.mark.skipif(not DEFAULT.exists(), reason=f"{DEFAULT} missing: run .ci/setup")
+def test_default_model_answers_paris():
+  m = models.load("default", dtype="bfloat16")
+  assert m.config.num_layers == 30 and m.config.vocab_size == 49152
+  tok = m.tokenizer
+  prompt = "The capital of France is"
+  ids = tok.encode(prompt)
+  assert tok.decode(ids) == prompt
+  out = models.generate(m, ids, 4)
+  assert "Paris" in tok.decode(out), tok.decode(out)
+  chat = tok.apply_chat_template([{"role": "user", "content": "Hi"}])
+  assert chat.startswith("<|im_start|>system") and chat.endswith("<|im_start|>assistant\n")
+  assert tok.encode("<|im_start|>")[0] in range(49152) and len(tok.encode("<|im_start|>")) == 1
+
+
+# ---------------------------------------------------------------- errors
+
+
+@pytest.fixture
+def hf_copy(tmp_path, hf_oracle):
+  d = tmp_path / "m"
+  shutil.copytree(hf_oracle / "llama", d)
+  return d
+
+
+def test_error_missing_config(hf_copy):
+  (hf_copy / "config.json").unlink()
+  with pytest.raises(FileNotFoundError, match=r"config\.json: missing"):
+    models.load(hf_copy)
+
+
+def test_error_unknown_architecture(hf_copy):
+  cfg = json.loads((hf_copy / "config.json").read_text())
+  cfg["architectures"] = ["FalconForCausalLM"]
+  (hf_copy / "config.json").write_text(json.dumps(cfg))
+  with pytest.raises(ValueError, match=r"config\.json: unsupported architecture 'FalconForCausalLM'"):
+    models.load(hf_copy)
+
+
+def test_error_missing_tokenizer(hf_copy):
+  (hf_copy / "tokenizer.json").unlink()
+  with pytest.raises(FileNotFoundError, match="no tokenizer found: expected tokenizer.json"):
+    models.load(hf_copy)
+
+
+def test_error_truncated_and_missing_weights(hf_copy):
+  shard = sorted(hf_copy.glob("*.safetensors"))[0]
+  shard.write_bytes(shard.read_bytes()[:5])
+  with pytest.raises(ValueError, match=f"{shard.name}: not a readable safetensors file"):
+    models.load(hf_copy)
+  shard.unlink()
+  with pytest.raises(ValueError, match=r"tensor '.*' missing from"):
+    models.load(hf_copy)
+  for f in hf_copy.glob("*.safetensors"):
+    f.unlink()
+  with pytest.raises(FileNotFoundError, match=r"no \*\.safetensors weights"):
+    models.load(hf_copy)
+
+
+def test_error_bad_specs(tmp_path):
+  with pytest.raises(FileNotFoundError, match="no such model"):
+    models.load(tmp_path / "nowhere")
+  (tmp_path / "w.bin").write_bytes(b"x")
+  with pytest.raises(ValueError, match="must be .gguf"):
+    models.load(tmp_path / "w.bin")
+  (tmp_path / "w.gguf").write_bytes(b"not gguf at all")
+  with pytest.raises(ValueError, match="w.gguf: not a readable GGUF file"):
+    models.load(tmp_path / "w.gguf")
+  with pytest.raises(ValueError, match="dtype"):
+    models.load("tiny", dtype="int8")
+  with pytest.raises(ValueError, match="tensor parallelism tp=3"):
+    models.load("tiny", tp=3)
+
+
+def test_cli(capsys, tmp_path):
+  from models import generate
+
+  assert generate.main(["--model", "tiny", "--prompt", "hi", "--max-new-tokens", "3",
+                        "--dtype", "float32"]) == 0
+  assert capsys.readouterr().out.startswith("hi")
+  assert generate.main(["--model", str(tmp_path / "nope"), "--prompt", "x"]) == 2
+  assert "no such model" in capsys.readouterr().err
+  with pytest.raises(SystemExit):
+    generate.main(["--model", "tiny", "--prompt", "x", "--matmul", "bogus"])
+  assert "unknown matmul backend 'bogus'" in capsys.readouterr().err
