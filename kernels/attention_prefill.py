@@ -748,7 +748,7 @@ op.register("triton", attention_prefill_triton, supports=_triton_supports,
             doc="Pallas Triton flash attention (interpreted on CPU)")
 op.register("xla", attention_prefill_xla, doc="jnp, query-chunked, fp32 softmax")
 op.register("reference", attention_prefill_reference, doc="float32 jnp; outputs stay float32")
-op.set_defaults(hopper=("cudnn", "xla"), blackwell=("cudnn", "xla"),
+op.set_defaults(hopper=("mosaic", "cudnn", "xla"), blackwell=("cudnn", "xla"),
                 cuda=("triton", "xla"), default=("xla",))
 
 
