@@ -159,6 +159,7 @@ class BatchingEngine(api.Engine):
     self._stopping = False
     self._thread: threading.Thread | None = None
     self.steps = 0
+    self.preemptions = 0
     self.error: BaseException | None = None
     # Host-side accounting of the last steps: (wall seconds, seconds blocked on device).
     self.step_times: collections.deque[tuple[float, float, int]] = collections.deque(maxlen=4096)
@@ -365,6 +366,7 @@ class BatchingEngine(api.Engine):
 
   def _preempt(self, seq: _Seq) -> None:
     log.info("preempting %s (%d tokens) to free KV pages", seq.req.request_id, len(seq.tokens))
+    self.preemptions += 1
     self.alloc.release(seq.pages)
     seq.pages, seq.computed, seq.registered = [], 0, 0
     seq.state = _State.WAITING

@@ -21,7 +21,7 @@ def running(engine, **server_kw):
     server.stop(grace=0.5)
 
 
-def wait_for(cond, timeout=10.0, what="condition"):
+def wait_for(cond, timeout=60.0, what="condition"):
   end = time.monotonic() + timeout
   while time.monotonic() < end:
     if cond():

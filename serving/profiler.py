@@ -1,0 +1,826 @@
+"""Per-layer, per-op device time and tensor-core / HBM utilization of a model step.
+
+Data flow, for each configuration (phase x attention backend x matmul backend):
+
+1. ``_Step`` builds the inputs of one step (prefill: B x S fresh tokens;
+   decode: B sequences with L tokens in a paged KV cache) and compiles the
+   model's jitted step (``models.llama.prefill_step`` / ``decode_step``) once.
+   The compiled HLO text maps every HLO instruction to its ``op_name``
+   metadata, which carries the ``jax.named_scope`` path the model emits
+   (``.../while/body/.../qkv/...``, ``.../lm_head/...``).
+2. The step time is measured first, with the device's own timers where there
+   are some: CUPTI (Mosaic GPU's profiler: the sum of the step's kernel
+   durations) and, beside it, the wall time of many back-to-back steps. This
+   happens for every configuration before any tracing, because CUPTI aborts
+   when used after ``jax.profiler.trace`` in the same process.
+3. ``jax.profiler.trace(create_perfetto_trace=True)`` records a few steps,
+   each inside a host ``TraceAnnotation`` window. ``parse_trace`` reads
+   perfetto_trace.json.gz: the kernels of the GPU's streams (or, on CPU, the
+   XLA CPU thunks, which are host events) carry ``hlo_op``; a kernel without
+   it is matched by name to the sanitized HLO instruction names.
+4. ``attribute`` turns each step's kernels into (layer, op) times: the op
+   from the innermost named scope of the instruction, the layer from the
+   kernel's occurrence index inside the scanned layer loop (the loop body's
+   instructions run once per layer, in order).
+5. ``op_costs`` gives each op's FLOPs and minimum bytes (mosaic.cost);
+   ``mosaic.cost.utilization`` turns (cost, time) into TFLOP/s, GB/s, the
+   fractions of the target's ceilings (mosaic.target) and the roofline bound.
+
+Outputs: ``Report.table()`` (terminal), ``write_json``, ``write_png``
+(matplotlib, Agg), ``write_trace`` (Chrome/Perfetto JSON: one process per
+configuration, the step's kernels named by layer and op). On CPU the figures
+are against nominal CPU ceilings, not tensor cores, and the report says so.
+
+CLI: ``python -m serving.profiler --model tiny --batch 2 --prefill-len 64
+--decode-context 128 --attention-backend xla,reference --out /tmp/prof``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import glob
+import gzip
+import itertools
+import json
+import math
+import os
+import pathlib
+import re
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any, Sequence
+
+from mosaic import cost as cost_lib
+
+# Scopes the model emits (models/llama.py), in execution order within a layer.
+LAYER_OPS = ("attn_norm", "qkv", "rope", "kv_write", "attention", "o_proj", "mlp_norm",
+             "gate_up", "act", "down")
+TOP_OPS = ("embed", "final_norm", "lm_head")
+OPS = TOP_OPS + LAYER_OPS
+PHASES = ("prefill", "decode")
+PNG_SIZE = (1200, 800)  # pixels of the chart: 12 x 8 inches at 100 dpi
+_PNG_DPI = 100
+
+
+# ---------------------------------------------------------------- costs
+
+
+def op_costs(cfg, phase: str, batch: int, length: int, *, dtype="bfloat16",
+             decode_tokens: int = 1) -> dict[str, cost_lib.Cost]:
+  """FLOPs and minimum bytes of each op of ONE layer (LAYER_OPS) and of the
+  ops outside the layers (TOP_OPS), for a step of ``phase``.
+
+  prefill: ``batch`` x ``length`` new tokens, no cached prefix, logits at the
+  last token of each row. decode: ``batch`` sequences of ``length`` kv tokens
+  (including the ``decode_tokens`` new ones), logits at every new token.
+  Elementwise ops (rope, kv_write, act, embed) count bytes only.
+  """
+  if phase not in PHASES:
+    raise ValueError(f"{phase=} is not one of {PHASES}")
+  if batch <= 0 or length <= 0:
+    raise ValueError(f"{batch=} and {length=} must be positive")
+  if phase == "decode" and not 1 <= decode_tokens <= length:
+    raise ValueError(f"{decode_tokens=} must be in [1, {length=}]")
+  import numpy as np
+
+  isz = np.dtype(dtype).itemsize
+  d, hd, f, v = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size, cfg.vocab_size
+  hq, hkv = cfg.num_heads, cfg.num_kv_heads
+  t = length if phase == "prefill" else decode_tokens
+  m = batch * t  # rows through the layer's matmuls
+  m_out = batch if phase == "prefill" else m  # rows through final norm and lm_head
+  mm = lambda rows, n, k, **kw: cost_lib.matmul(rows, n, k, dtype, dtype, **kw)
+  if phase == "prefill":
+    attn = cost_lib.attention(batch, hq, hkv, length, length, hd, causal=True, dtype=dtype)
+  else:
+    attn = cost_lib.attention(batch, hq, hkv, t, length, hd, causal=True, dtype=dtype)
+  bytes_only = lambda n: cost_lib.Cost(0.0, float(n))
+  return {
+      "embed": bytes_only(2 * m * d * isz),
+      "attn_norm": cost_lib.rms_norm(m, d, dtype),
+      "qkv": mm(m, hq * hd, d) + mm(m, hkv * hd, d) + mm(m, hkv * hd, d),
+      "rope": bytes_only(2 * m * (hq + hkv) * hd * isz),
+      "kv_write": bytes_only(4 * m * hkv * hd * isz),
+      "attention": attn,
+      "o_proj": mm(m, d, hq * hd) + bytes_only(m * d * isz),  # + residual read
+      "mlp_norm": cost_lib.rms_norm(m, d, dtype),
+      "gate_up": mm(m, f, d) + mm(m, f, d),
+      "act": bytes_only(3 * m * f * isz),
+      "down": mm(m, d, f) + bytes_only(m * d * isz),
+      "final_norm": cost_lib.rms_norm(m_out, d, dtype),
+      "lm_head": cost_lib.matmul(m_out, v, d, dtype, "float32", weight_dtype=dtype),
+  }
+
+
+# ---------------------------------------------------------------- HLO and trace parsing
+
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*\S")
+_OP_NAME = re.compile(r"metadata=\{[^}]*?op_name=\"([^\"]*)\"")
+_MODULE = re.compile(r"^HloModule\s+([\w.\-]+)", re.M)
+
+
+def sanitize(name: str) -> str:
+  """XLA's kernel name for an HLO instruction name (non-alphanumerics -> '_')."""
+  return re.sub(r"[^A-Za-z0-9_]", "_", name)
+
+
+def hlo_op_names(hlo_text: str) -> dict[str, str]:
+  """HLO instruction name -> op_name metadata ('' if none), over every computation."""
+  out = {}
+  for line in hlo_text.splitlines():
+    m = _INSTR.match(line)
+    if m and not line.lstrip().startswith(("HloModule", "//")):
+      n = _OP_NAME.search(line)
+      if n or m.group(1) not in out:
+        out[m.group(1)] = n.group(1) if n else ""
+  return out
+
+
+def hlo_module_name(hlo_text: str) -> str | None:
+  m = _MODULE.search(hlo_text)
+  return m.group(1) if m else None
+
+
+def classify(op_name: str) -> tuple[str, bool]:
+  """(op, inside the layer loop) of an op_name path: the innermost scope that
+  is one of OPS; 'loop' for the layer loop's own control, else 'other'."""
+  parts = op_name.split("/")
+  in_layer = "while" in parts and "body" in parts
+  for p in reversed(parts):
+    if p in OPS:
+      return p, p in LAYER_OPS
+  if "while" in parts and "cond" in parts:
+    return "loop", False
+  if in_layer and "jit(dynamic_index_in_dim)" in parts:
+    return "params", True  # the scan slicing this layer's weights out of the stack
+  return "other", in_layer
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+  ts: float  # microseconds, trace clock
+  dur: float  # microseconds
+  name: str
+  hlo_op: str | None
+  tid: Any = None
+
+
+@dataclasses.dataclass
+class Trace:
+  kernels: list[Kernel]
+  windows: dict[str, tuple[float, float]]  # annotation name -> (start, end) us
+  device: str  # "gpu" or "cpu"
+  path: str
+
+
+def find_trace_file(trace_dir: str | os.PathLike) -> pathlib.Path:
+  files = sorted(glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"),
+                           recursive=True), key=os.path.getmtime)
+  if not files:
+    raise FileNotFoundError(f"no perfetto_trace.json.gz under {trace_dir}")
+  return pathlib.Path(files[-1])
+
+
+def parse_trace(path: str | os.PathLike, window_prefix: str = "mosaic_profile_step") -> Trace:
+  """Kernels (device events with their HLO op) and step windows of a
+  perfetto_trace.json.gz written by jax.profiler.trace."""
+  with gzip.open(path, "rt") as fh:
+    data = json.load(fh)
+  events = data["traceEvents"] if isinstance(data, dict) else data
+  procs, threads = {}, {}
+  for e in events:
+    if e.get("ph") == "M" and e.get("name") == "process_name":
+      procs[e["pid"]] = e.get("args", {}).get("name", "")
+    elif e.get("ph") == "M" and e.get("name") == "thread_name":
+      threads[(e["pid"], e.get("tid"))] = e.get("args", {}).get("name", "")
+  gpu_pids = {p for p, n in procs.items() if n.startswith("/device:GPU")}
+  windows = {}
+  for e in events:
+    if e.get("ph") == "X" and str(e.get("name", "")).startswith(window_prefix):
+      windows[e["name"]] = (float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0)))
+  kernels = []
+  if gpu_pids:
+    # Stream lines hold the kernels; derived lines (XLA Ops/Modules, Steps)
+    # repeat them, so when stream lines exist only they are read.
+    stream_tids = {k for k, n in threads.items() if k[0] in gpu_pids and n.startswith("Stream")}
+    for e in events:
+      if e.get("ph") != "X" or e.get("pid") not in gpu_pids:
+        continue
+      if stream_tids and (e["pid"], e.get("tid")) not in stream_tids:
+        continue
+      args = e.get("args") or {}
+      kernels.append(Kernel(float(e["ts"]), float(e.get("dur", 0)), str(e.get("name", "")),
+                            args.get("hlo_op"), e.get("tid")))
+    device = "gpu"
+  else:
+    for e in events:
+      args = e.get("args") or {}
+      if e.get("ph") == "X" and "hlo_op" in args:
+        kernels.append(Kernel(float(e["ts"]), float(e.get("dur", 0)), str(e.get("name", "")),
+                              args["hlo_op"], e.get("tid")))
+    kernels = _leaves(kernels)
+    device = "cpu"
+  kernels.sort(key=lambda k: k.ts)
+  return Trace(kernels, windows, device, str(path))
+
+
+def _leaves(kernels: list[Kernel]) -> list[Kernel]:
+  """Drops host events that enclose other op events on the same thread (a CPU
+  while loop's thunk encloses its body's), so that no time counts twice."""
+  out = []
+  by_tid: dict[Any, list[Kernel]] = {}
+  for k in kernels:
+    by_tid.setdefault(k.tid, []).append(k)
+  for ks in by_tid.values():
+    ks.sort(key=lambda k: (k.ts, -k.dur))
+    for i, k in enumerate(ks):
+      nxt = ks[i + 1] if i + 1 < len(ks) else None
+      if nxt is not None and nxt.ts < k.ts + k.dur and nxt.ts + nxt.dur <= k.ts + k.dur + 1e-3:
+        continue  # k encloses the next event
+      out.append(k)
+  return out
+
+
+# ---------------------------------------------------------------- attribution
+
+
+@dataclasses.dataclass
+class StepTimes:
+  """One step's kernels grouped: times[(layer or None, op)] = seconds."""
+  times: dict[tuple[int | None, str], float]
+  counts: dict[tuple[int | None, str], int]
+  events: list[tuple[Kernel, int | None, str, str]]  # kernel, layer, op, op_name
+  unattributed: dict[str, float]  # kernel name -> seconds, kernels with no HLO op found
+  span_s: float  # first kernel start to last kernel end
+
+
+def attribute(kernels: Sequence[Kernel], op_names: dict[str, str], num_layers: int) -> StepTimes:
+  """Groups one step's kernels by (layer, op). See the module docstring."""
+  by_sanitized = {sanitize(n): n for n in op_names}
+  resolved = []
+  for k in kernels:
+    hlo = k.hlo_op if k.hlo_op in op_names else by_sanitized.get(sanitize(k.name))
+    if hlo is None and k.hlo_op:
+      hlo = by_sanitized.get(sanitize(k.hlo_op))
+    resolved.append((k, hlo))
+  # Loop-body instructions run once per layer (or a fixed number of times):
+  # the n-th run of an instruction that runs L*r times is layer n // r. When
+  # XLA unrolled the loop (each instruction once), layers are counted instead:
+  # a new layer starts where the op order returns to attn_norm/qkv after
+  # o_proj or later.
+  occurrences: dict[str, int] = {}
+  for _, hlo in resolved:
+    if hlo is not None:
+      occurrences[hlo] = occurrences.get(hlo, 0) + 1
+  in_layer_occ = [occurrences[h] for _, h in resolved
+                  if h is not None and classify(op_names[h])[1]]
+  looped = sum(o % num_layers == 0 for o in in_layer_occ) * 2 >= len(in_layer_occ)
+  seen: dict[str, int] = {}
+  cur, max_idx = -1, -1
+  times, counts, events, unattributed = {}, {}, [], {}
+  for k, hlo in resolved:
+    sec = k.dur * 1e-6
+    if hlo is None:
+      unattributed[k.name] = unattributed.get(k.name, 0.0) + sec
+      key, op_name = (None, "unattributed"), ""
+    else:
+      op_name = op_names[hlo]
+      op, in_layer = classify(op_name)
+      layer = None
+      if in_layer:
+        idx = LAYER_OPS.index(op) if op in LAYER_OPS else None
+        if cur < 0:
+          cur = 0
+        elif idx is not None and idx <= 1 and max_idx >= 5:
+          cur, max_idx = cur + 1, -1
+        if idx is not None:
+          max_idx = max(max_idx, idx)
+        n = seen.get(hlo, 0)
+        seen[hlo] = n + 1
+        occ = occurrences[hlo]
+        if not looped:
+          layer = min(max(cur, 0), num_layers - 1)
+        elif occ % num_layers == 0:
+          layer = min(n // (occ // num_layers), num_layers - 1)
+        # else: hoisted out of the loop by XLA (runs once per step): no layer
+      key = (layer, op)
+    times[key] = times.get(key, 0.0) + sec
+    counts[key] = counts.get(key, 0) + 1
+    events.append((k, key[0], key[1], op_name))
+  span = 0.0
+  if kernels:
+    span = (max(k.ts + k.dur for k in kernels) - min(k.ts for k in kernels)) * 1e-6
+  return StepTimes(times, counts, events, unattributed, span)
+
+
+# ---------------------------------------------------------------- running a step
+
+
+def _pages(n_tokens: int, page_size: int) -> int:
+  return max(1, -(-n_tokens // page_size))
+
+
+class _Step:
+  """Inputs and the compiled step of one (phase, backends) configuration."""
+
+  def __init__(self, model, phase: str, batch: int, length: int, backends: dict[str, str | None],
+               *, page_size: int | None = None, seed: int = 0):
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from models import llama
+
+    if phase not in PHASES:
+      raise ValueError(f"{phase=} is not one of {PHASES}")
+    if batch <= 0 or length <= 0:
+      raise ValueError(f"{batch=} and {length=} must be positive")
+    cfg = model.config
+    self.model, self.phase, self.batch, self.length = model, phase, batch, length
+    ps = page_size or llama.DEFAULT_PAGE_SIZE
+    per_row = _pages(length, ps)
+    num_pages = batch * per_row + 1  # page 0 is the scratch page
+    rng = np.random.default_rng(seed)
+    page_table = (1 + np.arange(batch * per_row, dtype=np.int32)).reshape(batch, per_row)
+    key = jax.random.key(seed)
+    shape = (cfg.num_layers, cfg.num_kv_heads, num_pages, ps, cfg.head_dim)
+    kk, kv = jax.random.split(key)
+    # Random cache contents so that decode attention reads real numbers.
+    mk = jax.jit(lambda k: jax.random.normal(k, shape, jnp.float32).astype(model.dtype))
+    self.cache = llama.KVCache(mk(kk), mk(kv))
+    self.backends = llama.backends(**backends)
+    if phase == "prefill":
+      tokens = rng.integers(0, cfg.vocab_size, (batch, length), dtype=np.int32)
+      self.rest = (jnp.asarray(tokens), jnp.zeros((batch,), jnp.int32),
+                   jnp.full((batch,), length, jnp.int32), jnp.asarray(page_table))
+      fn, kw = llama.prefill_step, dict(backends=self.backends, all_logits=False)
+    else:
+      tokens = rng.integers(0, cfg.vocab_size, (batch, 1), dtype=np.int32)
+      self.rest = (jnp.asarray(tokens), jnp.full((batch,), length, jnp.int32),
+                   jnp.asarray(page_table))
+      fn, kw = llama.decode_step, dict(backends=self.backends)
+    lowered = fn.lower(model.graphdef, model.params, self.cache, *self.rest, **kw)
+    self.compiled = lowered.compile()
+    self.hlo_text = self.compiled.as_text()
+    self.op_names = hlo_op_names(self.hlo_text)
+    self.module = hlo_module_name(self.hlo_text)
+
+  def __call__(self):
+    logits, self.cache = self.compiled(self.model.params, self.cache, *self.rest)
+    return logits
+
+  def _cupti(self, iters: int) -> float:
+    """Median over steps of the sum of the step's kernel durations (CUPTI).
+
+    mosaic.bench.time_jax / profiler.measure call f twice on the same inputs,
+    which a step that donates its cache cannot do; this is the same CUPTI
+    collection with the cache threaded from step to step.
+    """
+    import jax
+    from jax._src.lib import mosaic_gpu as mosaic_gpu_lib
+
+    ext = mosaic_gpu_lib._mosaic_gpu_ext
+    samples = []
+    for _ in range(iters):
+      ext._cupti_init()
+      try:
+        jax.block_until_ready(self())
+      finally:
+        timings = ext._cupti_get_timings(True)
+      if not timings:
+        raise RuntimeError("CUPTI recorded no kernel for the step")
+      samples.append(sum(ms for _, ms in timings) * 1e-3)
+    return statistics.median(samples)
+
+  def measure(self, iters: int) -> dict[str, Any]:
+    """Median step time: CUPTI kernel sum on GPU, and wall time of back-to-back steps."""
+    import jax
+
+    from mosaic import target as target_lib
+
+    for _ in range(2):
+      jax.block_until_ready(self())
+    out: dict[str, Any] = {}
+    if target_lib.on_gpu():
+      try:
+        out["cupti_s"] = self._cupti(iters)
+      except Exception as e:  # keep the wall time; say why CUPTI is missing
+        out["cupti_error"] = f"{type(e).__name__}: {e}"[:300]
+    reps = []
+    for _ in range(3):
+      t0 = time.perf_counter()
+      for _ in range(iters):
+        logits = self()
+      jax.block_until_ready(logits)
+      reps.append((time.perf_counter() - t0) / iters)
+    out["wall_s"] = min(reps)
+    return out
+
+
+# ---------------------------------------------------------------- report
+
+
+@dataclasses.dataclass
+class Profile:
+  """One configuration's result."""
+  phase: str
+  batch: int
+  length: int
+  backends: dict[str, str]
+  step: dict[str, Any] = dataclasses.field(default_factory=dict)
+  rows: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+  layers: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+  ops: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+  events: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+  unattributed: dict[str, float] = dataclasses.field(default_factory=dict)
+  error: str | None = None
+
+  @property
+  def label(self) -> str:
+    b = ",".join(f"{k.replace('attention_', 'attn_')}={v}" for k, v in self.backends.items())
+    return f"{self.phase} B={self.batch} {'S' if self.phase == 'prefill' else 'L'}={self.length}" + (
+        f" [{b}]" if b else "")
+
+  def as_dict(self) -> dict[str, Any]:
+    return dataclasses.asdict(self) | {"label": self.label}
+
+
+def _util_row(c: cost_lib.Cost, seconds: float, target) -> dict[str, Any]:
+  row = {"time_us": seconds * 1e6, "flops": c.flops, "bytes": c.bytes}
+  if c.flops == 0 and c.bytes == 0:
+    row["bound"] = "-"  # no cost model for this row (loop control, unattributed)
+  elif seconds > 0:
+    u = cost_lib.utilization(c, seconds, target)
+    row |= {"tflops": u.tflops, "gbps": u.gbps, "tc_pct": 100 * u.tc_fraction,
+            "hbm_pct": 100 * u.hbm_fraction, "bound": u.bound}
+  return row
+
+
+def summarize(prof: Profile, steps: list[StepTimes], costs: dict[str, cost_lib.Cost],
+              num_layers: int, target) -> None:
+  """Fills prof.rows/layers/ops/step from the traced steps (medians over steps)."""
+  keys = sorted({k for s in steps for k in s.times},
+                key=lambda k: (-1 if k[0] is None else k[0], OPS.index(k[1]) if k[1] in OPS else 99))
+  med = {k: statistics.median([s.times.get(k, 0.0) for s in steps]) for k in keys}
+  rows = []
+  for (layer, op) in keys:
+    c = costs.get(op, cost_lib.Cost(0.0, 0.0))
+    if layer is None and op in LAYER_OPS:  # hoisted out of the loop: a fraction of the op
+      c = cost_lib.Cost(0.0, 0.0)
+    rows.append({"layer": layer, "op": op, "kernels": steps[0].counts.get((layer, op), 0)}
+                | _util_row(c, med[(layer, op)], target))
+  prof.rows = rows
+  layer_cost = sum((costs[o] for o in LAYER_OPS), cost_lib.Cost(0.0, 0.0))
+  prof.layers = []
+  for layer in range(num_layers):
+    t = sum(v for (l, _), v in med.items() if l == layer)
+    prof.layers.append({"layer": layer} | _util_row(layer_cost, t, target))
+  # Per op over the whole step: layer ops summed over layers.
+  ops = []
+  for op in OPS + ("params", "loop", "other", "unattributed"):
+    t = sum(v for (l, o), v in med.items() if o == op)
+    if t == 0 and op not in costs:
+      continue
+    c = costs.get(op, cost_lib.Cost(0.0, 0.0))
+    n = num_layers if op in LAYER_OPS else 1
+    c_all = cost_lib.Cost(c.flops * n, c.bytes * n)
+    ops.append({"op": op} | _util_row(c_all, t, target) | {"share_pct": 0.0})
+  total = sum(med.values())
+  for r in ops:
+    r["share_pct"] = 100 * r["time_us"] * 1e-6 / total if total else 0.0
+  prof.ops = ops
+  all_cost = cost_lib.Cost(sum(costs[o].flops for o in TOP_OPS) + layer_cost.flops * num_layers,
+                           sum(costs[o].bytes for o in TOP_OPS) + layer_cost.bytes * num_layers)
+  prof.step["sum_s"] = total
+  prof.step["layers_sum_s"] = sum(r["time_us"] for r in prof.layers) * 1e-6
+  prof.step["span_s"] = statistics.median([s.span_s for s in steps])
+  prof.step["traced_steps"] = len(steps)
+  ref = prof.step.get("cupti_s") or prof.step.get("wall_s")
+  if ref:
+    prof.step["sum_over_measured"] = total / ref
+    prof.step["measured_by"] = "cupti" if prof.step.get("cupti_s") else "wall"
+  if total > 0:
+    prof.step |= {f"step_{k}": v for k, v in _util_row(all_cost, total, target).items()
+                  if k in ("tflops", "gbps", "tc_pct", "hbm_pct", "bound", "flops", "bytes")}
+  unatt: dict[str, float] = {}
+  for s in steps:
+    for n, v in s.unattributed.items():
+      unatt[n] = unatt.get(n, 0.0) + v / len(steps)
+  prof.unattributed = dict(sorted(unatt.items(), key=lambda kv: -kv[1])[:20])
+  s0 = steps[0]
+  t0 = min((k.ts for k, *_ in s0.events), default=0.0)
+  prof.events = [{"ts": k.ts - t0, "dur": k.dur, "name": k.name, "hlo_op": k.hlo_op,
+                  "layer": layer, "op": op, "op_name": op_name}
+                 for k, layer, op, op_name in s0.events]
+
+
+@dataclasses.dataclass
+class Report:
+  env: dict[str, Any]
+  model: dict[str, Any]
+  note: str
+  profiles: list[Profile]
+
+  def as_dict(self) -> dict[str, Any]:
+    return {"env": self.env, "model": self.model, "note": self.note,
+            "profiles": [p.as_dict() for p in self.profiles]}
+
+  def table(self, per_layer: bool = False) -> str:
+    from mosaic import bench
+
+    out = [self.note]
+    cols = ["op", "time_us", "share_pct", "tflops", "gbps", "tc_pct", "hbm_pct", "bound"]
+    for p in self.profiles:
+      out.append(f"\n## {p.label}")
+      if p.error:
+        out.append(f"failed: {p.error}")
+        continue
+      s = p.step
+      meas = ", ".join(f"{k[:-2]} {v * 1e6:.1f} us" for k, v in s.items()
+                       if k in ("cupti_s", "wall_s"))
+      out.append(f"step: measured {meas}; sum of ops {s['sum_s'] * 1e6:.1f} us"
+                 + (f" ({100 * s['sum_over_measured']:.1f}% of {s['measured_by']})"
+                    if "sum_over_measured" in s else "")
+                 + (f"; whole step {s['step_tflops']:.3g} TFLOP/s, {s['step_gbps']:.4g} GB/s"
+                    if "step_tflops" in s else ""))
+      out.append(bench.table(p.ops, cols))
+      out.append("per layer (us): " + " ".join(f"L{r['layer']}={r['time_us']:.1f}"
+                                               for r in p.layers))
+      if per_layer:
+        out.append(bench.table(p.rows, ["layer"] + cols[:1] + ["kernels"] + cols[1:]))
+      if p.unattributed:
+        top = ", ".join(f"{n} {v * 1e6:.1f} us" for n, v in list(p.unattributed.items())[:5])
+        out.append(f"kernels with no HLO op found: {top}")
+    return "\n".join(out)
+
+  def write_json(self, path) -> pathlib.Path:
+    path = pathlib.Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(self.as_dict(), indent=1, default=str) + "\n")
+    return path
+
+  def write_png(self, path) -> pathlib.Path:
+    """Per op, % of tensor-core peak and % of HBM bandwidth, one bar per
+    configuration; one row of panels per phase."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    path = pathlib.Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    phases = [ph for ph in PHASES if any(p.phase == ph and not p.error for p in self.profiles)]
+    nrows = max(1, len(phases))
+    fig, axes = plt.subplots(nrows, 2, squeeze=False,
+                             figsize=(PNG_SIZE[0] / _PNG_DPI, PNG_SIZE[1] / _PNG_DPI), dpi=_PNG_DPI)
+    ops = ["embed", *LAYER_OPS, "final_norm", "lm_head"]  # step order
+    for r, ph in enumerate(phases or ["(no profile)"]):
+      profs = [p for p in self.profiles if p.phase == ph and not p.error]
+      width = 0.8 / max(1, len(profs))
+      for c, (metric, title) in enumerate((("tc_pct", "% of tensor-core peak"),
+                                           ("hbm_pct", "% of HBM bandwidth"))):
+        ax = axes[r][c]
+        for i, p in enumerate(profs):
+          by_op = {o["op"]: o for o in p.ops}
+          vals = [by_op.get(o, {}).get(metric, 0.0) for o in ops]
+          ax.bar([j + i * width for j in range(len(ops))], vals, width,
+                 label=p.label.split("[")[-1].rstrip("]") if "[" in p.label else "default")
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(ops))])
+        ax.set_xticklabels(ops, rotation=45, ha="right", fontsize=7)
+        ax.set_title(f"{ph}: {title}", fontsize=9)
+        ax.set_ylim(bottom=0)
+        if profs and c == 0:
+          ax.legend(fontsize=6)
+    fig.suptitle(f"{self.model.get('name')} on {self.env.get('device')}"
+                 + ("" if self.env.get("kind") != "cpu" else " (CPU: nominal ceilings)"),
+                 fontsize=10)
+    fig.tight_layout()
+    # No bbox_inches="tight": the image keeps exactly PNG_SIZE pixels.
+    fig.savefig(path, dpi=_PNG_DPI)
+    plt.close(fig)
+    return path
+
+  def write_trace(self, path) -> pathlib.Path:
+    """Chrome trace JSON (opens in Perfetto): one process per configuration,
+    one thread of kernels named 'L<layer> <op>' and one of layer spans."""
+    path = pathlib.Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    ev: list[dict[str, Any]] = []
+    for pid, p in enumerate(self.profiles, start=1):
+      ev.append({"ph": "M", "pid": pid, "name": "process_name", "args": {"name": p.label}})
+      ev.append({"ph": "M", "pid": pid, "tid": 1, "name": "thread_name",
+                 "args": {"name": "kernels"}})
+      ev.append({"ph": "M", "pid": pid, "tid": 2, "name": "thread_name",
+                 "args": {"name": "layers"}})
+      spans: dict[Any, list[float]] = {}
+      for e in p.events:
+        who = "top" if e["layer"] is None else f"L{e['layer']}"
+        ev.append({"ph": "X", "pid": pid, "tid": 1, "ts": e["ts"], "dur": e["dur"],
+                   "name": f"{who} {e['op']}", "cat": e["op"],
+                   "args": {"kernel": e["name"], "hlo_op": e["hlo_op"], "op_name": e["op_name"]}})
+        if e["layer"] is not None:
+          s = spans.setdefault(e["layer"], [e["ts"], e["ts"] + e["dur"]])
+          s[0], s[1] = min(s[0], e["ts"]), max(s[1], e["ts"] + e["dur"])
+      for layer, (a, b) in sorted(spans.items()):
+        ev.append({"ph": "X", "pid": pid, "tid": 2, "ts": a, "dur": b - a, "name": f"layer {layer}",
+                   "cat": "layer"})
+    path.write_text(json.dumps({"traceEvents": ev, "displayTimeUnit": "ns",
+                                "metadata": {"note": self.note}}) + "\n")
+    return path
+
+  def write_all(self, out_dir, stem: str = "profile") -> dict[str, pathlib.Path]:
+    out = pathlib.Path(out_dir)
+    return {"json": self.write_json(out / f"{stem}.json"),
+            "png": self.write_png(out / f"{stem}.png"),
+            "trace": self.write_trace(out / f"{stem}_trace.json")}
+
+
+# ---------------------------------------------------------------- entry points
+
+
+def _names(spec: str | Sequence[str] | None) -> list[str | None]:
+  if spec is None:
+    return [None]
+  items = spec.split(",") if isinstance(spec, str) else list(spec)
+  out = [None if s.strip() in ("", "default") else s.strip() for s in items]
+  return out or [None]
+
+
+def configurations(phases: Sequence[str], attention: Sequence[str | None],
+                   decode_attention: Sequence[str | None] | None,
+                   matmul: Sequence[str | None]) -> list[tuple[str, dict[str, str | None]]]:
+  """(phase, backends) pairs: every attention x matmul backend, per phase."""
+  from mosaic import registry
+
+  out = []
+  for ph in phases:
+    if ph not in PHASES:
+      raise ValueError(f"phase {ph!r} is not one of {PHASES}")
+    op = "attention_prefill" if ph == "prefill" else "attention_decode"
+    names = attention if ph == "prefill" else (decode_attention if decode_attention is not None
+                                                else attention)
+    # A name the decode op lacks (cudnn) is skipped there, not an error.
+    valid = registry.get_op(op).names
+    if ph == "decode" and decode_attention is None:
+      names = [n for n in names if n is None or n in valid] or [None]
+    for a, m in itertools.product(names, matmul):
+      if a is not None and a not in valid:
+        raise ValueError(f"{op} backend {a!r} is unknown; valid: {', '.join(valid)}")
+      out.append((ph, {op: a, "matmul": m}))
+  return out
+
+
+def profile(model, *, batch: int = 1, prefill_len: int = 128, decode_context: int = 512,
+            phases: Sequence[str] = PHASES, attention: str | Sequence[str] | None = None,
+            decode_attention: str | Sequence[str] | None = None,
+            matmul: str | Sequence[str] | None = None, steps: int = 3, iters: int = 10,
+            page_size: int | None = None, trace_dir: str | os.PathLike | None = None,
+            log=None) -> Report:
+  """Profiles ``model``'s prefill (batch x prefill_len) and decode (batch at
+  context decode_context) for every backend configuration. See the module
+  docstring; backends are registry names ('default' = the op's default)."""
+  import jax
+
+  from models import llama
+  from mosaic import bench
+  from mosaic import target as target_lib
+
+  if steps < 1 or iters < 1:
+    raise ValueError(f"{steps=} and {iters=} must be >= 1")
+  log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+  llama.ops()  # registers the ops' backends
+  cfg = model.config
+  tgt = target_lib.current()
+  confs = configurations(phases, _names(attention),
+                         None if decode_attention is None else _names(decode_attention),
+                         _names(matmul))
+  built: list[tuple[Profile, _Step | None]] = []
+  # Pass 1: compile and measure everything (CUPTI must not follow a trace).
+  for ph, backends in confs:
+    length = prefill_len if ph == "prefill" else decode_context
+    chosen = {k: v for k, v in backends.items() if v is not None}
+    prof = Profile(ph, batch, length, chosen)
+    try:
+      step = _Step(model, ph, batch, length, backends, page_size=page_size)
+      prof.step.update(step.measure(iters))
+      log(f"measured {prof.label}: " + ", ".join(f"{k} {v * 1e6:.1f} us"
+                                                 for k, v in prof.step.items()))
+      built.append((prof, step))
+    except Exception as e:  # one backend failing must not hide the others
+      prof.error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:500]
+      log(f"failed {prof.label}: {prof.error}")
+      built.append((prof, None))
+  # Pass 2: trace each configuration's steps and attribute its kernels.
+  for i, (prof, step) in enumerate(built):
+    if step is None:
+      continue
+    try:
+      ctx = (contextlib.nullcontext(trace_dir) if trace_dir is not None
+             else tempfile.TemporaryDirectory(prefix="mosaic_profile_"))
+      with ctx as base:
+        d = os.path.join(base, f"{i:02d}_{prof.phase}")
+        with jax.profiler.trace(d, create_perfetto_trace=True):
+          for s in range(steps):
+            with jax.profiler.TraceAnnotation(f"mosaic_profile_step{s}"):
+              jax.block_until_ready(step())
+        tr = parse_trace(find_trace_file(d))
+      per_step = []
+      for s in range(steps):
+        w = tr.windows.get(f"mosaic_profile_step{s}")
+        ks = [k for k in tr.kernels if w is None or w[0] <= k.ts <= w[1]]
+        if w is None and steps > 1:
+          raise RuntimeError("the trace has no step annotations; trace one step at a time")
+        per_step.append(attribute(ks, step.op_names, cfg.num_layers))
+      if not any(s.times for s in per_step):
+        raise RuntimeError(f"the trace ({tr.path}) holds no kernel of the step")
+      costs = op_costs(cfg, prof.phase, prof.batch, prof.length, dtype=model.dtype)
+      summarize(prof, per_step, costs, cfg.num_layers, tgt)
+      prof.step["trace_device"] = tr.device
+    except Exception as e:
+      prof.error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:500]
+      log(f"trace failed {prof.label}: {prof.error}")
+  if tgt.is_gpu:
+    note = (f"{tgt.name}: utilization against {tgt.ceilings.bf16_tflops:g} TFLOP/s dense bf16 and "
+            f"{tgt.ceilings.hbm_gbps:g} GB/s HBM ({tgt.ceilings.source}); device times from "
+            "the GPU's own timers (jax.profiler trace, CUPTI)")
+  else:
+    note = (f"CPU ({tgt.name}): no tensor cores; % figures are against nominal CPU ceilings "
+            f"({tgt.ceilings.bf16_tflops:g} TFLOP/s, {tgt.ceilings.hbm_gbps:g} GB/s) and mean "
+            "little; op times are XLA CPU thunk times from the host trace")
+  model_info = dict(cfg.to_dict()) | {"dtype": str(model.dtype)}
+  return Report(bench.environment(), model_info, note, [p for p, _ in built])
+
+
+def load_model(spec: str, *, layers: int | None = None, dtype: str = "bfloat16", seed: int = 0):
+  """A model to profile: 'tiny', a named config (random weights, e.g.
+  'llama3.1-8b'), or anything models.load takes. ``layers`` cuts the layer
+  count of a random-weight model."""
+  import models
+  from models import config as config_lib
+  from models import model as model_lib
+  from models import tokenizer as tok_lib
+
+  if spec in config_lib.CONFIGS:
+    cfg = config_lib.get(spec)
+    if layers is not None:
+      cfg = cfg.replace(num_layers=layers, name=f"{cfg.name}-{layers}l")
+    params = model_lib.random_params(cfg, seed, dtype=dtype)
+    return model_lib.Model(cfg, params, tok_lib.ByteTokenizer(), dtype=dtype)
+  if layers is not None:
+    raise ValueError(f"--layers applies to named configs ({', '.join(config_lib.CONFIGS)}); "
+                     f"{spec!r} is a checkpoint")
+  return models.load(spec, dtype=dtype)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+  p.add_argument("--model", default="tiny",
+                 help="tiny, a named config with random weights (llama3.1-8b, ...), or a checkpoint")
+  p.add_argument("--layers", type=int, help="cut a named config to this many layers")
+  p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+  p.add_argument("--batch", type=int, default=1)
+  p.add_argument("--prefill-len", type=int, default=128, help="S: tokens per row in prefill")
+  p.add_argument("--decode-context", type=int, default=512, help="L: kv tokens per row in decode")
+  p.add_argument("--phases", default="prefill,decode")
+  p.add_argument("--attention-backend", default="default",
+                 help="comma list, e.g. mosaic,cudnn,xla (prefill; decode too where it exists)")
+  p.add_argument("--decode-attention-backend", help="comma list for decode (default: as above)")
+  p.add_argument("--matmul-backend", default="default", help="comma list, e.g. mosaic,xla")
+  p.add_argument("--steps", type=int, default=3, help="steps traced per configuration")
+  p.add_argument("--iters", type=int, default=10, help="steps timed per configuration")
+  p.add_argument("--page-size", type=int)
+  p.add_argument("--per-layer", action="store_true", help="print every (layer, op) row")
+  p.add_argument("--out", type=pathlib.Path, help="write profile.json, .png, _trace.json here")
+  p.add_argument("--keep-trace", action="store_true",
+                 help="keep the raw jax.profiler traces under --out/raw")
+
+
+def run_cli(a) -> int:
+  model = load_model(a.model, layers=a.layers, dtype=a.dtype)
+  trace_dir = None
+  if a.keep_trace:
+    if a.out is None:
+      raise SystemExit("--keep-trace needs --out")
+    trace_dir = a.out / "raw"
+  rep = profile(model, batch=a.batch, prefill_len=a.prefill_len, decode_context=a.decode_context,
+                phases=[s.strip() for s in a.phases.split(",") if s.strip()],
+                attention=a.attention_backend, decode_attention=a.decode_attention_backend,
+                matmul=a.matmul_backend, steps=a.steps, iters=a.iters, page_size=a.page_size,
+                trace_dir=trace_dir)
+  print(rep.table(per_layer=a.per_layer))
+  if a.out is not None:
+    paths = rep.write_all(a.out)
+    print("wrote " + ", ".join(str(p) for p in paths.values()))
+  return 0 if all(p.error is None for p in rep.profiles) else 1
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(prog="python -m serving.profiler", description=__doc__.split("\n")[0])
+  add_arguments(p)
+  return run_cli(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+  sys.exit(main())

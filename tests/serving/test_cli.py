@@ -1,0 +1,82 @@
+"""The CLI end to end: a server process, SIGTERM drain, the generate client, loadgen."""
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import grpc
+import pytest
+
+from serving.client import Client
+from serving.proto import generate_pb2 as pb
+from serving.proto import health_pb2
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def server_proc(tmp_path):
+  ready = tmp_path / "ready.json"
+  proc = subprocess.Popen(
+      [sys.executable, "-m", "serving", "serve", "--model", "counting", "--port", "0",
+       "--step-delay", "0.02", "--max-batch", "4", "--ready-file", str(ready)],
+      cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+      env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  end = time.monotonic() + 120
+  while not ready.exists():
+    if proc.poll() is not None or time.monotonic() > end:
+      proc.kill()
+      raise AssertionError(f"server did not start:\n{proc.stdout.read()}")
+    time.sleep(0.1)
+  info = json.loads(ready.read_text())
+  yield proc, f"127.0.0.1:{info['port']}"
+  if proc.poll() is None:
+    proc.kill()
+    proc.wait()
+
+
+def test_sigterm_drains_in_flight_and_reports_not_serving(server_proc):
+  proc, target = server_proc
+  c = Client(target)
+  assert c.health() == health_pb2.HealthCheckResponse.SERVING
+  stream = c.stream("a", max_tokens=150, ignore_eos=True)  # about 3 s of steps
+  first = next(stream)
+  assert first.text == "b"
+  proc.send_signal(signal.SIGTERM)
+  end = time.monotonic() + 5
+  while c.health() != health_pb2.HealthCheckResponse.NOT_SERVING:
+    assert time.monotonic() < end, "health never turned NOT_SERVING"
+    time.sleep(0.02)
+  with pytest.raises(grpc.RpcError) as e:
+    c.generate("a", max_tokens=2)
+  assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+  rest = list(stream)
+  assert rest[-1].final.finish_reason == pb.FINISH_REASON_LENGTH
+  assert rest[-1].final.usage.completion_tokens == 150
+  ids = list(first.token_ids) + [i for ch in rest for i in ch.token_ids]
+  assert ids[:29] == list(range(ord("b"), ord("~") + 1)) and len(ids) == 150
+  assert proc.wait(timeout=20) == 0
+  c.close()
+
+
+def test_generate_and_loadgen_commands(server_proc, tmp_path):
+  _, target = server_proc
+  out = subprocess.run([sys.executable, "-m", "serving", "generate", "--target", target,
+                        "hello a", "--max-tokens", "5"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=120)
+  assert out.returncode == 0, out.stderr
+  assert out.stdout.strip() == "bcdef"
+  assert "time to first token" in out.stderr and "5 tokens" in out.stderr
+  js = tmp_path / "load.json"
+  out = subprocess.run([sys.executable, "-m", "serving", "loadgen", "--target", target,
+                        "--concurrency", "4", "--num-requests", "8", "--input-len", "8",
+                        "--output-len", "6", "--byte-prompts", "--json", str(js)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+  assert out.returncode == 0, out.stderr
+  r = json.loads(js.read_text())
+  assert r["output_tokens"] == 48 and r["ttft_p50_ms"] > 0 and r["output_tok_s"] > 0
+  assert "ttft" in out.stdout
