@@ -1,0 +1,238 @@
+"""serving.profiler: costs, trace parsing, layer attribution, and the outputs
+(JSON, PNG, Perfetto trace) of a real CPU profile of the tiny model."""
+
+import gzip
+import json
+import struct
+
+import pytest
+
+from models import config as config_lib
+from serving import profiler as P
+
+
+# ---------------------------------------------------------------- costs by hand
+
+
+def test_op_costs_match_hand_computed_prefill():
+  cfg = config_lib.get("tiny")  # D=128, Hq=4, Hkv=2, hd=64, F=256, V=320
+  b, s = 2, 32
+  m = b * s
+  c = P.op_costs(cfg, "prefill", b, s, dtype="bfloat16")
+  assert c["qkv"].flops == 2 * m * 128 * (4 * 64 + 2 * 2 * 64)
+  assert c["o_proj"].flops == 2 * m * (4 * 64) * 128
+  assert c["gate_up"].flops == 2 * (2 * m * 128 * 256)
+  assert c["down"].flops == 2 * m * 256 * 128
+  # causal, no prefix: each query sees (i + 1) keys -> S(S+1)/2 pairs per head
+  assert c["attention"].flops == 4 * b * 4 * (s * (s + 1) / 2) * 64
+  assert c["lm_head"].flops == 2 * b * 128 * 320  # logits at the last token only
+  assert c["attn_norm"].flops == 4 * m * 128
+  # bf16 weights of qkv read once: K*N*2 bytes, plus activations in and out
+  assert c["qkv"].bytes == 3 * m * 128 * 2 + 128 * (4 * 64 + 2 * 2 * 64) * 2 + m * (
+      4 * 64 + 2 * 2 * 64) * 2
+  assert c["lm_head"].bytes == b * 128 * 2 + 128 * 320 * 2 + b * 320 * 4  # float32 logits
+
+
+def test_op_costs_match_hand_computed_decode():
+  cfg = config_lib.get("llama3.1-8b")
+  b, l = 16, 2048
+  c = P.op_costs(cfg, "decode", b, l, dtype="bfloat16")
+  assert c["qkv"].flops == 2 * b * 4096 * (32 * 128 + 2 * 8 * 128)
+  assert c["gate_up"].flops == 2 * 2 * b * 4096 * 14336
+  assert c["down"].flops == 2 * b * 14336 * 4096
+  assert c["attention"].flops == 4 * b * 32 * l * 128  # one query sees all L keys
+  assert c["attention"].bytes == b * 128 * 2 * (2 * 32 * 1 + 2 * 8 * l)
+  assert c["lm_head"].flops == 2 * b * 4096 * 128256
+
+
+def test_op_costs_reject_bad_input():
+  cfg = config_lib.get("tiny")
+  with pytest.raises(ValueError, match="phase"):
+    P.op_costs(cfg, "train", 1, 8)
+  with pytest.raises(ValueError, match="batch"):
+    P.op_costs(cfg, "prefill", 0, 8)
+  with pytest.raises(ValueError, match="decode_tokens"):
+    P.op_costs(cfg, "decode", 1, 4, decode_tokens=5)
+
+
+def test_unknown_backend_names_the_valid_ones():
+  from models import llama
+
+  llama.ops()
+  with pytest.raises(ValueError, match="valid"):
+    P.configurations(["prefill"], ["nonesuch"], None, [None])
+  with pytest.raises(ValueError, match="phase"):
+    P.configurations(["train"], [None], None, [None])
+  # cudnn has no decode kernel: skipped for decode, kept for prefill
+  confs = P.configurations(["prefill", "decode"], ["cudnn", "xla"], None, [None])
+  assert [(ph, b.get("attention_prefill", b.get("attention_decode"))) for ph, b in confs] == [
+      ("prefill", "cudnn"), ("prefill", "xla"), ("decode", "xla")]
+
+
+# ---------------------------------------------------------------- parsing and attribution
+
+
+HLO = """HloModule jit_decode_step, entry_computation_layout={()}
+
+%body {
+  %fusion.1 = bf16[2] fusion(), kind=kLoop, metadata={op_name="jit(decode_step)/while/body/attn_norm/mul"}
+  %gemm.2 = bf16[2] custom-call(), metadata={op_name="jit(decode_step)/while/body/qkv/jit(_xla)/dot_general"}
+  %attn.3 = bf16[2] custom-call(), metadata={op_name="jit(decode_step)/while/body/attention/pallas_call"}
+  %gemm.4 = bf16[2] custom-call(), metadata={op_name="jit(decode_step)/while/body/o_proj/dot_general"}
+  %gemm.5 = bf16[2] custom-call(), metadata={op_name="jit(decode_step)/while/body/down/dot_general"}
+  ROOT %t = (bf16[2]) tuple()
+}
+
+ENTRY %main {
+  %gather.7 = bf16[2] gather(), metadata={op_name="jit(decode_step)/embed/jit(_take)/gather"}
+  %mask.8 = bf16[2] fusion(), metadata={op_name="jit(decode_step)/while/body/attention/and"}
+  %lm.9 = f32[2] custom-call(), metadata={op_name="jit(decode_step)/lm_head/dot_general"}
+  ROOT %copy.10 = f32[2] copy()
+}
+"""
+
+LAYER_SEQ = ["fusion.1", "gemm.2", "attn.3", "gemm.4", "gemm.5"]
+
+
+def _kernels(names, dur=10.0, by_name=False):
+  out = []
+  for i, n in enumerate(names):
+    if by_name:  # only the kernel name, as XLA sanitizes it
+      out.append(P.Kernel(ts=100.0 * i, dur=dur, name=P.sanitize(n), hlo_op=None))
+    else:
+      out.append(P.Kernel(ts=100.0 * i, dur=dur, name=f"k{i}", hlo_op=n))
+  return out
+
+
+def test_hlo_op_names_and_classify():
+  names = P.hlo_op_names(HLO)
+  assert P.hlo_module_name(HLO) == "jit_decode_step"
+  assert names["attn.3"].endswith("attention/pallas_call")
+  assert names["copy.10"] == ""  # no metadata: known, unnamed
+  assert P.classify(names["gemm.2"]) == ("qkv", True)
+  assert P.classify(names["lm.9"]) == ("lm_head", False)
+  assert P.classify("jit(f)/while/body/jit(dynamic_index_in_dim)/dynamic_slice") == ("params", True)
+  assert P.classify("jit(f)/while/cond/lt") == ("loop", False)
+
+
+@pytest.mark.parametrize("by_name", [False, True])
+def test_attribute_scanned_layers(by_name):
+  layers = 3
+  seq = ["gather.7", "mask.8"] + LAYER_SEQ * layers + ["lm.9", "copy.10", "mystery"]
+  st = P.attribute(_kernels(seq, by_name=by_name), P.hlo_op_names(HLO), layers)
+  for layer in range(layers):
+    for op in ("attn_norm", "qkv", "attention", "o_proj", "down"):
+      assert st.times[(layer, op)] == pytest.approx(10e-6), (layer, op)
+  assert st.times[(None, "embed")] == pytest.approx(10e-6)
+  assert st.times[(None, "attention")] == pytest.approx(10e-6)  # hoisted mask, no layer
+  assert st.times[(None, "lm_head")] == pytest.approx(10e-6)
+  assert st.times[(None, "other")] == pytest.approx(10e-6)
+  assert st.times[(None, "unattributed")] == pytest.approx(10e-6)
+  assert sum(st.times.values()) == pytest.approx(len(seq) * 10e-6)
+
+
+def test_attribute_unrolled_layers_by_op_order():
+  # An unrolled loop: every instruction runs once, layers follow the op order.
+  hlo_lines, seq = [], []
+  for layer in range(2):
+    for op in ("attn_norm", "qkv", "rope", "attention", "o_proj", "mlp_norm", "gate_up", "down"):
+      n = f"i{layer}_{op}"
+      hlo_lines.append(f'  %{n} = bf16[2] fusion(), metadata={{op_name="jit(f)/while/body/{op}/x"}}')
+      seq.append(n)
+  st = P.attribute(_kernels(seq), P.hlo_op_names("\n".join(hlo_lines)), 2)
+  assert st.times[(0, "down")] == pytest.approx(10e-6)
+  assert st.times[(1, "attn_norm")] == pytest.approx(10e-6)
+  assert st.times[(1, "down")] == pytest.approx(10e-6)
+  assert (2, "qkv") not in st.times
+
+
+def test_parse_trace_reads_gpu_streams_only(tmp_path):
+  ev = [
+      {"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/host:CPU"}},
+      {"ph": "M", "pid": 2, "name": "process_name", "args": {"name": "/device:GPU:0"}},
+      {"ph": "M", "pid": 2, "tid": 7, "name": "thread_name", "args": {"name": "Stream #7(Compute)"}},
+      {"ph": "M", "pid": 2, "tid": 8, "name": "thread_name", "args": {"name": "XLA Ops"}},
+      {"ph": "X", "pid": 1, "tid": 1, "ts": 0, "dur": 100, "name": "mosaic_profile_step0"},
+      {"ph": "X", "pid": 1, "tid": 1, "ts": 5, "dur": 1, "name": "launch", "args": {"hlo_op": "gemm.2"}},
+      {"ph": "X", "pid": 2, "tid": 7, "ts": 20, "dur": 30, "name": "nvjet_sm90",
+       "args": {"hlo_op": "gemm.2", "hlo_module": "jit_decode_step"}},
+      {"ph": "X", "pid": 2, "tid": 8, "ts": 20, "dur": 30, "name": "gemm.2"},
+      {"ph": "X", "pid": 2, "tid": 7, "ts": 60, "dur": 5, "name": "fusion_1"},
+  ]
+  path = tmp_path / "perfetto_trace.json.gz"
+  with gzip.open(path, "wt") as fh:
+    json.dump({"traceEvents": ev}, fh)
+  assert P.find_trace_file(tmp_path) == path
+  tr = P.parse_trace(path)
+  assert tr.device == "gpu"
+  assert [(k.name, k.hlo_op) for k in tr.kernels] == [("nvjet_sm90", "gemm.2"), ("fusion_1", None)]
+  assert tr.windows == {"mosaic_profile_step0": (0.0, 100.0)}
+  st = P.attribute(tr.kernels, P.hlo_op_names(HLO), 1)
+  assert st.times == {(0, "qkv"): pytest.approx(30e-6), (0, "attn_norm"): pytest.approx(5e-6)}
+  assert st.span_s == pytest.approx(45e-6)
+
+
+def test_find_trace_file_missing(tmp_path):
+  with pytest.raises(FileNotFoundError, match="perfetto_trace"):
+    P.find_trace_file(tmp_path)
+
+
+# ---------------------------------------------------------------- a real profile on CPU
+
+
+@pytest.fixture(scope="module")
+def cli_out(tmp_path_factory):
+  out = tmp_path_factory.mktemp("profile")
+  rc = P.main(["--model", "tiny", "--dtype", "float32", "--batch", "2", "--prefill-len", "16",
+               "--decode-context", "40", "--page-size", "16", "--attention-backend", "xla",
+               "--steps", "2", "--iters", "2", "--out", str(out)])
+  return rc, out
+
+
+def test_profile_json_covers_every_layer_and_op(cli_out):
+  rc, out = cli_out
+  assert rc == 0
+  rep = json.loads((out / "profile.json").read_text())
+  assert "CPU" in rep["note"] and "nominal" in rep["note"]
+  cfg = config_lib.get("tiny")
+  assert [p["phase"] for p in rep["profiles"]] == ["prefill", "decode"]
+  for p in rep["profiles"]:
+    assert p["error"] is None
+    rows = {(r["layer"], r["op"]): r for r in p["rows"]}
+    for layer in range(cfg.num_layers):
+      for op in ("qkv", "attention", "o_proj", "gate_up", "down"):
+        r = rows[(layer, op)]
+        assert r["time_us"] > 0 and r["flops"] > 0
+        assert r["tflops"] == pytest.approx(r["flops"] / (r["time_us"] * 1e-6) / 1e12)
+        assert r["bound"] in ("compute", "memory")
+    assert rows[(None, "lm_head")]["time_us"] > 0
+    assert len(p["layers"]) == cfg.num_layers and all(r["time_us"] > 0 for r in p["layers"])
+    assert p["step"]["wall_s"] > 0 and p["step"]["sum_s"] > 0
+    assert p["step"]["trace_device"] == "cpu"
+    # every op row sums to the step total
+    assert sum(r["time_us"] for r in p["ops"]) == pytest.approx(p["step"]["sum_s"] * 1e6)
+
+
+def test_profile_png_is_a_valid_image_of_the_expected_size(cli_out):
+  _, out = cli_out
+  data = (out / "profile.png").read_bytes()
+  assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR"
+  w, h = struct.unpack(">II", data[16:24])
+  assert (w, h) == P.PNG_SIZE
+  import matplotlib.image
+
+  img = matplotlib.image.imread(out / "profile.png")
+  assert img.shape[:2] == (P.PNG_SIZE[1], P.PNG_SIZE[0])
+  assert img[..., :3].std() > 0.01  # not a blank canvas
+
+
+def test_profile_trace_opens_as_perfetto_json(cli_out):
+  _, out = cli_out
+  tr = json.loads((out / "profile_trace.json").read_text())
+  xs = [e for e in tr["traceEvents"] if e["ph"] == "X"]
+  names = {e["name"] for e in xs}
+  assert {"L0 qkv", "L1 qkv", "L0 attention", "L1 down", "top lm_head"} <= names
+  assert {"layer 0", "layer 1"} <= names
+  assert all(e["dur"] >= 0 and e["ts"] >= 0 for e in xs)
+  procs = [e for e in tr["traceEvents"] if e["ph"] == "M" and e["name"] == "process_name"]
+  assert len(procs) == 2  # one per configuration: prefill, decode
