@@ -1,0 +1,54 @@
+"""Runs one pytest module inside Bazel's runfiles tree (see pytest.bzl).
+
+argv[1:] are pytest arguments, the first being the test file relative to the
+workspace root in runfiles (the current directory when Bazel runs a test).
+Settings come from the project's pyproject.toml (exposed by @mosaic_venv), so
+markers, --strict-markers and warning filters match the plain pytest run.
+
+The project must be imported from runfiles only: .venv holds an editable
+install whose import hook would otherwise supply any module a BUILD file
+forgot to list, and the test would pass under Bazel for the wrong reason.
+"""
+
+import os
+import sys
+
+
+def _drop_editable_install():
+  def editable(obj):
+    return getattr(obj, "__module__", "").startswith("__editable__")
+
+  sys.meta_path[:] = [f for f in sys.meta_path if not editable(f)]
+  sys.path_hooks[:] = [h for h in sys.path_hooks if not editable(h)]
+  sys.path_importer_cache.clear()
+
+
+def main() -> int:
+  srcdir = os.environ.get("TEST_SRCDIR")
+  if not srcdir:
+    print("pytest_main.py runs under `bazel test` (TEST_SRCDIR is not set)", file=sys.stderr)
+    return 2
+  _drop_editable_install()
+  root = os.getcwd()
+  config = os.path.join(srcdir, "mosaic_venv", "pyproject.toml")
+  tmp = os.environ.get("TEST_TMPDIR", root)
+  args = ["-c", config, "--rootdir", root, "--confcutdir", root, "-p", "no:cacheprovider"]
+  # Bazel collects per-test JUnit XML from here (test.xml under bazel-testlogs).
+  if os.environ.get("XML_OUTPUT_FILE"):
+    args.append("--junitxml=" + os.environ["XML_OUTPUT_FILE"])
+  try:
+    # Hypothesis keeps its example database in ./.hypothesis by default; the
+    # runfiles tree is no place for it.
+    from hypothesis import configuration
+
+    configuration.set_hypothesis_home_dir(os.path.join(tmp, ".hypothesis"))
+  except ImportError:
+    pass
+  import pytest
+
+  # Exit status 5 (no tests collected) fails the target, as it should.
+  return int(pytest.main(args + sys.argv[1:]))
+
+
+if __name__ == "__main__":
+  sys.exit(main())
