@@ -43,7 +43,9 @@ def build_engine(a):
   spec = None if a.model in (None, "default") else a.model
   extra = {"step_delay": a.step_delay} if a.step_delay else {}
   return E.model_engine(spec, dtype=a.dtype, num_pages=a.num_pages, page_size=a.page_size,
-                        attention=a.attention_backend, matmul=a.matmul_backend, **extra, **cfg)
+                        attention=a.attention_backend,
+                        decode_attention=a.decode_attention_backend, matmul=a.matmul_backend,
+                        **extra, **cfg)
 
 
 def cmd_serve(a) -> int:
@@ -134,7 +136,10 @@ def parser() -> argparse.ArgumentParser:
   s.add_argument("--model", default="default",
                  help="default (embedded model), tiny, toy, counting, or a checkpoint path")
   s.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
-  s.add_argument("--attention-backend", help="attention implementation (mosaic, cudnn, ...)")
+  s.add_argument("--attention-backend",
+                 help="attention implementation (mosaic, cudnn, triton, xla, ...); "
+                 "also used for decode unless --decode-attention-backend is given")
+  s.add_argument("--decode-attention-backend", help="attention_decode implementation")
   s.add_argument("--matmul-backend", help="matmul implementation (mosaic, xla, ...)")
   s.add_argument("--host", default="127.0.0.1")
   s.add_argument("--port", type=int, default=50051, help="0 picks a free port")

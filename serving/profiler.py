@@ -401,8 +401,10 @@ class _Step:
 
     from mosaic import target as target_lib
 
-    for _ in range(2):
-      jax.block_until_ready(self())
+    import numpy as np
+
+    self.first_logits = np.asarray(jax.device_get(self()), np.float32)
+    jax.block_until_ready(self())
     out: dict[str, Any] = {}
     if target_lib.on_gpu():
       try:
@@ -678,10 +680,13 @@ def profile(model, *, batch: int = 1, prefill_len: int = 128, decode_context: in
             decode_attention: str | Sequence[str] | None = None,
             matmul: str | Sequence[str] | None = None, steps: int = 3, iters: int = 10,
             page_size: int | None = None, trace_dir: str | os.PathLike | None = None,
-            log=None) -> Report:
+            log=None, measure_deadline: float | None = None,
+            deadline: float | None = None) -> Report:
   """Profiles ``model``'s prefill (batch x prefill_len) and decode (batch at
   context decode_context) for every backend configuration. See the module
-  docstring; backends are registry names ('default' = the op's default)."""
+  docstring; backends are registry names ('default' = the op's default).
+  ``measure_deadline`` / ``deadline`` (time.monotonic() values) stop starting
+  new configurations in the measuring / tracing pass; skipped ones say so."""
   import jax
 
   from models import llama
@@ -703,6 +708,10 @@ def profile(model, *, batch: int = 1, prefill_len: int = 128, decode_context: in
     length = prefill_len if ph == "prefill" else decode_context
     chosen = {k: v for k, v in backends.items() if v is not None}
     prof = Profile(ph, batch, length, chosen)
+    if measure_deadline is not None and time.monotonic() > measure_deadline:
+      prof.error = "skipped: out of time budget before compiling"
+      built.append((prof, None))
+      continue
     try:
       step = _Step(model, ph, batch, length, backends, page_size=page_size)
       prof.step.update(step.measure(iters))
@@ -713,9 +722,13 @@ def profile(model, *, batch: int = 1, prefill_len: int = 128, decode_context: in
       prof.error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:500]
       log(f"failed {prof.label}: {prof.error}")
       built.append((prof, None))
+  _check_logits(built)
   # Pass 2: trace each configuration's steps and attribute its kernels.
   for i, (prof, step) in enumerate(built):
     if step is None:
+      continue
+    if deadline is not None and time.monotonic() > deadline:
+      prof.error = "skipped: out of time budget before tracing"
       continue
     try:
       ctx = (contextlib.nullcontext(trace_dir) if trace_dir is not None
@@ -727,13 +740,8 @@ def profile(model, *, batch: int = 1, prefill_len: int = 128, decode_context: in
             with jax.profiler.TraceAnnotation(f"mosaic_profile_step{s}"):
               jax.block_until_ready(step())
         tr = parse_trace(find_trace_file(d))
-      per_step = []
-      for s in range(steps):
-        w = tr.windows.get(f"mosaic_profile_step{s}")
-        ks = [k for k in tr.kernels if w is None or w[0] <= k.ts <= w[1]]
-        if w is None and steps > 1:
-          raise RuntimeError("the trace has no step annotations; trace one step at a time")
-        per_step.append(attribute(ks, step.op_names, cfg.num_layers))
+      groups = _split_steps(tr, steps)
+      per_step = [attribute(ks, step.op_names, cfg.num_layers) for ks in groups]
       if not any(s.times for s in per_step):
         raise RuntimeError(f"the trace ({tr.path}) holds no kernel of the step")
       costs = op_costs(cfg, prof.phase, prof.batch, prof.length, dtype=model.dtype)
@@ -752,6 +760,46 @@ def profile(model, *, batch: int = 1, prefill_len: int = 128, decode_context: in
             "little; op times are XLA CPU thunk times from the host trace")
   model_info = dict(cfg.to_dict()) | {"dtype": str(model.dtype)}
   return Report(bench.environment(), model_info, note, [p for p, _ in built])
+
+
+def _check_logits(built) -> None:
+  """Each configuration's first logits against those of the same phase's
+  xla (else reference) attention configuration, as a relative Frobenius error."""
+  import numpy as np
+
+  for ph in PHASES:
+    done = [(p, s) for p, s in built if p.phase == ph and s is not None]
+    refs = [(p, s) for p, s in done
+            if p.backends.get("attention_prefill" if ph == "prefill" else "attention_decode")
+            in ("xla", "reference")]
+    if not refs:
+      continue
+    rp, rs = refs[0]
+    ref = rs.first_logits
+    for p, s in done:
+      err = float(np.linalg.norm(s.first_logits - ref) / max(np.linalg.norm(ref), 1e-30))
+      p.step["logits_rel_err"] = err if np.isfinite(err) else float("nan")
+      p.step["logits_ref"] = rp.label
+
+
+def _split_steps(tr: Trace, steps: int) -> list[list[Kernel]]:
+  """The kernels of each traced step: those inside its host annotation window;
+  if the windows catch none (device and host clocks apart), the kernels split
+  at the steps - 1 widest gaps (the host waits for each step to finish)."""
+  groups = []
+  for s in range(steps):
+    w = tr.windows.get(f"mosaic_profile_step{s}")
+    if w is None:
+      break
+    groups.append([k for k in tr.kernels if w[0] <= k.ts <= w[1]])
+  if len(groups) == steps and all(groups):
+    return groups
+  ks = sorted(tr.kernels, key=lambda k: k.ts)
+  if steps == 1 or len(ks) < steps:
+    return [ks]
+  gaps = sorted(range(1, len(ks)), key=lambda i: ks[i].ts - (ks[i - 1].ts + ks[i - 1].dur))
+  cuts = sorted(gaps[-(steps - 1):])
+  return [ks[a:b] for a, b in zip([0] + cuts, cuts + [len(ks)])]
 
 
 def load_model(spec: str, *, layers: int | None = None, dtype: str = "bfloat16", seed: int = 0):

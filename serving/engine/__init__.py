@@ -41,7 +41,8 @@ def default_page_size() -> int:
 
 def model_engine(spec: str | None = None, *, dtype: str = "bfloat16", num_pages: int = 1024,
                  page_size: int | None = None, attention: str | None = None,
-                 matmul: str | None = None, step_delay: float = 0.0,
+                 decode_attention: str | None = None, matmul: str | None = None,
+                 step_delay: float = 0.0,
                  **config) -> BatchingEngine:
   """An engine over ``models.load(spec)``; "toy" and "counting" are the test models."""
   if spec == "toy":
@@ -53,5 +54,5 @@ def model_engine(spec: str | None = None, *, dtype: str = "bfloat16", num_pages:
 
   model = models.load(spec, dtype=dtype)
   runner = ModelRunner(model, num_pages=num_pages, page_size=page_size or default_page_size(),
-                       attention=attention, matmul=matmul)
+                       attention=attention, decode_attention=decode_attention, matmul=matmul)
   return BatchingEngine(runner, EngineConfig(**config))

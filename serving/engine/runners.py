@@ -18,7 +18,7 @@ import numpy as np
 class ModelRunner:
 
   def __init__(self, model, *, num_pages: int, page_size: int, attention: str | None = None,
-               matmul: str | None = None):
+               decode_attention: str | None = None, matmul: str | None = None):
     self.model = model
     cfg = model.config
     self.name = getattr(cfg, "name", type(model).__name__)
@@ -29,16 +29,22 @@ class ModelRunner:
     self.num_pages = num_pages
     self.cache = model.init_cache(num_pages, page_size=page_size)
     self.dtype = str(self.cache.k.dtype)
-    self._kw = {k: v for k, v in (("attention", attention), ("matmul", matmul)) if v}
-    self.backends = dict(self._kw)
+    # Backend names of models.Model: prefill's ``attention`` is attention_prefill,
+    # decode's is attention_decode.
+    self._pkw = {k: v for k, v in (("attention", attention), ("matmul", matmul)) if v}
+    self._dkw = {k: v for k, v in (("attention", decode_attention or attention),
+                                   ("matmul", matmul)) if v}
+    self.backends = {k: v for k, v in (("attention_prefill", attention),
+                                       ("attention_decode", decode_attention or attention),
+                                       ("matmul", matmul)) if v}
 
   def prefill(self, tokens, positions, lengths, page_table):
     logits, self.cache = self.model.prefill(self.cache, tokens, positions, lengths, page_table,
-                                            **self._kw)
+                                            **self._pkw)
     return logits
 
   def decode(self, tokens, lengths, page_table):
-    logits, self.cache = self.model.decode(self.cache, tokens, lengths, page_table, **self._kw)
+    logits, self.cache = self.model.decode(self.cache, tokens, lengths, page_table, **self._dkw)
     return logits
 
 
