@@ -1,0 +1,100 @@
+"""Every backend of the model's ops gives the reference logits within bf16
+tolerance, through prefill and decode.
+
+On CPU: reference, xla, mosaic (Mosaic GPU interpret mode) and triton (Pallas
+Triton interpret mode) on the tiny config. On a GPU (marked ``gpu``): mosaic,
+cudnn and triton against xla on a small bf16 model of realistic head shapes.
+"""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import models
+from models import config as config_lib, model as model_lib, tokenizer as tok_lib
+from mosaic import testing
+
+
+def _run(m, prompts, page_size, *, prefill, decode):
+  """Batched prefill of ``prompts`` then two decode steps (the second with
+  Tq=2); returns every logit row, float32."""
+  b = len(prompts)
+  longest = max(len(p) for p in prompts) + 3
+  per = -(-longest // page_size)
+  table = 1 + np.arange(b * per).reshape(b, per)
+  cache = m.init_cache(1 + b * per, page_size)
+  toks = np.zeros((b, max(len(p) for p in prompts)), np.int32)
+  for i, p in enumerate(prompts):
+    toks[i, :len(p)] = p
+  lens = np.array([len(p) for p in prompts])
+  l1, cache = m.prefill(cache, toks, np.zeros(b, int), lens, table, all_logits=True, **prefill)
+  nxt = np.asarray(l1)[np.arange(b), lens - 1].argmax(-1)
+  l2, cache = m.decode(cache, nxt, lens + 1, table, **decode)
+  l3, cache = m.decode(cache, np.stack([nxt, nxt], 1), lens + 3, table, **decode)
+  rows = [np.asarray(l1[i, :lens[i]]) for i in range(b)]
+  return np.concatenate(rows + [np.asarray(l2), np.asarray(l3).reshape(-1, l3.shape[-1])])
+
+
+CPU_CASES = {
+    "xla": (dict(attention="xla", matmul="xla", norm="xla"),
+            dict(attention="xla", matmul="xla", norm="xla")),
+    "mosaic": (dict(attention="mosaic", matmul="mosaic", norm="mosaic"),
+               dict(attention="mosaic", matmul="mosaic", norm="mosaic")),
+    "triton": (dict(attention="triton"), dict(attention="triton")),
+}
+
+
+@pytest.fixture(scope="module")
+def tiny_bf16():
+  return models.load("tiny", dtype="bfloat16")
+
+
+@pytest.fixture(scope="module")
+def tiny_reference(tiny_bf16, prompts):
+  ref = dict(attention="reference", matmul="reference", norm="reference")
+  return _run(tiny_bf16, prompts, 16, prefill=ref, decode=ref)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+  rng = np.random.default_rng()
+  return [rng.integers(3, 259, 13).tolist(), rng.integers(3, 259, 6).tolist()]
+
+
+@pytest.mark.parametrize("case", list(CPU_CASES))
+def test_backend_matches_reference(case, tiny_bf16, tiny_reference, prompts):
+  prefill, decode = CPU_CASES[case]
+  out = _run(tiny_bf16, prompts, 16, prefill=prefill, decode=decode)
+  testing.assert_close(out, tiny_reference, dtype=jnp.bfloat16, what=f"{case} logits")
+
+
+# ---------------------------------------------------------------- GPU
+
+GPU_CONFIG = config_lib.ModelConfig(
+    "gpu-small", vocab_size=4096, hidden_size=1024, num_layers=2, num_heads=8,
+    num_kv_heads=2, head_dim=128, intermediate_size=2816, rope_theta=500000.0)
+
+GPU_CASES = {
+    "mosaic": (dict(attention="mosaic", matmul="mosaic", norm="mosaic"),
+               dict(attention="mosaic", norm="mosaic")),
+    "cudnn": (dict(attention="cudnn"), dict()),
+    "triton": (dict(attention="triton"), dict(attention="triton")),
+}
+
+
+@pytest.fixture(scope="module")
+def gpu_model():
+  params = model_lib.random_params(GPU_CONFIG, seed=int(np.random.default_rng().integers(1 << 30)))
+  return models.Model(GPU_CONFIG, params, tok_lib.ByteTokenizer(), dtype="bfloat16")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", list(GPU_CASES))
+def test_gpu_backend_matches_xla(case, gpu_model):
+  rng = np.random.default_rng()
+  prompts = [rng.integers(3, 4096, n).tolist() for n in (200, 77, 1)]
+  xla = dict(attention="xla", matmul="xla", norm="xla")
+  ref = _run(gpu_model, prompts, 64, prefill=xla, decode=xla)
+  prefill, decode = GPU_CASES[case]
+  out = _run(gpu_model, prompts, 64, prefill=prefill, decode=decode)
+  testing.assert_close(out, ref, dtype=jnp.bfloat16, what=f"{case} logits vs xla")
