@@ -129,15 +129,20 @@ def attn_flops(B, S, Hq, D, causal):
 
 def sweep(out_dir, rows, D, causal, S=4096, H=32):
   """Times a few configs of the Mosaic kernel; returns the fastest correct one."""
+  C = ap.Config
   cands = {
-      128: [ap.Config(block_kv=128, stages=2), ap.Config(block_kv=128, stages=2, pingpong=False),
-            ap.Config(block_kv=64, stages=4), ap.Config(block_kv=128, stages=2, p_smem=True)],
-      64: [ap.Config(block_kv=128, stages=4), ap.Config(block_kv=128, stages=3),
-           ap.Config(block_kv=64, stages=4), ap.Config(block_kv=128, stages=4, p_smem=True)],
+      128: [C(block_kv=128, stages=2), C(block_kv=128, stages=2, heavy_first=False),
+            C(block_kv=128, stages=2, acc_in_place=False, heavy_first=False),
+            C(block_kv=128, stages=2, pingpong=False)],
+      64: [C(block_kv=128, stages=3), C(block_kv=256, stages=2), C(block_kv=128, stages=4),
+           C(block_kv=128, stages=3, acc_in_place=False, heavy_first=False)],
   }[D]
   sets = _inputs(1, S, H, H, D)
-  names = [f"mosaic[{c.block_kv},{c.stages},{'pp' if c.pingpong else 'nopp'}"
-           f"{',psmem' if c.p_smem else ''}]" for c in cands]
+  names = [f"mosaic[{c.block_kv},{c.stages}" + "".join(
+      f",{tag}" for tag, on in (("nopp", not c.pingpong), ("psmem", c.p_smem),
+                                ("addacc", not c.acc_in_place),
+                                ("inorder", causal and not c.heavy_first)) if on) + "]"
+           for c in cands]
   by = run_case(f"sweep_S{S}_H{H}_D{D}_c{int(causal)}", sets, dict(causal=causal),
                 attn_flops(1, S, H, D, causal), names, rows, configs=dict(zip(names, cands)))
   ok = [(by[n]["tflops"], c) for n, c in zip(names, cands) if by[n].get("tflops")]
@@ -149,6 +154,7 @@ def main(argv=None):
   p.add_argument("--out", required=True)
   p.add_argument("--quick", action="store_true", help="only S=4096, D=128")
   p.add_argument("--no-sweep", action="store_true")
+  p.add_argument("--impls", default="mosaic,cudnn,torch_cudnn,torch_flash,triton")
   p.add_argument("--tiny", action="store_true", help="CPU smoke run: tiny shapes, no torch/cuDNN")
   args = p.parse_args(argv)
   out = pathlib.Path(args.out)
@@ -179,7 +185,7 @@ def main(argv=None):
     cfg = best.get((D, causal))
     return {"mosaic": cfg} if cfg else None
 
-  full = ["mosaic", "cudnn", "torch_cudnn", "torch_flash", "triton"]
+  full = args.impls.split(",")
   if args.tiny:
     full = ["mosaic", "triton", "xla"]
     shapes = [(256, 2, 1, 64)]
@@ -213,7 +219,8 @@ def main(argv=None):
               kv_positions=pos)
     sets = _inputs(1, T, 32, 8, 128)
     fl = sum(cost.attention(1, 32, 32, n, n, 128, causal=True).flops for n in lengths)
-    by_p = run_case(f"packed8_T{T}_Hq32_Hkv8_D128", sets, kw, fl, ["mosaic", "triton"], rows,
+    by_p = run_case(f"packed8_T{T}_Hq32_Hkv8_D128", sets, kw, fl,
+                    [i for i in ("mosaic", "triton") if i in full], rows,
                     configs=cfgs(128, True))
     sets = _inputs(4, 4096, 32, 8, 128)
     by_d = run_case("dense_B4_S4096_Hq32_Hkv8_D128_c1", sets, dict(causal=True),

@@ -58,6 +58,13 @@ class Config(tuning.KernelConfig):
   # P goes to wgmma from SMEM instead of registers (the interpreter reads
   # wgmma operands only from SMEM, so interpret mode forces this on).
   p_smem: bool = False
+  # P @ V accumulates into the running output in place (pl.run_state) rather
+  # than into a fresh accumulator that is then added (the interpreter has no
+  # run_state, so interpret mode turns this off).
+  acc_in_place: bool = True
+  # Causal: launch the query tiles with the most kv blocks first so the
+  # short ones fill the tail of the grid.
+  heavy_first: bool = True
 
   def __post_init__(self):
     if self.block_q != 64:
@@ -211,6 +218,8 @@ def _mosaic_kernel(meta_ref, q_ref, k_ref, v_ref, qp_ref, qs_ref, kp_ref, ks_ref
     b = lax.axis_index("batch")
     h = lax.axis_index("heads")
     t = lax.axis_index("q_seq")
+    if causal and cfg.heavy_first:
+      t = q_ref.shape[1] // (2 * block_q) - 1 - t
     wg = lax.axis_index("wg")
     # The CTA's kv range is the union of its two consumers' ranges.
     lo_cta = meta_ref[b, t, 2, 0]
@@ -284,6 +293,9 @@ def _mosaic_kernel(meta_ref, q_ref, k_ref, v_ref, qp_ref, qs_ref, kp_ref, ks_ref
         acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
         l_i = l_i * alpha + p.sum(axis=1)
         p16 = p.astype(dtype)
+        if not dsl.interpreting():
+          # Keeps the softmax from being scheduled past the barriers below.
+          acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
         if cfg.pingpong:
           plgpu.barrier_arrive(sched)
         plgpu.barrier_wait(v_bar.at[slot])
@@ -297,11 +309,15 @@ def _mosaic_kernel(meta_ref, q_ref, k_ref, v_ref, qp_ref, qs_ref, kp_ref, ks_ref
         else:
           p_op = p16
 
-        def pv(acc_ref):
-          plgpu.wgmma(acc_ref, p_op, v_smem.at[slot])
-          return acc_ref[...]
+        if cfg.acc_in_place:
+          acc = pl.run_state(lambda acc_ref: plgpu.wgmma(acc_ref, p_op, v_smem.at[slot]))(
+              plgpu.ACC.init(acc))
+        else:
+          def pv(acc_ref):
+            plgpu.wgmma(acc_ref, p_op, v_smem.at[slot])
+            return acc_ref[...]
 
-        acc = acc + pl.run_scoped(pv, plgpu.ACC((block_q, D), jnp.float32))
+          acc = acc + pl.run_scoped(pv, plgpu.ACC((block_q, D), jnp.float32))
         plgpu.barrier_arrive(v_free.at[slot])
         return acc, m_new, l_i
 
@@ -465,8 +481,8 @@ def attention_prefill_mosaic(q, k, v, *, causal=True, sm_scale=None, q_positions
   if why:
     raise ValueError(why)
   cfg = config or _pick_config(D, q.dtype, causal)
-  if dsl.interpreting() and not cfg.p_smem:
-    cfg = dataclasses.replace(cfg, p_smem=True)
+  if dsl.interpreting() and (not cfg.p_smem or cfg.acc_in_place):
+    cfg = dataclasses.replace(cfg, p_smem=True, acc_in_place=False)
   vecs = _vectors(B, Sq, Skv, q_positions, kv_positions, q_segment_ids, kv_segment_ids)
   scale = float(D ** -0.5 if sm_scale is None else sm_scale)
   return _attention_mosaic(q, k, v, *vecs, cfg=cfg, causal=bool(causal), scale=scale,
