@@ -96,7 +96,9 @@ def main(argv=None):
   p.add_argument("--small", action="store_true", help="tiny shapes (CPU smoke run)")
   p.add_argument("--tune", action="store_true")
   p.add_argument("--budget-s", type=float, default=120.0, help="time allowed for --tune")
-  p.add_argument("--only", default="", help="comma-separated shape names to run")
+  p.add_argument("--only", default="", help="shapes to run, e.g. qkv,o:256 (name or name:M)")
+  p.add_argument("--tune-only", default="", help="shapes to tune (default: those run)")
+  p.add_argument("--iters", type=int, default=20)
   p.add_argument("--no-torch", action="store_true")
   args = p.parse_args(argv)
   t_start = time.time()
@@ -112,12 +114,16 @@ def main(argv=None):
   command = "python3 bench/matmul.py " + " ".join(argv if argv is not None else sys.argv[1:])
   rows, tune_log, winners = [], [], {}
   todo = shapes(args.small)
+  def pick(spec):
+    keep = set(spec.split(","))
+    return [s for s in todo if s[0] in keep or f"{s[0]}:{s[1]}" in keep]
+
   if args.only:
-    keep = set(args.only.split(","))
-    todo = [s for s in todo if s[0] in keep]
+    todo = pick(args.only)
+  tune_todo = pick(args.tune_only) if args.tune_only else todo
 
   def timed(f, sets):
-    return bench.time_jax(f, sets, iters=10 if args.small else 20).median_s
+    return bench.time_jax(f, sets, iters=args.iters).median_s
 
   for name, m, n, k in todo:
     key = jax.random.key(m * 7 + n * 3 + k)
@@ -158,7 +164,7 @@ def main(argv=None):
       terr = float(_rel_err(jnp.from_dlpack(torch.matmul(ta, tb)), ref))
       row["err_torch"] = terr
       if terr <= tol:
-        s = bench.time_torch(torch.matmul, tsets).median_s
+        s = bench.time_torch(torch.matmul, tsets, iters=args.iters).median_s
         row["torch_us"] = s * 1e6
         row["torch_tflops"] = c.flops / s / 1e12
     best = min([row[x] for x in ("xla_us", "torch_us") if isinstance(row.get(x), float)],
@@ -170,8 +176,16 @@ def main(argv=None):
                    for k_, v in row.items() if not k_.endswith("_error")), flush=True)
     bench.write(args.out, "matmul", rows, COLUMNS, command)  # kept if a later shape hangs
 
+  def save_tuning():  # after every shape, so a timeout keeps what was measured
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "matmul_tune_log.json").write_text(json.dumps(tune_log, indent=1) + "\n")
+    if winners:
+      tuning.save("matmul", winners, path=out / "matmul_tuning.json",
+                  extra={"source": command, "date": bench.environment()["date"]})
+
   if args.tune:
-    for name, m, n, k in todo:
+    for name, m, n, k in tune_todo:
       if time.time() - t_start > args.budget_s:
         tune_log.append({"shape": name, "M": m, "skipped": "budget"})
         continue
@@ -202,15 +216,11 @@ def main(argv=None):
         tune_log.append({"shape": name, "M": m, "N": n, "K": k, "config": cfg_str(r.config),
                          "us": None if r.seconds is None else r.seconds * 1e6,
                          "error": r.error})
+      save_tuning()
       print(f"tune {name} M={m}: " + ", ".join(
           f"{cfg_str(r.config)}={'x' if r.seconds is None else f'{r.seconds * 1e6:.1f}'}"
           for r in results), flush=True)
-    out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "matmul_tune_log.json").write_text(json.dumps(tune_log, indent=1) + "\n")
-    if winners:
-      tuning.save("matmul", winners, path=out / "matmul_tuning.json",
-                  extra={"source": command, "date": bench.environment()["date"]})
+    save_tuning()
 
   print()
   print(bench.table(rows, COLUMNS))

@@ -341,8 +341,12 @@ def heuristic(m: int, n: int, k: int, num_sms: int = 132) -> Config:
   tiles = dsl.cdiv(m, cfg.cta_m) * dsl.cdiv(n, cfg.cta_n)
   k_iters = dsl.cdiv(k, cfg.tile_k)
   if tiles < 0.75 * num_sms and k_iters >= 8:
-    split = max(1, min(k_iters // 4, round(num_sms / tiles)))
+    # One wave: a second, partial wave would cost as much as the first.
+    split = max(1, min(k_iters // 4, num_sms // tiles))
     cfg = dataclasses.replace(cfg, split_k=split)
+  # fp32 split partials double the epilogue buffers: give up pipeline stages.
+  while cfg.smem_bytes() > SMEM_LIMIT and cfg.stages > 2:
+    cfg = dataclasses.replace(cfg, stages=cfg.stages - 1)
   return cfg
 
 
