@@ -167,6 +167,7 @@ class Kernel:
   name: str
   hlo_op: str | None
   tid: Any = None
+  host_names: tuple[str, ...] = ()  # host events around the kernel's launch, innermost first
 
 
 @dataclasses.dataclass
@@ -175,6 +176,7 @@ class Trace:
   windows: dict[str, tuple[float, float]]  # annotation name -> (start, end) us
   device: str  # "gpu" or "cpu"
   path: str
+  info: dict[str, Any] = dataclasses.field(default_factory=dict)  # what the trace held
 
 
 def find_trace_file(trace_dir: str | os.PathLike) -> pathlib.Path:
@@ -207,14 +209,20 @@ def parse_trace(path: str | os.PathLike, window_prefix: str = "mosaic_profile_st
     # Stream lines hold the kernels; derived lines (XLA Ops/Modules, Steps)
     # repeat them, so when stream lines exist only they are read.
     stream_tids = {k for k, n in threads.items() if k[0] in gpu_pids and n.startswith("Stream")}
+    derived = {k for k, n in threads.items() if k[0] in gpu_pids and any(
+        w in n for w in ("XLA", "Steps", "Framework", "Source", "Launch", "TensorFlow"))}
+    launches = _host_launches(events, gpu_pids)
     for e in events:
       if e.get("ph") != "X" or e.get("pid") not in gpu_pids:
         continue
-      if stream_tids and (e["pid"], e.get("tid")) not in stream_tids:
+      key = (e["pid"], e.get("tid"))
+      if (stream_tids and key not in stream_tids) or (not stream_tids and key in derived):
         continue
       args = e.get("args") or {}
+      corr = args.get("correlation_id")
       kernels.append(Kernel(float(e["ts"]), float(e.get("dur", 0)), str(e.get("name", "")),
-                            args.get("hlo_op"), e.get("tid")))
+                            args.get("hlo_op"), e.get("tid"),
+                            launches.get(str(corr), ()) if corr is not None else ()))
     device = "gpu"
   else:
     for e in events:
@@ -225,7 +233,40 @@ def parse_trace(path: str | os.PathLike, window_prefix: str = "mosaic_profile_st
     kernels = _leaves(kernels)
     device = "cpu"
   kernels.sort(key=lambda k: k.ts)
-  return Trace(kernels, windows, device, str(path))
+  info = {"device_threads": sorted({n for (pid, _), n in threads.items() if pid in gpu_pids}),
+          "kernels": len(kernels),
+          "with_hlo_op": sum(k.hlo_op is not None for k in kernels),
+          "with_host_names": sum(bool(k.host_names) for k in kernels)}
+  return Trace(kernels, windows, device, str(path), info)
+
+
+def _host_launches(events, gpu_pids) -> dict[str, tuple[str, ...]]:
+  """correlation_id -> names (and hlo_op args) of the host events enclosing
+  the launch with that id, innermost first: XLA's per-thunk annotations there
+  name the HLO op of a kernel whose own event does not (library kernels)."""
+  launches, by_thread = [], {}
+  for e in events:
+    if e.get("ph") != "X" or e.get("pid") in gpu_pids:
+      continue
+    args = e.get("args") or {}
+    key = (e.get("pid"), e.get("tid"))
+    if "correlation_id" in args:
+      launches.append((key, float(e["ts"]), str(args["correlation_id"])))
+    elif not str(e.get("name", "")).startswith("$"):  # '$...' are Python frames
+      by_thread.setdefault(key, []).append(e)
+  out = {}
+  for key, ts, corr in launches:
+    around = [e for e in by_thread.get(key, ())
+              if float(e["ts"]) <= ts <= float(e["ts"]) + float(e.get("dur", 0))]
+    around.sort(key=lambda e: float(e.get("dur", 0)))
+    names = []
+    for e in around:
+      a = e.get("args") or {}
+      if a.get("hlo_op"):
+        names.append(str(a["hlo_op"]))
+      names.append(str(e.get("name", "")))
+    out[corr] = tuple(names)
+  return out
 
 
 def _leaves(kernels: list[Kernel]) -> list[Kernel]:
@@ -266,6 +307,10 @@ def attribute(kernels: Sequence[Kernel], op_names: dict[str, str], num_layers: i
     hlo = k.hlo_op if k.hlo_op in op_names else by_sanitized.get(sanitize(k.name))
     if hlo is None and k.hlo_op:
       hlo = by_sanitized.get(sanitize(k.hlo_op))
+    for n in k.host_names if hlo is None else ():
+      hlo = n if n in op_names else by_sanitized.get(sanitize(n))
+      if hlo is not None:
+        break
     resolved.append((k, hlo))
   # Loop-body instructions run once per layer (or a fixed number of times):
   # the n-th run of an instruction that runs L*r times is layer n // r. When
@@ -735,7 +780,7 @@ def profile(model, *, batch: int = 1, prefill_len: int = 128, decode_context: in
              else tempfile.TemporaryDirectory(prefix="mosaic_profile_"))
       with ctx as base:
         d = os.path.join(base, f"{i:02d}_{prof.phase}")
-        with jax.profiler.trace(d, create_perfetto_trace=True):
+        with jax.profiler.trace(d, create_perfetto_trace=True, profiler_options=_options()):
           for s in range(steps):
             with jax.profiler.TraceAnnotation(f"mosaic_profile_step{s}"):
               jax.block_until_ready(step())
@@ -747,6 +792,7 @@ def profile(model, *, batch: int = 1, prefill_len: int = 128, decode_context: in
       costs = op_costs(cfg, prof.phase, prof.batch, prof.length, dtype=model.dtype)
       summarize(prof, per_step, costs, cfg.num_layers, tgt)
       prof.step["trace_device"] = tr.device
+      prof.step["trace_info"] = tr.info
     except Exception as e:
       prof.error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:500]
       log(f"trace failed {prof.label}: {prof.error}")
@@ -760,6 +806,15 @@ def profile(model, *, batch: int = 1, prefill_len: int = 128, decode_context: in
             "little; op times are XLA CPU thunk times from the host trace")
   model_info = dict(cfg.to_dict()) | {"dtype": str(model.dtype)}
   return Report(bench.environment(), model_info, note, [p for p, _ in built])
+
+
+def _options():
+  """Host annotations on (step windows, XLA's per-op annotations), Python frames off."""
+  import jax
+
+  opts = jax.profiler.ProfileOptions()
+  opts.python_tracer_level = 0
+  return opts
 
 
 def _check_logits(built) -> None:

@@ -158,6 +158,12 @@ def test_parse_trace_reads_gpu_streams_only(tmp_path):
        "args": {"hlo_op": "gemm.2", "hlo_module": "jit_decode_step"}},
       {"ph": "X", "pid": 2, "tid": 8, "ts": 20, "dur": 30, "name": "gemm.2"},
       {"ph": "X", "pid": 2, "tid": 7, "ts": 60, "dur": 5, "name": "fusion_1"},
+      # a library kernel named by neither: its launch sits inside XLA's host annotation
+      {"ph": "X", "pid": 1, "tid": 3, "ts": 10, "dur": 5, "name": "thunk", "args": {"hlo_op": "gemm.4"}},
+      {"ph": "X", "pid": 1, "tid": 3, "ts": 11, "dur": 1, "name": "cuLaunchKernel",
+       "args": {"correlation_id": 77}},
+      {"ph": "X", "pid": 2, "tid": 7, "ts": 70, "dur": 8, "name": "sm90_xmma",
+       "args": {"correlation_id": 77}},
   ]
   path = tmp_path / "perfetto_trace.json.gz"
   with gzip.open(path, "wt") as fh:
@@ -165,11 +171,13 @@ def test_parse_trace_reads_gpu_streams_only(tmp_path):
   assert P.find_trace_file(tmp_path) == path
   tr = P.parse_trace(path)
   assert tr.device == "gpu"
-  assert [(k.name, k.hlo_op) for k in tr.kernels] == [("nvjet_sm90", "gemm.2"), ("fusion_1", None)]
+  assert [(k.name, k.hlo_op) for k in tr.kernels] == [
+      ("nvjet_sm90", "gemm.2"), ("fusion_1", None), ("sm90_xmma", None)]
   assert tr.windows == {"mosaic_profile_step0": (0.0, 100.0)}
   st = P.attribute(tr.kernels, P.hlo_op_names(HLO), 1)
-  assert st.times == {(0, "qkv"): pytest.approx(30e-6), (0, "attn_norm"): pytest.approx(5e-6)}
-  assert st.span_s == pytest.approx(45e-6)
+  assert st.times == {(0, "qkv"): pytest.approx(30e-6), (0, "attn_norm"): pytest.approx(5e-6),
+                      (0, "o_proj"): pytest.approx(8e-6)}
+  assert st.span_s == pytest.approx(58e-6)
 
 
 def test_find_trace_file_missing(tmp_path):
