@@ -14,6 +14,7 @@ checks ragged lengths, Tq > 1 and split-K at small shapes.
 """
 
 import argparse
+import dataclasses
 import functools
 import json
 import pathlib
@@ -28,6 +29,7 @@ from kernels import attention_decode as ad
 from mosaic import bench, cost, testing, tuning
 
 HQ, HKV, D = 32, 8, 128
+IMPLS = ("mosaic", "triton", "xla", "cudnn", "torch")
 SHAPES = [(64, 4096), (8, 32768), (1, 131072), (256, 512)]  # (batch, kv length)
 
 
@@ -35,13 +37,16 @@ def _err(e: Exception) -> str:
   return f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
 
 
-def _edges():
-  """Ragged lengths (0, 1, non-multiples), Tq up to 8, forced split-K."""
+def _edges(impls):
+  """Ragged lengths (0, 1, non-multiples), Tq up to 8, forced split-K, persistent grids."""
   rng = np.random.default_rng(1)
   for b, tq, lengths, cfg in [
       (5, 1, [0, 1, 63, 65, 3001], None),
       (4, 8, [1, 8, 200, 1500], ad.Config(pages_per_step=1, stages=3, splits=3)),
       (3, 4, [4, 129, 700], ad.Config(pages_per_step=2, stages=2, splits=2)),
+      (300, 2, [0, 1, 300] * 100, ad.Config(pages_per_step=1, stages=2, blocks_per_sm=2)),
+      (5, 1, [0, 1, 63, 65, 3001], ad.Config(pages_per_step=2, stages=2, splits=4,
+                                              blocks_per_sm=1)),
   ]:
     page = ad.DEFAULT_PAGE_SIZE
     mp = -(-max(lengths) // page) + 1
@@ -53,6 +58,8 @@ def _edges():
     ref = ad.attention_decode_reference(*args)
     for name, f in [("mosaic", functools.partial(ad.attention_decode_mosaic, config=cfg)),
                     ("triton", ad.attention_decode_triton)]:
+      if name not in impls or (name == "triton" and cfg is not None and cfg.blocks_per_sm):
+        continue
       try:
         err = testing.assert_close(f(*args), ref, jnp.bfloat16)
         print(f"edge b={b} tq={tq} lengths={lengths} cfg={cfg} {name}: ok rel_err={err:.2e}")
@@ -82,10 +89,15 @@ def main():
   ap.add_argument("--tune", action="store_true")
   ap.add_argument("--edges", action="store_true")
   ap.add_argument("--shapes", default="", help="e.g. 64x4096,1x131072 (default: all)")
+  ap.add_argument("--impls", default=",".join(IMPLS), help=f"subset of {IMPLS}")
+  ap.add_argument("--configs", default="",
+                  help="tuning candidates 'pps,stages,splits,blocks_per_sm;...' "
+                       "(splits 'a' = automatic); default: the full sweep")
   args = ap.parse_args()
+  impl_names = args.impls.split(",")
   t0 = time.time()
   if args.edges:
-    _edges()
+    _edges(impl_names)
     print(f"[{time.time() - t0:.0f}s] edges done")
   shapes = SHAPES
   if args.shapes:
@@ -109,9 +121,17 @@ def main():
     if args.tune:
       mp = table.shape[1]
       auto = ad._auto_splits(b, HKV, 1, mp)
-      space = [ad.Config(pages_per_step=p, stages=s, splits=sp)
-               for p, s in [(1, 2), (1, 3), (1, 4), (2, 2), (2, 3)]
-               for sp in sorted({auto, 2 * auto} if auto > 1 else {1})]
+      if args.configs:
+        space = []
+        for cand in args.configs.split(";"):
+          p, st, sp, bps = cand.split(",")
+          space.append(ad.Config(pages_per_step=int(p), stages=int(st),
+                                 splits=auto if sp == "a" else int(sp), blocks_per_sm=int(bps)))
+      else:
+        space = [ad.Config(pages_per_step=p, stages=s, splits=sp, blocks_per_sm=bps)
+                 for p, s in [(1, 2), (1, 3), (1, 4), (2, 2), (2, 3)]
+                 for sp in sorted({auto, 2 * auto} if auto > 1 else {1})
+                 for bps in (0, 1, 2)]
       try:
         results = []  # (config, seconds or None, error); wrong configs are never timed
         for cfg in space:
@@ -132,7 +152,7 @@ def main():
           best = min(ok, key=lambda x: x[0])[1]
           key = tuning.shape_key(page=page, head_dim=D, dtype="bfloat16",
                                  batch=tuning.bucket(b), pages=tuning.bucket(mp))
-          tuned[key] = best
+          tuned[key] = dataclasses.replace(best, splits=0) if best.splits == auto else best
           impls["mosaic"] = functools.partial(ad._attention_decode_mosaic, sm_scale=scale,
                                               config=best)
       except Exception as e:  # noqa: BLE001
@@ -142,6 +162,8 @@ def main():
     impls["triton"] = functools.partial(ad._attention_decode_triton, sm_scale=scale)
     impls["xla"] = functools.partial(ad._attention_decode_xla, sm_scale=scale)
     for name, f in impls.items():
+      if name not in impl_names:
+        continue
       try:
         err = testing.assert_close(f(*paged), ref, jnp.bfloat16, what=f"{name} {shape}")
         t = bench.time_jax(f, [paged], iters=20)
@@ -155,6 +177,8 @@ def main():
     # cuDNN on the contiguous cache.
     cud = jax.jit(functools.partial(jax.nn.dot_product_attention, implementation="cudnn"))
     try:
+      if "cudnn" not in impl_names:
+        raise RuntimeError("not asked for")
       err = testing.assert_close(cud(q, k, v), ref, jnp.bfloat16, what=f"cudnn {shape}")
       t = bench.time_jax(cud, [(q, k, v)], iters=20)
       rows.append({"shape": shape, "impl": "cudnn (jax)", "cache": "contiguous",
@@ -164,6 +188,8 @@ def main():
     except Exception as e:  # noqa: BLE001
       print(f"cudnn (jax) {shape}: FAILED {_err(e)}")
     try:
+      if "torch" not in impl_names:
+        raise RuntimeError("not asked for")
       import torch
 
       from mosaic import torch as mt

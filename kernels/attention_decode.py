@@ -60,11 +60,15 @@ class Config(tuning.KernelConfig):
     step computes.
   splits: contiguous page ranges per sequence (split-K); 0 = chosen from the
     batch, kv heads and SM count at call time.
+  blocks_per_sm: 0 = one block per work item (sequence, kv head, split, row
+    tile); k > 0 = a persistent grid of k blocks per SM, each looping over
+    work items with its copy ring running across item boundaries.
   """
 
   pages_per_step: int = 1
   stages: int = 4
   splits: int = 0
+  blocks_per_sm: int = 0
 
   def __post_init__(self):
     if self.pages_per_step not in (1, 2, 4, 8, 16):
@@ -73,6 +77,8 @@ class Config(tuning.KernelConfig):
       raise ValueError(f"{self.stages=} must be in [1, 8]")
     if self.splits < 0:
       raise ValueError(f"{self.splits=} must be >= 0 (0 = automatic)")
+    if not 0 <= self.blocks_per_sm <= 4:
+      raise ValueError(f"{self.blocks_per_sm=} must be in [0, 4] (0 = not persistent)")
 
 
 # --------------------------------------------------------------------------
@@ -81,8 +87,14 @@ class Config(tuning.KernelConfig):
 
 def _mosaic_kernel(lengths_ref, table_ref, q_ref, k_ref, v_ref, *refs, tq: int, group: int,
                    page: int, pages_per_step: int, stages: int, steps_per_split: int,
-                   scale: float, split_out: bool):
-  """One block: (sequence b, kv head h, split s, row tile r)."""
+                   scale: float, split_out: bool, io_rows: int):
+  """One block: (sequence b, kv head h, split s, row tile r).
+
+  Only the first ``io_rows`` rows of the tile exist in HBM (the packed rows
+  rounded up to 8): the rest of the SMEM tile is never loaded and never
+  stored. Its rows compute garbage that stays in those rows (softmax and
+  both matmuls are row-wise) and is dropped.
+  """
   if split_out:
     o_ref, lse_ref, q_smem, k_smem, v_smem, p_smem, o_smem, lse_smem, bars = refs
   else:
@@ -111,7 +123,8 @@ def _mosaic_kernel(lengths_ref, table_ref, q_ref, k_ref, v_ref, *refs, tq: int, 
       plgpu.copy_gmem_to_smem(k_ref.at[h, pg], k_smem.at[slot, rows], k_bars.at[slot])
       plgpu.copy_gmem_to_smem(v_ref.at[h, pg], v_smem.at[slot, rows], v_bars.at[slot])
 
-  plgpu.copy_gmem_to_smem(q_ref.at[b, h, pl.ds(r * ROWS, ROWS)], q_smem, q_bar.at[0])
+  io = pl.ds(r * ROWS, io_rows)
+  plgpu.copy_gmem_to_smem(q_ref.at[b, h, io], q_smem.at[pl.ds(0, io_rows)], q_bar.at[0])
   for i in range(stages):
     @pl.when(i < n_steps)
     def _():
@@ -119,42 +132,13 @@ def _mosaic_kernel(lengths_ref, table_ref, q_ref, k_ref, v_ref, *refs, tq: int, 
 
   plgpu.barrier_wait(q_bar.at[0])
 
-  layout = plgpu.Layout.WGMMA
-  row_ids = plgpu.broadcasted_iota(jnp.int32, (ROWS, block_kv), 0, layout=layout) + r * ROWS
-  col_ids = plgpu.broadcasted_iota(jnp.int32, (ROWS, block_kv), 1, layout=layout)
-  # Row i holds token t = i // group; it sees key j iff j <= length - tq + t,
-  # i.e. iff (j - length + tq) * group <= i (no vector division needed).
-  m_i = plgpu.layout_cast(jnp.full((ROWS,), _M_INIT, jnp.float32), layout.reduce(1))
-  l_i = plgpu.layout_cast(jnp.full((ROWS,), 0.0, jnp.float32), layout.reduce(1))
-  acc = plgpu.layout_cast(jnp.full((ROWS, head_dim), 0.0, jnp.float32), layout)
+  acc, m_i, l_i = _init_state(head_dim)
+  ids = _ids(block_kv, r)
 
   def body(i, carry):
-    acc, m_i, l_i = carry
     slot = lax.rem(i, jnp.int32(stages))
-    plgpu.barrier_wait(k_bars.at[slot])
-
-    def qk_scope(acc_ref):
-      plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
-      return acc_ref[...]
-
-    qk = pl.run_scoped(qk_scope, plgpu.ACC((ROWS, block_kv), jnp.float32))
-    start = (first_step + i) * block_kv
-    visible = (col_ids + (start - length + tq)) * group <= row_ids
-    qk = jnp.where(visible, qk * (scale * _LOG2E), -jnp.inf)
-    m_new = jnp.maximum(m_i, qk.max(axis=1))
-    alpha = jnp.exp2(m_i - m_new)
-    p = jnp.exp2(qk - lax.broadcast_in_dim(m_new, qk.shape, [0]))
-    l_i = l_i * alpha + p.sum(axis=1)
-    p_smem[...] = p.astype(p_smem.dtype)
-    plgpu.commit_smem()  # P is read by the tensor cores next
-    plgpu.barrier_wait(v_bars.at[slot])
-
-    def pv_scope(acc_ref):
-      plgpu.wgmma(acc_ref, p_smem, v_smem.at[slot])
-      return acc_ref[...]
-
-    pv = pl.run_scoped(pv_scope, plgpu.ACC((ROWS, head_dim), jnp.float32))
-    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv
+    carry = _attend_step(carry, ids, slot, (first_step + i) * block_kv, length, q_smem, k_smem,
+                         v_smem, p_smem, k_bars, v_bars, tq=tq, group=group, scale=scale)
 
     # Both wgmmas of this step are complete (their results were read), so
     # the slot is free for the step `stages` ahead.
@@ -162,21 +146,200 @@ def _mosaic_kernel(lengths_ref, table_ref, q_ref, k_ref, v_ref, *refs, tq: int, 
     def _():
       issue(i + stages, slot)
 
-    return acc, m_new, l_i
+    return carry
 
   acc, m_i, l_i = lax.fori_loop(0, n_steps, body, (acc, m_i, l_i))
+  _store_output(acc, m_i, l_i, o_smem, lse_smem)
+  if split_out:
+    plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, io_rows)], o_ref.at[s, b, h, io])
+    plgpu.copy_smem_to_gmem(lse_smem.at[pl.ds(0, io_rows)], lse_ref.at[s, b, h, io])
+  else:
+    plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, io_rows)], o_ref.at[b, h, io])
+  plgpu.wait_smem_to_gmem(0)
 
+
+def _init_state(head_dim):
+  layout = plgpu.Layout.WGMMA
+  m_i = plgpu.layout_cast(jnp.full((ROWS,), _M_INIT, jnp.float32), layout.reduce(1))
+  l_i = plgpu.layout_cast(jnp.full((ROWS,), 0.0, jnp.float32), layout.reduce(1))
+  acc = plgpu.layout_cast(jnp.full((ROWS, head_dim), 0.0, jnp.float32), layout)
+  return acc, m_i, l_i
+
+
+def _ids(block_kv, r):
+  layout = plgpu.Layout.WGMMA
+  row_ids = plgpu.broadcasted_iota(jnp.int32, (ROWS, block_kv), 0, layout=layout) + r * ROWS
+  col_ids = plgpu.broadcasted_iota(jnp.int32, (ROWS, block_kv), 1, layout=layout)
+  return row_ids, col_ids
+
+
+def _attend_step(carry, ids, slot, start, length, q_smem, k_smem, v_smem, p_smem, k_bars,
+                 v_bars, *, tq, group, scale):
+  """One key block (ring slot ``slot``, first key position ``start``)."""
+  acc, m_i, l_i = carry
+  row_ids, col_ids = ids
+  rows, block_kv = row_ids.shape
+  head_dim = acc.shape[-1]
+  plgpu.barrier_wait(k_bars.at[slot])
+
+  def qk_scope(acc_ref):
+    plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+    return acc_ref[...]
+
+  qk = pl.run_scoped(qk_scope, plgpu.ACC((rows, block_kv), jnp.float32))
+  # Row i holds token t = i // group; it sees key j iff j <= length - tq + t,
+  # i.e. iff (j - length + tq) * group <= i (no vector division needed).
+  visible = (col_ids + (start - length + tq)) * group <= row_ids
+  qk = jnp.where(visible, qk * (scale * _LOG2E), -jnp.inf)
+  m_new = jnp.maximum(m_i, qk.max(axis=1))
+  alpha = jnp.exp2(m_i - m_new)
+  p = jnp.exp2(qk - lax.broadcast_in_dim(m_new, qk.shape, [0]))
+  l_i = l_i * alpha + p.sum(axis=1)
+  p_smem[...] = p.astype(p_smem.dtype)
+  plgpu.commit_smem()  # P is read by the tensor cores next
+  plgpu.barrier_wait(v_bars.at[slot])
+
+  def pv_scope(acc_ref):
+    plgpu.wgmma(acc_ref, p_smem, v_smem.at[slot])
+    return acc_ref[...]
+
+  pv = pl.run_scoped(pv_scope, plgpu.ACC((rows, head_dim), jnp.float32))
+  acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv
+  return acc, m_new, l_i
+
+
+def _store_output(acc, m_i, l_i, o_smem, lse_smem):
+  """Normalized output (0 for rows that saw no key) and log2-sum-exp into SMEM."""
   seen = l_i > 0.0
   inv = jnp.where(seen, 1.0 / jnp.where(seen, l_i, 1.0), 0.0)
   o_smem[...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(o_smem.dtype)
-  if split_out:
+  if lse_smem is not None:
     lse_smem[...] = jnp.where(seen, m_i + jnp.log2(jnp.where(seen, l_i, 1.0)), -jnp.inf)
-  plgpu.commit_smem()
+  plgpu.commit_smem()  # the TMA store reads what registers just wrote
+
+
+def _persistent_kernel(lengths_ref, table_ref, q_ref, k_ref, v_ref, *refs, tq: int, group: int,
+                       page: int, pages_per_step: int, stages: int, steps_per_split: int,
+                       scale: float, split_out: bool, io_rows: int, dims: tuple[int, ...],
+                       grid_size: int):
+  """A persistent block: work items c, c + grid, c + 2 grid, ... of (b, h, s, r).
+
+  The K/V ring runs across item boundaries: while the last steps of one
+  item compute, the first pages of the next are already in flight (an issue
+  cursor runs ``stages`` steps ahead of the compute cursor, skipping items
+  with no keys). Q is double-buffered and prefetched one item ahead; each
+  item's output leaves through the Q buffer it came in (bf16 output) or a
+  float32 staging buffer (split partials) while the next item computes.
+  """
   if split_out:
-    plgpu.copy_smem_to_gmem(o_smem, o_ref.at[s, b, h, pl.ds(r * ROWS, ROWS)])
-    plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[s, b, h, pl.ds(r * ROWS, ROWS)])
+    o_ref, lse_ref, q_smem, k_smem, v_smem, p_smem, o_smem, lse_smem, bars = refs
   else:
-    plgpu.copy_smem_to_gmem(o_smem, o_ref.at[b, h, pl.ds(r * ROWS, ROWS)])
+    o_ref, q_smem, k_smem, v_smem, p_smem, bars = refs
+    lse_ref = o_smem = lse_smem = None
+  q_bars, k_bars, v_bars = bars
+  c = lax.axis_index("c")
+  n_b, n_h, n_s, n_r = dims
+  n_items = n_b * n_h * n_s * n_r
+  block_kv = pages_per_step * page
+  head_dim = q_smem.shape[-1]
+  n_local = lax.div(n_items - c + (grid_size - 1), jnp.int32(grid_size))
+
+  def where(j):
+    """Local item j -> (b, h, s, r) and its number of steps."""
+    item = c + j * grid_size
+    r = lax.rem(item, jnp.int32(n_r))
+    x = lax.div(item, jnp.int32(n_r))
+    s = lax.rem(x, jnp.int32(n_s))
+    x = lax.div(x, jnp.int32(n_s))
+    h = lax.rem(x, jnp.int32(n_h))
+    b = lax.div(x, jnp.int32(n_h))
+    length = lengths_ref[b]
+    total = lax.div(length + (block_kv - 1), jnp.int32(block_kv))
+    n = jnp.minimum(jnp.maximum(total - s * steps_per_split, 0), steps_per_split)
+    return b, h, s, r, length, n
+
+  def skip_empty(j):
+    """The first local item >= j that has steps (n_local if none)."""
+    def cond(j):
+      return jnp.logical_and(j < n_local, where(jnp.minimum(j, n_local - 1))[-1] == 0)
+    return lax.while_loop(cond, lambda j: j + 1, j)
+
+  def issue(cursor, slot):
+    j, i = cursor
+    b, h, s, _, _, _ = where(j)
+    for jj in range(pages_per_step):
+      pg = table_ref[b, (s * steps_per_split + i) * pages_per_step + jj]
+      rows = pl.ds(jj * page, page)
+      plgpu.copy_gmem_to_smem(k_ref.at[h, pg], k_smem.at[slot, rows], k_bars.at[slot])
+      plgpu.copy_gmem_to_smem(v_ref.at[h, pg], v_smem.at[slot, rows], v_bars.at[slot])
+
+  def advance(cursor):
+    j, i = cursor
+    n = where(jnp.minimum(j, n_local - 1))[-1]
+    last = i + 1 >= n
+    j2 = skip_empty(j + 1)
+    return jnp.where(last, j2, j), jnp.where(last, 0, i + 1)
+
+  def load_q(j, buf):
+    b, h, _, r, _, _ = where(j)
+    plgpu.copy_gmem_to_smem(q_ref.at[b, h, pl.ds(r * ROWS, io_rows)],
+                            q_smem.at[buf, pl.ds(0, io_rows)], q_bars.at[buf])
+
+  load_q(0, 0)  # grid_size <= n_items: every block has an item
+  cursor = (skip_empty(jnp.int32(0)), jnp.int32(0))
+  for k in range(stages):
+    valid = cursor[0] < n_local
+
+    @pl.when(valid)
+    def _():
+      issue(cursor, k)
+
+    cursor = tuple(jnp.where(valid, a, b) for a, b in zip(advance(cursor), cursor))
+
+  def item_body(j, carry):
+    cursor, gstep = carry
+    buf = lax.rem(j, jnp.int32(2))
+    b, h, s, r, length, n = where(j)
+
+    @pl.when(j + 1 < n_local)
+    def _():
+      # The other Q buffer last sent item j-1's output: let that store finish
+      # reading it first.
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      load_q(j + 1, 1 - buf)
+
+    plgpu.barrier_wait(q_bars.at[buf])
+    qb = q_smem.at[buf]
+    ids = _ids(block_kv, r)
+
+    def step(i, carry):
+      state, cursor, gstep = carry
+      slot = lax.rem(gstep, jnp.int32(stages))
+      state = _attend_step(state, ids, slot, (s * steps_per_split + i) * block_kv, length, qb,
+                           k_smem, v_smem, p_smem, k_bars, v_bars, tq=tq, group=group,
+                           scale=scale)
+      valid = cursor[0] < n_local
+
+      @pl.when(valid)
+      def _():
+        issue(cursor, slot)
+
+      cursor = tuple(jnp.where(valid, a, b) for a, b in zip(advance(cursor), cursor))
+      return state, cursor, gstep + 1
+
+    state, cursor, gstep = lax.fori_loop(0, n, step, (_init_state(head_dim), cursor, gstep))
+    io = pl.ds(r * ROWS, io_rows)
+    if split_out:
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # item j-1's partials have left
+      _store_output(*state, o_smem, lse_smem)
+      plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, io_rows)], o_ref.at[s, b, h, io])
+      plgpu.copy_smem_to_gmem(lse_smem.at[pl.ds(0, io_rows)], lse_ref.at[s, b, h, io])
+    else:
+      _store_output(*state, qb, None)
+      plgpu.copy_smem_to_gmem(qb.at[pl.ds(0, io_rows)], o_ref.at[b, h, io])
+    return cursor, gstep
+
+  lax.fori_loop(0, n_local, item_body, (cursor, jnp.int32(0)))
   plgpu.wait_smem_to_gmem(0)
 
 
@@ -184,17 +347,40 @@ def _num_sms() -> int:
   return target_lib.current().ceilings.sms if target_lib.on_gpu() else 132
 
 
+def _smem_bytes(cfg: Config, page: int, head_dim: int, dtype, split: bool) -> int:
+  isz = jnp.dtype(dtype).itemsize
+  block_kv = cfg.pages_per_step * page
+  b = 2 * cfg.stages * block_kv * head_dim * isz  # K and V rings
+  b += ROWS * head_dim * isz + ROWS * block_kv * isz  # Q (and bf16 output), P
+  if split:
+    b += ROWS * head_dim * 4 + ROWS * 4  # float32 partial output and lse
+  return b
+
+
+SMEM_BUDGET = 220 * 1024
+
+
 def _pick_config(batch, hkv, tiles, max_pages, page, head_dim, dtype) -> Config:
   key = tuning.shape_key(page=page, head_dim=head_dim, dtype=jnp.dtype(dtype).name,
                          batch=tuning.bucket(batch), pages=tuning.bucket(max_pages))
 
   def heuristic():
-    # ~64 tokens per step keeps each TMA burst large; 4 stages (<= 128 KB of
-    # K+V in flight at D=128) cover the HBM latency from one block per SM.
-    pps = max(1, min(16, 64 // page)) if page < 64 else 1
-    per_stage = 2 * pps * page * head_dim * jnp.dtype(dtype).itemsize
-    stages = max(2, min(4, (128 * 1024) // per_stage))
-    return Config(pages_per_step=pps, stages=stages, splits=0)
+    # Measured on H200 (bench/results/attention_decode.md): two stages win
+    # when the grid fills the SMs (two blocks fit per SM and overlap each
+    # other's latency); with split-K a longer step (128 tokens) wins.
+    split = batch * hkv * tiles < _num_sms() // 2
+    tokens = 128 if split else 64
+    pps = max(1, min(16, tokens // page))
+    while pps & (pps - 1):
+      pps -= 1
+    cfg = Config(pages_per_step=pps, stages=2, splits=0)
+    while _smem_bytes(cfg, page, head_dim, dtype, True) > SMEM_BUDGET and cfg.pages_per_step > 1:
+      cfg = dataclasses.replace(cfg, pages_per_step=cfg.pages_per_step // 2)
+    if _smem_bytes(cfg, page, head_dim, dtype, True) > SMEM_BUDGET:
+      cfg = dataclasses.replace(cfg, stages=1)  # D=256 with 64-token pages: no room for 2
+    if (cfg.pages_per_step * page) % 16:
+      cfg = dataclasses.replace(cfg, pages_per_step=min(16, dsl.round_up(16, page) // page))
+    return cfg
 
   return tuning.lookup("attention_decode", key, Config, heuristic)
 
@@ -207,12 +393,19 @@ def _auto_splits(batch, hkv, tiles, n_steps) -> int:
   return max(1, min(s, n_steps // 2 if n_steps >= 4 else 1))
 
 
-def _pack_q(q, hkv, tiles):
-  """q[B,Tq,Hq,D] -> [B,Hkv,tiles*64,D]: row t*G+g is token t, head h*G+g."""
+def _hbm_rows(tq, g) -> int:
+  """Packed rows kept in HBM: a multiple of 8 (TMA on the tiled SMEM layout),
+  and whole 64-row tiles only when there is more than one tile."""
+  n = tq * g
+  return dsl.round_up(n, 8) if n <= ROWS else dsl.round_up(n, ROWS)
+
+
+def _pack_q(q, hkv):
+  """q[B,Tq,Hq,D] -> [B,Hkv,rows,D]: row t*G+g is token t, head h*G+g."""
   b, tq, hq, d = q.shape
   g = hq // hkv
   x = q.reshape(b, tq, hkv, g, d).transpose(0, 2, 1, 3, 4).reshape(b, hkv, tq * g, d)
-  return jnp.pad(x, ((0, 0), (0, 0), (0, tiles * ROWS - tq * g), (0, 0)))
+  return jnp.pad(x, ((0, 0), (0, 0), (0, _hbm_rows(tq, g) - tq * g), (0, 0)))
 
 
 def _unpack_o(o, tq, hq):
@@ -244,13 +437,16 @@ def _attention_decode_mosaic(q, k_pages, v_pages, lengths, page_table, sm_scale:
   # that a partly used last step still reads valid page indices (page 0).
   table = jnp.pad(page_table, ((0, 0), (0, splits * steps_per_split * pps - max_pages)))
   lengths = jnp.minimum(lengths, max_pages * page)
-  qp = _pack_q(q, hkv, tiles)
+  qp = _pack_q(q, hkv)
   split_out = splits > 1
-  rows = tiles * ROWS
+  rows = _hbm_rows(tq, g)
   block_kv = pps * page
   dt = q.dtype
+  persistent = cfg.blocks_per_sm > 0
+  n_items = b * hkv * splits * tiles
+  q_shape = (2, ROWS, d) if persistent else (ROWS, d)  # persistent: prefetch next item's Q
   scratch = [
-      plgpu.SMEM((ROWS, d), dt, transforms=dsl.smem_transforms((ROWS, d), dt)),
+      plgpu.SMEM(q_shape, dt, transforms=dsl.smem_transforms((ROWS, d), dt)),
       plgpu.SMEM((cfg.stages, block_kv, d), dt, transforms=dsl.smem_transforms((block_kv, d), dt)),
       plgpu.SMEM((cfg.stages, block_kv, d), dt, transforms=dsl.smem_transforms((block_kv, d), dt)),
       plgpu.SMEM((ROWS, block_kv), dt, transforms=dsl.smem_transforms((ROWS, block_kv), dt)),
@@ -262,18 +458,26 @@ def _attention_decode_mosaic(q, k_pages, v_pages, lengths, page_table, sm_scale:
   else:
     out_type = jax.ShapeDtypeStruct((b, hkv, rows, d), dt)
   scratch.append((
-      plgpu.Barrier(num_barriers=1),
+      plgpu.Barrier(num_barriers=2 if persistent else 1),
       plgpu.Barrier(num_arrivals=pps, num_barriers=cfg.stages),
       plgpu.Barrier(num_arrivals=pps, num_barriers=cfg.stages),
   ))
-  body = functools.partial(
-      _mosaic_kernel, tq=tq, group=g, page=page, pages_per_step=pps, stages=cfg.stages,
-      steps_per_split=steps_per_split, scale=sm_scale, split_out=split_out)
+  common = dict(tq=tq, group=g, page=page, pages_per_step=pps, stages=cfg.stages,
+                steps_per_split=steps_per_split, scale=sm_scale, split_out=split_out,
+                io_rows=min(rows, ROWS))
+  if persistent:
+    grid_size = min(n_items, _num_sms() * cfg.blocks_per_sm)
+    body = functools.partial(_persistent_kernel, dims=(b, hkv, splits, tiles),
+                             grid_size=grid_size, **common)
+    grid, names = (grid_size,), ("c",)
+  else:
+    body = functools.partial(_mosaic_kernel, **common)
+    grid, names = (b, hkv, splits, tiles), ("b", "h", "s", "r")
   out = dsl.kernel(
       body,
       out_type=out_type,
-      grid=(b, hkv, splits, tiles),
-      grid_names=("b", "h", "s", "r"),
+      grid=grid,
+      grid_names=names,
       scratch_types=scratch,
       compiler_params=plgpu.CompilerParams(approx_math=True),
   )(lengths, table, qp, k_pages, v_pages)

@@ -113,6 +113,20 @@ def test_mosaic_configs(config):
   testing.assert_close(out, ad.attention_decode_reference(*args), jnp.bfloat16)
 
 
+@pytest.mark.parametrize("config", [
+    ad.Config(pages_per_step=1, stages=2, blocks_per_sm=2),  # bf16 output via the Q buffers
+    ad.Config(pages_per_step=2, stages=3, splits=2, blocks_per_sm=1),  # f32 partials
+])
+def test_mosaic_persistent(config, monkeypatch):
+  # One SM: each block loops over several work items, some with no keys, and
+  # the copy ring crosses item boundaries.
+  monkeypatch.setattr(ad, "_num_sms", lambda: 1)
+  args = _case(4, 2, 8, 2, 64, 16, lengths=[0, 1, 77, 130])
+  out = ad.attention_decode_mosaic(*args, config=config)
+  testing.assert_close(out, ad.attention_decode_reference(*args), jnp.bfloat16)
+  assert np.all(np.asarray(out[0], np.float32) == 0)
+
+
 def test_mosaic_two_row_tiles_fp16_d128():
   # 16 query heads on one kv head x 8 tokens = 128 packed rows: two tiles.
   args = _case(1, 8, 16, 1, 128, 64, lengths=[100], dtype=jnp.float16)
@@ -170,6 +184,8 @@ def test_mosaic_says_why_not():
     ad.attention_decode(q, kp, vp, lengths, table, backend="mosaic")
   with pytest.raises(ValueError, match="pages_per_step"):
     ad.Config(pages_per_step=3)
+  with pytest.raises(ValueError, match="blocks_per_sm"):
+    ad.Config(blocks_per_sm=5)
   args = _case(1, 1, 4, 2, 64, 8, lengths=[5])
   with pytest.raises(ValueError, match="multiple of 16 tokens"):
     ad.attention_decode_mosaic(*args, config=ad.Config(pages_per_step=1))
