@@ -111,6 +111,7 @@ class _Seq:
     self.scheduled_at: float | None = None
     self.first_token_at: float | None = None
     self.hashes: list[bytes] | None = None
+    self.final_sent = False
 
   @property
   def tokens(self) -> list[int]:
@@ -154,6 +155,8 @@ class BatchingEngine(api.Engine):
     self._waiting: collections.deque[_Seq] = collections.deque()
     self._running: list[_Seq] = []  # admitted, in admission order
     self._by_id: dict[str, _Seq] = {}
+    # (seq, token, logprobs, silent, finish reason): accepted last step, not yet sent.
+    self._deferred: list = []
     self._order = 0
     self._draining = False
     self._stopping = False
@@ -161,8 +164,11 @@ class BatchingEngine(api.Engine):
     self.steps = 0
     self.preemptions = 0
     self.error: BaseException | None = None
-    # Host-side accounting of the last steps: (wall seconds, seconds blocked on device).
-    self.step_times: collections.deque[tuple[float, float, int]] = collections.deque(maxlen=4096)
+    # The last steps: (wall s, s blocked on the device's results, decode rows,
+    # host s spent while the device ran). Host time on the critical path is
+    # wall - blocked - overlapped.
+    self.step_times: collections.deque[tuple[float, float, int, float]] = collections.deque(
+        maxlen=4096)
     self.observer = None  # optional metrics sink: .on_step(...), .on_final(...)
 
   # -- the interface -------------------------------------------------------
@@ -276,7 +282,7 @@ class BatchingEngine(api.Engine):
       while True:
         with self._lock:
           while not (self._inbox or self._cancels or self._waiting or self._running
-                     or self._stopping):
+                     or self._deferred or self._stopping):
             self._wake.wait()
           if self._stopping and not (self._by_id or self._inbox or self._cancels):
             return
@@ -296,7 +302,12 @@ class BatchingEngine(api.Engine):
         s.handle.events.put(api.Failed(f"engine error: {e!r}"))
 
   def step(self) -> bool:
-    """One iteration; False when nothing could be scheduled."""
+    """One iteration; False when there was nothing to do.
+
+    The device runs this step's batch while the host finishes the previous
+    step's tokens (detokenization, stop strings, events): only scheduling,
+    dispatch and the bookkeeping of the sampled ids are on the critical path.
+    """
     t0 = time.perf_counter()
     now = time.monotonic()
     with self._lock:
@@ -315,13 +326,16 @@ class BatchingEngine(api.Engine):
 
     decodes = self._schedule_decodes()
     prefills = self._schedule_prefills(self.config.budget - len(decodes))
-    if not decodes and not prefills:
-      return False
-    results = []  # (seqs, device outputs, sampled?)
+    results = []  # (seqs, device outputs, logprobs wanted)
     if prefills:
       results.append(self._run_prefill(prefills))
     if decodes:
       results.append(self._run_decode(decodes))
+    t_dispatched = time.perf_counter()
+    flushed = self._flush_deferred()
+    t_flushed = time.perf_counter()
+    if not results:
+      return flushed
     t_wait = 0.0
     for seqs, out, want_lp in results:
       tw = time.perf_counter()
@@ -329,13 +343,16 @@ class BatchingEngine(api.Engine):
       lp = [np.asarray(x) for x in out[1:4]] if want_lp else None
       t_wait += time.perf_counter() - tw
       for i, seq in enumerate(seqs):
-        if seq is not None:
-          self._emit(seq, int(tokens[i]), None if lp is None else (lp[0][i], lp[1][i], lp[2][i]))
+        if seq is not None and seq.state != _State.DONE:
+          self._accept(seq, int(tokens[i]),
+                       None if lp is None else (lp[0][i], lp[1][i], lp[2][i]))
     self.steps += 1
     dt = time.perf_counter() - t0
-    self.step_times.append((dt, t_wait, len(decodes)))
+    overlapped = t_flushed - t_dispatched
+    self.step_times.append((dt, t_wait, len(decodes), overlapped))
     if self.observer is not None:
-      self.observer.on_step(self, dt, t_wait, len(decodes), sum(n for _, n in prefills))
+      self.observer.on_step(self, dt, t_wait + overlapped, len(decodes),
+                            sum(n for _, n in prefills))
     return True
 
   def _schedule_decodes(self) -> list[_Seq]:
@@ -482,36 +499,53 @@ class BatchingEngine(api.Engine):
     out, want_lp = self._sampling_call(rows, logits, b)
     return rows, out, want_lp
 
-  def _emit(self, seq: _Seq, token: int, lp) -> None:
-    now = time.monotonic()
+  def _accept(self, seq: _Seq, token: int, lp) -> None:
+    """Records a sampled token; ends the request on EOS, a stop token or its length."""
     if seq.first_token_at is None:
-      seq.first_token_at = now
+      seq.first_token_at = time.monotonic()
     seq.generated.append(token)
     p = seq.params
-    reason = None
     is_eos = token in self.eos_ids and not p.ignore_eos
     is_stop = token in p.stop_token_ids
-    text = seq.text.push([token], skip=is_eos or is_stop)
+    reason = None
     if is_eos:
       reason = api.FinishReason.EOS
-    elif is_stop or seq.text.stopped:
+    elif is_stop:
       reason = api.FinishReason.STOP
     elif len(seq.generated) >= seq.max_tokens or len(seq.tokens) >= self.capacity:
       reason = api.FinishReason.LENGTH
-    if reason is not None and reason != api.FinishReason.STOP:
-      text += seq.text.flush()
-    ids = () if is_eos or is_stop else (token,)
-    logprobs = ()
-    if lp is not None and (p.logprobs or p.top_logprobs) and ids:
-      chosen, top_ids, top_lp = lp
-      top = tuple((int(top_ids[j]), float(top_lp[j])) for j in range(p.top_logprobs))
-      logprobs = (api.TokenLogprob(token, float(chosen), top),)
-    if ids or text:
-      seq.handle.events.put(api.Delta(ids, text, logprobs))
+    self._deferred.append((seq, token, lp, is_eos or is_stop, reason))
     if reason is not None:
-      self._finish(seq, reason)
+      self._release(seq)
 
-  def _finish(self, seq: _Seq, reason: api.FinishReason) -> None:
+  def _flush_deferred(self) -> bool:
+    """Text, stop strings and events of the tokens accepted last step."""
+    items, self._deferred = self._deferred, []
+    for seq, token, lp, silent, reason in items:
+      if seq.final_sent:
+        continue
+      text = seq.text.push([token], skip=silent)
+      if reason is None and seq.text.stopped:
+        # A token of this request may be in flight already: it is dropped on return.
+        reason = api.FinishReason.STOP
+        self._release(seq)
+      if reason is not None and reason != api.FinishReason.STOP:
+        text += seq.text.flush()
+      p = seq.params
+      ids = () if silent else (token,)
+      logprobs = ()
+      if lp is not None and (p.logprobs or p.top_logprobs) and ids:
+        chosen, top_ids, top_lp = lp
+        top = tuple((int(top_ids[j]), float(top_lp[j])) for j in range(p.top_logprobs))
+        logprobs = (api.TokenLogprob(token, float(chosen), top),)
+      if ids or text:
+        seq.handle.events.put(api.Delta(ids, text, logprobs))
+      if reason is not None:
+        self._send_final(seq, reason)
+    return bool(items)
+
+  def _release(self, seq: _Seq) -> None:
+    """Takes the request out of the schedule and frees its pages and slot."""
     if seq.state == _State.DONE:
       return
     if seq.state == _State.WAITING:
@@ -522,8 +556,16 @@ class BatchingEngine(api.Engine):
       seq.pages = []
       self._free_slots.append(seq.slot)
     seq.state = _State.DONE
-    with self._lock:
-      self._by_id.pop(seq.req.request_id, None)
+
+  def _finish(self, seq: _Seq, reason: api.FinishReason) -> None:
+    """Ends a request now (cancel, deadline): its pending tokens are not sent."""
+    if seq.state == _State.DONE:
+      return
+    self._release(seq)
+    self._send_final(seq, reason)
+
+  def _send_final(self, seq: _Seq, reason: api.FinishReason) -> None:
+    seq.final_sent = True
     now = time.monotonic()
     t0 = seq.handle.submitted
     final = api.Final(
@@ -533,6 +575,8 @@ class BatchingEngine(api.Engine):
         first_token_s=(seq.first_token_at - t0) if seq.first_token_at else 0.0,
         total_s=now - t0)
     seq.handle.events.put(final)
+    with self._lock:
+      self._by_id.pop(seq.req.request_id, None)
     if self.observer is not None:
       self.observer.on_final(final)
 
