@@ -18,6 +18,8 @@ import dataclasses
 import functools
 import json
 import pathlib
+import shlex
+import sys
 import time
 import traceback
 
@@ -235,7 +237,7 @@ def _write(out, rows, tuned, sweep):
   if sweep:
     (out / "attention_decode_sweep.json").write_text(json.dumps(sweep, indent=1) + "\n")
   bench.write(out, "attention_decode", rows, COLS,
-              "PYTHONPATH=. python3 bench/attention_decode.py --tune --edges --out DIR")
+              "PYTHONPATH=. python3 " + " ".join(shlex.quote(a) for a in sys.argv))
 
 
 if __name__ == "__main__":
