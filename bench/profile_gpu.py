@@ -10,9 +10,10 @@ One process, in this order (CUPTI must not follow a jax.profiler trace):
    (mosaic.bench.time_jax, CUPTI): each matmul of a layer (q, k, v, o + residual,
    gate, up, down + residual, lm_head) at M = B*S (prefill) and M = B
    (decode), and each attention backend at the model's call;
-3. serving.profiler.profile: every configuration compiled, its logits checked
-   against the xla-attention configuration, its step timed (CUPTI kernel sum
-   and back-to-back wall time), then traced and attributed to layers and ops;
+3. serving.profiler.profile, one call for both phases: every configuration
+   compiled, its logits checked against the xla-attention configuration, its
+   step timed (CUPTI kernel sum and back-to-back wall time); only then each
+   is traced and attributed to layers and ops;
 4. the checks: per-layer sum (all ops, layers and head) within 10% of the
    CUPTI step time; per-op TFLOP/s of matmuls and attention against the
    kernels' own figures from 2.
@@ -144,23 +145,15 @@ def main(argv=None) -> int:
                                            f"{v[0] * 1e6:.1f}us" for k, v in iso[ph].items()))
       except Exception as e:
         log(f"isolated {ph} failed: {type(e).__name__}: {str(e)[:300]}")
-  budget_end = T0 + a.budget_s
-  reports = []
-  for ph, bsz, length, names in (("prefill", a.batch, a.prefill_len, attn),
-                                 ("decode", a.decode_batch, a.decode_context, dattn)):
-    kw = dict(prefill_len=length) if ph == "prefill" else dict(decode_context=length)
-    # Measuring (compiles) gets the first two thirds of what is left; tracing the rest.
-    left = budget_end - time.monotonic()
-    share = 0.5 if ph == "prefill" else 1.0
-    reports.append(P.profile(
-        model, batch=bsz, phases=[ph], attention=names if ph == "prefill" else None,
-        decode_attention=names if ph == "decode" else None, steps=3, iters=10,
-        measure_deadline=time.monotonic() + left * share * 0.6,
-        deadline=time.monotonic() + left * share, log=log, **kw))
-    print(reports[-1].table(), flush=True)
-    reports[-1].write_json(a.out / f"profile_llama8b_{ph}.json")  # kept if a later step dies
-  rep = reports[0]
-  rep.profiles = [pr for r in reports for pr in r.profiles]
+  # One profile() call for both phases: it measures every configuration (CUPTI)
+  # before it traces any (CUPTI aborts after a jax.profiler trace).
+  left = T0 + a.budget_s - time.monotonic()
+  rep = P.profile(model, batch=a.batch, prefill_len=a.prefill_len, decode_batch=a.decode_batch,
+                  decode_context=a.decode_context, attention=attn, decode_attention=dattn,
+                  steps=3, iters=10, measure_deadline=time.monotonic() + left * 0.6,
+                  deadline=time.monotonic() + left, log=log)
+  print(rep.table(), flush=True)
+  rep.write_json(a.out / "profile_llama8b.json")  # kept if a later step dies
   # Checks and the flat result table.
   rows = []
   op_of = {"qkv": ["mm_q", "mm_k", "mm_v"], "o_proj": ["mm_o"], "gate_up": ["mm_gate", "mm_up"],
@@ -206,8 +199,6 @@ def main(argv=None) -> int:
   cmd = "PYTHONPATH=. python3 bench/profile_gpu.py " + " ".join(sys.argv[1:])
   bench.write(a.out, "profile_gpu", rows, cols, cmd)
   paths = rep.write_all(a.out, stem="profile_llama8b")
-  for ph in ("prefill", "decode"):
-    (a.out / f"profile_llama8b_{ph}.json").unlink(missing_ok=True)
   log("wrote " + ", ".join(str(x) for x in paths.values()))
   print(bench.table(rows, cols))
   log("per-layer sum within 10% of the measured step: " + ("yes" if ok else "NO"))

@@ -353,9 +353,24 @@ def attribute(kernels: Sequence[Kernel], op_names: dict[str, str], num_layers: i
           layer = min(n // (occ // num_layers), num_layers - 1)
         # else: hoisted out of the loop by XLA (runs once per step): no layer
       key = (layer, op)
+    events.append((k, key[0], key[1], op_name))
+  # XLA drops the metadata of some instructions it creates (reductions split
+  # out of a fusion, copies): such a kernel between two kernels of the same
+  # (layer, op) belongs to that op.
+  for i in range(1, len(events) - 1):
+    k, layer, op, op_name = events[i]
+    if op == "other" and not op_name:
+      prev, nxt = events[i - 1][1:3], events[i + 1][1:3]
+      j = i + 1
+      while nxt == (None, "other") and j + 1 < len(events) and not events[j][3]:
+        j += 1
+        nxt = events[j][1:3]
+      if prev == nxt and prev[1] not in ("other", "unattributed"):
+        events[i] = (k, prev[0], prev[1], op_name)
+  for k, layer, op, _ in events:
+    key, sec = (layer, op), k.dur * 1e-6
     times[key] = times.get(key, 0.0) + sec
     counts[key] = counts.get(key, 0) + 1
-    events.append((k, key[0], key[1], op_name))
   span = 0.0
   if kernels:
     span = (max(k.ts + k.dur for k in kernels) - min(k.ts for k in kernels)) * 1e-6
@@ -721,6 +736,7 @@ def configurations(phases: Sequence[str], attention: Sequence[str | None],
 
 
 def profile(model, *, batch: int = 1, prefill_len: int = 128, decode_context: int = 512,
+            decode_batch: int | None = None,
             phases: Sequence[str] = PHASES, attention: str | Sequence[str] | None = None,
             decode_attention: str | Sequence[str] | None = None,
             matmul: str | Sequence[str] | None = None, steps: int = 3, iters: int = 10,
@@ -728,7 +744,7 @@ def profile(model, *, batch: int = 1, prefill_len: int = 128, decode_context: in
             log=None, measure_deadline: float | None = None,
             deadline: float | None = None) -> Report:
   """Profiles ``model``'s prefill (batch x prefill_len) and decode (batch at
-  context decode_context) for every backend configuration. See the module
+  context decode_context; decode_batch rows if given) for every backend configuration. See the module
   docstring; backends are registry names ('default' = the op's default).
   ``measure_deadline`` / ``deadline`` (time.monotonic() values) stop starting
   new configurations in the measuring / tracing pass; skipped ones say so."""
@@ -751,14 +767,15 @@ def profile(model, *, batch: int = 1, prefill_len: int = 128, decode_context: in
   # Pass 1: compile and measure everything (CUPTI must not follow a trace).
   for ph, backends in confs:
     length = prefill_len if ph == "prefill" else decode_context
+    rows = batch if ph == "prefill" or decode_batch is None else decode_batch
     chosen = {k: v for k, v in backends.items() if v is not None}
-    prof = Profile(ph, batch, length, chosen)
+    prof = Profile(ph, rows, length, chosen)
     if measure_deadline is not None and time.monotonic() > measure_deadline:
       prof.error = "skipped: out of time budget before compiling"
       built.append((prof, None))
       continue
     try:
-      step = _Step(model, ph, batch, length, backends, page_size=page_size)
+      step = _Step(model, ph, rows, length, backends, page_size=page_size)
       prof.step.update(step.measure(iters))
       log(f"measured {prof.label}: " + ", ".join(f"{k} {v * 1e6:.1f} us"
                                                  for k, v in prof.step.items()))
@@ -768,6 +785,13 @@ def profile(model, *, batch: int = 1, prefill_len: int = 128, decode_context: in
       log(f"failed {prof.label}: {prof.error}")
       built.append((prof, None))
   _check_logits(built)
+  # A first trace session runs kernels slower (seen on the H200: +20% on every
+  # kernel of the first configuration traced): trace one throwaway step first.
+  first = next((s for _, s in built if s is not None), None)
+  if first is not None:
+    with tempfile.TemporaryDirectory(prefix="mosaic_profile_warmup_") as d:
+      with jax.profiler.trace(d, profiler_options=_options()):
+        jax.block_until_ready(first())
   # Pass 2: trace each configuration's steps and attribute its kernels.
   for i, (prof, step) in enumerate(built):
     if step is None:
@@ -883,7 +907,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                  help="tiny, a named config with random weights (llama3.1-8b, ...), or a checkpoint")
   p.add_argument("--layers", type=int, help="cut a named config to this many layers")
   p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
-  p.add_argument("--batch", type=int, default=1)
+  p.add_argument("--batch", type=int, default=1, help="B: rows in prefill (and decode)")
+  p.add_argument("--decode-batch", type=int, help="rows in decode (default: --batch)")
   p.add_argument("--prefill-len", type=int, default=128, help="S: tokens per row in prefill")
   p.add_argument("--decode-context", type=int, default=512, help="L: kv tokens per row in decode")
   p.add_argument("--phases", default="prefill,decode")
@@ -908,6 +933,7 @@ def run_cli(a) -> int:
       raise SystemExit("--keep-trace needs --out")
     trace_dir = a.out / "raw"
   rep = profile(model, batch=a.batch, prefill_len=a.prefill_len, decode_context=a.decode_context,
+                decode_batch=a.decode_batch,
                 phases=[s.strip() for s in a.phases.split(",") if s.strip()],
                 attention=a.attention_backend, decode_attention=a.decode_attention_backend,
                 matmul=a.matmul_backend, steps=a.steps, iters=a.iters, page_size=a.page_size,

@@ -244,3 +244,16 @@ def test_profile_trace_opens_as_perfetto_json(cli_out):
   assert all(e["dur"] >= 0 and e["ts"] >= 0 for e in xs)
   procs = [e for e in tr["traceEvents"] if e["ph"] == "M" and e["name"] == "process_name"]
   assert len(procs) == 2  # one per configuration: prefill, decode
+
+
+def test_kernels_without_metadata_join_the_op_around_them():
+  hlo = "\n".join([
+      '  %a = bf16[2] fusion(), metadata={op_name="jit(f)/while/body/attention/dot_general"}',
+      '  %b = bf16[2] fusion(), kind=kInput',  # XLA-made, no metadata
+      '  %c = bf16[2] fusion(), metadata={op_name="jit(f)/while/body/attention/exp"}',
+      '  %d = bf16[2] fusion(), metadata={op_name="jit(f)/while/body/down/dot_general"}',
+      '  %e = bf16[2] copy()',
+      '  %g = f32[2] fusion(), metadata={op_name="jit(f)/lm_head/dot_general"}'])
+  st = P.attribute(_kernels(["a", "b", "c", "d", "e", "g"]), P.hlo_op_names(hlo), 1)
+  assert st.times[(0, "attention")] == pytest.approx(30e-6)
+  assert st.times[(None, "other")] == pytest.approx(10e-6)  # between different ops: unknown
