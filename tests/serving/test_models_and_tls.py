@@ -1,0 +1,49 @@
+"""The engine over the real models package, and the server over TLS."""
+
+import pathlib
+import shutil
+import subprocess
+
+import grpc
+import pytest
+
+from serving import engine as E
+from serving.client import Client
+from serving.service import Server
+
+from tests.serving.conftest import running
+
+
+def test_models_tiny_through_the_server_equals_models_generate():
+  models = pytest.importorskip("models")
+  model = models.load("tiny", dtype="float32")
+  prompt = [5, 17, 99, 3, 42, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19]  # 2 chunks
+  want = list(models.generate(model, prompt, 8))[-8:]
+  runner = E.ModelRunner(model, num_pages=32, page_size=8)
+  engine = E.BatchingEngine(runner, E.EngineConfig(
+      max_batch=4, batch_buckets=(4,), prefill_rows=1, min_chunk=16, prefill_chunk=16,
+      max_seq_len=128, warmup=False))
+  with running(engine) as (server, c):
+    assert c.model_info().model_name == model.config.name
+    got = [list(c.generate(prompt, max_tokens=8, ignore_eos=True).token_ids) for _ in range(2)]
+    assert got == [want, want]
+    assert engine.stats().pages_in_use == 0
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
+def test_tls(tmp_path: pathlib.Path):
+  key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+  subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key),
+                  "-out", str(cert), "-days", "1", "-subj", "/CN=localhost",
+                  "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"],
+                 check=True, capture_output=True)
+  server = Server(E.tiny_engine(), port=0, tls=(cert.read_bytes(), key.read_bytes())).start()
+  try:
+    with Client(f"localhost:{server.port}", tls_ca=cert.read_bytes()) as c:
+      assert c.generate("a", max_tokens=3).text == "bcd"
+    with Client(f"localhost:{server.port}") as plain:  # no TLS: refused
+      with pytest.raises(grpc.RpcError) as e:
+        plain.generate("a", max_tokens=3, timeout=5)
+      assert e.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+  finally:
+    server.stop(grace=0.5)
