@@ -188,6 +188,12 @@ def parser() -> argparse.ArgumentParser:
   l.add_argument("--seed", type=int, default=0)
   l.add_argument("--json", type=pathlib.Path, help="write the results here")
   l.set_defaults(fn=cmd_loadgen)
+
+  from serving import profiler  # its flags live with it (also: python -m serving.profiler)
+
+  pr = sub.add_parser("profile", help="per-layer, per-op device time and utilization")
+  profiler.add_arguments(pr)
+  pr.set_defaults(fn=profiler.run_cli)
   return p
 
 
