@@ -36,18 +36,23 @@ def main() -> int:
   # Bazel collects per-test JUnit XML from here (test.xml under bazel-testlogs).
   if os.environ.get("XML_OUTPUT_FILE"):
     args.append("--junitxml=" + os.environ["XML_OUTPUT_FILE"])
-  try:
-    # Hypothesis keeps its example database in ./.hypothesis by default; the
-    # runfiles tree is no place for it.
-    from hypothesis import configuration
-
-    configuration.set_hypothesis_home_dir(os.path.join(tmp, ".hypothesis"))
-  except ImportError:
-    pass
   import pytest
 
+  class _HypothesisHome:
+    """Keeps Hypothesis's example database (./.hypothesis by default) out of
+    the runfiles tree. Set from a hook, after pytest has loaded (and
+    assertion-rewritten) the hypothesis plugin."""
+
+    @staticmethod
+    def pytest_configure(config):
+      try:
+        from hypothesis import configuration
+      except ImportError:
+        return
+      configuration.set_hypothesis_home_dir(os.path.join(tmp, ".hypothesis"))
+
   # Exit status 5 (no tests collected) fails the target, as it should.
-  return int(pytest.main(args + sys.argv[1:]))
+  return int(pytest.main(args + sys.argv[1:], plugins=[_HypothesisHome()]))
 
 
 if __name__ == "__main__":
