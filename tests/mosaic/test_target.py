@@ -13,6 +13,7 @@ def test_kinds():
 
 
 def test_datasheet_and_calibration(tmp_path, monkeypatch):
+  monkeypatch.setattr(target, "CALIBRATION_DIR", tmp_path)  # ignore committed files
   t = target.make("gpu", "NVIDIA H200", "9.0")
   assert t.kind == "hopper" and t.ceilings.sms == 132 and t.ceilings.source == "datasheet"
   cal = tmp_path / "cal.json"

@@ -61,7 +61,7 @@ def test_autotune_checks_before_timing():
 def test_costs_and_utilization():
   c = cost.matmul(8192, 8192, 8192)
   assert c.flops == 2 * 8192**3 and c.bytes == 3 * 8192 * 8192 * 2
-  h200 = target.make("gpu", "NVIDIA H200", "9.0")
+  h200 = target.Target("hopper", "NVIDIA H200", "9.0", target.Ceilings(989.0, 4800.0, 132, 1))
   u = cost.utilization(c, 2 * 8192**3 / 700e12, h200)
   assert abs(u.tflops - 700) < 1e-6 and u.bound == "compute"
   assert abs(u.tc_fraction - 700 / 989) < 1e-9
