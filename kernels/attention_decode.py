@@ -5,6 +5,9 @@ page_table[B,max_pages])``: query t of sequence b sits at position
 ``lengths[b] - Tq + t`` and attends every cached token at a position <= its
 own. Token j of sequence b lives in page ``page_table[b, j // page`` at slot
 ``j % page``. Query head h reads kv head ``h // (Hq // Hkv)`` (GQA).
+Lengths above the table's capacity (max_pages * page) are clamped to it; a
+row that sees no key (length 0, or a query before the sequence start)
+outputs 0.
 
 Data flow of the Mosaic GPU kernel (``_mosaic_kernel``): the G = Hq // Hkv
 query heads sharing one kv head, times the Tq new tokens, are packed as the
@@ -386,8 +389,8 @@ def _pick_config(batch, hkv, tiles, max_pages, page, head_dim, dtype) -> Config:
       cfg = dataclasses.replace(cfg, pages_per_step=cfg.pages_per_step // 2)
     if _smem_bytes(cfg, page, head_dim, dtype, True) > SMEM_BUDGET:
       cfg = dataclasses.replace(cfg, stages=1)  # D=256 with 64-token pages: no room for 2
-    if (cfg.pages_per_step * page) % 16:
-      cfg = dataclasses.replace(cfg, pages_per_step=min(16, dsl.round_up(16, page) // page))
+    if (cfg.pages_per_step * page) % 16:  # page is a multiple of 8: two pages make 16
+      cfg = dataclasses.replace(cfg, pages_per_step=min(16, 2 * cfg.pages_per_step))
     return cfg
 
   return tuning.lookup("attention_decode", key, Config, heuristic)
@@ -434,9 +437,9 @@ def _attention_decode_mosaic(q, k_pages, v_pages, lengths, page_table, sm_scale:
   tiles = dsl.cdiv(tq * g, ROWS)
   cfg = config or _pick_config(b, hkv, tiles, max_pages, page, d, q.dtype)
   pps = cfg.pages_per_step
-  if (pps * page) % 16:
-    raise ValueError(f"{cfg.pages_per_step=} x {page=} must be a multiple of 16 tokens "
-                     "(the K dimension of the P V wgmma)")
+  if (pps * page) % 16 or pps * page > 256:
+    raise ValueError(f"{cfg.pages_per_step=} x {page=} must be a multiple of 16 tokens and "
+                     "at most 256 (the K dimension of the P V wgmma, the N of Q K^T)")
   n_steps = dsl.cdiv(max_pages, pps)
   splits = cfg.splits or _auto_splits(b, hkv, tiles, n_steps)
   splits = min(splits, n_steps)
