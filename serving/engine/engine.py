@@ -448,12 +448,13 @@ class BatchingEngine(api.Engine):
     arrays = sampling.pack(
         [s.params if s else None for s in seqs], [s.seed if s else 0 for s in seqs],
         [len(s.generated) if s else 0 for s in seqs], [s.slot if s else -1 for s in seqs], batch)
+    want_lp = any(s.params.logprobs or s.params.top_logprobs for s in live)
     if all(s.params.greedy and not s.params.penalized for s in live):
-      out = sampling.greedy(logits, arrays, self._counts)
+      out = sampling.greedy(logits, arrays, self._counts, logprobs=want_lp)
     else:
       out = sampling.sample(logits, arrays, self._counts, self._prompt_mask)
     self._counts = out[4]
-    return out[:4], any(s.params.logprobs or s.params.top_logprobs for s in live)
+    return out[:4], want_lp
 
   def _run_prefill(self, chunks: list[tuple[_Seq, int]]):
     rows = _bucket(len(chunks), self.row_buckets)
@@ -605,8 +606,9 @@ class BatchingEngine(api.Engine):
 
   def _warm_sampling(self, logits, b):
     arrays = sampling.pack([], [], [], [], b)
-    out = sampling.greedy(logits, arrays, self._counts)
-    self._counts = out[4]
+    for lp in (False, True):
+      out = sampling.greedy(logits, arrays, self._counts, logprobs=lp)
+      self._counts = out[4]
     out = sampling.sample(logits, arrays, self._counts, self._prompt_mask)
     self._counts = out[4]
     jax.block_until_ready(out[0])

@@ -15,6 +15,17 @@ import time
 import numpy as np
 
 
+def _has_backend(op: str, name: str) -> bool:
+  try:
+    import kernels
+    from mosaic import registry
+
+    kernels.load_all()
+    return name in registry.get_op(op).names
+  except Exception:  # noqa: BLE001 - unknown: let the model decide and report
+    return True
+
+
 class ModelRunner:
 
   def __init__(self, model, *, num_pages: int, page_size: int, attention: str | None = None,
@@ -30,12 +41,14 @@ class ModelRunner:
     self.cache = model.init_cache(num_pages, page_size=page_size)
     self.dtype = str(self.cache.k.dtype)
     # Backend names of models.Model: prefill's ``attention`` is attention_prefill,
-    # decode's is attention_decode.
+    # decode's is attention_decode. A prefill-only name (cudnn) leaves decode on
+    # its default order unless decode_attention says otherwise.
+    if decode_attention is None and attention is not None:
+      decode_attention = attention if _has_backend("attention_decode", attention) else None
     self._pkw = {k: v for k, v in (("attention", attention), ("matmul", matmul)) if v}
-    self._dkw = {k: v for k, v in (("attention", decode_attention or attention),
-                                   ("matmul", matmul)) if v}
+    self._dkw = {k: v for k, v in (("attention", decode_attention), ("matmul", matmul)) if v}
     self.backends = {k: v for k, v in (("attention_prefill", attention),
-                                       ("attention_decode", decode_attention or attention),
+                                       ("attention_decode", decode_attention),
                                        ("matmul", matmul)) if v}
 
   def prefill(self, tokens, positions, lengths, page_table):

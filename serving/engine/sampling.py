@@ -10,7 +10,7 @@ temperature 0 take the argmax. It returns the token, its logprob and the
 temperature 1), and the generated-token counts updated with the new tokens.
 
 ``greedy`` is the fast path when no row of the step samples or penalizes:
-argmax and logprobs only, no sort over the vocabulary.
+argmax (and logprobs if asked), no sort over the vocabulary.
 """
 
 from __future__ import annotations
@@ -28,43 +28,45 @@ from serving.engine.api import MAX_TOP_LOGPROBS, SamplingParams
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class SamplingArrays:
-  temperature: jax.Array  # [B] f32
-  top_k: jax.Array  # [B] i32, 0 = off
-  top_p: jax.Array  # [B] f32
-  min_p: jax.Array  # [B] f32
-  repetition: jax.Array  # [B] f32
-  presence: jax.Array  # [B] f32
-  frequency: jax.Array  # [B] f32
-  seed: jax.Array  # [B, 2] u32 (hi, lo)
-  step: jax.Array  # [B] i32, tokens generated so far
-  slot: jax.Array  # [B] i32, row of counts / prompt_mask; -1 = padding row
+  """Per-row parameters in two arrays, so a step moves two buffers to the device."""
+
+  f: jax.Array  # [B, 6] f32: temperature, top_p, min_p, repetition, presence, frequency
+  i: jax.Array  # [B, 5] i32: top_k (0 = off), seed hi, seed lo (bits), step, slot (-1 = pad)
+
+  temperature = property(lambda self: self.f[:, 0])
+  top_p = property(lambda self: self.f[:, 1])
+  min_p = property(lambda self: self.f[:, 2])
+  repetition = property(lambda self: self.f[:, 3])
+  presence = property(lambda self: self.f[:, 4])
+  frequency = property(lambda self: self.f[:, 5])
+  top_k = property(lambda self: self.i[:, 0])
+  seed = property(lambda self: self.i[:, 1:3])  # hi, lo
+  step = property(lambda self: self.i[:, 3])
+  slot = property(lambda self: self.i[:, 4])
+
+
+_PAD_F = (0.0, 1.0, 0.0, 1.0, 0.0, 0.0)
 
 
 def pack(params: list[SamplingParams | None], seeds: list[int], steps: list[int],
          slots: list[int], batch: int) -> SamplingArrays:
   """Host-side arrays for ``batch`` rows (rows past ``len(params)`` are padding)."""
+  f = np.tile(np.asarray(_PAD_F, np.float32), (batch, 1))
+  i = np.zeros((batch, 5), np.int64)
+  i[:, 4] = -1
+  for r, p in enumerate(params):
+    if p is not None:
+      f[r] = (p.temperature, p.top_p, p.min_p, p.repetition_penalty, p.presence_penalty,
+              p.frequency_penalty)
+      i[r, 0] = p.top_k
   n = len(params)
-  def col(f, default, dtype):
-    a = np.full((batch,), default, dtype)
-    a[:n] = [f(p) if p is not None else default for p in params]
-    return a
-  seed = np.zeros((batch, 2), np.uint32)
   s = np.asarray(seeds, np.uint64)
-  seed[:n, 0] = (s >> np.uint64(32)).astype(np.uint32)
-  seed[:n, 1] = (s & np.uint64(0xFFFFFFFF)).astype(np.uint32)
-  slot = np.full((batch,), -1, np.int32)
-  slot[:n] = slots
-  step = np.zeros((batch,), np.int32)
-  step[:n] = steps
-  return SamplingArrays(
-      temperature=col(lambda p: p.temperature, 0.0, np.float32),
-      top_k=col(lambda p: p.top_k, 0, np.int32),
-      top_p=col(lambda p: p.top_p, 1.0, np.float32),
-      min_p=col(lambda p: p.min_p, 0.0, np.float32),
-      repetition=col(lambda p: p.repetition_penalty, 1.0, np.float32),
-      presence=col(lambda p: p.presence_penalty, 0.0, np.float32),
-      frequency=col(lambda p: p.frequency_penalty, 0.0, np.float32),
-      seed=seed, step=step, slot=slot)
+  i[:n, 1] = (s >> np.uint64(32)).astype(np.int64)
+  i[:n, 2] = (s & np.uint64(0xFFFFFFFF)).astype(np.int64)
+  i[:n, 3] = steps
+  i[:n, 4] = slots
+  # Seed halves keep their 32 bits through int32 (two's complement).
+  return SamplingArrays(f=f, i=i.astype(np.uint32).view(np.int32))
 
 
 def _update_counts(counts, slot, tokens):
@@ -80,11 +82,12 @@ def _logprobs(logits, tokens):
   return chosen, top_ids, top_lp
 
 
-@functools.partial(jax.jit, donate_argnames=("counts",))
-def greedy(logits, s: SamplingArrays, counts):
-  logits = logits.astype(jnp.float32)
+@functools.partial(jax.jit, donate_argnames=("counts",), static_argnames=("logprobs",))
+def greedy(logits, s: SamplingArrays, counts, *, logprobs: bool = True):
   tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-  chosen, top_ids, top_lp = _logprobs(logits, tokens)
+  if not logprobs:  # nothing but the ids leaves the device
+    return tokens, None, None, None, _update_counts(counts, s.slot, tokens)
+  chosen, top_ids, top_lp = _logprobs(logits.astype(jnp.float32), tokens)
   return tokens, chosen, top_ids, top_lp, _update_counts(counts, s.slot, tokens)
 
 
@@ -114,6 +117,7 @@ def sample(logits, s: SamplingArrays, counts, prompt_mask):
   sl = jnp.where(drop, -jnp.inf, sl)
 
   def draw(seed, step, row):
+    seed = jax.lax.bitcast_convert_type(seed, jnp.uint32)
     key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed[0]), seed[1]), step)
     return jax.random.categorical(key, row)
 
