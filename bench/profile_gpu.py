@@ -202,6 +202,10 @@ def main(argv=None) -> int:
   log("wrote " + ", ".join(str(x) for x in paths.values()))
   print(bench.table(rows, cols))
   log("per-layer sum within 10% of the measured step: " + ("yes" if ok else "NO"))
+  off = [f"{r['config']} {r['op']} {r['ratio']:.2f}" for r in rows
+         if r.get("op") != "step" and r.get("ratio") is not None and abs(r["ratio"] - 1) > 0.10]
+  log("op utilization within 10% of the kernels' own: " + ("yes" if not off else
+                                                          "NO: " + "; ".join(off)))
   return 0
 
 

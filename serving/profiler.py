@@ -560,6 +560,8 @@ def summarize(prof: Profile, steps: list[StepTimes], costs: dict[str, cost_lib.C
   prof.step["layers_sum_s"] = sum(r["time_us"] for r in prof.layers) * 1e-6
   prof.step["span_s"] = statistics.median([s.span_s for s in steps])
   prof.step["traced_steps"] = len(steps)
+  if prof.step.get("wall_s"):
+    prof.step["sum_over_wall"] = total / prof.step["wall_s"]
   ref = prof.step.get("cupti_s") or prof.step.get("wall_s")
   if ref:
     prof.step["sum_over_measured"] = total / ref
@@ -604,8 +606,9 @@ class Report:
       meas = ", ".join(f"{k[:-2]} {v * 1e6:.1f} us" for k, v in s.items()
                        if k in ("cupti_s", "wall_s"))
       out.append(f"step: measured {meas}; sum of ops {s['sum_s'] * 1e6:.1f} us"
-                 + (f" ({100 * s['sum_over_measured']:.1f}% of {s['measured_by']})"
-                    if "sum_over_measured" in s else "")
+                 + (f" ({100 * s['sum_over_measured']:.1f}% of {s['measured_by']}"
+                    + (f", {100 * s['sum_over_wall']:.1f}% of wall" if s.get("cupti_s") else "")
+                    + ")" if "sum_over_measured" in s else "")
                  + (f"; whole step {s['step_tflops']:.3g} TFLOP/s, {s['step_gbps']:.4g} GB/s"
                     if "step_tflops" in s else ""))
       out.append(bench.table(p.ops, cols))

@@ -188,18 +188,20 @@ def test_find_trace_file_missing(tmp_path):
 # ---------------------------------------------------------------- a real profile on CPU
 
 
-@pytest.fixture(scope="module")
-def cli_out(tmp_path_factory):
-  out = tmp_path_factory.mktemp("profile")
+def test_profile_cli_writes_json_png_and_perfetto_trace(tmp_path):
+  # One test (not a fixture shared by several) so that pytest-xdist runs the
+  # profile once.
+  out = tmp_path / "profile"
   rc = P.main(["--model", "tiny", "--dtype", "float32", "--batch", "2", "--prefill-len", "16",
                "--decode-context", "40", "--page-size", "16", "--attention-backend", "xla",
                "--steps", "2", "--iters", "2", "--out", str(out)])
-  return rc, out
-
-
-def test_profile_json_covers_every_layer_and_op(cli_out):
-  rc, out = cli_out
   assert rc == 0
+  _check_json(out)
+  _check_png(out)
+  _check_trace(out)
+
+
+def _check_json(out):
   rep = json.loads((out / "profile.json").read_text())
   assert "CPU" in rep["note"] and "nominal" in rep["note"]
   cfg = config_lib.get("tiny")
@@ -217,12 +219,11 @@ def test_profile_json_covers_every_layer_and_op(cli_out):
     assert len(p["layers"]) == cfg.num_layers and all(r["time_us"] > 0 for r in p["layers"])
     assert p["step"]["wall_s"] > 0 and p["step"]["sum_s"] > 0
     assert p["step"]["trace_device"] == "cpu"
-    # every op row sums to the step total
+    # the op rows add up to the step total
     assert sum(r["time_us"] for r in p["ops"]) == pytest.approx(p["step"]["sum_s"] * 1e6)
 
 
-def test_profile_png_is_a_valid_image_of_the_expected_size(cli_out):
-  _, out = cli_out
+def _check_png(out):
   data = (out / "profile.png").read_bytes()
   assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR"
   w, h = struct.unpack(">II", data[16:24])
@@ -234,8 +235,7 @@ def test_profile_png_is_a_valid_image_of_the_expected_size(cli_out):
   assert img[..., :3].std() > 0.01  # not a blank canvas
 
 
-def test_profile_trace_opens_as_perfetto_json(cli_out):
-  _, out = cli_out
+def _check_trace(out):
   tr = json.loads((out / "profile_trace.json").read_text())
   xs = [e for e in tr["traceEvents"] if e["ph"] == "X"]
   names = {e["name"] for e in xs}
