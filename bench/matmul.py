@@ -10,8 +10,10 @@ and GB/s (each operand read once, the output written once) and the ratio
 to the faster cuBLAS figure.
 
 ``--tune`` then tries a few configs per shape within ``--budget-s`` seconds
-and writes the measured winners as a tuning table (``matmul_tuning.json``)
-next to the results; a config that is wrong is never timed.
+and writes the measured winners, merged into the table already in the tree,
+as ``matmul_tuning.json`` next to the results (copy it to
+kernels/tuning/matmul/<device_key>.json); a wrong config is never timed.
+``--smollm2`` runs the SmolLM2-135M layer shapes instead of Llama-3-8B's.
 
   PYTHONPATH=. python3 bench/matmul.py --out /tmp/mm [--tune] [--small]
 """
@@ -31,23 +33,30 @@ import jax.numpy as jnp
 from kernels import matmul as mm
 from mosaic import bench, cost, dsl, target as target_lib, tuning
 
-LAYERS = {  # name: (K, N)
+LAYERS = {  # Llama-3-8B, name: (K, N)
     "qkv": (4096, 6144),
     "o": (4096, 4096),
     "gate_up": (4096, 28672),
     "down": (14336, 4096),
     "lm_head": (4096, 128256),
 }
+SMOLLM2_LAYERS = {  # SmolLM2-135M (hidden 576, 9 q / 3 kv heads of 64, FFN 1536)
+    "smol_qkv": (576, 960),
+    "smol_o": (576, 576),
+    "smol_gate_up": (576, 3072),
+    "smol_down": (1536, 576),
+    "smol_lm_head": (576, 49152),
+}
 MS = (1, 16, 64, 256, 2048, 8192)
 COLUMNS = ["shape", "M", "N", "K", "config", "mosaic_us", "xla_us", "torch_us", "mosaic_tflops",
            "mosaic_GBps", "xla_tflops", "torch_tflops", "vs_best_cublas", "err_mosaic"]
 
 
-def shapes(small: bool):
+def shapes(small: bool, smollm2: bool = False):
   if small:
     return [("square", 256, 256, 256), ("qkv", 1, 384, 256), ("o", 64, 256, 512)]
   out = [("square", 8192, 8192, 8192)]
-  for name, (k, n) in LAYERS.items():
+  for name, (k, n) in (SMOLLM2_LAYERS if smollm2 else LAYERS).items():
     out += [(name, m, n, k) for m in MS]
   return out
 
@@ -95,6 +104,7 @@ def main(argv=None):
   p.add_argument("--out", required=True)
   p.add_argument("--small", action="store_true", help="tiny shapes (CPU smoke run)")
   p.add_argument("--tune", action="store_true")
+  p.add_argument("--smollm2", action="store_true", help="SmolLM2-135M layer shapes instead")
   p.add_argument("--budget-s", type=float, default=320.0,
                  help="seconds from start after which --tune stops (the table alone takes ~180)")
   p.add_argument("--only", default="", help="shapes to run, e.g. qkv,o:256 (name or name:M)")
@@ -114,7 +124,7 @@ def main(argv=None):
       torch = None
   command = "python3 bench/matmul.py " + " ".join(argv if argv is not None else sys.argv[1:])
   rows, tune_log, winners = [], [], {}
-  todo = shapes(args.small)
+  todo = shapes(args.small, args.smollm2)
   def pick(spec):
     keep = set(spec.split(","))
     return [s for s in todo if s[0] in keep or f"{s[0]}:{s[1]}" in keep]
@@ -183,7 +193,12 @@ def main(argv=None):
     out.mkdir(parents=True, exist_ok=True)
     (out / "matmul_tune_log.json").write_text(json.dumps(tune_log, indent=1) + "\n")
     if winners:
-      tuning.save("matmul", winners, path=out / "matmul_tuning.json",
+      # Start from the table in the tree so the file that comes back is complete.
+      dst = out / "matmul_tuning.json"
+      src = tuning.table_path("matmul")
+      if not dst.exists() and src.is_file():
+        dst.write_text(src.read_text())
+      tuning.save("matmul", winners, path=dst,
                   extra={"source": command, "date": bench.environment()["date"]})
 
   if args.tune:

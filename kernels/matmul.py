@@ -417,7 +417,9 @@ def _reference_backend(a, b, *, bias=None, residual=None, out_dtype=None):
   return matmul_reference(a, b, bias=bias, residual=residual).astype(out_dtype)
 
 
-def _valid(a, b, *, bias=None, residual=None, out_dtype=None) -> str | None:
+def _valid(a, b, *, bias=None, residual=None, out_dtype=None, config=None) -> str | None:
+  if config is not None:
+    return f"config= applies to the mosaic backend only; got {config=}"
   try:
     _check(a, b, bias, residual, out_dtype)
   except ValueError as e:
