@@ -3,7 +3,7 @@
 ``attention_decode(q[B,Tq,Hq,D], k_pages[Hkv,P,page,D], v_pages, lengths[B],
 page_table[B,max_pages])``: query t of sequence b sits at position
 ``lengths[b] - Tq + t`` and attends every cached token at a position <= its
-own. Token j of sequence b lives in page ``page_table[b, j // page`` at slot
+own. Token j of sequence b lives in page ``page_table[b, j // page]`` at slot
 ``j % page``. Query head h reads kv head ``h // (Hq // Hkv)`` (GQA).
 Lengths above the table's capacity (max_pages * page) are clamped to it; a
 row that sees no key (length 0, or a query before the sequence start)
@@ -19,7 +19,8 @@ batch x kv heads x splits fills the SMs when the batch is small (split-K).
 Each block reads its page indices from the page table, TMA-copies
 ``pages_per_step`` pages of K and of V per step into a ring of ``stages``
 SMEM buffers (the copies of the next steps are in flight while this step
-computes), computes S = Q K^T with wgmma into registers, masks positions past
+computes; a hand-written ring rather than ``dsl.pipeline`` because the source
+of each copy is a page index read from the table at run time), computes S = Q K^T with wgmma into registers, masks positions past
 each row's own, runs the online softmax in float32, writes P to SMEM and
 accumulates P V with a second wgmma. A single split writes the normalized
 output directly; several splits write float32 partial outputs and their
@@ -77,7 +78,7 @@ class Config(tuning.KernelConfig):
   """
 
   pages_per_step: int = 1
-  stages: int = 4
+  stages: int = 2
   splits: int = 0
   blocks_per_sm: int = 0
 
@@ -255,7 +256,7 @@ def _persistent_kernel(lengths_ref, table_ref, q_ref, k_ref, v_ref, *refs, tq: i
   head_dim = q_smem.shape[-1]
   n_local = lax.div(n_items - c + (grid_size - 1), jnp.int32(grid_size))
 
-  def where(j):
+  def item_info(j):
     """Local item j -> (b, h, s, r) and its number of steps."""
     item = c + j * grid_size
     r = lax.rem(item, jnp.int32(n_r))
@@ -272,12 +273,12 @@ def _persistent_kernel(lengths_ref, table_ref, q_ref, k_ref, v_ref, *refs, tq: i
   def skip_empty(j):
     """The first local item >= j that has steps (n_local if none)."""
     def cond(j):
-      return jnp.logical_and(j < n_local, where(jnp.minimum(j, n_local - 1))[-1] == 0)
+      return jnp.logical_and(j < n_local, item_info(jnp.minimum(j, n_local - 1))[-1] == 0)
     return lax.while_loop(cond, lambda j: j + 1, j)
 
   def issue(cursor, slot):
     j, i = cursor
-    b, h, s, _, _, _ = where(j)
+    b, h, s, _, _, _ = item_info(j)
     for jj in range(pages_per_step):
       pg = table_ref[b, (s * steps_per_split + i) * pages_per_step + jj]
       rows = pl.ds(jj * page, page)
@@ -286,13 +287,13 @@ def _persistent_kernel(lengths_ref, table_ref, q_ref, k_ref, v_ref, *refs, tq: i
 
   def advance(cursor):
     j, i = cursor
-    n = where(jnp.minimum(j, n_local - 1))[-1]
+    n = item_info(jnp.minimum(j, n_local - 1))[-1]
     last = i + 1 >= n
     j2 = skip_empty(j + 1)
     return jnp.where(last, j2, j), jnp.where(last, 0, i + 1)
 
   def load_q(j, buf):
-    b, h, _, r, _, _ = where(j)
+    b, h, _, r, _, _ = item_info(j)
     plgpu.copy_gmem_to_smem(q_ref.at[b, h, pl.ds(r * ROWS, io_rows)],
                             q_smem.at[buf, pl.ds(0, io_rows)], q_bars.at[buf])
 
@@ -305,12 +306,12 @@ def _persistent_kernel(lengths_ref, table_ref, q_ref, k_ref, v_ref, *refs, tq: i
     def _():
       issue(cursor, k)
 
-    cursor = tuple(jnp.where(valid, a, b) for a, b in zip(advance(cursor), cursor))
+    cursor = _select(valid, advance(cursor), cursor)
 
   def item_body(j, carry):
     cursor, gstep = carry
     buf = lax.rem(j, jnp.int32(2))
-    b, h, s, r, length, n = where(j)
+    b, h, s, r, length, n = item_info(j)
 
     @pl.when(j + 1 < n_local)
     def _():
@@ -335,7 +336,7 @@ def _persistent_kernel(lengths_ref, table_ref, q_ref, k_ref, v_ref, *refs, tq: i
       def _():
         issue(cursor, slot)
 
-      cursor = tuple(jnp.where(valid, a, b) for a, b in zip(advance(cursor), cursor))
+      cursor = _select(valid, advance(cursor), cursor)
       return state, cursor, gstep + 1
 
     state, cursor, gstep = lax.fori_loop(0, n, step, (_init_state(head_dim), cursor, gstep))
@@ -352,6 +353,10 @@ def _persistent_kernel(lengths_ref, table_ref, q_ref, k_ref, v_ref, *refs, tq: i
 
   lax.fori_loop(0, n_local, item_body, (cursor, jnp.int32(0)))
   plgpu.wait_smem_to_gmem(0)
+
+
+def _select(pred, new, old):
+  return tuple(jnp.where(pred, x, y) for x, y in zip(new, old))
 
 
 def _num_sms() -> int:
