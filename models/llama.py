@@ -277,11 +277,17 @@ class Llama(nnx.Module):
   # -- entry points (called inside jit by the functions below)
 
   def prefill(self, cache: KVCache, tokens, positions, lengths, page_table, *,
-              all_logits: bool = False):
+              all_logits: bool = False, fresh: bool = False):
     """tokens [B, T]; positions/lengths [B]; page_table [B, max_pages].
 
     Returns logits [B, vocab] at each row's last valid token (or [B, T, vocab]
     with all_logits) and the cache with this chunk's K/V written.
+
+    ``fresh`` (static; the caller knows positions == 0 for every row): no row
+    has a cached prefix, so each row attends to its own chunk with a plain
+    causal mask (padding sits after the valid tokens, so valid queries never
+    see it): no page gather, Skv = T, and backends without positions/segment
+    ids (cuDNN) can run it.
     """
     cfg = self.cfg
     b, t = tokens.shape
@@ -302,10 +308,13 @@ class Llama(nnx.Module):
         kc = kc.at[layer, :, page, slot].set(k.astype(kc.dtype))  # [B, T, Hkv, hd] rows
         vc = vc.at[layer, :, page, slot].set(v.astype(vc.dtype))
       with jax.named_scope("attention"):
-        kg, vg = _gather_pages(kc, vc, layer, page_table)  # [B, Skv, Hkv, hd]
-        o = ops()["attention_prefill"](
-            q, kg, vg, causal=True, q_positions=tpos, kv_positions=kv_pos,
-            q_segment_ids=q_seg, kv_segment_ids=kv_seg, sliding_window=cfg.sliding_window)
+        if fresh:
+          o = ops()["attention_prefill"](q, k, v, causal=True, sliding_window=cfg.sliding_window)
+        else:
+          kg, vg = _gather_pages(kc, vc, layer, page_table)  # [B, Skv, Hkv, hd]
+          o = ops()["attention_prefill"](
+              q, kg, vg, causal=True, q_positions=tpos, kv_positions=kv_pos,
+              q_segment_ids=q_seg, kv_segment_ids=kv_seg, sliding_window=cfg.sliding_window)
       return o.reshape(b, t, -1).astype(h.dtype), kc, vc
 
     with jax.named_scope("embed"):
@@ -395,13 +404,14 @@ def backends(**names: str | None) -> tuple[tuple[str, str], ...]:
   return tuple(out)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "backends", "all_logits"),
+@functools.partial(jax.jit, static_argnames=("graphdef", "backends", "all_logits", "fresh"),
                    donate_argnames=("cache",))
 def prefill_step(graphdef, params, cache, tokens, positions, lengths, page_table, *,
-                 backends=(), all_logits=False):
+                 backends=(), all_logits=False, fresh=False):
   model = nnx.merge(graphdef, params)
   with registry.use(**dict(backends)):
-    return model.prefill(cache, tokens, positions, lengths, page_table, all_logits=all_logits)
+    return model.prefill(cache, tokens, positions, lengths, page_table, all_logits=all_logits,
+                         fresh=fresh)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "backends"),

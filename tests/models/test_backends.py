@@ -16,22 +16,28 @@ from mosaic import testing
 
 
 def _run(m, prompts, page_size, *, prefill, decode):
-  """Batched prefill of ``prompts`` then two decode steps (the second with
-  Tq=2); returns every logit row, float32."""
+  """Batched prefill of ``prompts`` in two chunks (the first fresh, the second
+  on top of the cached first), then two decode steps (the second with Tq=2);
+  returns every logit row, float32."""
   b = len(prompts)
   longest = max(len(p) for p in prompts) + 3
   per = -(-longest // page_size)
   table = 1 + np.arange(b * per).reshape(b, per)
   cache = m.init_cache(1 + b * per, page_size)
-  toks = np.zeros((b, max(len(p) for p in prompts)), np.int32)
-  for i, p in enumerate(prompts):
-    toks[i, :len(p)] = p
   lens = np.array([len(p) for p in prompts])
-  l1, cache = m.prefill(cache, toks, np.zeros(b, int), lens, table, all_logits=True, **prefill)
-  nxt = np.asarray(l1)[np.arange(b), lens - 1].argmax(-1)
+  first = lens // 2 + 1  # a 1-token prompt is a padding row (length 0) in the second chunk
+  rows = [[] for _ in prompts]
+  for start, n in ((np.zeros(b, int), first), (first, lens - first)):
+    toks = np.zeros((b, max(n.max(), 1)), np.int32)
+    for i, p in enumerate(prompts):
+      toks[i, :n[i]] = p[start[i]:start[i] + n[i]]
+    out, cache = m.prefill(cache, toks, start, n, table, all_logits=True, **prefill)
+    for i in range(b):
+      rows[i].append(np.asarray(out[i, :n[i]]))
+  rows = [np.concatenate(r) for r in rows]
+  nxt = np.stack([r[-1] for r in rows]).argmax(-1)
   l2, cache = m.decode(cache, nxt, lens + 1, table, **decode)
   l3, cache = m.decode(cache, np.stack([nxt, nxt], 1), lens + 3, table, **decode)
-  rows = [np.asarray(l1[i, :lens[i]]) for i in range(b)]
   return np.concatenate(rows + [np.asarray(l2), np.asarray(l3).reshape(-1, l3.shape[-1])])
 
 
