@@ -759,6 +759,10 @@ def profile(model, *, batch: int = 1, prefill_len: int = 128, decode_context: in
 
   if steps < 1 or iters < 1:
     raise ValueError(f"{steps=} and {iters=} must be >= 1")
+  for what, n in (("batch", batch), ("prefill_len", prefill_len),
+                  ("decode_context", decode_context), ("decode_batch", decode_batch or 1)):
+    if n < 1:
+      raise ValueError(f"{what}={n} must be >= 1")
   log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
   llama.ops()  # registers the ops' backends
   cfg = model.config
@@ -951,7 +955,11 @@ def run_cli(a) -> int:
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(prog="python -m serving.profiler", description=__doc__.split("\n")[0])
   add_arguments(p)
-  return run_cli(p.parse_args(argv))
+  try:
+    return run_cli(p.parse_args(argv))
+  except (ValueError, FileNotFoundError) as e:  # bad flags or model: a message, not a traceback
+    print(f"error: {e}", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

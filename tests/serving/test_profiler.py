@@ -257,3 +257,10 @@ def test_kernels_without_metadata_join_the_op_around_them():
   st = P.attribute(_kernels(["a", "b", "c", "d", "e", "g"]), P.hlo_op_names(hlo), 1)
   assert st.times[(0, "attention")] == pytest.approx(30e-6)
   assert st.times[(None, "other")] == pytest.approx(10e-6)  # between different ops: unknown
+
+
+def test_cli_bad_input_is_a_message(capsys):
+  assert P.main(["--model", "/nonexistent/model"]) == 2
+  assert "no such model" in capsys.readouterr().err
+  assert P.main(["--model", "tiny", "--layers", "1", "--batch", "0"]) == 2
+  assert "batch" in capsys.readouterr().err
