@@ -15,19 +15,21 @@ from models import config as config_lib, model as model_lib, tokenizer as tok_li
 from mosaic import testing
 
 
-def _run(m, prompts, page_size, *, prefill, decode):
+def _run(m, prompts, page_size, *, prefill, decode, chunked=True):
   """Batched prefill of ``prompts`` in two chunks (the first fresh, the second
-  on top of the cached first), then two decode steps (the second with Tq=2);
-  returns every logit row, float32."""
+  on top of the cached first; one fresh chunk unless ``chunked``), then two
+  decode steps (the second with Tq=2); returns every logit row, float32."""
   b = len(prompts)
   longest = max(len(p) for p in prompts) + 3
   per = -(-longest // page_size)
   table = 1 + np.arange(b * per).reshape(b, per)
   cache = m.init_cache(1 + b * per, page_size)
   lens = np.array([len(p) for p in prompts])
-  first = lens // 2 + 1  # a 1-token prompt is a padding row (length 0) in the second chunk
+  # A 1-token prompt is a padding row (length 0) in the second chunk.
+  first = lens // 2 + 1 if chunked else lens
   rows = [[] for _ in prompts]
-  for start, n in ((np.zeros(b, int), first), (first, lens - first)):
+  chunks = [(np.zeros(b, int), first)] + ([(first, lens - first)] if chunked else [])
+  for start, n in chunks:
     toks = np.zeros((b, max(n.max(), 1)), np.int32)
     for i, p in enumerate(prompts):
       toks[i, :n[i]] = p[start[i]:start[i] + n[i]]
@@ -83,6 +85,7 @@ GPU_CONFIG = config_lib.ModelConfig(
 GPU_CASES = {
     "mosaic": (dict(attention="mosaic", matmul="mosaic", norm="mosaic"),
                dict(attention="mosaic", norm="mosaic")),
+    # cuDNN takes no positions/segment ids: only a fresh (unchunked) prefill.
     "cudnn": (dict(attention="cudnn"), dict()),
     "triton": (dict(attention="triton"), dict(attention="triton")),
 }
@@ -102,5 +105,5 @@ def test_gpu_backend_matches_xla(case, gpu_model):
   xla = dict(attention="xla", matmul="xla", norm="xla")
   ref = _run(gpu_model, prompts, 64, prefill=xla, decode=xla)
   prefill, decode = GPU_CASES[case]
-  out = _run(gpu_model, prompts, 64, prefill=prefill, decode=decode)
+  out = _run(gpu_model, prompts, 64, prefill=prefill, decode=decode, chunked=case != "cudnn")
   testing.assert_close(out, ref, dtype=jnp.bfloat16, what=f"{case} logits vs xla")
