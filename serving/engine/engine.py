@@ -594,9 +594,13 @@ class BatchingEngine(api.Engine):
       self._warm_sampling(logits, b)
     for rows in self.row_buckets:
       for t in self.chunk_buckets:
-        logits = self.runner.prefill(np.zeros((rows, t), np.int32), np.zeros((rows,), np.int32),
-                                     np.zeros((rows,), np.int32),
-                                     np.zeros((rows, table_w), np.int32))
+        # Positions 0 and 1: a model may compile fresh prompts and continued
+        # chunks (prefix in the cache) apart. Rows of length 0 write nothing.
+        for pos in (0, 1):
+          logits = self.runner.prefill(np.zeros((rows, t), np.int32),
+                                       np.full((rows,), pos, np.int32),
+                                       np.zeros((rows,), np.int32),
+                                       np.zeros((rows, table_w), np.int32))
         self._warm_sampling(logits, rows)
     jax.block_until_ready(self._counts)
     del v

@@ -10,8 +10,10 @@ next token is the previous token + 1, so the service's output is known.
 
 from __future__ import annotations
 
+import functools
 import time
 
+import jax
 import numpy as np
 
 
@@ -51,12 +53,59 @@ class ModelRunner:
                                        ("attention_decode", decode_attention),
                                        ("matmul", matmul)) if v}
 
+    self._fast = self._direct_steps(attention, decode_attention, matmul)
+
+  def _direct_steps(self, attention, decode_attention, matmul):
+    """The jitted steps of models.llama with the graph definition closed over.
+
+    models.Model.prefill/decode re-validate, re-pad and hash the static graph
+    definition on every call, which costs host time each step; the engine's
+    shapes are already bucketed and checked, so a models.Model is driven through
+    its jitted steps directly. Anything else goes through the documented API.
+    """
+    try:
+      import inspect
+
+      from models import llama
+      from models.model import Model
+    except ImportError:
+      return None
+    if not isinstance(self.model, Model):
+      return None
+    graphdef = self.model.graphdef
+    pb = llama.backends(attention_prefill=attention, matmul=matmul)
+    db = llama.backends(attention_decode=decode_attention, matmul=matmul)
+    has_fresh = "fresh" in inspect.signature(llama.prefill_step).parameters
+
+    @functools.partial(jax.jit, static_argnames=("fresh",), donate_argnums=(1,))
+    def prefill(params, cache, tokens, positions, lengths, page_table, fresh=False):
+      kw = {"fresh": fresh} if has_fresh else {}
+      return llama.prefill_step(graphdef, params, cache, tokens, positions, lengths, page_table,
+                                backends=pb, **kw)
+
+    @functools.partial(jax.jit, donate_argnums=(1,))
+    def decode(params, cache, tokens, lengths, page_table):
+      logits, cache = llama.decode_step(graphdef, params, cache, tokens[:, None], lengths,
+                                        page_table, backends=db)
+      return logits[:, 0], cache
+
+    return prefill, decode
+
   def prefill(self, tokens, positions, lengths, page_table):
+    if self._fast is not None:
+      # A fresh batch (every row starts at position 0) attends within the chunk only.
+      logits, self.cache = self._fast[0](self.model.params, self.cache, tokens, positions,
+                                         lengths, page_table, fresh=not np.any(positions))
+      return logits
     logits, self.cache = self.model.prefill(self.cache, tokens, positions, lengths, page_table,
                                             **self._pkw)
     return logits
 
   def decode(self, tokens, lengths, page_table):
+    if self._fast is not None:
+      logits, self.cache = self._fast[1](self.model.params, self.cache, tokens, lengths,
+                                         page_table)
+      return logits
     logits, self.cache = self.model.decode(self.cache, tokens, lengths, page_table, **self._dkw)
     return logits
 

@@ -22,12 +22,16 @@ def test_models_tiny_through_the_server_equals_models_generate():
   runner = E.ModelRunner(model, num_pages=32, page_size=8)
   engine = E.BatchingEngine(runner, E.EngineConfig(
       max_batch=4, batch_buckets=(4,), prefill_rows=1, min_chunk=16, prefill_chunk=16,
-      max_seq_len=128, warmup=False))
+      max_seq_len=128, warmup=True))
   with running(engine) as (server, c):
+    assert runner._fast is not None
+    compiled = [f._cache_size() for f in runner._fast]
+    assert compiled == [2, 1]  # prefill fresh / continued chunk; decode
     assert c.model_info().model_name == model.config.name
     got = [list(c.generate(prompt, max_tokens=8, ignore_eos=True).token_ids) for _ in range(2)]
     assert got == [want, want]
     assert engine.stats().pages_in_use == 0
+    assert [f._cache_size() for f in runner._fast] == compiled  # steady state: no compiles
 
 
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
