@@ -42,6 +42,7 @@ import contextlib
 import dataclasses
 import glob
 import gzip
+import inspect
 import itertools
 import json
 import math
@@ -417,6 +418,8 @@ class _Step:
       self.rest = (jnp.asarray(tokens), jnp.zeros((batch,), jnp.int32),
                    jnp.full((batch,), length, jnp.int32), jnp.asarray(page_table))
       fn, kw = llama.prefill_step, dict(backends=self.backends, all_logits=False)
+      if "fresh" in inspect.signature(fn).parameters:
+        kw["fresh"] = True  # as Model.prefill says for prompts with no cached prefix
     else:
       tokens = rng.integers(0, cfg.vocab_size, (batch, 1), dtype=np.int32)
       self.rest = (jnp.asarray(tokens), jnp.full((batch,), length, jnp.int32),
