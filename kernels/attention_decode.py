@@ -97,7 +97,8 @@ class Config(tuning.KernelConfig):
 # Mosaic GPU kernel
 
 
-def _mosaic_kernel(lengths_ref, table_ref, q_ref, k_ref, v_ref, *refs, tq: int, group: int,
+def _mosaic_kernel(lengths_ref, table_ref, layer_ref, q_ref, k_ref, v_ref, *refs, tq: int,
+                   group: int,
                    page: int, pages_per_step: int, stages: int, steps_per_split: int,
                    scale: float, split_out: bool, io_rows: int):
   """One block: (sequence b, kv head h, split s, row tile r).
@@ -116,6 +117,7 @@ def _mosaic_kernel(lengths_ref, table_ref, q_ref, k_ref, v_ref, *refs, tq: int, 
   q_bar, k_bars, v_bars = bars
   b = lax.axis_index("b")
   h = lax.axis_index("h")
+  kvh = layer_ref[0] * q_ref.shape[1] + h  # k_ref is [layers * Hkv, pages, page, D]
   s = lax.axis_index("s")
   r = lax.axis_index("r")
   head_dim = q_smem.shape[-1]
@@ -132,8 +134,8 @@ def _mosaic_kernel(lengths_ref, table_ref, q_ref, k_ref, v_ref, *refs, tq: int, 
     for j in range(pages_per_step):
       pg = table_ref[b, (first_step + step) * pages_per_step + j]
       rows = pl.ds(j * page, page)
-      plgpu.copy_gmem_to_smem(k_ref.at[h, pg], k_smem.at[slot, rows], k_bars.at[slot])
-      plgpu.copy_gmem_to_smem(v_ref.at[h, pg], v_smem.at[slot, rows], v_bars.at[slot])
+      plgpu.copy_gmem_to_smem(k_ref.at[kvh, pg], k_smem.at[slot, rows], k_bars.at[slot])
+      plgpu.copy_gmem_to_smem(v_ref.at[kvh, pg], v_smem.at[slot, rows], v_bars.at[slot])
 
   io = pl.ds(r * ROWS, io_rows)
   plgpu.copy_gmem_to_smem(q_ref.at[b, h, io], q_smem.at[pl.ds(0, io_rows)], q_bar.at[0])
@@ -230,7 +232,8 @@ def _store_output(acc, m_i, l_i, o_smem, lse_smem):
   plgpu.commit_smem()  # the TMA store reads what registers just wrote
 
 
-def _persistent_kernel(lengths_ref, table_ref, q_ref, k_ref, v_ref, *refs, tq: int, group: int,
+def _persistent_kernel(lengths_ref, table_ref, layer_ref, q_ref, k_ref, v_ref, *refs, tq: int,
+                       group: int,
                        page: int, pages_per_step: int, stages: int, steps_per_split: int,
                        scale: float, split_out: bool, io_rows: int, dims: tuple[int, ...],
                        grid_size: int):
@@ -255,6 +258,7 @@ def _persistent_kernel(lengths_ref, table_ref, q_ref, k_ref, v_ref, *refs, tq: i
   block_kv = pages_per_step * page
   head_dim = q_smem.shape[-1]
   n_local = lax.div(n_items - c + (grid_size - 1), jnp.int32(grid_size))
+  layer_off = layer_ref[0] * n_h  # k_ref is [layers * Hkv, pages, page, D]
 
   def item_info(j):
     """Local item j -> (b, h, s, r) and its number of steps."""
@@ -279,11 +283,12 @@ def _persistent_kernel(lengths_ref, table_ref, q_ref, k_ref, v_ref, *refs, tq: i
   def issue(cursor, slot):
     j, i = cursor
     b, h, s, _, _, _ = item_info(j)
+    kvh = layer_off + h
     for jj in range(pages_per_step):
       pg = table_ref[b, (s * steps_per_split + i) * pages_per_step + jj]
       rows = pl.ds(jj * page, page)
-      plgpu.copy_gmem_to_smem(k_ref.at[h, pg], k_smem.at[slot, rows], k_bars.at[slot])
-      plgpu.copy_gmem_to_smem(v_ref.at[h, pg], v_smem.at[slot, rows], v_bars.at[slot])
+      plgpu.copy_gmem_to_smem(k_ref.at[kvh, pg], k_smem.at[slot, rows], k_bars.at[slot])
+      plgpu.copy_gmem_to_smem(v_ref.at[kvh, pg], v_smem.at[slot, rows], v_bars.at[slot])
 
   def advance(cursor):
     j, i = cursor
@@ -433,10 +438,18 @@ def _unpack_o(o, tq, hq):
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "config"))
-def _attention_decode_mosaic(q, k_pages, v_pages, lengths, page_table, sm_scale: float,
-                             config: Config | None = None):
+def _attention_decode_mosaic(q, k_pages, v_pages, lengths, page_table, layer=None,
+                             sm_scale: float = 1.0, config: Config | None = None):
   b, tq, hq, d = q.shape
-  hkv, _, page, _ = k_pages.shape
+  hkv, _, page, _ = k_pages.shape[-4:]
+  # A whole layer stack is read in place: [L, Hkv, ...] viewed as [L * Hkv,
+  # ...] (a free reshape) and the kernel offsets the kv head by layer * Hkv.
+  if k_pages.ndim == 5:
+    layer_arr = jnp.clip(jnp.asarray(layer, jnp.int32), 0, k_pages.shape[0] - 1).reshape(1)
+    k_pages = k_pages.reshape(-1, *k_pages.shape[2:])
+    v_pages = v_pages.reshape(-1, *v_pages.shape[2:])
+  else:
+    layer_arr = jnp.zeros((1,), jnp.int32)
   max_pages = page_table.shape[1]
   g = hq // hkv
   tiles = dsl.cdiv(tq * g, ROWS)
@@ -496,7 +509,7 @@ def _attention_decode_mosaic(q, k_pages, v_pages, lengths, page_table, sm_scale:
       grid_names=names,
       scratch_types=scratch,
       compiler_params=plgpu.CompilerParams(approx_math=True),
-  )(lengths, table, qp, k_pages, v_pages)
+  )(lengths, table, layer_arr, qp, k_pages, v_pages)
   if split_out:
     o_parts, lse = out
     o = _combine(o_parts, lse, exp2=True)
@@ -519,19 +532,30 @@ def _combine(o_parts, lse, exp2: bool):
 # Public wrappers, validation
 
 
-def _check(q, k_pages, v_pages, lengths, page_table):
+def _check(q, k_pages, v_pages, lengths, page_table, layer=None):
   for name, x in (("q", q), ("k_pages", k_pages), ("v_pages", v_pages), ("lengths", lengths),
                   ("page_table", page_table)):
     if not hasattr(x, "shape") or not hasattr(x, "dtype"):
       raise ValueError(f"{name} must be an array, got {type(x).__name__}")
   if q.ndim != 4:
     raise ValueError(f"q must be [B, Tq, Hq, D], got {q.shape=}")
-  if k_pages.ndim != 4:
-    raise ValueError(f"k_pages must be [Hkv, num_pages, page_size, D], got {k_pages.shape=}")
+  if layer is None and k_pages.ndim != 4:
+    raise ValueError(f"k_pages must be [Hkv, num_pages, page_size, D] (or the whole "
+                     f"[layers, Hkv, ...] stack with layer=), got {k_pages.shape=}")
+  if layer is not None:
+    if k_pages.ndim != 5:
+      raise ValueError(f"with layer=, k_pages must be [layers, Hkv, num_pages, page_size, D], "
+                       f"got {k_pages.shape=}")
+    if isinstance(layer, (int, np.integer)):
+      if not 0 <= layer < k_pages.shape[0]:
+        raise ValueError(f"{layer=} is out of range for {k_pages.shape[0]} layers")
+    elif not hasattr(layer, "dtype") or jnp.shape(layer) != () or not jnp.issubdtype(
+        layer.dtype, jnp.integer):
+      raise ValueError(f"layer must be an int or an integer scalar array, got {layer!r}")
   if v_pages.shape != k_pages.shape:
     raise ValueError(f"{v_pages.shape=} must equal {k_pages.shape=}")
   b, tq, hq, d = q.shape
-  hkv, _, page, dk = k_pages.shape
+  hkv, _, page, dk = k_pages.shape[-4:]
   if dk != d:
     raise ValueError(f"head dims differ: {q.shape=} vs {k_pages.shape=}")
   if hkv == 0 or hq % hkv:
@@ -558,20 +582,28 @@ def _scale(sm_scale, d) -> float:
   return float(d ** -0.5 if sm_scale is None else sm_scale)
 
 
+def _layer(pages, layer):
+  """The pages of one layer: a [L, Hkv, ...] stack indexed, or ``pages`` as given."""
+  if layer is None:
+    return pages
+  return lax.dynamic_index_in_dim(pages, jnp.asarray(layer, jnp.int32), 0, keepdims=False)
+
+
 def attention_decode_mosaic(q, k_pages, v_pages, lengths, page_table, *, sm_scale=None,
-                            config: Config | None = None):
-  _check(q, k_pages, v_pages, lengths, page_table)
-  why = _mosaic_supports(q, k_pages, v_pages, lengths, page_table)
+                            layer=None, config: Config | None = None):
+  _check(q, k_pages, v_pages, lengths, page_table, layer)
+  why = _mosaic_supports(q, k_pages, v_pages, lengths, page_table, layer=layer)
   if why:
     raise ValueError(f"attention_decode mosaic: {why}")
-  return _attention_decode_mosaic(q, k_pages, v_pages, lengths, page_table,
-                                  _scale(sm_scale, q.shape[-1]), config)
+  return _attention_decode_mosaic(q, k_pages, v_pages, lengths, page_table, layer,
+                                  sm_scale=_scale(sm_scale, q.shape[-1]), config=config)
 
 
-def _mosaic_supports(q, k_pages, v_pages, lengths, page_table, **kwargs) -> str | None:
+def _mosaic_supports(q, k_pages, v_pages, lengths, page_table, *, layer=None,
+                     **kwargs) -> str | None:
   del kwargs
   try:
-    _check(q, k_pages, v_pages, lengths, page_table)
+    _check(q, k_pages, v_pages, lengths, page_table, layer)
   except ValueError as e:
     return str(e)
   t = target_lib.current()
@@ -583,7 +615,7 @@ def _mosaic_supports(q, k_pages, v_pages, lengths, page_table, **kwargs) -> str 
   d = q.shape[-1]
   if d % 64 or d > 256:
     return f"head dim must be a multiple of 64 and <= 256, got {d}"
-  page = k_pages.shape[2]
+  page = k_pages.shape[-2]
   if page % 8 or page > 256:
     return f"page size must be a multiple of 8 and <= 256, got {page}"
   return None
@@ -700,25 +732,30 @@ def _attention_decode_triton(q, k_pages, v_pages, lengths, page_table, sm_scale:
 
 
 def attention_decode_triton(q, k_pages, v_pages, lengths, page_table, *, sm_scale=None,
-                            splits: int = 0, pages_per_block: int = 0):
-  _check(q, k_pages, v_pages, lengths, page_table)
-  why = _triton_supports(q, k_pages, v_pages, lengths, page_table)
+                            layer=None, splits: int = 0, pages_per_block: int = 0):
+  """Pallas Triton paged attention. With ``layer=``, the layer's pages are
+  sliced out of the stack first (a copy: Triton block specs cannot take a
+  run-time layer index)."""
+  _check(q, k_pages, v_pages, lengths, page_table, layer)
+  why = _triton_supports(q, k_pages, v_pages, lengths, page_table, layer=layer)
   if why:
     raise ValueError(f"attention_decode triton: {why}")
-  return _attention_decode_triton(q, k_pages, v_pages, lengths, page_table,
-                                  _scale(sm_scale, q.shape[-1]), splits, pages_per_block)
+  return _attention_decode_triton(q, _layer(k_pages, layer), _layer(v_pages, layer), lengths,
+                                  page_table, _scale(sm_scale, q.shape[-1]), splits,
+                                  pages_per_block)
 
 
-def _triton_supports(q, k_pages, v_pages, lengths, page_table, **kwargs) -> str | None:
+def _triton_supports(q, k_pages, v_pages, lengths, page_table, *, layer=None,
+                     **kwargs) -> str | None:
   del kwargs
   try:
-    _check(q, k_pages, v_pages, lengths, page_table)
+    _check(q, k_pages, v_pages, lengths, page_table, layer)
   except ValueError as e:
     return str(e)
   t = target_lib.current()
   if t.kind == "cpu" and not dsl.interpreting():
     return "Pallas Triton needs a CUDA GPU"
-  d, page = q.shape[-1], k_pages.shape[2]
+  d, page = q.shape[-1], k_pages.shape[-2]
   if d < 16 or d & (d - 1):
     return f"head dim must be a power of two >= 16, got {d}"
   if page < 16 or page & (page - 1):
@@ -771,16 +808,19 @@ def _attention_decode_xla(q, k_pages, v_pages, lengths, page_table, sm_scale: fl
   return _attend(q, k, v, lengths, sm_scale, q.dtype).astype(q.dtype)
 
 
-def attention_decode_xla(q, k_pages, v_pages, lengths, page_table, *, sm_scale=None):
-  _check(q, k_pages, v_pages, lengths, page_table)
-  return _attention_decode_xla(q, k_pages, v_pages, lengths, page_table,
-                               _scale(sm_scale, q.shape[-1]))
+def attention_decode_xla(q, k_pages, v_pages, lengths, page_table, *, sm_scale=None,
+                         layer=None):
+  _check(q, k_pages, v_pages, lengths, page_table, layer)
+  return _attention_decode_xla(q, _layer(k_pages, layer), _layer(v_pages, layer), lengths,
+                               page_table, _scale(sm_scale, q.shape[-1]))
 
 
-def attention_decode_reference(q, k_pages, v_pages, lengths, page_table, *, sm_scale=None):
+def attention_decode_reference(q, k_pages, v_pages, lengths, page_table, *, sm_scale=None,
+                               layer=None):
   """The meaning of the op, in float32 (the result stays float32)."""
-  _check(q, k_pages, v_pages, lengths, page_table)
+  _check(q, k_pages, v_pages, lengths, page_table, layer)
   f32 = lambda x: jnp.asarray(x, jnp.float32)
+  k_pages, v_pages = _layer(k_pages, layer), _layer(v_pages, layer)
   cap = page_table.shape[1] * k_pages.shape[2]
   lengths = jnp.minimum(jnp.asarray(lengths), cap)
   k = _gather(f32(k_pages), page_table)
@@ -819,22 +859,29 @@ op.register("mosaic", attention_decode_mosaic, supports=_mosaic_supports,
             doc="Mosaic GPU: GQA-packed wgmma rows, TMA page ring, split-K")
 op.register("triton", attention_decode_triton, supports=_triton_supports,
             doc="Pallas Triton paged kernel with split-K")
-op.register("xla", attention_decode_xla, supports=lambda *a, **k: _try_check(*a),
+op.register("xla", attention_decode_xla, supports=lambda *a, **k: _try_check(*a, **k),
             doc="gather pages + softmax in jnp")
-op.register("reference", attention_decode_reference, supports=lambda *a, **k: _try_check(*a),
-            doc="float32 jnp; output stays float32")
+op.register("reference", attention_decode_reference,
+            supports=lambda *a, **k: _try_check(*a, **k), doc="float32 jnp; output stays float32")
 op.set_defaults(hopper=("mosaic", "triton", "xla"), blackwell=("triton", "xla"),
                 cuda=("triton", "xla"), default=("xla",))
 
 
-def _try_check(*args) -> str | None:
+def _try_check(*args, layer=None, **kwargs) -> str | None:
+  del kwargs
   try:
-    _check(*args[:5])
+    _check(*args[:5], layer=layer)
   except (ValueError, TypeError) as e:
     return str(e)
   return None
 
 
-def attention_decode(q, k_pages, v_pages, lengths, page_table, *, sm_scale=None,
+def attention_decode(q, k_pages, v_pages, lengths, page_table, *, sm_scale=None, layer=None,
                      backend: str | None = None):
-  return op(q, k_pages, v_pages, lengths, page_table, sm_scale=sm_scale, backend=backend)
+  """See the module docstring. ``layer``: when given, k_pages/v_pages are the
+  whole cache stack [layers, Hkv, pages, page_size, D] and this layer's pages
+  are attended (the Mosaic kernel reads them in place, no slice copy)."""
+  if layer is None:
+    return op(q, k_pages, v_pages, lengths, page_table, sm_scale=sm_scale, backend=backend)
+  return op(q, k_pages, v_pages, lengths, page_table, sm_scale=sm_scale, layer=layer,
+            backend=backend)

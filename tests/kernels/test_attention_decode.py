@@ -141,6 +141,21 @@ def test_triton_splits():
   testing.assert_close(out, ad.attention_decode_reference(*args), jnp.bfloat16)
 
 
+@pytest.mark.parametrize("backend", ["xla", "triton", "mosaic"])
+def test_layer_of_a_cache_stack(backend):
+  # layer= reads one layer of a [layers, Hkv, pages, page, D] stack; the
+  # layer index may be traced (a model looping over layers under jit).
+  q, kp, vp, lengths, table = _case(2, 2, 8, 2, 64, 16, lengths=[1, 40])
+  other_k, other_v = testing.random_inputs([kp.shape, kp.shape], kp.dtype)
+  k_stack, v_stack = jnp.stack([other_k, kp, other_k]), jnp.stack([other_v, vp, other_v])
+  want = ad.attention_decode_reference(q, kp, vp, lengths, table)
+  f = jax.jit(lambda lyr, *a: ad.attention_decode(*a, layer=lyr, backend=backend))
+  out = f(jnp.int32(1), q, k_stack, v_stack, lengths, table)
+  testing.assert_close(out, want, jnp.bfloat16)
+  ref = ad.attention_decode_reference(q, k_stack, v_stack, lengths, table, layer=1)
+  testing.assert_close(ref, want, tol=1e-6)
+
+
 def test_contiguous_to_paged_round_trip():
   b, s, hkv, d = 2, 40, 2, 16
   k, v, q = testing.random_inputs([(b, s, hkv, d), (b, s, hkv, d), (b, 1, 4, d)], jnp.float32)
@@ -168,14 +183,16 @@ def test_default_backend_on_cpu_is_xla():
     (dict(q=jnp.ones((1, 1, 4, 32), jnp.bfloat16)), "head dims differ"),
     (dict(page_table=jnp.zeros((2, 3), jnp.int32)), "page_table must be int32"),
     (dict(v_pages=jnp.ones((2, 5, 16, 64), jnp.float16)), "share a dtype"),
+    (dict(layer=0), "with layer=, k_pages must be"),
 ])
 def test_bad_inputs_are_rejected(bad, match):
   q, kp, vp, lengths, table = _case(1, 1, 4, 2, 64, 16, lengths=[5])
   args = dict(q=q, k_pages=kp, v_pages=vp, lengths=lengths, page_table=table)
   args.update(bad)
+  layer = args.pop("layer", None)
   for backend in ("xla", "reference"):
     with pytest.raises(ValueError, match=match):
-      ad.attention_decode(*args.values(), backend=backend)
+      ad.attention_decode(*args.values(), layer=layer, backend=backend)
 
 
 def test_mosaic_says_why_not():
@@ -186,6 +203,9 @@ def test_mosaic_says_why_not():
     ad.Config(pages_per_step=3)
   with pytest.raises(ValueError, match="blocks_per_sm"):
     ad.Config(blocks_per_sm=5)
+  stack = jnp.stack([kp, kp])
+  with pytest.raises(ValueError, match="layer=3 is out of range"):
+    ad.attention_decode(q, stack, stack, lengths, table, layer=3, backend="xla")
   args = _case(1, 1, 4, 2, 64, 8, lengths=[5])
   with pytest.raises(ValueError, match="multiple of 16 tokens"):
     ad.attention_decode_mosaic(*args, config=ad.Config(pages_per_step=1))
