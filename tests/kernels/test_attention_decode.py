@@ -225,3 +225,14 @@ def test_gpu_speculative_edges():
   for backend in ("mosaic", "triton"):
     out = ad.attention_decode(*args, backend=backend)
     testing.assert_close(out, ad.attention_decode_reference(*args), jnp.bfloat16)
+
+
+@pytest.mark.gpu
+def test_gpu_layer_stack_and_persistent():
+  q, kp, vp, lengths, table = _case(6, 2, 32, 8, 128, 64, lengths=[0, 1, 65, 700, 64, 2000])
+  k_stack, v_stack = jnp.stack([vp, kp]), jnp.stack([kp, vp])
+  want = ad.attention_decode_reference(q, kp, vp, lengths, table)
+  for cfg in (None, ad.Config(pages_per_step=1, stages=2, blocks_per_sm=2),
+              ad.Config(pages_per_step=2, stages=2, splits=3, blocks_per_sm=1)):
+    out = ad.attention_decode_mosaic(q, k_stack, v_stack, lengths, table, layer=1, config=cfg)
+    testing.assert_close(out, want, jnp.bfloat16, what=f"mosaic {cfg}")
