@@ -148,6 +148,11 @@ class BatchingEngine(api.Engine):
     self._counts = jnp.zeros((config.max_batch, v), jnp.int32)
     self._prompt_mask = jnp.zeros((config.max_batch, v), bool)
     self._free_slots = list(range(config.max_batch - 1, -1, -1))
+    # Per batch slot, kept up to date as pages and requests come and go, so that
+    # building a step's inputs is a gather rather than a loop over requests.
+    self._slot_table = np.zeros((config.max_batch, self.max_pages), np.int32)
+    self._slot_f = np.zeros((config.max_batch, 6), np.float32)
+    self._slot_i = np.zeros((config.max_batch, 5), np.int64)
     self._lock = threading.Lock()
     self._wake = threading.Condition(self._lock)
     self._inbox: list[_Seq] = []
@@ -378,6 +383,7 @@ class BatchingEngine(api.Engine):
     pages = self.alloc.allocate(need)
     if pages is None:
       return False
+    self._slot_table[seq.slot, len(seq.pages):len(seq.pages) + need] = pages
     seq.pages.extend(pages)
     return True
 
@@ -410,6 +416,10 @@ class BatchingEngine(api.Engine):
       seq.cached_tokens = seq.computed
     seq.state = _State.PREFILL
     seq.slot = self._free_slots.pop()
+    self._slot_table[seq.slot] = 0
+    self._slot_table[seq.slot, :len(seq.pages)] = seq.pages
+    self._slot_f[seq.slot], self._slot_i[seq.slot] = sampling.param_rows(
+        seq.params, seq.seed, seq.slot)
     if seq.scheduled_at is None:
       seq.scheduled_at = time.monotonic()
     if seq.params.penalized:
@@ -444,10 +454,12 @@ class BatchingEngine(api.Engine):
     return out
 
   def _sampling_call(self, seqs: list[_Seq | None], logits, batch: int):
-    live = [s for s in seqs if s is not None]
-    arrays = sampling.pack(
-        [s.params if s else None for s in seqs], [s.seed if s else 0 for s in seqs],
-        [len(s.generated) if s else 0 for s in seqs], [s.slot if s else -1 for s in seqs], batch)
+    rows = [r for r, s in enumerate(seqs) if s is not None]
+    live = [seqs[r] for r in rows]
+    slots = np.fromiter((s.slot for s in live), np.int32, len(live))
+    steps = np.fromiter((len(s.generated) for s in live), np.int64, len(live))
+    arrays = sampling.gather(self._slot_f[slots], self._slot_i[slots], np.asarray(rows, np.int32),
+                             steps, batch)
     want_lp = any(s.params.logprobs or s.params.top_logprobs for s in live)
     if all(s.params.greedy and not s.params.penalized for s in live):
       out = sampling.greedy(logits, arrays, self._counts, logprobs=want_lp)
@@ -467,7 +479,7 @@ class BatchingEngine(api.Engine):
     for i, (seq, n) in enumerate(chunks):
       tokens[i, :n] = seq.tokens[seq.computed:seq.computed + n]
       positions[i], lengths[i] = seq.computed, n
-      table[i, :len(seq.pages)] = seq.pages
+      table[i] = self._slot_table[seq.slot]
       seq.computed += n
       self._register_blocks(seq)
       if seq.computed == len(seq.tokens):
@@ -486,17 +498,17 @@ class BatchingEngine(api.Engine):
     seq.registered = max(seq.registered, full * self.page_size)
 
   def _run_decode(self, seqs: list[_Seq]):
-    b = _bucket(len(seqs), self.batch_buckets)
+    n, b = len(seqs), _bucket(len(seqs), self.batch_buckets)
     tokens = np.zeros((b,), np.int32)
     lengths = np.zeros((b,), np.int32)
     table = np.zeros((b, self.max_pages), np.int32)
-    for i, seq in enumerate(seqs):
-      tokens[i] = seq.generated[-1]
-      lengths[i] = seq.computed + 1
-      table[i, :len(seq.pages)] = seq.pages
+    tokens[:n] = np.fromiter((s.generated[-1] for s in seqs), np.int32, n)
+    lengths[:n] = np.fromiter((s.computed + 1 for s in seqs), np.int32, n)
+    table[:n] = self._slot_table[np.fromiter((s.slot for s in seqs), np.int32, n)]
+    for seq in seqs:
       seq.computed += 1
     logits = self.runner.decode(tokens, lengths, table)
-    rows: list[_Seq | None] = list(seqs) + [None] * (b - len(seqs))
+    rows: list[_Seq | None] = list(seqs) + [None] * (b - n)
     out, want_lp = self._sampling_call(rows, logits, b)
     return rows, out, want_lp
 

@@ -48,6 +48,27 @@ class SamplingArrays:
 _PAD_F = (0.0, 1.0, 0.0, 1.0, 0.0, 0.0)
 
 
+def param_rows(p: SamplingParams, seed: int, slot: int) -> tuple[np.ndarray, np.ndarray]:
+  """One request's rows of ``SamplingArrays.f`` and ``.i`` (its step column 0)."""
+  f = np.asarray((p.temperature, p.top_p, p.min_p, p.repetition_penalty, p.presence_penalty,
+                  p.frequency_penalty), np.float32)
+  i = np.asarray((p.top_k, seed >> 32, seed & 0xFFFFFFFF, 0, slot), np.int64)
+  return f, i
+
+
+def gather(f_rows: np.ndarray, i_rows: np.ndarray, rows: np.ndarray, steps: np.ndarray,
+           batch: int) -> SamplingArrays:
+  """Arrays for ``batch`` rows: row ``rows[j]`` takes ``f_rows[j]``, ``i_rows[j]``;
+  the others are padding."""
+  f = np.tile(np.asarray(_PAD_F, np.float32), (batch, 1))
+  i = np.zeros((batch, 5), np.int64)
+  i[:, 4] = -1
+  f[rows] = f_rows
+  i[rows] = i_rows
+  i[rows, 3] = steps
+  return SamplingArrays(f=f, i=i.astype(np.uint32).view(np.int32))
+
+
 def pack(params: list[SamplingParams | None], seeds: list[int], steps: list[int],
          slots: list[int], batch: int) -> SamplingArrays:
   """Host-side arrays for ``batch`` rows (rows past ``len(params)`` are padding)."""
