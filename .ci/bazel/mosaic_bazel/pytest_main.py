@@ -1,26 +1,16 @@
-"""Runs one pytest module inside Bazel's runfiles tree (see pytest.bzl).
+"""Runs one pytest module inside Bazel's runfiles tree (see defs.bzl).
 
 argv[1:] are pytest arguments, the first being the test file relative to the
 workspace root in runfiles (the current directory when Bazel runs a test).
 Settings come from the project's pyproject.toml (exposed by @mosaic_venv), so
 markers, --strict-markers and warning filters match the plain pytest run.
-
-The project must be imported from runfiles only: .venv holds an editable
-install whose import hook would otherwise supply any module a BUILD file
-forgot to list, and the test would pass under Bazel for the wrong reason.
+The project is imported from runfiles only (runfiles_only.py).
 """
 
 import os
 import sys
 
-
-def _drop_editable_install():
-  def editable(obj):
-    return getattr(obj, "__module__", "").startswith("__editable__")
-
-  sys.meta_path[:] = [f for f in sys.meta_path if not editable(f)]
-  sys.path_hooks[:] = [h for h in sys.path_hooks if not editable(h)]
-  sys.path_importer_cache.clear()
+import runfiles_only
 
 
 def main() -> int:
@@ -28,7 +18,7 @@ def main() -> int:
   if not srcdir:
     print("pytest_main.py runs under `bazel test` (TEST_SRCDIR is not set)", file=sys.stderr)
     return 2
-  _drop_editable_install()
+  runfiles_only.drop_editable_install()
   root = os.getcwd()
   config = os.path.join(srcdir, "mosaic_venv", "pyproject.toml")
   tmp = os.environ.get("TEST_TMPDIR", root)
