@@ -349,7 +349,9 @@ class Llama(nnx.Module):
         vc = vc.at[layer, :, page, slot].set(v.astype(vc.dtype))
       if cfg.sliding_window is None:
         with jax.named_scope("attention"):
-          o = ops()["attention_decode"](q, kc[layer], vc[layer], lengths, page_table)
+          # layer=: the kernel reads this layer's pages from the stack in place
+          # (slicing kc[layer] would copy the layer's whole cache every step).
+          o = ops()["attention_decode"](q, kc, vc, lengths, page_table, layer=layer)
       else:
         kg, vg = _gather_pages(kc, vc, layer, page_table)
         o = ops()["attention_prefill"](
