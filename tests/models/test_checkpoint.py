@@ -201,3 +201,56 @@ def test_cli(capsys, tmp_path):
   with pytest.raises(SystemExit):
     generate.main(["--model", "tiny", "--prompt", "x", "--matmul", "bogus"])
   assert "unknown matmul backend 'bogus'" in capsys.readouterr().err
+
+
+def test_hf_folder_with_sentencepiece(tmp_path):
+  """An HF folder written here (bf16 safetensors, tokenizer.model): the
+  sentencepiece path and the bf16 reader."""
+  import ml_dtypes
+  import sentencepiece as spm
+  from safetensors.numpy import save_file
+
+  cfg = models.config.get("tiny")
+  params = model_lib.random_params(cfg, seed=int(np.random.default_rng().integers(1 << 30)))
+  bf = lambda a: np.asarray(a, np.float32).astype(ml_dtypes.bfloat16)
+  t = {"model.embed_tokens.weight": bf(params["embed"]), "model.norm.weight": bf(params["final_norm"]["w"]),
+       "lm_head.weight": bf(np.asarray(params["lm_head"]["w"]).T)}
+  L = params["layers"]
+  for i in range(cfg.num_layers):
+    p = f"model.layers.{i}."
+    t[p + "input_layernorm.weight"] = bf(L["attn_norm"]["w"][i])
+    t[p + "post_attention_layernorm.weight"] = bf(L["mlp_norm"]["w"][i])
+    for ours, theirs in (("wq", "q_proj"), ("wk", "k_proj"), ("wv", "v_proj"), ("wo", "o_proj")):
+      t[p + f"self_attn.{theirs}.weight"] = bf(np.asarray(L["attn"][ours]["w"][i]).T)
+    for ours, theirs in (("w_gate", "gate_proj"), ("w_up", "up_proj"), ("w_down", "down_proj")):
+      t[p + f"mlp.{theirs}.weight"] = bf(np.asarray(L["mlp"][ours]["w"][i]).T)
+  d = tmp_path / "hf"
+  d.mkdir()
+  save_file({k: np.ascontiguousarray(v) for k, v in t.items()}, str(d / "model.safetensors"))
+  (d / "config.json").write_text(json.dumps({
+      "architectures": ["LlamaForCausalLM"], "vocab_size": cfg.vocab_size,
+      "hidden_size": cfg.hidden_size, "num_hidden_layers": cfg.num_layers,
+      "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads,
+      "head_dim": cfg.head_dim, "intermediate_size": cfg.intermediate_size,
+      "rope_theta": cfg.rope_theta, "rms_norm_eps": cfg.rms_norm_eps,
+      "tie_word_embeddings": False, "max_position_embeddings": cfg.max_position_embeddings}))
+  text = tmp_path / "corpus.txt"
+  text.write_text("\n".join(f"the {w} sat on the mat number {i}" for i, w in
+                            enumerate(["cat", "dog", "bird", "fox", "cow"] * 20)))
+  spm.SentencePieceTrainer.train(input=str(text), model_prefix=str(d / "tokenizer"),
+                                 vocab_size=40, model_type="bpe", bos_id=1, eos_id=2,
+                                 unk_id=0, pad_id=-1)
+  m = models.load(d, dtype="bfloat16")
+  assert isinstance(m.tokenizer, tok_lib.SentencePieceTokenizer)
+  assert m.tokenizer.bos_id == 1 and m.tokenizer.eos_ids == (2,) and m.tokenizer.add_bos
+  ids = m.tokenizer.encode("the cat sat")
+  assert m.tokenizer.decode(ids) == "the cat sat"
+  ref = models.Model(cfg, jax_tree_bf16(params), tok_lib.ByteTokenizer(), dtype="bfloat16")
+  toks = _ids(m)
+  testing.assert_close(_logits(m, toks), _logits(ref, toks), dtype=jnp.bfloat16)
+
+
+def jax_tree_bf16(params):
+  import jax
+
+  return jax.tree.map(lambda a: jnp.asarray(a, jnp.bfloat16), params)
