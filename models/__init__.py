@@ -47,6 +47,16 @@ API used by serving::
 
   Both pad B, T and max_pages up to buckets (models.llama.BATCH_BUCKETS, ...)
   so that steady-state serving does not recompile, and slice the result back.
+  A prefill whose positions are all 0 runs the "fresh" variant (static): each
+  row attends within its own chunk, no page gather, and cuDNN can run it; a
+  chunk on top of a cached prefix gathers the row's pages and masks by
+  position/segment (backends: xla, reference, mosaic, triton). Decode reads
+  each layer's pages in place (attention_decode(..., layer=)); sliding-window
+  models decode through the masked attention_prefill instead.
+  Lower level: models.llama.prefill_step / decode_step (jitted; graphdef and
+  backends static, cache donated).
+  Tensor parallelism: models.load(spec, tp=N) shards weights (Megatron layout)
+  and the cache (kv heads) over a 'tp' mesh; XLA's partitioner does the rest.
   Backends: model.prefill(..., attention="cudnn", matmul="xla") or the
   registry's ``use(...)`` context / MOSAIC_BACKEND_<OP> env vars; the names are
   static arguments of the jitted functions.
