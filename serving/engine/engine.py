@@ -10,9 +10,13 @@ Each iteration (``step``):
    requests already part-way through their prompt, then new ones admitted in
    arrival order while their whole prompt fits in free pages and a batch slot
    is free; page-aligned prompt blocks seen before come from the prefix cache;
-4. runs the prefill chunk batch and the decode batch (shapes padded to the
-   configured buckets, all compiled by ``warmup`` at start), samples on the
-   device, and hands each request its tokens, text and final event.
+4. dispatches the prefill chunk batch and the decode batch (shapes padded to
+   the configured buckets, all compiled by ``warmup`` at start) and samples
+   on the device; the decode inputs are the last token of each batch slot,
+   kept on the device, so this step is queued before the host has read the
+   previous step's tokens;
+5. then reads the previous step's tokens and hands each request its tokens,
+   text and final event while the device runs this step.
 """
 
 from __future__ import annotations
@@ -112,6 +116,7 @@ class _Seq:
     self.first_token_at: float | None = None
     self.hashes: list[bytes] | None = None
     self.final_sent = False
+    self.pending = 0  # sampled tokens not read back yet
 
   @property
   def tokens(self) -> list[int]:
@@ -147,6 +152,7 @@ class BatchingEngine(api.Engine):
     v = runner.vocab_size
     self._counts = jnp.zeros((config.max_batch, v), jnp.int32)
     self._prompt_mask = jnp.zeros((config.max_batch, v), bool)
+    self._last_tok = jnp.zeros((config.max_batch,), jnp.int32)
     self._free_slots = list(range(config.max_batch - 1, -1, -1))
     # Per batch slot, kept up to date as pages and requests come and go, so that
     # building a step's inputs is a gather rather than a loop over requests.
@@ -162,6 +168,7 @@ class BatchingEngine(api.Engine):
     self._by_id: dict[str, _Seq] = {}
     # (seq, token, logprobs, silent, finish reason): accepted last step, not yet sent.
     self._deferred: list = []
+    self._inflight: list = []  # the dispatched step whose tokens are not read yet
     self._order = 0
     self._draining = False
     self._stopping = False
@@ -170,9 +177,9 @@ class BatchingEngine(api.Engine):
     self.preemptions = 0
     self.error: BaseException | None = None
     # The last steps: (wall s, s blocked on the device's results, decode rows,
-    # host s spent while the device ran). Host time on the critical path is
-    # wall - blocked - overlapped.
-    self.step_times: collections.deque[tuple[float, float, int, float]] = collections.deque(
+    # pipelined: whether the device had this step queued while the host worked).
+    # Host time per step is wall - blocked.
+    self.step_times: collections.deque[tuple[float, float, int, bool]] = collections.deque(
         maxlen=4096)
     self.observer = None  # optional metrics sink: .on_step(...), .on_final(...)
 
@@ -287,7 +294,7 @@ class BatchingEngine(api.Engine):
       while True:
         with self._lock:
           while not (self._inbox or self._cancels or self._waiting or self._running
-                     or self._deferred or self._stopping):
+                     or self._deferred or self._inflight or self._stopping):
             self._wake.wait()
           if self._stopping and not (self._by_id or self._inbox or self._cancels):
             return
@@ -309,9 +316,12 @@ class BatchingEngine(api.Engine):
   def step(self) -> bool:
     """One iteration; False when there was nothing to do.
 
-    The device runs this step's batch while the host finishes the previous
-    step's tokens (detokenization, stop strings, events): only scheduling,
-    dispatch and the bookkeeping of the sampled ids are on the critical path.
+    Steps are pipelined: this step's batch is dispatched before the previous
+    step's tokens are read back (decode inputs come from the last token of
+    each slot, kept on the device), so the device always has the next step
+    queued while the host reads tokens, detokenizes, checks stops and sends
+    events. A request that ended on EOS or a stop string in the previous step
+    may have one more token computed here: it is dropped.
     """
     t0 = time.perf_counter()
     now = time.monotonic()
@@ -331,33 +341,34 @@ class BatchingEngine(api.Engine):
 
     decodes = self._schedule_decodes()
     prefills = self._schedule_prefills(self.config.budget - len(decodes))
-    results = []  # (seqs, device outputs, logprobs wanted)
+    launched = []  # (rows, device outputs, logprobs wanted)
     if prefills:
-      results.append(self._run_prefill(prefills))
+      launched.append(self._run_prefill(prefills))
     if decodes:
-      results.append(self._run_decode(decodes))
-    t_dispatched = time.perf_counter()
-    flushed = self._flush_deferred()
-    t_flushed = time.perf_counter()
-    if not results:
-      return flushed
+      launched.append(self._run_decode(decodes))
+    previous, self._inflight = self._inflight, launched
     t_wait = 0.0
-    for seqs, out, want_lp in results:
+    for seqs, out, want_lp in previous:
       tw = time.perf_counter()
       tokens = np.asarray(out[0])
       lp = [np.asarray(x) for x in out[1:4]] if want_lp else None
       t_wait += time.perf_counter() - tw
       for i, seq in enumerate(seqs):
-        if seq is not None and seq.state != _State.DONE:
+        if seq is None:
+          continue
+        seq.pending -= 1
+        if seq.state != _State.DONE:
           self._accept(seq, int(tokens[i]),
                        None if lp is None else (lp[0][i], lp[1][i], lp[2][i]))
-    self.steps += 1
+    flushed = self._flush_deferred()
+    if not launched and not previous:
+      return flushed
+    if launched:
+      self.steps += 1
     dt = time.perf_counter() - t0
-    overlapped = t_flushed - t_dispatched
-    self.step_times.append((dt, t_wait, len(decodes), overlapped))
+    self.step_times.append((dt, t_wait, len(decodes), bool(launched)))
     if self.observer is not None:
-      self.observer.on_step(self, dt, t_wait + overlapped, len(decodes),
-                            sum(n for _, n in prefills))
+      self.observer.on_step(self, dt, t_wait, len(decodes), sum(n for _, n in prefills))
     return True
 
   def _schedule_decodes(self) -> list[_Seq]:
@@ -366,6 +377,9 @@ class BatchingEngine(api.Engine):
                       key=lambda s: s.order):
       if seq.state != _State.DECODE:
         continue  # preempted below while making room for an earlier one
+      n = len(seq.generated) + seq.pending
+      if n >= seq.max_tokens or len(seq.prompt) + n >= self.capacity:
+        continue  # its last token is in flight: it ends when that is read
       while not self._reserve(seq, seq.computed + 1):
         victim = max((s for s in self._running if s.state != _State.WAITING),
                      key=lambda s: s.order)
@@ -445,7 +459,7 @@ class BatchingEngine(api.Engine):
     while (self._waiting and len(out) < self.config.prefill_rows and budget > 0
            and not self._stopping):
       seq = self._waiting[0]
-      if not self._admit(seq):
+      if seq.pending or not self._admit(seq):  # preempted with a token in flight: next step
         break
       self._waiting.popleft()
       n = min(len(seq.tokens) - seq.computed, budget, cap)
@@ -457,15 +471,17 @@ class BatchingEngine(api.Engine):
     rows = [r for r, s in enumerate(seqs) if s is not None]
     live = [seqs[r] for r in rows]
     slots = np.fromiter((s.slot for s in live), np.int32, len(live))
-    steps = np.fromiter((len(s.generated) for s in live), np.int64, len(live))
+    steps = np.fromiter((len(s.generated) + s.pending for s in live), np.int64, len(live))
     arrays = sampling.gather(self._slot_f[slots], self._slot_i[slots], np.asarray(rows, np.int32),
                              steps, batch)
     want_lp = any(s.params.logprobs or s.params.top_logprobs for s in live)
     if all(s.params.greedy and not s.params.penalized for s in live):
-      out = sampling.greedy(logits, arrays, self._counts, logprobs=want_lp)
+      out = sampling.greedy(logits, arrays, self._counts, self._last_tok, logprobs=want_lp)
     else:
-      out = sampling.sample(logits, arrays, self._counts, self._prompt_mask)
-    self._counts = out[4]
+      out = sampling.sample(logits, arrays, self._counts, self._prompt_mask, self._last_tok)
+    self._counts, self._last_tok = out[4], out[5]
+    for seq in live:
+      seq.pending += 1
     return out[:4], want_lp
 
   def _run_prefill(self, chunks: list[tuple[_Seq, int]]):
@@ -499,12 +515,14 @@ class BatchingEngine(api.Engine):
 
   def _run_decode(self, seqs: list[_Seq]):
     n, b = len(seqs), _bucket(len(seqs), self.batch_buckets)
-    tokens = np.zeros((b,), np.int32)
+    slots = np.full((b,), -1, np.int32)
+    slots[:n] = np.fromiter((s.slot for s in seqs), np.int32, n)
+    # The input tokens stay on the device: the last token sampled for each slot.
+    tokens = sampling.take(self._last_tok, slots)
     lengths = np.zeros((b,), np.int32)
     table = np.zeros((b, self.max_pages), np.int32)
-    tokens[:n] = np.fromiter((s.generated[-1] for s in seqs), np.int32, n)
     lengths[:n] = np.fromiter((s.computed + 1 for s in seqs), np.int32, n)
-    table[:n] = self._slot_table[np.fromiter((s.slot for s in seqs), np.int32, n)]
+    table[:n] = self._slot_table[slots[:n]]
     for seq in seqs:
       seq.computed += 1
     logits = self.runner.decode(tokens, lengths, table)
@@ -601,8 +619,8 @@ class BatchingEngine(api.Engine):
     v = self.runner.vocab_size
     table_w = self.max_pages
     for b in self.batch_buckets:
-      logits = self.runner.decode(np.zeros((b,), np.int32), np.zeros((b,), np.int32),
-                                  np.zeros((b, table_w), np.int32))
+      logits = self.runner.decode(sampling.take(self._last_tok, np.zeros((b,), np.int32)),
+                                  np.zeros((b,), np.int32), np.zeros((b, table_w), np.int32))
       self._warm_sampling(logits, b)
     for rows in self.row_buckets:
       for t in self.chunk_buckets:
@@ -623,8 +641,8 @@ class BatchingEngine(api.Engine):
   def _warm_sampling(self, logits, b):
     arrays = sampling.pack([], [], [], [], b)
     for lp in (False, True):
-      out = sampling.greedy(logits, arrays, self._counts, logprobs=lp)
-      self._counts = out[4]
-    out = sampling.sample(logits, arrays, self._counts, self._prompt_mask)
-    self._counts = out[4]
-    jax.block_until_ready(out[0])
+      out = sampling.greedy(logits, arrays, self._counts, self._last_tok, logprobs=lp)
+      self._counts, self._last_tok = out[4], out[5]
+    out = sampling.sample(logits, arrays, self._counts, self._prompt_mask, self._last_tok)
+    self._counts, self._last_tok = out[4], out[5]
+    jax.block_until_ready(sampling.take(self._last_tok, np.zeros((b,), np.int32)))

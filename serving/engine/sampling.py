@@ -7,7 +7,9 @@ with a key derived from (seed, number of tokens generated so far), so a seeded
 request samples the same tokens whatever else shares its batch. Rows with
 temperature 0 take the argmax. It returns the token, its logprob and the
 ``MAX_TOP_LOGPROBS`` best alternatives (from the penalized distribution at
-temperature 1), and the generated-token counts updated with the new tokens.
+temperature 1), the generated-token counts updated with the new tokens, and
+``last`` (the last token of each batch slot, kept on the device so the next
+decode step can start before the host has read this one's tokens).
 
 ``greedy`` is the fast path when no row of the step samples or penalizes:
 argmax (and logprobs if asked), no sort over the vocabulary.
@@ -90,10 +92,13 @@ def pack(params: list[SamplingParams | None], seeds: list[int], steps: list[int]
   return SamplingArrays(f=f, i=i.astype(np.uint32).view(np.int32))
 
 
-def _update_counts(counts, slot, tokens):
+def _update(counts, last, slot, tokens):
   # Padding rows (slot -1) land out of bounds and are dropped.
   rows = jnp.where(slot < 0, counts.shape[0], slot)
-  return counts.at[rows, tokens].add(1, mode="drop")
+  counts = counts.at[rows, tokens].add(1, mode="drop")
+  if last is not None:
+    last = last.at[rows].set(tokens, mode="drop")
+  return counts, last
 
 
 def _logprobs(logits, tokens):
@@ -103,13 +108,13 @@ def _logprobs(logits, tokens):
   return chosen, top_ids, top_lp
 
 
-@functools.partial(jax.jit, donate_argnames=("counts",), static_argnames=("logprobs",))
-def greedy(logits, s: SamplingArrays, counts, *, logprobs: bool = True):
+@functools.partial(jax.jit, donate_argnames=("counts", "last"), static_argnames=("logprobs",))
+def greedy(logits, s: SamplingArrays, counts, last=None, *, logprobs: bool = True):
   tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
   if not logprobs:  # nothing but the ids leaves the device
-    return tokens, None, None, None, _update_counts(counts, s.slot, tokens)
+    return (tokens, None, None, None) + _update(counts, last, s.slot, tokens)
   chosen, top_ids, top_lp = _logprobs(logits.astype(jnp.float32), tokens)
-  return tokens, chosen, top_ids, top_lp, _update_counts(counts, s.slot, tokens)
+  return (tokens, chosen, top_ids, top_lp) + _update(counts, last, s.slot, tokens)
 
 
 def _penalize(logits, s, counts, prompt_mask):
@@ -121,8 +126,8 @@ def _penalize(logits, s, counts, prompt_mask):
   return logits - s.presence[:, None] * (c > 0) - s.frequency[:, None] * c
 
 
-@functools.partial(jax.jit, donate_argnames=("counts",))
-def sample(logits, s: SamplingArrays, counts, prompt_mask):
+@functools.partial(jax.jit, donate_argnames=("counts", "last"))
+def sample(logits, s: SamplingArrays, counts, prompt_mask, last=None):
   logits = _penalize(logits.astype(jnp.float32), s, counts, prompt_mask)
   argmax = jnp.argmax(logits, axis=-1).astype(jnp.int32)
   vocab = logits.shape[-1]
@@ -146,7 +151,13 @@ def sample(logits, s: SamplingArrays, counts, prompt_mask):
   sampled = jnp.take_along_axis(order, pick[:, None], axis=-1)[:, 0].astype(jnp.int32)
   tokens = jnp.where(s.temperature > 0, sampled, argmax)
   chosen, top_ids, top_lp = _logprobs(logits, tokens)
-  return tokens, chosen, top_ids, top_lp, _update_counts(counts, s.slot, tokens)
+  return (tokens, chosen, top_ids, top_lp) + _update(counts, last, s.slot, tokens)
+
+
+@jax.jit
+def take(last, slots):
+  """The decode step's input tokens: the last token of each row's slot."""
+  return last[jnp.maximum(slots, 0)]
 
 
 @functools.partial(jax.jit, donate_argnames=("counts", "prompt_mask"))

@@ -92,7 +92,7 @@ def test_greedy_and_topk1_pick_the_argmax():
   mask = jnp.zeros((4, 50), bool)
   params = [api.SamplingParams(), api.SamplingParams(temperature=1.0, top_k=1, seed=3),
             api.SamplingParams(temperature=0.5, min_p=1.0, seed=4)]
-  tok, lp, top_ids, top_lp, counts = sampling.sample(logits, _arrays(params, 4), counts, mask)
+  tok, lp, top_ids, top_lp, counts, _ = sampling.sample(logits, _arrays(params, 4), counts, mask)
   np.testing.assert_array_equal(np.asarray(tok)[:3], logits[:3].argmax(-1))
   ref_lp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
   np.testing.assert_allclose(np.asarray(lp)[:3], ref_lp[np.arange(3), logits[:3].argmax(-1)],
@@ -160,3 +160,13 @@ def test_seeded_sampling_ignores_batch_neighbours():
 def test_sampling_params_refuse_bad_values(kw, match):
   with pytest.raises(api.InvalidRequest, match=match):
     api.SamplingParams(**kw)
+
+
+def test_last_token_per_slot_feeds_the_next_decode():
+  logits = np.full((4, 10), -1.0, np.float32)
+  logits[np.arange(4), [3, 7, 1, 9]] = 1.0
+  last = jnp.asarray([5, 5, 5, 5, 5, 5], jnp.int32)
+  arrays = sampling.pack([api.SamplingParams()] * 3, [0] * 3, [0] * 3, [4, 0, 2], 4)
+  out = sampling.greedy(logits, arrays, jnp.zeros((6, 10), jnp.int32), last, logprobs=False)
+  np.testing.assert_array_equal(np.asarray(out[5]), [7, 5, 1, 5, 3, 5])  # row 3 is padding
+  np.testing.assert_array_equal(np.asarray(sampling.take(out[5], np.array([4, 2, -1]))), [3, 1, 7])
