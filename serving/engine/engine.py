@@ -140,7 +140,7 @@ class BatchingEngine(api.Engine):
     if self.batch_buckets[-1] != config.max_batch:
       raise ValueError(f"the largest of {config.batch_buckets=} must be {config.max_batch=}")
     self.chunk_buckets = _pow2_buckets(config.min_chunk, config.prefill_chunk, 4)
-    self.row_buckets = _pow2_buckets(1, config.prefill_rows)
+    self.row_buckets = _pow2_buckets(1, config.prefill_rows, 4)
     eos = tuple(getattr(self.tok, "eos_ids", ()) or ())
     bos = getattr(self.tok, "bos_id", None)
     self.eos_ids = frozenset(eos)
