@@ -29,6 +29,7 @@ leading [num_layers] axis.
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import math
 from typing import NamedTuple
@@ -143,17 +144,35 @@ def _init(rngs, shape, dtype, fan_in):
   return (jax.random.normal(rngs.params(), shape, jnp.float32) * fan_in**-0.5).astype(dtype)
 
 
+# Set while tracing a step under tensor parallelism (shard_map over the 'tp'
+# mesh axis): the layers then see their local shard of heads / features.
+_TP_AXIS: contextvars.ContextVar[str | None] = contextvars.ContextVar("tp_axis", default=None)
+
+
 class Linear(nnx.Module):
-  """y = x @ w (+ b) (+ residual) through the ``matmul`` op; w is [in, out]."""
+  """y = x @ w (+ b) (+ residual) through the ``matmul`` op; w is [in, out].
+
+  Under tensor parallelism a ``row_parallel`` layer (wo, w_down: input
+  features split) yields partial sums: they are summed over 'tp' before the
+  residual is added; a column-parallel one (q/k/v, gate/up) needs nothing.
+  """
 
   def __init__(self, din: int, dout: int, *, bias: bool = False, dtype, rngs: nnx.Rngs):
     self.w = nnx.Param(_init(rngs, (din, dout), dtype, din))
     self.b = nnx.Param(_init(rngs, (dout,), dtype, 1.0) * 0.1) if bias else None
 
-  def __call__(self, x, *, residual=None, out_dtype=None):
+  def __call__(self, x, *, residual=None, out_dtype=None, row_parallel=False):
     lead = x.shape[:-1]
     a = x.reshape(-1, x.shape[-1])  # matmul is 2-D: [M = B*T, K]
     r = None if residual is None else residual.reshape(a.shape[0], -1)
+    axis = _TP_AXIS.get() if row_parallel else None
+    if axis is not None:
+      y = ops()["matmul"](a, self.w[...], out_dtype=jnp.float32)
+      y = jax.lax.psum(y, axis)
+      if r is not None:
+        y = y + r.astype(jnp.float32)
+      y = y.astype(out_dtype or x.dtype)
+      return y.reshape(*lead, y.shape[-1])
     y = ops()["matmul"](a, self.w[...], bias=None if self.b is None else self.b[...],
                         residual=r, out_dtype=out_dtype)
     # The float32 reference backends may hand back float32: keep the model dtype.
@@ -186,9 +205,10 @@ class Attention(nnx.Module):
     cfg = self.cfg
     b, t, _ = h.shape
     with jax.named_scope("qkv"):  # scopes name the ops in profiles (serving.profiler)
-      q = self.wq(h).reshape(b, t, cfg.num_heads, cfg.head_dim)
-      k = self.wk(h).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
-      v = self.wv(h).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+      # -1 heads: all of them, or this device's shard under tensor parallelism.
+      q = self.wq(h).reshape(b, t, -1, cfg.head_dim)
+      k = self.wk(h).reshape(b, t, -1, cfg.head_dim)
+      v = self.wv(h).reshape(b, t, -1, cfg.head_dim)
     with jax.named_scope("rope"):
       return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
 
@@ -209,7 +229,7 @@ class MLP(nnx.Module):
     with jax.named_scope("act"):
       act = (jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)).astype(h.dtype)
     with jax.named_scope("down"):
-      return self.w_down(act, residual=residual)
+      return self.w_down(act, residual=residual, row_parallel=True)
 
 
 class Block(nnx.Module):
@@ -246,7 +266,10 @@ class Llama(nnx.Module):
       h = self.final_norm(x)
     with jax.named_scope("lm_head"):
       if self.lm_head is not None:
-        return self.lm_head(h, out_dtype=jnp.float32)
+        y = self.lm_head(h, out_dtype=jnp.float32)
+        axis = _TP_AXIS.get()
+        # Column-parallel: each device has a slice of the vocabulary.
+        return y if axis is None else jax.lax.all_gather(y, axis, axis=y.ndim - 1, tiled=True)
       lead = h.shape[:-1]
       y = ops()["matmul"](h.reshape(-1, h.shape[-1]), self.embed[...].T, out_dtype=jnp.float32)
       return y.reshape(*lead, -1)
@@ -265,7 +288,7 @@ class Llama(nnx.Module):
         h = block.attn_norm(x)
       o, kc, vc = attend(block, h, kc, vc, layer)
       with jax.named_scope("o_proj"):
-        x = block.attn.wo(o, residual=x)
+        x = block.attn.wo(o, residual=x, row_parallel=True)
       with jax.named_scope("mlp_norm"):
         h = block.mlp_norm(x)
       x = block.mlp(h, residual=x)
@@ -406,22 +429,47 @@ def backends(**names: str | None) -> tuple[tuple[str, str], ...]:
   return tuple(out)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "backends", "all_logits", "fresh"),
+@functools.partial(jax.jit, static_argnames=("graphdef", "backends", "all_logits", "fresh", "mesh"),
                    donate_argnames=("cache",))
 def prefill_step(graphdef, params, cache, tokens, positions, lengths, page_table, *,
-                 backends=(), all_logits=False, fresh=False):
-  model = nnx.merge(graphdef, params)
-  with registry.use(**dict(backends)):
-    return model.prefill(cache, tokens, positions, lengths, page_table, all_logits=all_logits,
-                         fresh=fresh)
+                 backends=(), all_logits=False, fresh=False, mesh=None):
+  def step(params, cache, *rest):
+    model = nnx.merge(graphdef, params)
+    with registry.use(**dict(backends)):
+      return model.prefill(cache, *rest, all_logits=all_logits, fresh=fresh)
+
+  return _maybe_sharded(step, mesh, params, cache, tokens, positions, lengths, page_table)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "backends"),
+@functools.partial(jax.jit, static_argnames=("graphdef", "backends", "mesh"),
                    donate_argnames=("cache",))
-def decode_step(graphdef, params, cache, tokens, lengths, page_table, *, backends=()):
-  model = nnx.merge(graphdef, params)
-  with registry.use(**dict(backends)):
-    return model.decode(cache, tokens, lengths, page_table)
+def decode_step(graphdef, params, cache, tokens, lengths, page_table, *, backends=(), mesh=None):
+  def step(params, cache, *rest):
+    model = nnx.merge(graphdef, params)
+    with registry.use(**dict(backends)):
+      return model.decode(cache, *rest)
+
+  return _maybe_sharded(step, mesh, params, cache, tokens, lengths, page_table)
+
+
+def _maybe_sharded(step, mesh, params, cache, *rest):
+  """``step`` as is, or under shard_map over mesh axis 'tp': every op then runs
+  on local shards (so our kernels run per device, not behind a gather) with
+  the two all-reduces per layer of the Megatron layout."""
+  if mesh is None:
+    return step(params, cache, *rest)
+  specs = param_specs(params)
+  cache_spec = KVCache(P(None, "tp"), P(None, "tp"))
+
+  def local(params, cache, *rest):
+    token = _TP_AXIS.set("tp")
+    try:
+      return step(params, cache, *rest)
+    finally:
+      _TP_AXIS.reset(token)
+
+  return jax.shard_map(local, mesh=mesh, in_specs=(specs, cache_spec) + (P(),) * len(rest),
+                       out_specs=(P(), cache_spec), check_vma=False)(params, cache, *rest)
 
 
 # ---------------------------------------------------------------- tensor parallelism
@@ -449,16 +497,20 @@ def check_tp(cfg: ModelConfig, tp: int) -> None:
       raise ValueError(f"tensor parallelism {tp=} must divide {what}={n}")
 
 
-def shard_params(params, mesh):
-  """Places params on ``mesh`` (axis 'tp') with the layout of ``param_spec``."""
-  paths_leaves = jax.tree_util.tree_flatten_with_path(params)[0]
-  treedef = jax.tree.structure(params)
-  out = []
+def param_specs(params):
+  """The PartitionSpec of every leaf of ``params`` (same tree), by its path."""
+  paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
+  specs = []
   for path, leaf in paths_leaves:
     keys = tuple(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))) for k in path)
-    keys = tuple(k for k in keys if k != "value")
-    out.append(jax.device_put(leaf, NamedSharding(mesh, param_spec(keys, leaf.ndim))))
-  return jax.tree.unflatten(treedef, out)
+    specs.append(param_spec(tuple(k for k in keys if k != "value"), leaf.ndim))
+  return jax.tree.unflatten(treedef, specs)
+
+
+def shard_params(params, mesh):
+  """Places params on ``mesh`` (axis 'tp') with the layout of ``param_spec``."""
+  return jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(mesh, s)), params,
+                      param_specs(params))
 
 
 def cache_sharding(mesh) -> NamedSharding:

@@ -81,7 +81,7 @@ class Model:
         self.graphdef, self.params, cache, _pad(tokens, (bb, tb)), _pad(positions, (bb,)),
         _pad(lengths, (bb,)), _pad(page_table, (bb, pb)),
         backends=llama.backends(attention_prefill=attention, matmul=matmul, rms_norm=norm),
-        all_logits=all_logits, fresh=not np.any(positions))
+        all_logits=all_logits, fresh=not np.any(positions), mesh=self.mesh)
     return (logits[:b, :t] if all_logits else logits[:b]), cache
 
   def decode(self, cache, tokens, lengths, page_table, *, attention=None,
@@ -106,7 +106,7 @@ class Model:
         self.graphdef, self.params, cache, _pad(tokens, (bb, tq)), _pad(lengths, (bb,)),
         _pad(page_table, (bb, pb)),
         backends=llama.backends(attention_decode=attention, attention_prefill=prefill_attention,
-                                matmul=matmul, rms_norm=norm))
+                                matmul=matmul, rms_norm=norm), mesh=self.mesh)
     logits = logits[:b]
     return (logits[:, 0] if squeeze else logits), cache
 

@@ -38,6 +38,14 @@ def main():
     dec, cache = m.decode(cache, [[7, 8], [9, 10]], [11, 6], table)
     outs.append(np.concatenate([np.asarray(pre).reshape(-1), np.asarray(dec).reshape(-1)]))
   err = testing.assert_close(outs[1], outs[0], tol=1e-5, what="tp=2 vs tp=1")
+  # The step ran per shard (shard_map) with all-reduces, not as a replicated program.
+  from models import llama
+  import jax.numpy as jnp
+  hlo = llama.decode_step.lower(
+      two.graphdef, two.params, two.init_cache(9, 4), jnp.zeros((2, 1), jnp.int32),
+      jnp.full((2,), 5, jnp.int32), jnp.ones((2, 4), jnp.int32),
+      backends=llama.backends(), mesh=two.mesh).as_text()
+  assert "all_reduce" in hlo or "all-reduce" in hlo, "no all-reduce in the TP decode step"
   print("ok", err)
 
 
