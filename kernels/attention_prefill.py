@@ -6,7 +6,8 @@ segment ids are equal and non-zero (when given), kv_pos[j] <= q_pos[i] when
 causal, and q_pos[i] - kv_pos[j] < sliding_window when a window is set. By
 default the queries are the last Sq tokens of the kv sequence
 (q_pos = arange(Sq) + Skv - Sq): a cached prefix plus themselves. A query row
-that sees no key outputs 0 (and lse = -inf).
+that sees no key outputs 0. With return_lse the natural-log log-sum-exp of
+the scaled scores comes back too, float32 [B, Hq, Sq] (-inf for such rows).
 
 Every backend but cuDNN reduces the mask to four int32 vectors (q_pos, q_seg,
 kv_pos, kv_seg) plus, per query block, the range of kv blocks that can hold a
@@ -430,13 +431,18 @@ def _attention_mosaic(q, k, v, qp, qs, kp, ks, *, cfg: Config, causal: bool, sca
                            causal, window)
   nt = Sq_p // bq2
   per_tile = per_tile.reshape(B, nt, 2, 4)
-  lo_c = per_tile[..., 0].min(-1)
-  hi_c = per_tile[..., 1].max(-1)
   empty = per_tile[..., 0] == per_tile[..., 1]
-  # An empty consumer range sits at lo_c so the skip loops cover the CTA range.
-  per_tile = jnp.where(empty[..., None], lo_c[..., None, None], per_tile)
+  # The CTA's range is the union of its non-empty consumers' ranges.
+  lo_c = jnp.where(empty, jnp.iinfo(jnp.int32).max, per_tile[..., 0]).min(-1)
+  hi_c = jnp.where(empty, 0, per_tile[..., 1]).max(-1)
   lo_c = jnp.where(empty.all(-1), 0, lo_c)
   hi_c = jnp.where(empty.all(-1), 0, hi_c)
+  # An empty consumer range sits at lo_c so the skip loops cover the CTA range.
+  per_tile = jnp.where(empty[..., None], lo_c[..., None, None], per_tile)
+  # The kernel's loops run lo_c..lo..flo..fhi..hi..hi_c: keep that order whatever happens.
+  per_tile = jnp.clip(per_tile, lo_c[..., None, None], hi_c[..., None, None])
+  per_tile = jnp.concatenate([per_tile[..., :1], jnp.maximum(per_tile[..., 1:2], per_tile[..., :1]),
+                              jnp.clip(per_tile[..., 2:], per_tile[..., :1], per_tile[..., 1:2])], -1)
   cta = jnp.stack([lo_c, hi_c, lo_c, hi_c], -1)[:, :, None]
   meta = jnp.concatenate([per_tile, cta], axis=2).astype(jnp.int32)
   out_type = [jax.ShapeDtypeStruct((B, Sq_p, Hq, D), q.dtype)]

@@ -73,7 +73,10 @@ def test_reference_matches_naive_loop(causal, window, packed):
 def _case(name):
   """(shape kwargs, op kwargs, mosaic config) for the named case."""
   seg, pos = _packed([40, 100, 70, 30], 256)
-  seg2, pos2 = _packed([40, 50, 10], 256)  # rows 100.. are padding: a whole CTA is empty
+  # Rows 0..63 (the first consumer) and 114.. (the whole second CTA) are padding.
+  s2, p2 = _packed([30, 20], 192)
+  seg2 = jnp.concatenate([jnp.zeros((1, 64), jnp.int32), s2], 1)
+  pos2 = jnp.concatenate([jnp.zeros((1, 64), jnp.int32), p2], 1)
   cases = {
       "noncausal": (dict(B=1, Sq=128, Skv=128, Hq=2, Hkv=2, D=64), dict(causal=False), None),
       # block_kv=64: one consumer needs fewer kv blocks than the other (skip
