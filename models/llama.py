@@ -52,7 +52,10 @@ except Exception:  # the decode kernel module may not import on every install
 # see few distinct shapes. Beyond the last entry, the next power of two is used.
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
-PAGE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
+# At least 2 pages per row: with one, XLA:CPU fails to run the bf16 batched dot
+# of attention_decode's xla backend for B >= 2 ("Unsupported element type for
+# DotThunk::Execute: BF16 x BF16 = F32"); a second (scratch) page costs nothing.
+PAGE_BUCKETS = (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 
 OPS = ("rms_norm", "matmul", "attention_prefill", "attention_decode")
 
