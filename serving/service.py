@@ -99,15 +99,31 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
     return rid, key, handle
 
   def _events(self, handle: api.RequestHandle, context):
+    """The request's events; Deltas that queued up meanwhile are merged into one."""
     last = None
+    follow = None  # an event read while merging, handled next
     while True:
-      try:
-        ev = handle.events.get(timeout=_POLL_S)
-      except queue.Empty:
-        if not context.is_active():
-          return
-        continue
+      if follow is not None:
+        ev, follow = follow, None
+      else:
+        try:
+          ev = handle.events.get(timeout=_POLL_S)
+        except queue.Empty:
+          if not context.is_active():
+            return
+          continue
       if isinstance(ev, api.Delta):
+        # Fewer, larger messages when many streams compete for the interpreter.
+        while True:
+          try:
+            nxt = handle.events.get_nowait()
+          except queue.Empty:
+            break
+          if not isinstance(nxt, api.Delta):
+            follow = nxt
+            break
+          ev = api.Delta(ev.token_ids + nxt.token_ids, ev.text + nxt.text,
+                         ev.logprobs + nxt.logprobs)
         now = time.monotonic()
         if last is not None and ev.token_ids:
           self.metrics.itl.observe(now - last)

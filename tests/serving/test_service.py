@@ -160,9 +160,9 @@ def test_raw_garbage_bytes_get_a_status_not_a_crash(counting):
 def test_full_queue_is_resource_exhausted():
   engine = E.tiny_engine(max_batch=1, max_waiting=2, step_delay=0.02)
   with running(engine) as (server, c):
-    streams = [c.stream("a", max_tokens=1000, ignore_eos=True) for _ in range(3)]
-    first = [next(s) for s in streams[:1]]  # one running; the others wait
-    assert first[0].text == "b"
+    streams = [c.stream("a", max_tokens=1000, ignore_eos=True)]
+    assert next(streams[0]).text == "b"  # it runs; the next two wait
+    streams += [c.stream("a", max_tokens=1000, ignore_eos=True) for _ in range(2)]
     wait_for(lambda: engine.stats().waiting == 2, what="2 waiting")
     with pytest.raises(grpc.RpcError) as e:
       c.generate("a", max_tokens=2)
