@@ -254,9 +254,11 @@ def read_gguf(path, dtype=np.float32) -> tuple[ModelConfig, dict, tok_lib.Tokeni
     raise ValueError(f"{path}: unsupported architecture {arch!r}; supported: "
                      f"{', '.join(GGUF_ARCHITECTURES)}")
   tensors = {t.name: t for t in reader.tensors}
-  if "rope_freqs.weight" in tensors:
-    raise ValueError(f"{path}: per-frequency RoPE factors (rope_freqs.weight, Llama 3.1+ "
-                     "scaling) are not supported from GGUF; use the HF folder of this model")
+  factors = None
+  if "rope_freqs.weight" in tensors:  # Llama-3 scaling, precomputed per frequency
+    t = tensors["rope_freqs.weight"]
+    factors = tuple(float(x) for x in
+                    np.asarray(gguf.quants.dequantize(t.data, t.tensor_type)).reshape(-1))
 
   def meta(key, default=None, required=True):
     v = fields.get(f"{arch}.{key}", default)
@@ -287,6 +289,7 @@ def read_gguf(path, dtype=np.float32) -> tuple[ModelConfig, dict, tok_lib.Tokeni
       qkv_bias="blk.0.attn_q.bias" in tensors,
       sliding_window=meta("attention.sliding_window", None, required=False),
       max_position_embeddings=int(meta("context_length", 8192)),
+      rope_freq_factors=factors,
   )
   tokenizer = tok_lib.from_gguf_fields(fields, str(path))
   permuted = arch in ("llama", "mistral")

@@ -47,6 +47,9 @@ class ModelConfig:
   qkv_bias: bool = False  # Qwen2
   sliding_window: int | None = None  # Mistral: a query sees this many latest keys
   max_position_embeddings: int = 8192
+  # Per-frequency divisors of the RoPE inverse frequencies, as GGUF files store
+  # Llama-3 scaling (rope_freqs.weight); exclusive with rope_scaling.
+  rope_freq_factors: tuple[float, ...] | None = None
 
   def __post_init__(self):
     for f in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
@@ -62,6 +65,12 @@ class ModelConfig:
       raise ValueError(f"RoPE needs an even head_dim: {self.head_dim=}")
     if self.sliding_window is not None and self.sliding_window <= 0:
       raise ValueError(f"{self.sliding_window=} must be positive or None")
+    if self.rope_freq_factors is not None:
+      if self.rope_scaling is not None:
+        raise ValueError("give rope_scaling or rope_freq_factors, not both")
+      if len(self.rope_freq_factors) != self.head_dim // 2:
+        raise ValueError(f"rope_freq_factors needs head_dim/2 = {self.head_dim // 2} entries, "
+                         f"got {len(self.rope_freq_factors)}")
     if self.rope_theta <= 0 or self.rms_norm_eps <= 0:
       raise ValueError(f"{self.rope_theta=} and {self.rms_norm_eps=} must be positive")
 
@@ -77,6 +86,8 @@ class ModelConfig:
     d = dict(d)
     if d.get("rope_scaling") is not None:
       d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
+    if d.get("rope_freq_factors") is not None:
+      d["rope_freq_factors"] = tuple(d["rope_freq_factors"])
     return cls(**d)
 
   def replace(self, **kw) -> "ModelConfig":

@@ -114,6 +114,8 @@ def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
   """[hd/2] inverse frequencies, with Llama-3 scaling when configured."""
   hd = cfg.head_dim
   inv = 1.0 / (cfg.rope_theta ** (np.arange(0, hd, 2, dtype=np.float64) / hd))
+  if cfg.rope_freq_factors is not None:
+    return (inv / np.asarray(cfg.rope_freq_factors, np.float64)).astype(np.float32)
   s = cfg.rope_scaling
   if s is None:
     return inv.astype(np.float32)

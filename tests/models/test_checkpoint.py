@@ -55,7 +55,7 @@ def _permute(w, n_heads):
   return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _write_gguf(path, cfg, params):
+def _write_gguf(path, cfg, params, rope_factors=None):
   import gguf
 
   w = gguf.GGUFWriter(str(path), "llama")
@@ -82,6 +82,8 @@ def _write_gguf(path, cfg, params):
   L = params["layers"]
   f32 = lambda a: np.ascontiguousarray(np.asarray(a, np.float32))
   w.add_tensor("token_embd.weight", f32(params["embed"]))
+  if rope_factors is not None:
+    w.add_tensor("rope_freqs.weight", f32(rope_factors))
   w.add_tensor("output_norm.weight", f32(params["final_norm"]["w"]))
   w.add_tensor("output.weight", f32(np.asarray(params["lm_head"]["w"]).T))
   for i in range(cfg.num_layers):
@@ -100,12 +102,22 @@ def _write_gguf(path, cfg, params):
   w.close()
 
 
-def test_gguf_import_undoes_rope_permutation(tmp_path):
+@pytest.mark.parametrize("scaled", [False, True])
+def test_gguf_import_undoes_rope_permutation(tmp_path, scaled):
+  """With ``scaled``, Llama-3 RoPE scaling stored the llama.cpp way: as
+  per-frequency divisors (rope_freqs.weight)."""
+  from models import llama
+
   cfg = models.config.get("tiny")
+  factors = None
+  if scaled:
+    cfg = cfg.replace(rope_scaling=models.config.RopeScaling(8.0, 1.0, 4.0, 64))
+    factors = llama.rope_inv_freq(cfg.replace(rope_scaling=None)) / llama.rope_inv_freq(cfg)
+    assert factors.min() < 1.01 and factors.max() > 7.9  # every band is exercised
   params = model_lib.random_params(cfg, seed=int(np.random.default_rng().integers(1 << 30)))
-  _write_gguf(tmp_path / "t.gguf", cfg, params)
+  _write_gguf(tmp_path / "t.gguf", cfg, params, factors)
   g = models.load(tmp_path / "t.gguf", dtype="float32")
-  assert g.config.replace(name="tiny") == cfg
+  assert g.config.replace(name="tiny", rope_freq_factors=None) == cfg.replace(rope_scaling=None)
   m = models.Model(cfg, params, tok_lib.ByteTokenizer(), dtype="float32")
   ids = _ids(m)
   testing.assert_close(_logits(g, ids), _logits(m, ids), dtype=jnp.float32, what="gguf logits")
