@@ -8,16 +8,22 @@ Data flow of one step, top to bottom::
     h = rms_norm(x)
     q [B,T,Hq,hd], k/v [B,T,Hkv,hd] = h @ wq / wk / wv (+ bias for Qwen2); RoPE on q, k
     k/v are written into their pages: cache[layer, :, page, slot]
-    o = attention over the pages (prefill: gather the sequence's pages and call
-        attention_prefill with positions/segment ids; decode: attention_decode)
+    o = attention: a fresh prefill (no cached prefix) attends within its chunk
+        (plain causal attention_prefill); a chunk on top of a cached prefix
+        gathers the row's pages and masks by position/segment ids; decode calls
+        attention_decode on the layer's pages in place (sliding-window models
+        use the masked attention_prefill, which knows windows)
     x = o @ wo + x
     x = (silu(rms_norm(x) @ w_gate) * (rms_norm(x) @ w_up)) @ w_down + x
   logits = rms_norm(x) @ lm_head   (lm_head = embed.T when tied), float32
 
 RMSNorm, every matmul and the attention go through the ``mosaic.registry`` ops
 (``rms_norm``, ``matmul``, ``attention_prefill``, ``attention_decode``), so the
-backend of each is a name chosen by the caller. ``prefill`` and ``decode`` are
-jitted with the backend names as static arguments and the cache donated.
+backend of each is a name chosen by the caller. ``prefill_step`` and
+``decode_step`` are jitted with the backend names as static arguments and the
+cache donated. With a mesh they run under shard_map over axis 'tp' (Megatron
+layout: heads and FFN features split, one all-reduce after wo and one after
+w_down, the vocabulary all-gathered), so every kernel sees local shapes.
 
 The KV cache: ``KVCache(k, v)``, each ``[num_layers, Hkv, num_pages, page_size,
 hd]``; token t of a sequence lives in page ``page_table[t // page_size]``, slot
