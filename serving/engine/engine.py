@@ -71,6 +71,9 @@ class EngineConfig:
   prefix_caching: bool = True
   warmup: bool = True
   batch_buckets: tuple[int, ...] | None = None  # default: powers of 2 up to max_batch
+  # Warm-up also compiles prefill of continued chunks (a prefix in the cache);
+  # without them the first continued chunk or prefix-cache hit compiles then.
+  warmup_continued: bool = True
 
   def __post_init__(self):
     for f in ("max_batch", "max_waiting", "prefill_chunk", "min_chunk", "prefill_rows",
@@ -626,7 +629,7 @@ class BatchingEngine(api.Engine):
       for t in self.chunk_buckets:
         # Positions 0 and 1: a model may compile fresh prompts and continued
         # chunks (prefix in the cache) apart. Rows of length 0 write nothing.
-        for pos in (0, 1):
+        for pos in (0, 1) if self.config.warmup_continued else (0,):
           logits = self.runner.prefill(np.zeros((rows, t), np.int32),
                                        np.full((rows,), pos, np.int32),
                                        np.zeros((rows,), np.int32),
