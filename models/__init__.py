@@ -10,7 +10,8 @@ API used by serving::
 
   model = models.load(spec=None, dtype="bfloat16")
     # spec: None / "default" -> embedded SmolLM2-135M-Instruct (GGUF fetched
-    #         into .cache/ by .ci/setup); "tiny" -> random weights (fixed seed)
+    #         into .cache/ by .ci/setup); "tiny" (or another named config of
+    #         models.config, e.g. "llama3.1-8b") -> random weights (fixed seed)
     #         with a byte-level tokenizer that needs no files; a path to an HF
     #         folder (config.json + *.safetensors), a .gguf file, or an orbax
     #         directory written by models.checkpoint.save.

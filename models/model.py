@@ -159,10 +159,10 @@ def make_mesh(tp: int):
 
 
 def load(spec: str | os.PathLike | None = None, *, dtype="bfloat16", tp: int = 1) -> Model:
-  """A Model from: None/"default" (embedded SmolLM2-135M-Instruct), "tiny"
-  (random, seeded, byte-level tokenizer), a named config ("llama3.2-1b", ...:
-  random weights, byte tokenizer is not meaningful there so it is refused), an
-  HF folder, a .gguf file, or an orbax directory written by ``save``."""
+  """A Model from: None/"default" (embedded SmolLM2-135M-Instruct), "tiny" or
+  another named config of models.config ("llama3.1-8b", ...: random weights,
+  fixed seed, byte-level tokenizer; for tests and benchmarks), an HF folder,
+  a .gguf file, or an orbax directory written by ``save``."""
   dtype = jnp.dtype(dtype)
   if dtype.name not in ("bfloat16", "float16", "float32"):
     raise ValueError(f"{dtype=} is not supported; use bfloat16, float16 or float32")
@@ -177,12 +177,16 @@ def load(spec: str | os.PathLike | None = None, *, dtype="bfloat16", tp: int = 1
   elif spec == "tiny":
     cfg = config_lib.get("tiny")
     params, tok = random_params(cfg), tok_lib.ByteTokenizer()
+  elif isinstance(spec, str) and spec in config_lib.CONFIGS:
+    cfg = config_lib.get(spec)
+    params, tok = random_params(cfg, dtype=dtype), tok_lib.ByteTokenizer()
   else:
     path = pathlib.Path(spec)
     if not path.exists():
       raise FileNotFoundError(
-          f"{path}: no such model; give 'default', 'tiny', an HF folder (config.json + "
-          "*.safetensors), a .gguf file or a directory written by models.save")
+          f"{path}: no such model; give 'default', a named config ({', '.join(config_lib.CONFIGS)}), "
+          "an HF folder (config.json + *.safetensors), a .gguf file or a directory written by "
+          "models.save")
     if path.is_file():
       if path.suffix != ".gguf":
         raise ValueError(f"{path}: a model file must be .gguf; for HF weights give the folder")
