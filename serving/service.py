@@ -95,6 +95,8 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
     except api.Draining as e:
       self.metrics.rejected.inc()
       context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+    except api.EngineFailed as e:
+      context.abort(grpc.StatusCode.INTERNAL, str(e))
     context.add_callback(lambda: self.engine.cancel(key))
     return rid, key, handle
 
@@ -191,9 +193,10 @@ class HealthServicer(health_pb2_grpc.HealthServicer):
 
   Status = health_pb2.HealthCheckResponse.ServingStatus
 
-  def __init__(self):
+  def __init__(self, alive=lambda: True):
     self._status: dict[str, int] = {}
     self._changed = threading.Condition()
+    self._alive = alive  # False once the engine has failed: then nothing is SERVING
 
   def set(self, service: str, status: int) -> None:
     with self._changed:
@@ -211,6 +214,8 @@ class HealthServicer(health_pb2_grpc.HealthServicer):
       status = self._status.get(request.service)
     if status is None:
       context.abort(grpc.StatusCode.NOT_FOUND, f"unknown service {request.service!r}")
+    if not self._alive():
+      status = self.Status.NOT_SERVING
     return health_pb2.HealthCheckResponse(status=status)
 
   def List(self, request, context):
@@ -318,7 +323,7 @@ class Server:
         options=[("grpc.so_reuseport", 0)])
     pb_grpc.add_TextGenerationServicer_to_server(
         TextGenerationServicer(engine, self.metrics), self._grpc)
-    self.health = HealthServicer()
+    self.health = HealthServicer(lambda: getattr(engine, "error", None) is None)
     health_pb2_grpc.add_HealthServicer_to_server(self.health, self._grpc)
     services = [SERVICE_NAME, "grpc.health.v1.Health", "grpc.reflection.v1.ServerReflection",
                 "grpc.reflection.v1alpha.ServerReflection"]

@@ -29,6 +29,10 @@ class QueueFull(RuntimeError):
   """The bounded waiting queue is full; retry later."""
 
 
+class EngineFailed(RuntimeError):
+  """The engine's scheduler stopped after an internal error."""
+
+
 class Draining(RuntimeError):
   """The engine is shutting down and admits no new requests."""
 

@@ -208,7 +208,7 @@ class BatchingEngine(api.Engine):
     if self._draining or self._stopping:
       raise api.Draining("the server is shutting down and admits no new requests")
     if self.error is not None:
-      raise RuntimeError(f"the engine stopped after an error: {self.error!r}")
+      raise api.EngineFailed(f"the engine stopped after an error: {self.error!r}")
     prompt = self._prompt_ids(request)
     p = request.sampling
     room = self.max_seq_len - len(prompt)

@@ -247,3 +247,20 @@ def test_metrics_are_exposed():
                "queue_time_seconds_count 1", "request_latency_seconds_count 1",
                "requests_running 0", "requests_waiting 0", "kv_pages_in_use 0"):
     assert "mosaic_serving_" + name in body, name
+
+
+def test_an_engine_failure_fails_requests_and_health():
+  engine = E.tiny_engine()
+
+  def broken(*args):
+    raise RuntimeError("device lost")
+
+  engine.runner.decode = broken
+  with running(engine) as (server, c):
+    with pytest.raises(grpc.RpcError) as e:
+      c.generate("a", max_tokens=5)
+    assert e.value.code() == grpc.StatusCode.INTERNAL and "device lost" in e.value.details()
+    assert c.health() == health_pb2.HealthCheckResponse.NOT_SERVING
+    with pytest.raises(grpc.RpcError) as e:
+      c.generate("a", max_tokens=5)
+    assert e.value.code() == grpc.StatusCode.INTERNAL
