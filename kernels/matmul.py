@@ -323,6 +323,16 @@ def _mosaic_why_not(a, b, *, bias=None, residual=None, out_dtype=None, config=No
                           ("N", b.shape[1], out_dtype.itemsize)):
     if (cols * isz) % 16:
       return f"{what}={cols} x {isz} bytes is not a multiple of 16 bytes (TMA row alignment)"
+  # TMA's tiled copies to and from swizzled SMEM need each tiled global
+  # dimension to be smaller than its tile or a multiple of it: rows tile by 8,
+  # K and N by up to 64 elements (the H200 rejected N = K = 1000 at lowering).
+  # Other shapes are left to another backend.
+  m, k, n = a.shape[0], a.shape[1], b.shape[1]
+  if m >= 8 and m % 8:
+    return f"M={m} must be below 8 or a multiple of 8 (TMA tiles rows by 8)"
+  for what, size in (("K", k), ("N", n)):
+    if size % 64:
+      return f"{what}={size} must be a multiple of 64 (TMA tiles of 64 elements)"
   if bias is not None and bias.dtype.name not in IN_DTYPES + ("float32",):
     return f"{bias.dtype=} must be one of {IN_DTYPES + ('float32',)}"
   if residual is not None and residual.dtype != out_dtype:
@@ -375,8 +385,13 @@ def matmul_mosaic(a, b, *, bias=None, residual=None, out_dtype=None, config: Con
     return bw.run(a, b, bias, residual, cfg=config or bw.heuristic(m, n, k),
                   out_dtype=out_dtype, num_sms=_num_sms())
   cfg = config or pick_config(m, n, k, a.dtype)
-  if cfg.smem_bytes(a.dtype.itemsize, out_dtype.itemsize) > SMEM_LIMIT:
-    raise ValueError(f"{cfg=} needs {cfg.smem_bytes()} bytes of SMEM > {SMEM_LIMIT}")
+  isz = (a.dtype.itemsize, out_dtype.itemsize)
+  # A float32 output doubles the epilogue buffers: a picked config gives up
+  # pipeline stages to fit; an explicit one is the caller's to fix.
+  while config is None and cfg.smem_bytes(*isz) > SMEM_LIMIT and cfg.stages > 2:
+    cfg = dataclasses.replace(cfg, stages=cfg.stages - 1)
+  if cfg.smem_bytes(*isz) > SMEM_LIMIT:
+    raise ValueError(f"{cfg=} needs {cfg.smem_bytes(*isz)} bytes of SMEM > {SMEM_LIMIT}")
   return _run(a, b, bias, residual, cfg=cfg, out_dtype=out_dtype)
 
 

@@ -52,15 +52,15 @@ MOSAIC_CASES = [
     # m, n, k, config, bias, residual, out_dtype, in_dtype
     pytest.param(128, 256, 128, C(tile_m=64, tile_n=64, stages=2), False, False, None,
                  jnp.bfloat16, id="aligned-multi-tile"),
-    pytest.param(100, 136, 200, C(tile_m=64, tile_n=64, stages=3), True, True, None,
-                 jnp.bfloat16, id="ragged-mnk-bias-residual"),
-    pytest.param(1, 256, 520, C(tile_m=64, tile_n=64, stages=3, split_k=3), True, True, None,
+    pytest.param(72, 192, 192, C(tile_m=64, tile_n=128, stages=3), True, True, None,
+                 jnp.bfloat16, id="partial-mn-tiles-bias-residual"),
+    pytest.param(1, 256, 512, C(tile_m=64, tile_n=64, stages=3, split_k=3), True, True, None,
                  jnp.bfloat16, id="decode-split-k"),
-    pytest.param(70, 72, 64, C(tile_m=64, tile_n=32, epi_n=32, stages=2, wg_dim="m"), False,
+    pytest.param(72, 64, 64, C(tile_m=64, tile_n=32, epi_n=32, stages=2, wg_dim="m"), False,
                  True, jnp.float32, jnp.bfloat16, id="wg-split-m-f32-out"),
-    pytest.param(64, 128, 96, C(tile_m=64, tile_n=64, tile_k=32, stages=2), True, False,
+    pytest.param(64, 128, 128, C(tile_m=64, tile_n=64, tile_k=32, stages=2), True, False,
                  jnp.float16, jnp.float16, id="fp16"),
-    pytest.param(130, 128, 64, C(tile_m=128, tile_n=64, epi_n=32, stages=2, grid_minor="m",
+    pytest.param(136, 128, 64, C(tile_m=128, tile_n=64, epi_n=32, stages=2, grid_minor="m",
                                  grid_width=2), True, False, None, jnp.bfloat16,
                  id="multi-epilogue-pieces"),
 ]
@@ -100,6 +100,13 @@ def test_bad_inputs_are_rejected():
     op(a, b, residual=res.T, backend="reference")
   with pytest.raises(ValueError, match="2D"):
     op(a[None], b, backend="xla")
+  # Shapes TMA cannot tile: mosaic says why not; the default order moves on.
+  for m, n, k, why in [(300, 1024, 1024, "multiple of 8"), (64, 1000, 1024, "N=1000"),
+                       (64, 1024, 1000, "K=1000")]:
+    a3, b3, _, _ = _inputs(m, n, k)
+    with pytest.raises(registry.BackendError, match=why):
+      op(a3, b3, backend="mosaic")
+    assert registry.get_op("matmul").select(a3, b3).name == "xla"
   # Rows of 20 bf16 are 40 bytes: not TMA-aligned, so mosaic says why not.
   a2, b2, _, _ = _inputs(8, 20, 24)
   assert "16 bytes" in mm._mosaic_why_not(a2, b2)
@@ -119,7 +126,7 @@ def test_config_validation(bad):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("m,n,k", [(8192, 8192, 8192), (2048, 6144, 4096), (1, 28672, 4096),
-                                   (64, 4096, 14336), (300, 1000, 1000), (7, 49152, 576)])
+                                   (64, 4096, 14336), (304, 1088, 1088), (7, 49152, 576)])
 def test_mosaic_gpu_full_size(m, n, k):
   a, b, bias, res = _inputs(m, n, k)
   out = registry.get_op("matmul")(a, b, bias=bias, residual=res, backend="mosaic")
