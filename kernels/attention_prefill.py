@@ -508,9 +508,21 @@ def _mosaic_why_not(q, k, v) -> str | None:
   return None
 
 
+_MASK_ARGS = ("q_positions", "kv_positions", "q_segment_ids", "kv_segment_ids")
+
+
 def _mosaic_supports(q, k, v, **kwargs) -> str | None:
-  del kwargs
-  return _mosaic_why_not(q, k, v)
+  why = _mosaic_why_not(q, k, v)
+  if (why is None and not dsl.interpreting() and q.shape[1] != k.shape[1]
+      and any(kwargs.get(a) is not None for a in _MASK_ARGS)):
+    # Seen on the H200: a 2-layer bf16 model's chunked prefill on top of
+    # cached pages (tests/models/test_backends.py, mosaic case) disagreed
+    # with xla (rel. error 0.14) while dense, causal, GQA and packed calls
+    # matched the reference. Until that is localized, such calls run on
+    # another backend rather than give wrong logits.
+    return ("queries after a cached prefix with positions or segment ids "
+            "(Sq != Skv) are not verified on GPU")
+  return why
 
 
 # --------------------------------------------------------------------------
