@@ -105,5 +105,8 @@ def test_gpu_backend_matches_xla(case, gpu_model):
   xla = dict(attention="xla", matmul="xla", norm="xla")
   ref = _run(gpu_model, prompts, 64, prefill=xla, decode=xla)
   prefill, decode = GPU_CASES[case]
-  out = _run(gpu_model, prompts, 64, prefill=prefill, decode=decode, chunked=case != "cudnn")
+  # cuDNN takes no positions/segment ids, and mosaic leaves a chunk after a
+  # cached prefix to other backends on GPU (kernels/attention_prefill.py):
+  # both run one fresh prefill chunk here.
+  out = _run(gpu_model, prompts, 64, prefill=prefill, decode=decode, chunked=case == "triton")
   testing.assert_close(out, ref, dtype=jnp.bfloat16, what=f"{case} logits vs xla")
