@@ -85,13 +85,10 @@ def _kernel_persistent(x_gmem, w_gmem, o_gmem, w_smem, out_smem, bar, *, eps: fl
     plgpu.copy_smem_to_gmem(out_smem.at[slot], o_gmem.at[rows])
 
   my_steps = (row_blocks - cta + num_blocks - 1) // num_blocks
-  spec = plgpu.BlockSpec(
-      (block_rows, x_gmem.shape[-1]),
-      lambda i: (cta + i * num_blocks, 0),
-      # In bounds by construction (block_rows divides rows): one plain bulk
-      # copy per step, no tensor map and no 256-element box limit.
-      oob_fill_mode=dsl.IN_BOUNDS,
-  )
+  # In bounds by construction (block_rows divides rows): one plain bulk copy
+  # per step, no tensor map and no 256-element box limit.
+  spec = dsl.block_spec((block_rows, x_gmem.shape[-1]), lambda i: (cta + i * num_blocks, 0),
+                        in_bounds=True)
   dsl.pipeline(step, grid=(my_steps,), in_specs=[spec], stages=stages)(x_gmem)
   plgpu.wait_smem_to_gmem(0)
 

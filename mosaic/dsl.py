@@ -44,7 +44,7 @@ from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as _inter
 __all__ = [
     "pl", "plgpu", "jax", "jnp", "lax", "InterpretGPUParams", "kernel",
     "interpret_params", "interpreting", "reset_interpret_state", "races_found",
-    "smem_transforms", "swizzle_bytes", "pipeline", "warp_specialized_pipeline",
+    "smem_transforms", "swizzle_bytes", "block_spec", "pipeline", "warp_specialized_pipeline",
     "WARPGROUP_THREADS", "IN_BOUNDS", "cdiv", "round_up",
 ]
 
@@ -141,6 +141,18 @@ def smem_transforms(block_shape: Sequence[int], dtype: Any) -> tuple[Any, ...]:
 
 # --------------------------------------------------------------------------
 # Pipelines
+
+
+def block_spec(block_shape, index_map, *, in_bounds: bool = False, **kwargs):
+  """``plgpu.BlockSpec``; ``in_bounds`` promises every block lies inside the
+  array, so a contiguous block becomes one plain bulk copy (jax >= 0.11; older
+  versions ignore the promise and use a tensor map)."""
+  if in_bounds and "oob_fill_mode" in _BLOCKSPEC_FIELDS:
+    kwargs["oob_fill_mode"] = IN_BOUNDS
+  return plgpu.BlockSpec(block_shape, index_map, **kwargs)
+
+
+_BLOCKSPEC_FIELDS = {f.name for f in dataclasses.fields(plgpu.BlockSpec)}
 
 
 def pipeline(
