@@ -42,6 +42,16 @@ class Config(tuning.KernelConfig):
       raise ValueError(f"{self.blocks_per_sm=} must be in [1, 8]")
 
 
+def _normalize_rows(src, dst, w, eps: float):
+  """dst[r] = src[r] * rsqrt(mean(src[r]^2) + eps) * w, each row in fp32 registers."""
+  inv_d = 1.0 / src.shape[-1]
+  for r in range(src.shape[0]):
+    x = src[r].astype(jnp.float32)
+    scale = lax.rsqrt(jnp.sum(x * x) * inv_d + eps)
+    dst[r] = (x * scale * w).astype(dst.dtype)
+  plgpu.commit_smem()  # register->SMEM stores visible to the TMA engine
+
+
 def _kernel_one_block(x_gmem, w_gmem, o_gmem, x_smem, w_smem, bars, *, eps: float,
                       block_rows: int):
   # One row block per CUDA block: many small blocks resident per SM overlap
@@ -52,35 +62,25 @@ def _kernel_one_block(x_gmem, w_gmem, o_gmem, x_smem, w_smem, bars, *, eps: floa
   plgpu.barrier_wait(bars.at[1])
   w = w_smem[...].astype(jnp.float32)
   plgpu.barrier_wait(bars.at[0])
-  inv_d = 1.0 / x_smem.shape[-1]
-  for r in range(block_rows):
-    x = x_smem[r].astype(jnp.float32)
-    scale = lax.rsqrt(jnp.sum(x * x) * inv_d + eps)
-    x_smem[r] = (x * scale * w).astype(x_smem.dtype)  # in place
-  plgpu.commit_smem()  # register->SMEM stores visible to the TMA engine
+  _normalize_rows(x_smem, x_smem, w, eps)  # in place
   plgpu.copy_smem_to_gmem(x_smem, o_gmem.at[rows])
   plgpu.wait_smem_to_gmem(0)
 
 
-def _kernel_persistent(x_gmem, w_gmem, o_gmem, w_smem, out_smem, bar, *, eps: float, block_rows: int,
-            stages: int, num_blocks: int, row_blocks: int):
+def _kernel_persistent(x_gmem, w_gmem, o_gmem, w_smem, out_smem, bar, *, eps: float,
+                       block_rows: int, stages: int, num_blocks: int, row_blocks: int):
   # Persistent: block c handles row blocks c, c + G, c + 2G, ... (G blocks).
   cta = lax.axis_index("blocks")
   plgpu.copy_gmem_to_smem(w_gmem, w_smem, bar, oob_mode=dsl.IN_BOUNDS)
   plgpu.barrier_wait(bar)
   w = w_smem[...].astype(jnp.float32)
-  inv_d = 1.0 / x_gmem.shape[-1]
 
   def step(indices, x_smem):
     (i,) = indices
     slot = lax.rem(i, 2)
     # The store that used this output slot two steps ago must have read it.
     plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-    for r in range(block_rows):
-      x = x_smem[r].astype(jnp.float32)
-      scale = lax.rsqrt(jnp.sum(x * x) * inv_d + eps)
-      out_smem[slot, r] = (x * scale * w).astype(out_smem.dtype)
-    plgpu.commit_smem()  # register->SMEM stores visible to the TMA engine
+    _normalize_rows(x_smem, out_smem.at[slot], w, eps)
     rows = pl.ds((cta + i * num_blocks) * block_rows, block_rows)
     plgpu.copy_smem_to_gmem(out_smem.at[slot], o_gmem.at[rows])
 
