@@ -17,7 +17,7 @@ if [ "${CALIBRATE:-1}" = 1 ]; then
   python3 bench/calibrate.py --out "$R" 2>&1 | tee "$R/calibrate.log" || status=1
 fi
 if [ "${TESTS:-1}" = 1 ]; then
-  python3 -m pytest -q -m gpu -p no:cacheprovider ${TEST_PATHS:-tests} 2>&1 | tee "$R/gpu_tests.log"
+  timeout "${TEST_TIMEOUT:-900}" python3 -m pytest -q -m gpu -p no:cacheprovider ${TEST_PATHS:-tests} 2>&1 | tee "$R/gpu_tests.log"
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 for b in ${BENCHES:-$(cd bench && ls *.py | grep -v -e calibrate -e __init__ | sed 's/\.py$//')}; do

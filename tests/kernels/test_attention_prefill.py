@@ -3,6 +3,8 @@ reference against a naive per-row loop, and the Mosaic kernel's code paths
 (causal skipping, unmasked blocks, consumer skip steps, GQA, cached prefix,
 packed segments, sliding window, lse, padding) in interpret mode on CPU."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -77,6 +79,14 @@ def _case(name):
   s2, p2 = _packed([30, 20], 192)
   seg2 = jnp.concatenate([jnp.zeros((1, 64), jnp.int32), s2], 1)
   pos2 = jnp.concatenate([jnp.zeros((1, 64), jnp.int32), p2], 1)
+  # The model's chunk on cached pages: rows start at 101, 39 and 1 (the last
+  # row has no query: length 0), kv is 4 pages of 64 read back whole.
+  start, n, skv = np.array([101, 39, 1]), np.array([99, 38, 0]), 256
+  tpos = start[:, None] + np.arange(100)
+  chunk = dict(q_positions=jnp.asarray(tpos, jnp.int32),
+               q_segment_ids=jnp.asarray(np.arange(100)[None] < n[:, None], jnp.int32),
+               kv_positions=jnp.broadcast_to(jnp.arange(skv, dtype=jnp.int32), (3, skv)),
+               kv_segment_ids=jnp.asarray(np.arange(skv)[None] < (start + n)[:, None], jnp.int32))
   cases = {
       "noncausal": (dict(B=1, Sq=128, Skv=128, Hq=2, Hkv=2, D=64), dict(causal=False), None),
       # block_kv=64: one consumer needs fewer kv blocks than the other (skip
@@ -92,12 +102,14 @@ def _case(name):
       "packed_empty_tiles": (dict(B=1, Sq=256, Skv=256, Hq=2, Hkv=2, D=64),
                              dict(causal=False, q_segment_ids=seg2, kv_segment_ids=seg2,
                                   q_positions=pos2, kv_positions=pos2), ap.Config(block_kv=64)),
+      "model_chunk": (dict(B=3, Sq=100, Skv=skv, Hq=4, Hkv=1, D=128), dict(causal=True, **chunk),
+                      None),
   }
   return cases[name]
 
 
 CASES = ["noncausal", "causal_skip", "prefix_gqa_pad", "d128_window", "packed",
-         "packed_empty_tiles"]
+         "packed_empty_tiles", "model_chunk"]
 
 
 @pytest.mark.parametrize("name", CASES)
@@ -183,6 +195,27 @@ def test_cudnn_says_why_not():
   with pytest.raises(registry.BackendError):
     registry.get_op("attention_prefill")(q, q, q, backend="cudnn", q_segment_ids=seg,
                                           kv_segment_ids=seg)
+
+
+GPU_VARIANTS = {  # the GPU-only code paths, each alone
+    "default": {}, "p_smem": dict(p_smem=True), "acc_add": dict(acc_in_place=False),
+    "p_smem_acc_add": dict(p_smem=True, acc_in_place=False), "no_pingpong": dict(pingpong=False),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", list(GPU_VARIANTS))
+@pytest.mark.parametrize("name", CASES)
+def test_mosaic_cases_on_gpu(name, variant, monkeypatch):
+  """The interpret-mode cases at the same shapes, compiled, for each GPU-only path."""
+  monkeypatch.setattr(ap, "GPU_CACHED_PREFIX_OK", True)
+  shape, kw, cfg = _case(name)
+  cfg = dataclasses.replace(cfg or ap._pick_config(shape["D"], jnp.bfloat16, kw["causal"]),
+                            **GPU_VARIANTS[variant])
+  q, k, v = _qkv(**shape)
+  ref = ap.attention_prefill_reference(q, k, v, **kw)
+  out = ap.attention_prefill_mosaic(q, k, v, config=cfg, **kw)
+  testing.assert_close(out, ref, jnp.bfloat16, what=f"{name} {variant}")
 
 
 @pytest.mark.gpu

@@ -110,3 +110,20 @@ def test_gpu_backend_matches_xla(case, gpu_model):
   # both run one fresh prefill chunk here.
   out = _run(gpu_model, prompts, 64, prefill=prefill, decode=decode, chunked=case == "triton")
   testing.assert_close(out, ref, dtype=jnp.bfloat16, what=f"{case} logits vs xla")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("stage", ["prefill", "decode"])
+def test_gpu_mosaic_attention_on_cached_pages(stage, gpu_model, monkeypatch):
+  """Chunked prefill on cached pages and decode, mosaic attention in one stage
+  only (xla elsewhere), with the GPU's cached-prefix guard lifted."""
+  from kernels import attention_prefill as ap
+  monkeypatch.setattr(ap, "GPU_CACHED_PREFIX_OK", True)
+  rng = np.random.default_rng()
+  prompts = [rng.integers(3, 4096, n).tolist() for n in (200, 77, 1)]
+  xla = dict(attention="xla", matmul="xla", norm="xla")
+  ref = _run(gpu_model, prompts, 64, prefill=xla, decode=xla)
+  ours = dict(xla, attention="mosaic")
+  prefill, decode = (ours, xla) if stage == "prefill" else (xla, ours)
+  out = _run(gpu_model, prompts, 64, prefill=prefill, decode=decode)
+  testing.assert_close(out, ref, dtype=jnp.bfloat16, what=f"mosaic {stage} logits vs xla")
