@@ -1,0 +1,132 @@
+"""Where the serving engine's step time goes, without the gRPC server.
+
+1. The model's decode step alone (the runner's jitted call): the time until
+   the call returns (host dispatch: what the engine's thread pays) and until
+   its result is ready (device), at batch 1 and the engine's max batch.
+2. The engine alone: ``--requests`` greedy requests of ``--input-len`` in /
+   ``--output-len`` out submitted at once and driven by ``engine.step()`` in
+   this thread under cProfile: step wall time, host time (wall minus the time
+   blocked on the device's results) and the host functions that cost most.
+
+Run it under different ``XLA_FLAGS`` to compare settings (command buffers).
+
+  PYTHONPATH=. python3 bench/serving_host.py --out $OUT [--tag NAME]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import os
+import pathlib
+import pstats
+import statistics
+import sys
+import time
+
+import jax
+import numpy as np
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from serving_gpu import host_share, random_model  # noqa: E402
+
+
+def _timed_calls(f, n):
+  """(median s until the call returns, median s until its output is ready)."""
+  ret, done = [], []
+  for _ in range(n):
+    t0 = time.perf_counter()
+    out = f()
+    t1 = time.perf_counter()
+    jax.block_until_ready(out)
+    t2 = time.perf_counter()
+    ret.append(t1 - t0)
+    done.append(t2 - t0)
+  return statistics.median(ret), statistics.median(done)
+
+
+def main():
+  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/serving_host"))
+  ap.add_argument("--tag", default="default")
+  ap.add_argument("--config", default="llama3.1-8b")
+  ap.add_argument("--attention", default="mosaic")
+  ap.add_argument("--matmul", default="mosaic")
+  ap.add_argument("--dtype", default="bfloat16")
+  ap.add_argument("--num-pages", type=int, default=1400)
+  ap.add_argument("--max-batch", type=int, default=64)
+  ap.add_argument("--requests", type=int, default=64)
+  ap.add_argument("--input-len", type=int, default=512)
+  ap.add_argument("--output-len", type=int, default=64)
+  ap.add_argument("--iters", type=int, default=20)
+  a = ap.parse_args()
+  out = pathlib.Path(a.out)
+  out.mkdir(parents=True, exist_ok=True)
+  from serving import engine as E
+  from serving.engine import api
+
+  res = {"tag": a.tag, "xla_flags": os.environ.get("XLA_FLAGS", ""), "config": a.config,
+         "attention": a.attention, "matmul": a.matmul}
+  model = random_model(a.config, a.dtype)
+  page = E.default_page_size()
+  runner = E.ModelRunner(model, num_pages=a.num_pages, page_size=page, attention=a.attention,
+                         matmul=a.matmul)
+  max_pages = -(-4096 // page)
+  for b in sorted({1, a.max_batch}):
+    tokens = jax.numpy.asarray(np.random.default_rng(0).integers(0, min(1000, runner.vocab_size), b), jax.numpy.int32)
+    lengths = np.full((b,), 600, np.int32)
+    table = np.tile(np.arange(1, max_pages + 1, dtype=np.int32), (b, 1)) % a.num_pages
+    f = lambda: runner.decode(tokens, lengths, table)  # noqa: E731
+    jax.block_until_ready(f())  # compile
+    r, d = _timed_calls(f, a.iters)
+    # Back to back without waiting: the steady state of a pipelined engine.
+    t0 = time.perf_counter()
+    for _ in range(a.iters):
+      o = f()
+    jax.block_until_ready(o)
+    res[f"decode_b{b}"] = {"dispatch_ms": r * 1e3, "call_to_ready_ms": d * 1e3,
+                           "back_to_back_ms": (time.perf_counter() - t0) / a.iters * 1e3}
+    print(f"decode B={b}: {res[f'decode_b{b}']}", flush=True)
+
+  cfg = E.EngineConfig(max_batch=a.max_batch, max_waiting=4 * a.requests, max_seq_len=4096,
+                       prefill_chunk=2048, min_chunk=a.input_len, prefill_rows=4,
+                       batch_buckets=tuple(sorted({1, min(8, a.max_batch), a.max_batch})),
+                       token_budget=a.max_batch + 2048, default_max_tokens=a.output_len,
+                       warmup_continued=False)
+  engine = E.BatchingEngine(runner, cfg)
+  t0 = time.perf_counter()
+  engine.warmup()
+  res["warmup_s"] = time.perf_counter() - t0
+  rng = np.random.default_rng(1)
+  handles = [engine.submit(api.Request(
+      f"r{i}", prompt_ids=rng.integers(0, min(1000, runner.vocab_size), a.input_len).tolist(),
+      sampling=api.SamplingParams(max_tokens=a.output_len, ignore_eos=True), add_bos=False))
+      for i in range(a.requests)]
+  engine.step_times.clear()
+  prof = cProfile.Profile()
+  t0 = time.perf_counter()
+  prof.enable()
+  while engine.step():
+    pass
+  prof.disable()
+  wall = time.perf_counter() - t0
+  done = 0
+  for h in handles:
+    while not h.events.empty():
+      done += isinstance(h.events.get_nowait(), api.Final)
+  res["engine"] = {"wall_s": wall, "requests_done": done,
+                   "output_tok_s": a.requests * a.output_len / wall,
+                   "full_batch": host_share(engine, max(1, a.max_batch * 3 // 4)),
+                   "all_steps": host_share(engine, 0)}
+  s = io.StringIO()
+  pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(30)
+  (out / f"serving_host_{a.tag}_profile.txt").write_text(s.getvalue())
+  (out / f"serving_host_{a.tag}.json").write_text(json.dumps(res, indent=1))
+  print(json.dumps(res, indent=1))
+  print("\n".join(s.getvalue().splitlines()[:45]))
+
+
+if __name__ == "__main__":
+  main()
