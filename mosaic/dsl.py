@@ -19,10 +19,12 @@ their grid position with ``lax.axis_index(name)``; ``emit_pipeline`` with
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import functools
 import math
 import os
+import pathlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -45,7 +47,7 @@ __all__ = [
     "pl", "plgpu", "jax", "jnp", "lax", "InterpretGPUParams", "kernel",
     "interpret_params", "interpreting", "reset_interpret_state", "races_found",
     "smem_transforms", "swizzle_bytes", "block_spec", "pipeline", "warp_specialized_pipeline",
-    "WARPGROUP_THREADS", "IN_BOUNDS", "cdiv", "round_up",
+    "WARPGROUP_THREADS", "IN_BOUNDS", "cdiv", "round_up", "kernel_timeline",
 ]
 
 WARPGROUP_THREADS = 128  # a Pallas Mosaic GPU "thread" is one warpgroup
@@ -98,13 +100,49 @@ def races_found() -> bool:
   return bool(getattr(races, "races_found", False))
 
 
+_TIMELINE: contextvars.ContextVar[tuple[str, int] | None] = contextvars.ContextVar(
+    "kernel_timeline", default=None)
+
+
+@contextlib.contextmanager
+def kernel_timeline(directory: str | os.PathLike, events: int = 512):
+  """Kernels built inside record an on-device timeline of their named regions.
+
+  A region is a ``jax.named_scope`` in the kernel body; Mosaic GPU's profiler
+  stamps its start and end with the SM clock, per warpgroup, and each run of
+  the kernel writes ``<name>-<ns>-trace.json`` (Chrome / Perfetto JSON: one
+  process per SM, one thread per CTA warpgroup) into ``directory``. Up to
+  ``events`` regions per warpgroup are kept; later ones are dropped. The
+  jit caches are cleared on entry and exit so that kernels are rebuilt with
+  and then without the recording. GPU only: interpreted kernels record nothing.
+  """
+  if events < 1:
+    raise ValueError(f"{events=} must be >= 1")
+  os.makedirs(directory, exist_ok=True)
+  jax.clear_caches()
+  token = _TIMELINE.set((os.fspath(directory), int(events)))
+  try:
+    yield pathlib.Path(directory)
+  finally:
+    _TIMELINE.reset(token)
+    jax.clear_caches()
+
+
 def kernel(body: Callable[..., None], **kwargs: Any):
   """``plgpu.kernel`` that interprets itself when there is no GPU.
 
   Same arguments as ``plgpu.kernel`` (``out_type``, ``grid``, ``grid_names``,
   ``scratch_types``, ``num_threads``, ``thread_name``, ``compiler_params``).
+  Inside ``kernel_timeline`` the kernel also records its named regions.
   """
   kwargs.setdefault("interpret", interpret_params())
+  timeline = _TIMELINE.get()
+  if timeline is not None and kwargs["interpret"] is None:
+    params = kwargs.get("compiler_params") or plgpu.CompilerParams()
+    extra = {"profile_bounds_check": True} if any(
+        f.name == "profile_bounds_check" for f in dataclasses.fields(params)) else {}
+    kwargs["compiler_params"] = dataclasses.replace(
+        params, profile_dir=timeline[0], profile_space=timeline[1], **extra)
   return plgpu.kernel(body, **kwargs)
 
 

@@ -31,6 +31,12 @@ Outputs: ``Report.table()`` (terminal), ``write_json``, ``write_png``
 configuration, the step's kernels named by layer and op). On CPU the figures
 are against nominal CPU ceilings, not tensor cores, and the report says so.
 
+In-kernel timeline (GPU): ``kernel_timeline`` runs the FA3 prefill kernel
+once under ``mosaic.dsl.kernel_timeline``; Mosaic GPU's on-device profiler
+stamps each named region of the kernel body (wait_k, qk, softmax, wait_v, pv;
+the producer's wait_free, load_kv) per warpgroup, and ``label_timeline`` names
+the tracks (SM, CTA, consumer/producer) for Perfetto.
+
 CLI: ``python -m serving.profiler --model tiny --batch 2 --prefill-len 64
 --decode-context 128 --attention-backend xla,reference --out /tmp/prof``.
 """
@@ -912,6 +918,75 @@ def load_model(spec: str, *, layers: int | None = None, dtype: str = "bfloat16",
   return models.load(spec, dtype=dtype)
 
 
+# Warpgroup roles of the FA3 prefill kernel (kernels/attention_prefill.py).
+FA3_ROLES = ("consumer 0", "consumer 1", "producer")
+
+
+def label_timeline(trace: dict, roles: Sequence[str] = FA3_ROLES, max_sms: int | None = 4) -> dict:
+  """Mosaic GPU's in-kernel trace (one process per SM, one thread per CTA
+  warpgroup) with named tracks, cut to the first ``max_sms`` SMs (a full grid
+  is hundreds of MB of events), rebased to start at 0 us."""
+  events = [e for e in trace.get("traceEvents", []) if e.get("ph") in ("B", "E")]
+  if max_sms is not None:
+    keep = sorted({e["pid"] for e in events})[:max_sms]
+    events = [e for e in events if e["pid"] in keep]
+  if not events:
+    raise ValueError("the kernel trace has no events (did the kernel record any named region?)")
+  t0 = min(e["ts"] for e in events)
+  out = [dict(e, ts=e["ts"] - t0) for e in events]
+  meta = []
+  n = len(roles)
+  for pid in sorted({e["pid"] for e in out}):
+    meta.append({"ph": "M", "name": "process_name", "pid": pid, "tid": 0,
+                 "args": {"name": f"SM {pid - 1}"}})
+  for pid, tid in sorted({(e["pid"], e["tid"]) for e in out}):
+    cta, wg = divmod(tid - 1, n)
+    meta.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid,
+                 "args": {"name": f"CTA {cta} {roles[wg]}"}})
+  return {"displayTimeUnit": "ns", "traceEvents": meta + out}
+
+
+def kernel_timeline(model, out_dir: str | os.PathLike, *, prefill_len: int = 4096,
+                    max_sms: int | None = 4, log=print) -> pathlib.Path:
+  """The FA3 prefill kernel's in-kernel timeline at one layer of ``model``'s
+  prefill (B=1, ``prefill_len`` tokens, causal): per warpgroup, when it waits
+  for K, runs QK^T, the softmax, waits for V and runs PV, and when the
+  producer loads K/V. Written as Perfetto JSON to
+  ``out_dir/fa3_timeline.json``. Needs a GPU (Mosaic GPU's on-device profiler)."""
+  import jax
+  import jax.numpy as jnp
+
+  from kernels import attention_prefill as ap
+  from mosaic import dsl, testing
+  from mosaic import target as target_lib
+
+  if not target_lib.current().is_gpu:
+    raise RuntimeError("the in-kernel timeline needs a GPU: Mosaic GPU's profiler stamps "
+                       "the SM clock on the device; interpreted kernels record nothing")
+  cfg = model.config
+  dt = jnp.dtype(model.dtype)
+  if dt.name not in ap.DTYPES:
+    dt = jnp.dtype(jnp.bfloat16)
+  q, k, v = testing.random_inputs([(1, prefill_len, cfg.num_heads, cfg.head_dim),
+                                   (1, prefill_len, cfg.num_kv_heads, cfg.head_dim),
+                                   (1, prefill_len, cfg.num_kv_heads, cfg.head_dim)], dt)
+  out_dir = pathlib.Path(out_dir)
+  with tempfile.TemporaryDirectory() as raw:
+    with dsl.kernel_timeline(raw):
+      jax.block_until_ready(ap.attention_prefill_mosaic(q, k, v, causal=True))
+      jax.effects_barrier()  # the trace is written by a host callback
+    files = sorted(pathlib.Path(raw).glob("*-trace.json"))
+    if not files:
+      raise RuntimeError("the kernel wrote no trace")
+    trace = json.loads(files[-1].read_text())
+  out = label_timeline(trace, max_sms=max_sms)
+  out_dir.mkdir(parents=True, exist_ok=True)
+  path = out_dir / "fa3_timeline.json"
+  path.write_text(json.dumps(out))
+  log(f"in-kernel timeline: {len(out['traceEvents'])} events -> {path}")
+  return path
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
   p.add_argument("--model", default="tiny",
                  help="tiny, a named config with random weights (llama3.1-8b, ...), or a checkpoint")
@@ -933,6 +1008,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
   p.add_argument("--out", type=pathlib.Path, help="write profile.json, .png, _trace.json here")
   p.add_argument("--keep-trace", action="store_true",
                  help="keep the raw jax.profiler traces under --out/raw")
+  p.add_argument("--kernel-timeline", action="store_true",
+                 help="also write the FA3 kernel's per-warpgroup timeline (GPU) to "
+                      "--out/fa3_timeline.json")
 
 
 def run_cli(a) -> int:
@@ -952,6 +1030,13 @@ def run_cli(a) -> int:
   if a.out is not None:
     paths = rep.write_all(a.out)
     print("wrote " + ", ".join(str(p) for p in paths.values()))
+  if a.kernel_timeline:
+    if a.out is None:
+      raise SystemExit("--kernel-timeline needs --out")
+    try:
+      kernel_timeline(model, a.out, prefill_len=a.prefill_len)
+    except RuntimeError as e:  # no GPU: the per-layer profile still stands
+      print(f"kernel timeline skipped: {e}", file=sys.stderr)
   return 0 if all(p.error is None for p in rep.profiles) else 1
 
 

@@ -206,9 +206,8 @@ GPU_VARIANTS = {  # the GPU-only code paths, each alone
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", list(GPU_VARIANTS))
 @pytest.mark.parametrize("name", CASES)
-def test_mosaic_cases_on_gpu(name, variant, monkeypatch):
+def test_mosaic_cases_on_gpu(name, variant):
   """The interpret-mode cases at the same shapes, compiled, for each GPU-only path."""
-  monkeypatch.setattr(ap, "GPU_CACHED_PREFIX_OK", True)
   shape, kw, cfg = _case(name)
   cfg = dataclasses.replace(cfg or ap._pick_config(shape["D"], jnp.bfloat16, kw["causal"]),
                             **GPU_VARIANTS[variant])

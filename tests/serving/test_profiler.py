@@ -264,3 +264,45 @@ def test_cli_bad_input_is_a_message(capsys):
   assert "no such model" in capsys.readouterr().err
   assert P.main(["--model", "tiny", "--layers", "1", "--batch", "0"]) == 2
   assert "batch" in capsys.readouterr().err
+
+
+def test_label_timeline_names_warpgroups_and_keeps_the_first_sms():
+  ev = lambda name, ph, ts, pid, tid: {"name": name, "ph": ph, "ts": ts, "pid": pid, "tid": tid}
+  raw = {"displayTimeUnit": "ns", "traceEvents": [
+      # SM 0: CTA 0's three warpgroups; SM 7: CTA 1's producer.
+      ev("qk", "B", 100.0, 1, 1), ev("qk", "E", 101.5, 1, 1),
+      ev("softmax", "B", 100.2, 1, 2), ev("softmax", "E", 102.0, 1, 2),
+      ev("load_kv", "B", 99.0, 1, 3), ev("load_kv", "E", 99.5, 1, 3),
+      ev("load_kv", "B", 98.0, 8, 6), ev("load_kv", "E", 98.4, 8, 6)]}
+  out = P.label_timeline(raw, max_sms=1)
+  names = {(e["pid"], e["tid"]): e["args"]["name"] for e in out["traceEvents"]
+           if e["name"] == "thread_name"}
+  assert names == {(1, 1): "CTA 0 consumer 0", (1, 2): "CTA 0 consumer 1", (1, 3): "CTA 0 producer"}
+  spans = [e for e in out["traceEvents"] if e["ph"] in "BE"]
+  assert len(spans) == 6 and min(e["ts"] for e in spans) == 0.0  # SM 7 cut, rebased to SM 0's start
+  both = P.label_timeline(raw, max_sms=None)
+  assert {"CTA 1 producer"} <= {e["args"]["name"] for e in both["traceEvents"] if e["ph"] == "M"}
+  json.loads(json.dumps(out))  # what Perfetto reads
+  with pytest.raises(ValueError, match="no events"):
+    P.label_timeline({"traceEvents": []})
+
+
+def test_kernel_timeline_sets_the_profiler_params_and_needs_a_gpu(monkeypatch, tmp_path):
+  from mosaic import dsl
+
+  seen = {}
+  monkeypatch.setattr(dsl, "interpret_params", lambda: None)  # as on a GPU
+  monkeypatch.setattr(dsl.plgpu, "kernel", lambda body, **kw: seen.update(kw))
+  with dsl.kernel_timeline(tmp_path / "t", events=64):
+    dsl.kernel(lambda: None, compiler_params=dsl.plgpu.CompilerParams(approx_math=True))
+  cp = seen["compiler_params"]
+  assert (cp.profile_space, cp.profile_dir, cp.approx_math) == (64, str(tmp_path / "t"), True)
+  seen.clear()
+  dsl.kernel(lambda: None)  # outside: no profiler
+  assert seen == {"interpret": None}
+  with pytest.raises(ValueError, match="events"):
+    with dsl.kernel_timeline(tmp_path, events=0):
+      pass
+  monkeypatch.undo()
+  with pytest.raises(RuntimeError, match="needs a GPU"):
+    P.kernel_timeline(P.load_model("tiny"), tmp_path)
