@@ -126,7 +126,6 @@ def main():
   ap.add_argument("--decode-attention", default=None)
   ap.add_argument("--matmul", default="mosaic")
   ap.add_argument("--dtype", default="bfloat16")
-  ap.add_argument("--unroll-layers", action="store_true", help="decode without a layer loop")
   ap.add_argument("--num-pages", type=int, default=1400)
   ap.add_argument("--quick", action="store_true", help="fewer requests (smoke run)")
   ap.add_argument("--ttft-len", type=int, default=2048)
@@ -154,7 +153,7 @@ def main():
 
   page = a.page_size or E.default_page_size()
   runner = E.ModelRunner(model, num_pages=a.num_pages, page_size=page, attention=a.attention,
-                         decode_attention=a.decode_attention, matmul=a.matmul, unroll_layers=a.unroll_layers)
+                         decode_attention=a.decode_attention, matmul=a.matmul)
   cmax, chunk = a.concurrency, a.ttft_len
   cfg = E.EngineConfig(max_batch=cmax, max_waiting=512, max_seq_len=a.max_seq_len,
                        prefill_chunk=chunk, min_chunk=min(a.input_len, chunk), prefill_rows=4,
@@ -169,7 +168,7 @@ def main():
   warm = time.perf_counter() - t0
   print(f"warm-up + start {warm:.1f} s; serving on {server.address}", flush=True)
   target = server.address
-  rows, summary = [], {"warmup_s": warm, "config": a.config, "attention": a.attention, "unroll_layers": a.unroll_layers,
+  rows, summary = [], {"warmup_s": warm, "config": a.config, "attention": a.attention,
                        "matmul": a.matmul, "page_size": page}
 
   # 1. correctness before timing.

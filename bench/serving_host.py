@@ -55,7 +55,6 @@ def main():
   ap.add_argument("--attention", default="mosaic")
   ap.add_argument("--matmul", default="mosaic")
   ap.add_argument("--dtype", default="bfloat16")
-  ap.add_argument("--unroll-layers", action="store_true", help="decode without a layer loop")
   ap.add_argument("--num-pages", type=int, default=1400)
   ap.add_argument("--max-batch", type=int, default=64)
   ap.add_argument("--requests", type=int, default=64)
@@ -69,11 +68,11 @@ def main():
   from serving.engine import api
 
   res = {"tag": a.tag, "xla_flags": os.environ.get("XLA_FLAGS", ""), "config": a.config,
-         "attention": a.attention, "unroll_layers": a.unroll_layers, "matmul": a.matmul}
+         "attention": a.attention, "matmul": a.matmul}
   model = random_model(a.config, a.dtype)
   page = E.default_page_size()
   runner = E.ModelRunner(model, num_pages=a.num_pages, page_size=page, attention=a.attention,
-                         matmul=a.matmul, unroll_layers=a.unroll_layers)
+                         matmul=a.matmul)
   max_pages = -(-4096 // page)
   for b in sorted({1, a.max_batch}):
     tokens = jax.numpy.asarray(np.random.default_rng(0).integers(0, min(1000, runner.vocab_size), b), jax.numpy.int32)

@@ -35,7 +35,6 @@ leading [num_layers] axis.
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import functools
 import math
@@ -159,10 +158,6 @@ def _init(rngs, shape, dtype, fan_in):
 # Set while tracing a step under tensor parallelism (shard_map over the 'tp'
 # mesh axis): the layers then see their local shard of heads / features.
 _TP_AXIS: contextvars.ContextVar[str | None] = contextvars.ContextVar("tp_axis", default=None)
-# Layers per iteration of the layer scan (True: no loop). Unrolled, the step is
-# one flat sequence of kernels that XLA can launch as a CUDA graph rather than
-# one launch per kernel per layer from the host; it compiles more slowly.
-_UNROLL: contextvars.ContextVar[int | bool] = contextvars.ContextVar("unroll", default=1)
 
 
 class Linear(nnx.Module):
@@ -310,8 +305,7 @@ class Llama(nnx.Module):
       x = block.mlp(h, residual=x)
       return (x, kc, vc), None
 
-    (x, k, v), _ = jax.lax.scan(body, (x, cache.k, cache.v), (layer_state, layer_ids),
-                                unroll=_UNROLL.get())
+    (x, k, v), _ = jax.lax.scan(body, (x, cache.k, cache.v), (layer_state, layer_ids))
     return x, KVCache(k, v)
 
   # -- entry points (called inside jit by the functions below)
@@ -446,39 +440,27 @@ def backends(**names: str | None) -> tuple[tuple[str, str], ...]:
   return tuple(out)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "backends", "all_logits", "fresh", "mesh",
-                                             "unroll"), donate_argnames=("cache",))
+@functools.partial(jax.jit, static_argnames=("graphdef", "backends", "all_logits", "fresh", "mesh"),
+                   donate_argnames=("cache",))
 def prefill_step(graphdef, params, cache, tokens, positions, lengths, page_table, *,
-                 backends=(), all_logits=False, fresh=False, mesh=None, unroll=1):
+                 backends=(), all_logits=False, fresh=False, mesh=None):
   def step(params, cache, *rest):
     model = nnx.merge(graphdef, params)
-    with registry.use(**dict(backends)), _unrolled(unroll):
+    with registry.use(**dict(backends)):
       return model.prefill(cache, *rest, all_logits=all_logits, fresh=fresh)
 
   return _maybe_sharded(step, mesh, params, cache, tokens, positions, lengths, page_table)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "backends", "mesh", "unroll"),
+@functools.partial(jax.jit, static_argnames=("graphdef", "backends", "mesh"),
                    donate_argnames=("cache",))
-def decode_step(graphdef, params, cache, tokens, lengths, page_table, *, backends=(), mesh=None,
-                unroll=1):
+def decode_step(graphdef, params, cache, tokens, lengths, page_table, *, backends=(), mesh=None):
   def step(params, cache, *rest):
     model = nnx.merge(graphdef, params)
-    with registry.use(**dict(backends)), _unrolled(unroll):
+    with registry.use(**dict(backends)):
       return model.decode(cache, *rest)
 
   return _maybe_sharded(step, mesh, params, cache, tokens, lengths, page_table)
-
-
-@contextlib.contextmanager
-def _unrolled(unroll):
-  if not (unroll is True or (isinstance(unroll, int) and unroll >= 1)):
-    raise ValueError(f"{unroll=} must be True (no loop) or a positive int")
-  token = _UNROLL.set(unroll)
-  try:
-    yield
-  finally:
-    _UNROLL.reset(token)
 
 
 def _maybe_sharded(step, mesh, params, cache, *rest):

@@ -31,8 +31,7 @@ def _has_backend(op: str, name: str) -> bool:
 class ModelRunner:
 
   def __init__(self, model, *, num_pages: int, page_size: int, attention: str | None = None,
-               decode_attention: str | None = None, matmul: str | None = None,
-               unroll_layers: bool = False):
+               decode_attention: str | None = None, matmul: str | None = None):
     self.model = model
     cfg = model.config
     self.name = getattr(cfg, "name", type(model).__name__)
@@ -54,10 +53,6 @@ class ModelRunner:
                                        ("attention_decode", decode_attention),
                                        ("matmul", matmul)) if v}
 
-    # Unrolled decode layers: the step can run as one CUDA graph (less host
-    # time per step), at the price of a longer compile (models.llama._UNROLL).
-    # Prefill is compute-bound: its launches hide behind the device.
-    self.unroll = True if unroll_layers else 1
     self._fast = self._direct_steps(attention, decode_attention, matmul)
 
   def _direct_steps(self, attention, decode_attention, matmul):
@@ -81,7 +76,6 @@ class ModelRunner:
     pb = llama.backends(attention_prefill=attention, matmul=matmul)
     db = llama.backends(attention_decode=decode_attention, matmul=matmul)
     has_fresh = "fresh" in inspect.signature(llama.prefill_step).parameters
-    unroll = self.unroll
 
     @functools.partial(jax.jit, static_argnames=("fresh",), donate_argnums=(1,))
     def prefill(params, cache, tokens, positions, lengths, page_table, fresh=False):
@@ -92,7 +86,7 @@ class ModelRunner:
     @functools.partial(jax.jit, donate_argnums=(1,))
     def decode(params, cache, tokens, lengths, page_table):
       logits, cache = llama.decode_step(graphdef, params, cache, tokens[:, None], lengths,
-                                        page_table, backends=db, unroll=unroll)
+                                        page_table, backends=db)
       return logits[:, 0], cache
 
     return prefill, decode

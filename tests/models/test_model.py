@@ -159,23 +159,3 @@ def test_config_validation():
     models.ModelConfig.from_hf({"architectures": ["GPT2LMHeadModel"]})
   for name, c in models.config.CONFIGS.items():
     assert models.ModelConfig.from_dict(c.to_dict()) == c, name
-
-
-def test_unrolled_decode_matches_the_layer_loop(tiny):
-  """unroll=True (no layer loop, for CUDA graphs) computes what the scan does."""
-  rng = np.random.default_rng()
-  toks = rng.integers(3, tiny.config.vocab_size, (2, 9)).astype(np.int32)
-  table = np.array([[1, 2], [3, 4]], np.int32)
-  outs = []
-  for unroll in (1, True):
-    cache = tiny.init_cache(5, 8)
-    _, cache = llama.prefill_step(tiny.graphdef, tiny.params, cache, toks, np.zeros(2, np.int32),
-                                  np.array([9, 5], np.int32), table, unroll=unroll)
-    logits, _ = llama.decode_step(tiny.graphdef, tiny.params, cache, toks[:, :1],
-                                  np.array([10, 6], np.int32), table, unroll=unroll)
-    outs.append(np.asarray(logits))
-  assert np.all(np.isfinite(outs[0]))
-  testing.assert_close(outs[1], outs[0], jnp.float32, tol=1e-5, what="unrolled decode")
-  with pytest.raises(ValueError, match="unroll"):
-    llama.decode_step(tiny.graphdef, tiny.params, tiny.init_cache(5, 8), toks[:, :1],
-                      np.array([10, 6], np.int32), table, unroll=0)
