@@ -47,6 +47,18 @@ def _summ(samples: Sequence[float], timer: str) -> Timing:
   return Timing(statistics.median(samples), min(samples), max(samples), len(samples), timer)
 
 
+# L2 of the largest supported card (H100/H200: 50 MB); input sets rotated
+# through at least twice this many bytes find nothing of theirs left in L2.
+L2_BYTES = 50 * 2**20
+
+
+def cold_sets(bytes_per_set: int, *, min_sets: int = 2, max_sets: int = 16) -> int:
+  """How many rotating input sets of ``bytes_per_set`` keep every run L2-cold."""
+  if bytes_per_set <= 0:
+    raise ValueError(f"{bytes_per_set=} must be > 0")
+  return max(min_sets, min(max_sets, -(-2 * L2_BYTES // bytes_per_set)))
+
+
 def time_jax(f: Callable[..., Any], input_sets: Sequence[Sequence[Any]], *, iters: int = 20,
              warmup: int = 2) -> Timing:
   """Median device time of ``f(*inputs)`` over ``iters`` runs on rotated inputs."""

@@ -71,3 +71,15 @@ def test_race_detector_sees_a_missing_wait():
              scratch_types=[plgpu.SMEM((128,), jnp.float32), plgpu.Barrier()])(x)
   assert dsl.races_found()
   dsl.reset_interpret_state()
+
+
+def test_cold_sets_rotate_past_the_l2():
+  from mosaic import bench as bench_lib
+
+  l2 = bench_lib.L2_BYTES
+  assert bench_lib.cold_sets(235 * 2**20) == 2  # a big weight: two sets already miss L2
+  n = bench_lib.cold_sets(32 * 2**20)  # o-proj: 32 MB fits in L2 alone
+  assert n * 32 * 2**20 >= 2 * l2 and (n - 1) * 32 * 2**20 < 2 * l2
+  assert bench_lib.cold_sets(1, max_sets=16) == 16
+  with pytest.raises(ValueError):
+    bench_lib.cold_sets(0)
