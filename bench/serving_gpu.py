@@ -126,6 +126,7 @@ def main():
   ap.add_argument("--decode-attention", default=None)
   ap.add_argument("--matmul", default="mosaic")
   ap.add_argument("--dtype", default="bfloat16")
+  ap.add_argument("--decode-steps", type=int, default=1, help="EngineConfig.decode_steps")
   ap.add_argument("--num-pages", type=int, default=1400)
   ap.add_argument("--quick", action="store_true", help="fewer requests (smoke run)")
   ap.add_argument("--ttft-len", type=int, default=2048)
@@ -161,7 +162,8 @@ def main():
                        token_budget=cmax + chunk, default_max_tokens=a.output_len,
                        # Prompts here fit one chunk and are random (no prefix hits):
                        # fresh prefill only, to keep the warm-up short.
-                       warmup_continued=a.warmup_continued)
+                       warmup_continued=a.warmup_continued,
+                       decode_steps=a.decode_steps)
   engine = E.BatchingEngine(runner, cfg)
   t0 = time.perf_counter()
   server = Server(engine, port=0).start()  # warm-up compiles every bucketed shape here
@@ -169,7 +171,8 @@ def main():
   print(f"warm-up + start {warm:.1f} s; serving on {server.address}", flush=True)
   target = server.address
   rows, summary = [], {"warmup_s": warm, "config": a.config, "attention": a.attention,
-                       "matmul": a.matmul, "page_size": page}
+                       "matmul": a.matmul, "page_size": page,
+                       "decode_steps": a.decode_steps}
 
   # 1. correctness before timing.
   from serving.client import Client
@@ -234,7 +237,8 @@ def main():
     server.stop(grace=1.0)
   if runner._fast is not None:  # compiles after the warm-up would be in the timings
     summary["compiled_shapes"] = {"prefill": runner._fast[0]._cache_size(),
-                                  "decode": runner._fast[1]._cache_size()}
+                                  "decode": runner._fast[1]._cache_size(),
+                                  "decode_multi_step": runner._fast[2]._cache_size()}
 
   (out / "serving_gpu_summary.json").write_text(json.dumps(summary, indent=1, default=str))
   bench.write(out, "serving_gpu", rows, ["case", "ours", "target", "anchor_hf", "unit"],

@@ -55,6 +55,7 @@ def main():
   ap.add_argument("--attention", default="mosaic")
   ap.add_argument("--matmul", default="mosaic")
   ap.add_argument("--dtype", default="bfloat16")
+  ap.add_argument("--decode-steps", type=int, default=1, help="EngineConfig.decode_steps")
   ap.add_argument("--num-pages", type=int, default=1400)
   ap.add_argument("--max-batch", type=int, default=64)
   ap.add_argument("--requests", type=int, default=64)
@@ -94,7 +95,7 @@ def main():
                        prefill_chunk=2048, min_chunk=a.input_len, prefill_rows=4,
                        batch_buckets=tuple(sorted({1, min(8, a.max_batch), a.max_batch})),
                        token_budget=a.max_batch + 2048, default_max_tokens=a.output_len,
-                       warmup_continued=False)
+                       warmup_continued=False, decode_steps=a.decode_steps)
   engine = E.BatchingEngine(runner, cfg)
   t0 = time.perf_counter()
   engine.warmup()

@@ -37,7 +37,7 @@ def build_engine(a):
   cfg = dict(max_batch=a.max_batch, max_waiting=a.max_waiting, prefill_chunk=a.prefill_chunk,
              prefill_rows=a.prefill_rows, max_seq_len=a.max_seq_len,
              prefix_caching=not a.no_prefix_cache, warmup=not a.no_warmup,
-             default_max_tokens=a.default_max_tokens)
+             default_max_tokens=a.default_max_tokens, decode_steps=a.decode_steps)
   if a.token_budget:
     cfg["token_budget"] = a.token_budget
   spec = None if a.model in (None, "default") else a.model
@@ -152,6 +152,9 @@ def parser() -> argparse.ArgumentParser:
   s.add_argument("--prefill-rows", type=int, default=4)
   s.add_argument("--token-budget", type=int, help="tokens per step (default batch + chunk)")
   s.add_argument("--default-max-tokens", type=int, default=256)
+  s.add_argument("--decode-steps", type=int, default=1,
+                 help="greedy decode steps per dispatch when nothing waits for prefill "
+                      "(fewer host round trips; tokens past a request's end are dropped)")
   s.add_argument("--no-prefix-cache", action="store_true")
   s.add_argument("--no-warmup", action="store_true")
   s.add_argument("--auth-token", default=os.environ.get("MOSAIC_SERVING_TOKEN"),

@@ -74,10 +74,15 @@ class EngineConfig:
   # Warm-up also compiles prefill of continued chunks (a prefix in the cache);
   # without them the first continued chunk or prefix-cache hit compiles then.
   warmup_continued: bool = True
+  # Decode steps per dispatch when every running request is greedy (no
+  # penalties, no logprobs) and no prompt is waiting: the device feeds each
+  # step's argmax to the next, the host dispatches and reads once per
+  # ``decode_steps`` tokens. Tokens past a request's end are dropped.
+  decode_steps: int = 1
 
   def __post_init__(self):
     for f in ("max_batch", "max_waiting", "prefill_chunk", "min_chunk", "prefill_rows",
-              "default_max_tokens"):
+              "default_max_tokens", "decode_steps"):
       if getattr(self, f) < 1:
         raise ValueError(f"EngineConfig.{f}={getattr(self, f)} must be >= 1")
     if self.min_chunk > self.prefill_chunk:
@@ -342,13 +347,14 @@ class BatchingEngine(api.Engine):
       if seq.cancel is not None:
         self._finish(seq, seq.cancel)
 
-    decodes = self._schedule_decodes()
+    steps = self._decode_steps()
+    decodes = self._schedule_decodes(steps)
     prefills = self._schedule_prefills(self.config.budget - len(decodes))
     launched = []  # (rows, device outputs, logprobs wanted)
     if prefills:
       launched.append(self._run_prefill(prefills))
     if decodes:
-      launched.append(self._run_decode(decodes))
+      launched.append(self._run_decode(decodes, steps))
     previous, self._inflight = self._inflight, launched
     t_wait = 0.0
     for seqs, out, want_lp in previous:
@@ -356,13 +362,16 @@ class BatchingEngine(api.Engine):
       tokens = np.asarray(out[0])
       lp = [np.asarray(x) for x in out[1:4]] if want_lp else None
       t_wait += time.perf_counter() - tw
+      if tokens.ndim == 1:
+        tokens = tokens[None]  # [steps, rows]
       for i, seq in enumerate(seqs):
         if seq is None:
           continue
-        seq.pending -= 1
-        if seq.state != _State.DONE:
-          self._accept(seq, int(tokens[i]),
-                       None if lp is None else (lp[0][i], lp[1][i], lp[2][i]))
+        seq.pending -= len(tokens)
+        for j in range(len(tokens)):
+          if seq.state != _State.DONE:  # tokens after its end are dropped
+            self._accept(seq, int(tokens[j, i]),
+                         None if lp is None else (lp[0][i], lp[1][i], lp[2][i]))
     flushed = self._flush_deferred()
     if not launched and not previous:
       return flushed
@@ -374,7 +383,25 @@ class BatchingEngine(api.Engine):
       self.observer.on_step(self, dt, t_wait, len(decodes), sum(n for _, n in prefills))
     return True
 
-  def _schedule_decodes(self) -> list[_Seq]:
+  def _decode_steps(self) -> int:
+    """Decode steps this iteration: config.decode_steps when every decoding
+    request is plain greedy, no prompt waits for prefill (its first token
+    would wait for all the steps) and every request has the pages for them."""
+    n = self.config.decode_steps
+    if n == 1 or self._waiting or not hasattr(self.runner, "decode_greedy"):
+      return 1
+    need = 0
+    for seq in self._running:
+      p = seq.params
+      if (seq.state != _State.DECODE or not p.greedy or p.penalized or p.logprobs
+          or p.top_logprobs):
+        return 1
+      if seq.computed + n > self.max_pages * self.page_size:
+        return 1  # near the end of the context: one token at a time
+      need += max(0, -(-(seq.computed + n) // self.page_size) - len(seq.pages))
+    return n if need <= self.alloc.available else 1
+
+  def _schedule_decodes(self, steps: int = 1) -> list[_Seq]:
     decodes = []
     for seq in sorted((s for s in self._running if s.state == _State.DECODE),
                       key=lambda s: s.order):
@@ -383,7 +410,7 @@ class BatchingEngine(api.Engine):
       n = len(seq.generated) + seq.pending
       if n >= seq.max_tokens or len(seq.prompt) + n >= self.capacity:
         continue  # its last token is in flight: it ends when that is read
-      while not self._reserve(seq, seq.computed + 1):
+      while not self._reserve(seq, seq.computed + steps):
         victim = max((s for s in self._running if s.state != _State.WAITING),
                      key=lambda s: s.order)
         self._preempt(victim)
@@ -516,7 +543,7 @@ class BatchingEngine(api.Engine):
       self.alloc.register(seq.pages[i], seq.hashes[i])
     seq.registered = max(seq.registered, full * self.page_size)
 
-  def _run_decode(self, seqs: list[_Seq]):
+  def _run_decode(self, seqs: list[_Seq], steps: int = 1):
     n, b = len(seqs), _bucket(len(seqs), self.batch_buckets)
     slots = np.full((b,), -1, np.int32)
     slots[:n] = np.fromiter((s.slot for s in seqs), np.int32, n)
@@ -526,10 +553,18 @@ class BatchingEngine(api.Engine):
     table = np.zeros((b, self.max_pages), np.int32)
     lengths[:n] = np.fromiter((s.computed + 1 for s in seqs), np.int32, n)
     table[:n] = self._slot_table[slots[:n]]
+    rows: list[_Seq | None] = list(seqs) + [None] * (b - n)
+    if steps > 1:
+      for seq in seqs:
+        seq.computed += steps
+        seq.pending += steps
+      out = self.runner.decode_greedy(tokens, lengths, table, steps)  # [steps, b]
+      # The next dispatch starts from each slot's last token.
+      self._last_tok = sampling.set_last(self._last_tok, slots, out[-1])
+      return rows, (out, None, None, None), False
     for seq in seqs:
       seq.computed += 1
     logits = self.runner.decode(tokens, lengths, table)
-    rows: list[_Seq | None] = list(seqs) + [None] * (b - n)
     out, want_lp = self._sampling_call(rows, logits, b)
     return rows, out, want_lp
 
@@ -625,6 +660,12 @@ class BatchingEngine(api.Engine):
       logits = self.runner.decode(sampling.take(self._last_tok, np.zeros((b,), np.int32)),
                                   np.zeros((b,), np.int32), np.zeros((b, table_w), np.int32))
       self._warm_sampling(logits, b)
+      if self.config.decode_steps > 1 and hasattr(self.runner, "decode_greedy"):
+        slots = np.full((b,), -1, np.int32)
+        out = self.runner.decode_greedy(sampling.take(self._last_tok, slots),
+                                        np.zeros((b,), np.int32),
+                                        np.zeros((b, table_w), np.int32), self.config.decode_steps)
+        self._last_tok = sampling.set_last(self._last_tok, slots, out[-1])
     for rows in self.row_buckets:
       for t in self.chunk_buckets:
         # Positions 0 and 1: a model may compile fresh prompts and continued

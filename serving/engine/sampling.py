@@ -154,6 +154,12 @@ def sample(logits, s: SamplingArrays, counts, prompt_mask, last=None):
   return (tokens, chosen, top_ids, top_lp) + _update(counts, last, s.slot, tokens)
 
 
+@functools.partial(jax.jit, donate_argnames=("last",))
+def set_last(last, slots, tokens):
+  """``last`` with each row's token stored in its slot (slot -1: padding, dropped)."""
+  return last.at[jnp.where(slots < 0, last.shape[0], slots)].set(tokens, mode="drop")
+
+
 @jax.jit
 def take(last, slots):
   """The decode step's input tokens: the last token of each row's slot."""

@@ -134,3 +134,50 @@ def test_warmup_compiles_every_shape_steady_state_does_not():
     with concurrent.futures.ThreadPoolExecutor(6) as pool:
       list(pool.map(lambda p: _ids(c, p, max_tokens=5), _prompts(6, seed=9)))
     assert model._fwd._cache_size() == compiled
+
+
+def test_multi_step_decode_keeps_outputs_stops_and_pages():
+  """decode_steps=4: several greedy tokens per dispatch give the same tokens,
+  end exactly at max_tokens and stop tokens, and free every page; a sampled
+  request in the batch falls back to one step at a time."""
+  engine = E.toy_engine(max_batch=8, num_pages=200, page_size=8,
+                        **{**_SMALL, "batch_buckets": (1, 8), "decode_steps": 4})
+  calls = []
+  greedy_n = engine.runner.decode_greedy
+  engine.runner.decode_greedy = lambda *a: calls.append(a[-1]) or greedy_n(*a)
+  prompts = _prompts(8, seed=11)
+  lengths = [1, 3, 4, 5, 9, 12, 13, 7]  # not multiples of 4, and shorter than a block
+  with running(engine) as (server, c):
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+      got = list(pool.map(lambda a: _ids(c, a[0], max_tokens=a[1]), zip(prompts, lengths)))
+    assert calls and set(calls) == {4}
+    want = [reference_greedy(p, n) for p, n in zip(prompts, lengths)]
+    assert got == want
+    stop = want[4][5]
+    r = c.generate(prompts[4], max_tokens=9, ignore_eos=True, stop_token_ids=[stop])
+    assert list(r.token_ids) == want[4][:want[4].index(stop)]  # the stop token is not sent
+    assert r.finish_reason == E.FinishReason.STOP
+    calls.clear()
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+      f = pool.submit(c.generate, [3, 4, 5], temperature=1.0, seed=3, max_tokens=12)
+      g = _ids(c, prompts[0], max_tokens=12)
+      f.result()
+    assert g == reference_greedy(prompts[0], 12)
+    wait_for(lambda: engine.stats().pages_in_use == 0, what="pages freed")
+    engine.alloc.check()
+
+
+def test_multi_step_decode_under_preemption_and_cancel():
+  engine = E.toy_engine(max_batch=8, num_pages=11, page_size=8,
+                        **{**_SMALL, "batch_buckets": (8,), "decode_steps": 4})
+  prompts = [p[:20] + [5] * max(0, 20 - len(p)) for p in _prompts(4, seed=3)]
+  with running(engine) as (server, c):
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+      got = list(pool.map(lambda p: _ids(c, p, max_tokens=24), prompts))
+    assert got[:2] == [reference_greedy(p, 24) for p in prompts[:2]]
+    s = c.stream(prompts[0], max_tokens=40, ignore_eos=True)
+    next(iter(s))
+    s.cancel()
+    wait_for(lambda: engine.stats().pages_in_use == 0 and engine.stats().running == 0,
+             what="pages freed after cancel")
+    engine.alloc.check()

@@ -14,7 +14,8 @@ from serving.service import Server
 from tests.serving.conftest import running
 
 
-def test_models_tiny_through_the_server_equals_models_generate():
+@pytest.mark.parametrize("decode_steps", [1, 3])
+def test_models_tiny_through_the_server_equals_models_generate(decode_steps):
   models = pytest.importorskip("models")
   model = models.load("tiny", dtype="float32")
   prompt = [5, 17, 99, 3, 42, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19]  # 2 chunks
@@ -22,14 +23,17 @@ def test_models_tiny_through_the_server_equals_models_generate():
   runner = E.ModelRunner(model, num_pages=32, page_size=8)
   engine = E.BatchingEngine(runner, E.EngineConfig(
       max_batch=4, batch_buckets=(4,), prefill_rows=1, min_chunk=16, prefill_chunk=16,
-      max_seq_len=128, warmup=True))
+      max_seq_len=128, warmup=True, decode_steps=decode_steps))
   with running(engine) as (server, c):
     assert runner._fast is not None
     compiled = [f._cache_size() for f in runner._fast]
-    assert compiled == [2, 1]  # prefill fresh / continued chunk; decode
+    # prefill fresh / continued chunk; decode; decode_steps steps in one call
+    assert compiled == [2, 1, int(decode_steps > 1)]
     assert c.model_info().model_name == model.config.name
     got = [list(c.generate(prompt, max_tokens=8, ignore_eos=True).token_ids) for _ in range(2)]
     assert got == [want, want]
+    if decode_steps > 1:  # 8 tokens: the first from prefill, then steps of 3 (the last cut)
+      assert engine.steps < 2 * 8
     assert engine.stats().pages_in_use == 0
     assert [f._cache_size() for f in runner._fast] == compiled  # steady state: no compiles
 
