@@ -354,8 +354,13 @@ def heuristic(m: int, n: int, k: int, num_sms: int = 132) -> Config:
     # One wave: a second, partial wave would cost as much as the first.
     split = max(1, min(k_iters // 4, num_sms // tiles))
     cfg = dataclasses.replace(cfg, split_k=split)
-  # fp32 split partials double the epilogue buffers: give up pipeline stages.
-  while cfg.smem_bytes() > SMEM_LIMIT and cfg.stages > 2:
+  return fit_smem(cfg)
+
+
+def fit_smem(cfg: Config, in_itemsize: int = 2, out_itemsize: int = 2) -> Config:
+  """``cfg`` with pipeline stages given up (down to 2) until it fits in SMEM:
+  float32 outputs and split-K partials double the epilogue buffers."""
+  while cfg.smem_bytes(in_itemsize, out_itemsize) > SMEM_LIMIT and cfg.stages > 2:
     cfg = dataclasses.replace(cfg, stages=cfg.stages - 1)
   return cfg
 
@@ -384,12 +389,10 @@ def matmul_mosaic(a, b, *, bias=None, residual=None, out_dtype=None, config: Con
       raise ValueError(f"on Blackwell config must be a matmul_blackwell.Config; got {config=}")
     return bw.run(a, b, bias, residual, cfg=config or bw.heuristic(m, n, k),
                   out_dtype=out_dtype, num_sms=_num_sms())
-  cfg = config or pick_config(m, n, k, a.dtype)
   isz = (a.dtype.itemsize, out_dtype.itemsize)
-  # A float32 output doubles the epilogue buffers: a picked config gives up
-  # pipeline stages to fit; an explicit one is the caller's to fix.
-  while config is None and cfg.smem_bytes(*isz) > SMEM_LIMIT and cfg.stages > 2:
-    cfg = dataclasses.replace(cfg, stages=cfg.stages - 1)
+  # A picked config (heuristic or table, chosen for bf16 out) is fitted to
+  # this call's output dtype; an explicit one is the caller's to fix.
+  cfg = config or fit_smem(pick_config(m, n, k, a.dtype), *isz)
   if cfg.smem_bytes(*isz) > SMEM_LIMIT:
     raise ValueError(f"{cfg=} needs {cfg.smem_bytes(*isz)} bytes of SMEM > {SMEM_LIMIT}")
   return _run(a, b, bias, residual, cfg=cfg, out_dtype=out_dtype)
