@@ -17,6 +17,11 @@ Each iteration (``step``):
    previous step's tokens;
 5. then reads the previous step's tokens and hands each request its tokens,
    text and final event while the device runs this step.
+
+With ``EngineConfig.decode_steps`` = n > 1, an iteration with no prompt
+waiting runs n decode steps in one device call (sampling on the device, each
+step's token fed to the next), so the host dispatches and reads once per n
+tokens; tokens computed past a request's end are dropped when read.
 """
 
 from __future__ import annotations
@@ -74,10 +79,10 @@ class EngineConfig:
   # Warm-up also compiles prefill of continued chunks (a prefix in the cache);
   # without them the first continued chunk or prefix-cache hit compiles then.
   warmup_continued: bool = True
-  # Decode steps per dispatch when every running request is greedy (no
-  # penalties, no logprobs) and no prompt is waiting: the device feeds each
-  # step's argmax to the next, the host dispatches and reads once per
-  # ``decode_steps`` tokens. Tokens past a request's end are dropped.
+  # Decode steps per dispatch while no prompt is waiting: the device samples
+  # each step's token and feeds it to the next; the host dispatches and reads
+  # once per ``decode_steps`` tokens. Tokens past a request's end (EOS, stop,
+  # max_tokens) are dropped. Seeded sampling draws what it would step by step.
   decode_steps: int = 1
 
   def __post_init__(self):
@@ -362,8 +367,9 @@ class BatchingEngine(api.Engine):
       tokens = np.asarray(out[0])
       lp = [np.asarray(x) for x in out[1:4]] if want_lp else None
       t_wait += time.perf_counter() - tw
-      if tokens.ndim == 1:
-        tokens = tokens[None]  # [steps, rows]
+      if tokens.ndim == 1:  # one step: [rows] -> [1, rows]
+        tokens = tokens[None]
+        lp = None if lp is None else [x[None] for x in lp]
       for i, seq in enumerate(seqs):
         if seq is None:
           continue
@@ -371,7 +377,7 @@ class BatchingEngine(api.Engine):
         for j in range(len(tokens)):
           if seq.state != _State.DONE:  # tokens after its end are dropped
             self._accept(seq, int(tokens[j, i]),
-                         None if lp is None else (lp[0][i], lp[1][i], lp[2][i]))
+                         None if lp is None else (lp[0][j, i], lp[1][j, i], lp[2][j, i]))
     flushed = self._flush_deferred()
     if not launched and not previous:
       return flushed
@@ -384,20 +390,16 @@ class BatchingEngine(api.Engine):
     return True
 
   def _decode_steps(self) -> int:
-    """Decode steps this iteration: config.decode_steps when every decoding
-    request is plain greedy, no prompt waits for prefill (its first token
-    would wait for all the steps) and every request has the pages for them."""
+    """Decode steps this iteration: config.decode_steps unless a prompt waits
+    (its first token would wait for all the steps), a request is still in
+    prefill, or some request lacks the pages or the context for them."""
     n = self.config.decode_steps
-    if n == 1 or self._waiting or not hasattr(self.runner, "decode_greedy"):
+    if n == 1 or self._waiting:
       return 1
     need = 0
     for seq in self._running:
-      p = seq.params
-      if (seq.state != _State.DECODE or not p.greedy or p.penalized or p.logprobs
-          or p.top_logprobs):
+      if seq.state != _State.DECODE or seq.computed + n > self.max_pages * self.page_size:
         return 1
-      if seq.computed + n > self.max_pages * self.page_size:
-        return 1  # near the end of the context: one token at a time
       need += max(0, -(-(seq.computed + n) // self.page_size) - len(seq.pages))
     return n if need <= self.alloc.available else 1
 
@@ -497,7 +499,8 @@ class BatchingEngine(api.Engine):
       budget -= n
     return out
 
-  def _sampling_call(self, seqs: list[_Seq | None], logits, batch: int):
+  def _sampling_inputs(self, seqs: list[_Seq | None], batch: int):
+    """(per-row sampling arrays, logprobs wanted, every row plain greedy)."""
     rows = [r for r, s in enumerate(seqs) if s is not None]
     live = [seqs[r] for r in rows]
     slots = np.fromiter((s.slot for s in live), np.int32, len(live))
@@ -505,13 +508,19 @@ class BatchingEngine(api.Engine):
     arrays = sampling.gather(self._slot_f[slots], self._slot_i[slots], np.asarray(rows, np.int32),
                              steps, batch)
     want_lp = any(s.params.logprobs or s.params.top_logprobs for s in live)
-    if all(s.params.greedy and not s.params.penalized for s in live):
+    greedy = all(s.params.greedy and not s.params.penalized for s in live)
+    return arrays, want_lp, greedy
+
+  def _sampling_call(self, seqs: list[_Seq | None], logits, batch: int):
+    arrays, want_lp, greedy = self._sampling_inputs(seqs, batch)
+    if greedy:
       out = sampling.greedy(logits, arrays, self._counts, self._last_tok, logprobs=want_lp)
     else:
       out = sampling.sample(logits, arrays, self._counts, self._prompt_mask, self._last_tok)
     self._counts, self._last_tok = out[4], out[5]
-    for seq in live:
-      seq.pending += 1
+    for seq in seqs:
+      if seq is not None:
+        seq.pending += 1
     return out[:4], want_lp
 
   def _run_prefill(self, chunks: list[tuple[_Seq, int]]):
@@ -555,18 +564,36 @@ class BatchingEngine(api.Engine):
     table[:n] = self._slot_table[slots[:n]]
     rows: list[_Seq | None] = list(seqs) + [None] * (b - n)
     if steps > 1:
-      for seq in seqs:
-        seq.computed += steps
-        seq.pending += steps
-      out = self.runner.decode_greedy(tokens, lengths, table, steps)  # [steps, b]
-      # The next dispatch starts from each slot's last token.
-      self._last_tok = sampling.set_last(self._last_tok, slots, out[-1])
-      return rows, (out, None, None, None), False
+      return (rows,) + self._run_decode_steps(rows, tokens, lengths, table, steps)
     for seq in seqs:
       seq.computed += 1
     logits = self.runner.decode(tokens, lengths, table)
     out, want_lp = self._sampling_call(rows, logits, b)
     return rows, out, want_lp
+
+  def _run_decode_steps(self, rows, tokens, lengths, table, steps: int):
+    """``steps`` decode steps with sampling on the device: one call where the
+    runner has it, else one call per step. Outputs are [steps, batch, ...]."""
+    arrays, want_lp, greedy = self._sampling_inputs(rows, len(rows))
+    if getattr(self.runner, "supports_multi_step", False):
+      out = self.runner.decode_multi(tokens, lengths, table, arrays, self._counts,
+                                     self._prompt_mask, self._last_tok, steps=steps,
+                                     greedy_only=greedy, logprobs=want_lp)
+    else:
+      outs, counts, last, tok = [], self._counts, self._last_tok, tokens
+      for i in range(steps):
+        li = np.where(lengths > 0, lengths + i, 0).astype(np.int32)
+        o = sampling.step_jit(self.runner.decode(tok, li, table), arrays, np.int32(i), counts,
+                              self._prompt_mask, last, greedy_only=greedy, logprobs=want_lp)
+        tok, counts, last = o[0], o[4], o[5]
+        outs.append(o[:4])
+      out = tuple(None if x[0] is None else jnp.stack(x) for x in zip(*outs)) + (counts, last)
+    self._counts, self._last_tok = out[4], out[5]
+    for seq in rows:
+      if seq is not None:
+        seq.computed += steps
+        seq.pending += steps
+    return out[:4], want_lp
 
   def _accept(self, seq: _Seq, token: int, lp) -> None:
     """Records a sampled token; ends the request on EOS, a stop token or its length."""
@@ -660,12 +687,15 @@ class BatchingEngine(api.Engine):
       logits = self.runner.decode(sampling.take(self._last_tok, np.zeros((b,), np.int32)),
                                   np.zeros((b,), np.int32), np.zeros((b, table_w), np.int32))
       self._warm_sampling(logits, b)
-      if self.config.decode_steps > 1 and hasattr(self.runner, "decode_greedy"):
-        slots = np.full((b,), -1, np.int32)
-        out = self.runner.decode_greedy(sampling.take(self._last_tok, slots),
-                                        np.zeros((b,), np.int32),
-                                        np.zeros((b, table_w), np.int32), self.config.decode_steps)
-        self._last_tok = sampling.set_last(self._last_tok, slots, out[-1])
+      if self.config.decode_steps > 1 and getattr(self.runner, "supports_multi_step", False):
+        arrays = sampling.pack([], [], [], [], b)
+        for greedy_only, lp in ((True, False), (True, True), (False, True)):
+          out = self.runner.decode_multi(
+              sampling.take(self._last_tok, np.zeros((b,), np.int32)), np.zeros((b,), np.int32),
+              np.zeros((b, table_w), np.int32), arrays, self._counts, self._prompt_mask,
+              self._last_tok, steps=self.config.decode_steps, greedy_only=greedy_only,
+              logprobs=lp)
+          self._counts, self._last_tok = out[4], out[5]
     for rows in self.row_buckets:
       for t in self.chunk_buckets:
         # Positions 0 and 1: a model may compile fresh prompts and continued

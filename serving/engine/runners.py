@@ -3,10 +3,10 @@
 A runner owns the KV cache and exposes ``prefill(tokens[B, T], positions[B],
 lengths[B], page_table[B, P]) -> logits[B, V]`` and ``decode(tokens[B],
 lengths[B], page_table[B, P]) -> logits[B, V]`` on host (numpy) inputs,
-returning device logits; and ``decode_greedy(tokens[B], lengths[B],
-page_table[B, P], steps) -> tokens[steps, B]``: ``steps`` decode steps in one
-call, each feeding its argmax to the next (step i at lengths + i), so that the
-host dispatches once for several tokens. ``ModelRunner`` wraps anything with the ``models``
+returning device logits. ``ModelRunner`` over a models.Model also has
+``decode_multi``: several decode steps in one device call, each sampling on
+the device (serving.engine.sampling.step) and feeding its token to the next
+(step i at lengths + i), so that the host dispatches once for several tokens. ``ModelRunner`` wraps anything with the ``models``
 API (models.Model, or the toy model); ``CountingRunner`` is a model whose
 next token is the previous token + 1, so the service's output is known.
 """
@@ -93,21 +93,27 @@ class ModelRunner:
                                         page_table, backends=db)
       return logits[:, 0], cache
 
-    @functools.partial(jax.jit, donate_argnums=(1,), static_argnames=("steps",))
-    def decode_greedy(params, cache, tokens, lengths, page_table, steps):
+    from serving.engine import sampling
+
+    @functools.partial(jax.jit, donate_argnums=(1, 6, 8),
+                       static_argnames=("steps", "greedy_only", "logprobs"))
+    def decode_multi(params, cache, tokens, lengths, page_table, arrays, counts, prompt_mask,
+                     last, steps, greedy_only, logprobs):
       def one(carry, i):
-        cache, tok = carry
+        cache, tok, counts, last = carry
         # Padding rows (length 0) stay at 0: they write nothing.
         logits, cache = llama.decode_step(graphdef, params, cache, tok[:, None],
                                           jnp.where(lengths > 0, lengths + i, 0), page_table,
                                           backends=db)
-        tok = jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)
-        return (cache, tok), tok
+        out = sampling.step(logits[:, 0], arrays, i, counts, prompt_mask, last,
+                            greedy_only=greedy_only, logprobs=logprobs)
+        return (cache, out[0], out[4], out[5]), out[:4]
 
-      (cache, _), out = jax.lax.scan(one, (cache, tokens), jnp.arange(steps, dtype=jnp.int32))
-      return out, cache
+      (cache, _, counts, last), outs = jax.lax.scan(
+          one, (cache, tokens, counts, last), jnp.arange(steps, dtype=jnp.int32))
+      return outs + (counts, last), cache
 
-    return prefill, decode, decode_greedy
+    return prefill, decode, decode_multi
 
   def prefill(self, tokens, positions, lengths, page_table):
     if self._fast is not None:
@@ -127,17 +133,18 @@ class ModelRunner:
     logits, self.cache = self.model.decode(self.cache, tokens, lengths, page_table, **self._dkw)
     return logits
 
-  def decode_greedy(self, tokens, lengths, page_table, steps: int):
-    if self._fast is not None:
-      out, self.cache = self._fast[2](self.model.params, self.cache, tokens, lengths,
-                                      page_table, steps=steps)
-      return out
-    out = []
-    for i in range(steps):  # other models: one call per step, same tokens
-      step_lengths = np.where(lengths > 0, lengths + i, 0).astype(np.int32)
-      tokens = jnp.argmax(self.decode(tokens, step_lengths, page_table), axis=-1).astype(jnp.int32)
-      out.append(tokens)
-    return jnp.stack(out)
+  @property
+  def supports_multi_step(self) -> bool:
+    return self._fast is not None
+
+  def decode_multi(self, tokens, lengths, page_table, arrays, counts, prompt_mask, last, *,
+                   steps: int, greedy_only: bool, logprobs: bool):
+    """``steps`` decode steps with on-device sampling in one call (models.Model only):
+    ((tokens, logprob, top ids, top logprobs) each [steps, B, ...], counts, last)."""
+    out, self.cache = self._fast[2](self.model.params, self.cache, tokens, lengths, page_table,
+                                    arrays, counts, prompt_mask, last, steps=steps,
+                                    greedy_only=greedy_only, logprobs=logprobs)
+    return out
 
 
 class CountingRunner:
@@ -174,12 +181,3 @@ class CountingRunner:
     del lengths, page_table
     time.sleep(self.step_delay)
     return self._logits(np.asarray(tokens))
-
-  def decode_greedy(self, tokens, lengths, page_table, steps: int):
-    del lengths, page_table
-    time.sleep(self.step_delay)
-    out, tok = [], np.asarray(tokens)
-    for _ in range(steps):
-      tok = self._logits(tok).argmax(-1).astype(np.int32)
-      out.append(tok)
-    return np.stack(out)

@@ -12,7 +12,8 @@ temperature 1), the generated-token counts updated with the new tokens, and
 decode step can start before the host has read this one's tokens).
 
 ``greedy`` is the fast path when no row of the step samples or penalizes:
-argmax (and logprobs if asked), no sort over the vocabulary.
+argmax (and logprobs if asked), no sort over the vocabulary. ``step`` is one
+of several decode steps run in one device call (EngineConfig.decode_steps).
 """
 
 from __future__ import annotations
@@ -108,8 +109,7 @@ def _logprobs(logits, tokens):
   return chosen, top_ids, top_lp
 
 
-@functools.partial(jax.jit, donate_argnames=("counts", "last"), static_argnames=("logprobs",))
-def greedy(logits, s: SamplingArrays, counts, last=None, *, logprobs: bool = True):
+def _greedy(logits, s: SamplingArrays, counts, last=None, *, logprobs: bool = True):
   tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
   if not logprobs:  # nothing but the ids leaves the device
     return (tokens, None, None, None) + _update(counts, last, s.slot, tokens)
@@ -126,8 +126,7 @@ def _penalize(logits, s, counts, prompt_mask):
   return logits - s.presence[:, None] * (c > 0) - s.frequency[:, None] * c
 
 
-@functools.partial(jax.jit, donate_argnames=("counts", "last"))
-def sample(logits, s: SamplingArrays, counts, prompt_mask, last=None):
+def _sample(logits, s: SamplingArrays, counts, prompt_mask, last=None):
   logits = _penalize(logits.astype(jnp.float32), s, counts, prompt_mask)
   argmax = jnp.argmax(logits, axis=-1).astype(jnp.int32)
   vocab = logits.shape[-1]
@@ -154,10 +153,24 @@ def sample(logits, s: SamplingArrays, counts, prompt_mask, last=None):
   return (tokens, chosen, top_ids, top_lp) + _update(counts, last, s.slot, tokens)
 
 
-@functools.partial(jax.jit, donate_argnames=("last",))
-def set_last(last, slots, tokens):
-  """``last`` with each row's token stored in its slot (slot -1: padding, dropped)."""
-  return last.at[jnp.where(slots < 0, last.shape[0], slots)].set(tokens, mode="drop")
+greedy = functools.partial(jax.jit, donate_argnames=("counts", "last"),
+                           static_argnames=("logprobs",))(_greedy)
+sample = functools.partial(jax.jit, donate_argnames=("counts", "last"))(_sample)
+
+
+def step(logits, s: SamplingArrays, i, counts, prompt_mask, last, *, greedy_only: bool,
+         logprobs: bool = True):
+  """Step ``i`` of a multi-step decode: ``greedy`` or ``sample`` with every
+  row's step counter advanced by ``i`` (a seeded row draws what it would one
+  step at a time). Traceable: the runner calls it inside its loop."""
+  s = SamplingArrays(f=s.f, i=s.i.at[:, 3].add(i))
+  if greedy_only:
+    return _greedy(logits, s, counts, last, logprobs=logprobs)
+  return _sample(logits, s, counts, prompt_mask, last)
+
+
+step_jit = functools.partial(jax.jit, donate_argnames=("counts", "last"),
+                             static_argnames=("greedy_only", "logprobs"))(step)
 
 
 @jax.jit

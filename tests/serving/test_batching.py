@@ -136,17 +136,20 @@ def test_warmup_compiles_every_shape_steady_state_does_not():
     assert model._fwd._cache_size() == compiled
 
 
-def test_multi_step_decode_keeps_outputs_stops_and_pages():
-  """decode_steps=4: several greedy tokens per dispatch give the same tokens,
-  end exactly at max_tokens and stop tokens, and free every page; a sampled
-  request in the batch falls back to one step at a time."""
+def test_multi_step_decode_keeps_outputs_stops_and_pages(toy):
+  """decode_steps=4: several tokens per dispatch give the tokens of one step at
+  a time (greedy, and seeded sampling with penalties and logprobs), end exactly
+  at max_tokens and stop tokens, and free every page."""
+  _, c1 = toy  # decode_steps=1
   engine = E.toy_engine(max_batch=8, num_pages=200, page_size=8,
                         **{**_SMALL, "batch_buckets": (1, 8), "decode_steps": 4})
   calls = []
-  greedy_n = engine.runner.decode_greedy
-  engine.runner.decode_greedy = lambda *a: calls.append(a[-1]) or greedy_n(*a)
+  multi = engine._run_decode_steps
+  engine._run_decode_steps = lambda *a: calls.append(a[-1]) or multi(*a)
   prompts = _prompts(8, seed=11)
   lengths = [1, 3, 4, 5, 9, 12, 13, 7]  # not multiples of 4, and shorter than a block
+  kw = dict(temperature=0.8, top_k=20, seed=5, max_tokens=11, repetition_penalty=1.3,
+            logprobs=True, top_logprobs=2, ignore_eos=True)
   with running(engine) as (server, c):
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
       got = list(pool.map(lambda a: _ids(c, a[0], max_tokens=a[1]), zip(prompts, lengths)))
@@ -158,11 +161,14 @@ def test_multi_step_decode_keeps_outputs_stops_and_pages():
     assert list(r.token_ids) == want[4][:want[4].index(stop)]  # the stop token is not sent
     assert r.finish_reason == E.FinishReason.STOP
     calls.clear()
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-      f = pool.submit(c.generate, [3, 4, 5], temperature=1.0, seed=3, max_tokens=12)
-      g = _ids(c, prompts[0], max_tokens=12)
-      f.result()
-    assert g == reference_greedy(prompts[0], 12)
+    sampled = c.generate(prompts[1], **kw)
+    assert calls
+    one_step = c1.generate(prompts[1], **kw)
+    assert list(sampled.token_ids) == list(one_step.token_ids)
+    assert len(sampled.logprobs) == 11
+    for a, b in zip(sampled.logprobs, one_step.logprobs):
+      assert a.token_id == b.token_id and abs(a.logprob - b.logprob) < 1e-4
+      assert [t.token_id for t in a.top] == [t.token_id for t in b.top]
     wait_for(lambda: engine.stats().pages_in_use == 0, what="pages freed")
     engine.alloc.check()
 

@@ -28,12 +28,26 @@ def test_models_tiny_through_the_server_equals_models_generate(decode_steps):
     assert runner._fast is not None
     compiled = [f._cache_size() for f in runner._fast]
     # prefill fresh / continued chunk; decode; decode_steps steps in one call
-    assert compiled == [2, 1, int(decode_steps > 1)]
+    # (greedy, greedy with logprobs, sampled)
+    assert compiled == [2, 1, 3 if decode_steps > 1 else 0]
     assert c.model_info().model_name == model.config.name
     got = [list(c.generate(prompt, max_tokens=8, ignore_eos=True).token_ids) for _ in range(2)]
     assert got == [want, want]
     if decode_steps > 1:  # 8 tokens: the first from prefill, then steps of 3 (the last cut)
       assert engine.steps < 2 * 8
+      # Seeded sampling with penalties draws, 3 steps per call, what one step at a time draws.
+      kw = dict(temperature=0.9, top_p=0.9, seed=11, max_tokens=7, presence_penalty=0.5,
+                logprobs=True, ignore_eos=True)
+      multi = c.generate(prompt, **kw)
+      one = E.BatchingEngine(E.ModelRunner(model, num_pages=32, page_size=8), E.EngineConfig(
+          max_batch=4, batch_buckets=(4,), prefill_rows=1, min_chunk=16, prefill_chunk=16,
+          max_seq_len=128, warmup=False))
+      with running(one) as (_, c1):
+        single = c1.generate(prompt, **kw)
+      assert list(multi.token_ids) == list(single.token_ids)
+      assert [round(x.logprob, 4) for x in multi.logprobs] == [
+          round(x.logprob, 4) for x in single.logprobs]
+      assert [f._cache_size() for f in runner._fast] == compiled  # the sampled steps too
     assert engine.stats().pages_in_use == 0
     assert [f._cache_size() for f in runner._fast] == compiled  # steady state: no compiles
 
