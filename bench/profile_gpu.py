@@ -7,8 +7,8 @@ One process, in this order (CUPTI must not follow a jax.profiler trace):
    fit the time budget; every layer has the same shapes, so per-layer figures
    are those of the full model);
 2. the kernels on their own, at the model's shapes, with device timers
-   (mosaic.bench.time_jax, CUPTI): each matmul of a layer (q, k, v, o + residual,
-   gate, up, down + residual, lm_head) at M = B*S (prefill) and M = B
+   (mosaic.bench.time_jax, CUPTI): each matmul of a layer (qkv, o + residual,
+   gate_up, down + residual, lm_head) at M = B*S (prefill) and M = B
    (decode), and each attention backend at the model's call;
 3. serving.profiler.profile, one call for both phases: every configuration
    compiled, its logits checked against the xla-attention configuration, its
@@ -65,9 +65,9 @@ def isolated(model, phase, batch, length, attn_names, page_size):
   keys = iter(jax.random.split(jax.random.key(1), 1024))
   rnd = lambda *s, dtype=dt: jax.random.normal(next(keys), s, jnp.float32).astype(dtype)
   out = {}
-  # k and v, gate and up have the same shapes: timed once, counted for both.
-  mm = [(("q",), d, hq * hd, False), (("k", "v"), d, hkv * hd, False), (("o",), hq * hd, d, True),
-        (("gate", "up"), d, f, False), (("down",), f, d, True)]
+  # The model's matmuls: q/k/v fused, gate/up fused (models.llama).
+  mm = [(("qkv",), d, (hq + 2 * hkv) * hd, False), (("o",), hq * hd, d, True),
+        (("gate_up",), d, 2 * f, False), (("down",), f, d, True)]
   for names, k, n, res in mm:
     # As in the model, the weight is not in L2 when the op runs (rotate past it).
     n_sets = bench.cold_sets(2 * (m * k + k * n + (m * n if res else 0)))
@@ -156,7 +156,7 @@ def main(argv=None) -> int:
   rep.write_json(a.out / "profile_llama8b.json")  # kept if a later step dies
   # Checks and the flat result table.
   rows = []
-  op_of = {"qkv": ["mm_q", "mm_k", "mm_v"], "o_proj": ["mm_o"], "gate_up": ["mm_gate", "mm_up"],
+  op_of = {"qkv": ["mm_qkv"], "o_proj": ["mm_o"], "gate_up": ["mm_gate_up"],
            "down": ["mm_down"], "lm_head": ["mm_lm_head"]}
   ok = True
   for pr in rep.profiles:

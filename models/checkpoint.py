@@ -1,9 +1,11 @@
 """Checkpoints: Hugging Face folders, GGUF files, our own orbax directories.
 
 Every reader produces ``(ModelConfig, pure params dict, Tokenizer)``; the pure
-dict has the nesting of ``nnx.state(Llama)`` (``embed``, ``layers.attn.wq.w``,
+dict has the nesting of ``nnx.state(Llama)`` (``embed``, ``layers.attn.wqkv.w``,
 ..., stacked layer weights [num_layers, ...], matrices [in, out]), with host
 numpy arrays that ``models.model`` turns into device arrays of the chosen dtype.
+q/k/v and gate/up are stored fused (``fuse_qkv``, ``fuse_gate_up``; the
+``split_*`` functions undo it): readers combine the source's separate tensors.
 
 - HF: config.json + model.safetensors or sharded model-0000x-of-0000y.safetensors
   (+ model.safetensors.index.json). torch Linear weights are [out, in]: they
@@ -47,22 +49,75 @@ def _progress(iterable, total, desc):
 # ---------------------------------------------------------------- params tree
 
 
-def _target(cfg: ModelConfig) -> dict[str, Any]:
-  """Shapes of our params tree, nested like nnx.state(Llama)."""
+def fuse_qkv(q, k, v, cfg: ModelConfig):
+  """q [..., Hq*hd], k/v [..., Hkv*hd] -> [..., Hkv*(G+2)*hd] in the model's
+  wqkv column order: per kv head, its G query heads, then k, then v."""
+  hd, hkv = cfg.head_dim, cfg.num_kv_heads
+  lead = q.shape[:-1]
+  parts = [q.reshape(*lead, hkv, cfg.q_per_kv, hd), k.reshape(*lead, hkv, 1, hd),
+           v.reshape(*lead, hkv, 1, hd)]
+  return np.concatenate(parts, axis=-2).reshape(*lead, -1)
+
+
+def split_qkv(wqkv, cfg: ModelConfig):
+  """Inverse of ``fuse_qkv``: (q, k, v)."""
+  hd, hkv, g = cfg.head_dim, cfg.num_kv_heads, cfg.q_per_kv
+  lead = wqkv.shape[:-1]
+  y = np.asarray(wqkv).reshape(*lead, hkv, g + 2, hd)
+  return (y[..., :g, :].reshape(*lead, -1), y[..., g, :].reshape(*lead, -1),
+          y[..., g + 1, :].reshape(*lead, -1))
+
+
+def fuse_gate_up(gate, up):
+  """gate/up [..., F] -> [..., 2F], the two side by side per feature."""
+  return np.stack([gate, up], axis=-1).reshape(*gate.shape[:-1], -1)
+
+
+def split_gate_up(w):
+  """Inverse of ``fuse_gate_up``: (gate, up)."""
+  y = np.asarray(w).reshape(*w.shape[:-1], -1, 2)
+  return y[..., 0], y[..., 1]
+
+
+def unfused_layers(params: dict, cfg: ModelConfig) -> dict[str, Any]:
+  """The stacked layer matrices as separate wq/wk/wv [n, D, out] and w_gate/w_up
+  (and qkv biases bq/bk/bv when present), for writing other formats."""
+  attn, mlp = params["layers"]["attn"], params["layers"]["mlp"]
+  out = dict(zip(("wq", "wk", "wv"), split_qkv(attn["wqkv"]["w"], cfg)))
+  if "b" in attn["wqkv"]:
+    out.update(zip(("bq", "bk", "bv"), split_qkv(attn["wqkv"]["b"], cfg)))
+  out.update(zip(("w_gate", "w_up"), split_gate_up(mlp["w_gate_up"]["w"])))
+  return out
+
+
+# Fused leaves: (source leaves, combine(arrays, cfg)).
+_FUSED = {
+    "layers.attn.wqkv.w": (("wq.w", "wk.w", "wv.w"), lambda a, cfg: fuse_qkv(*a, cfg)),
+    "layers.attn.wqkv.b": (("wq.b", "wk.b", "wv.b"), lambda a, cfg: fuse_qkv(*a, cfg)),
+    "layers.mlp.w_gate_up.w": (("w_gate.w", "w_up.w"), lambda a, cfg: fuse_gate_up(*a)),
+}
+
+
+def _target(cfg: ModelConfig, fused: bool = True) -> dict[str, Any]:
+  """Shapes of our params tree, nested like nnx.state(Llama); ``fused=False``:
+  the layout before q/k/v and gate/up were fused (older orbax directories)."""
   d, hd, f, n = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size, cfg.num_layers
   lin = lambda i, o, bias=False: {"w": (n, i, o), **({"b": (n, o)} if bias else {})}
+  if fused:
+    attn = {"wqkv": lin(d, (cfg.num_heads + 2 * cfg.num_kv_heads) * hd, cfg.qkv_bias)}
+    mlp = {"w_gate_up": lin(d, 2 * f)}
+  else:
+    attn = {"wq": lin(d, cfg.num_heads * hd, cfg.qkv_bias),
+            "wk": lin(d, cfg.num_kv_heads * hd, cfg.qkv_bias),
+            "wv": lin(d, cfg.num_kv_heads * hd, cfg.qkv_bias)}
+    mlp = {"w_gate": lin(d, f), "w_up": lin(d, f)}
   tree = {
       "embed": (cfg.vocab_size, d),
       "layers": {
           "attn_norm": {"w": (n, d)},
-          "attn": {
-              "wq": lin(d, cfg.num_heads * hd, cfg.qkv_bias),
-              "wk": lin(d, cfg.num_kv_heads * hd, cfg.qkv_bias),
-              "wv": lin(d, cfg.num_kv_heads * hd, cfg.qkv_bias),
-              "wo": lin(cfg.num_heads * hd, d),
-          },
+          "attn": {**attn, "wo": lin(cfg.num_heads * hd, d)},
           "mlp_norm": {"w": (n, d)},
-          "mlp": {"w_gate": lin(d, f), "w_up": lin(d, f), "w_down": lin(f, d)},
+          "mlp": {**mlp, "w_down": lin(f, d)},
       },
       "final_norm": {"w": (d,)},
   }
@@ -75,7 +130,7 @@ def _fill(cfg: ModelConfig, get: Callable[[str, int | None], np.ndarray], names:
           dtype, source: str, desc: str) -> dict[str, Any]:
   """Builds the params tree; ``names`` maps our leaf path to a source name
   (with "{i}" for the layer), ``get(name, layer)`` returns the tensor already
-  in our orientation."""
+  in our orientation. A fused leaf reads its parts (``_FUSED``) and combines them."""
   target = _target(cfg)
   out: dict[str, Any] = {}
   leaves = []
@@ -92,13 +147,21 @@ def _fill(cfg: ModelConfig, get: Callable[[str, int | None], np.ndarray], names:
   total = len(leaves) - len(per_layer) + len(per_layer) * cfg.num_layers
   bar = _progress(range(total), total, desc)
   it = iter(bar)
+  def read(key, i):
+    if key not in _FUSED:
+      return get(names[key].format(i=i), i)
+    parts, combine = _FUSED[key]
+    base = key.rsplit(".", 2)[0]
+    return combine([get(names[f"{base}.{p}"].format(i=i), i) for p in parts], cfg)
+
   for path, shape in leaves:
     key = ".".join(path)
-    name = names[key]
+    name = names.get(key) or " + ".join(
+        names[f"{key.rsplit('.', 2)[0]}.{p}"] for p in _FUSED[key][0])
     if path[0] == "layers":
       arr = np.empty(shape, dtype)
       for i in range(cfg.num_layers):
-        arr[i] = _checked(get(name.format(i=i), i), shape[1:], name.format(i=i), source)
+        arr[i] = _checked(read(key, i), shape[1:], name.format(i=i), source)
         next(it, None)
     else:
       arr = _checked(get(name, None), shape, name, source).astype(dtype)
@@ -384,9 +447,30 @@ def read_orbax(directory, dtype) -> tuple[ModelConfig, dict, tok_lib.Tokenizer]:
   target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, saved), _target(cfg),
                         is_leaf=lambda x: isinstance(x, tuple))
   with ocp.StandardCheckpointer() as ckptr:
-    params = ckptr.restore(directory / "params", target)
+    stored = ckptr.metadata(directory / "params")
+    tree = getattr(stored, "item_metadata", stored)
+    attn = tree["layers"]["attn"] if "layers" in tree else {}
+    if "wq" in attn:  # written before q/k/v and gate/up were fused
+      old = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, saved), _target(cfg, fused=False),
+                         is_leaf=lambda x: isinstance(x, tuple))
+      params = ckptr.restore(directory / "params", old)
+      params = _fuse_tree(jax.tree.map(np.asarray, params), cfg)
+    else:
+      params = ckptr.restore(directory / "params", target)
   params = jax.tree.map(lambda a: jnp.asarray(a, dtype), params)
   return cfg, params, tokenizer
+
+
+def _fuse_tree(params: dict, cfg: ModelConfig) -> dict:
+  """An unfused params tree (wq/wk/wv, w_gate/w_up) in the fused layout."""
+  attn, mlp = params["layers"]["attn"], params["layers"]["mlp"]
+  fused_attn = {"wqkv": {"w": fuse_qkv(attn["wq"]["w"], attn["wk"]["w"], attn["wv"]["w"], cfg)}}
+  if "b" in attn["wq"]:
+    fused_attn["wqkv"]["b"] = fuse_qkv(attn["wq"]["b"], attn["wk"]["b"], attn["wv"]["b"], cfg)
+  params["layers"]["attn"] = {**fused_attn, "wo": attn["wo"]}
+  params["layers"]["mlp"] = {"w_gate_up": {"w": fuse_gate_up(mlp["w_gate"]["w"], mlp["w_up"]["w"])},
+                             "w_down": mlp["w_down"]}
+  return params
 
 
 def copy_tokenizer_files(src: pathlib.Path, dst: pathlib.Path) -> None:

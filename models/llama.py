@@ -6,7 +6,7 @@ Data flow of one step, top to bottom::
   for each layer (a lax.scan over stacked layer parameters, the KV cache in the
   carry so its pages are updated in place):
     h = rms_norm(x)
-    q [B,T,Hq,hd], k/v [B,T,Hkv,hd] = h @ wq / wk / wv (+ bias for Qwen2); RoPE on q, k
+    q [B,T,Hq,hd], k/v [B,T,Hkv,hd] = h @ wqkv (+ bias for Qwen2), split; RoPE on q, k
     k/v are written into their pages: cache[layer, :, page, slot]
     o = attention: a fresh prefill (no cached prefix) attends within its chunk
         (plain causal attention_prefill); a chunk on top of a cached prefix
@@ -14,7 +14,7 @@ Data flow of one step, top to bottom::
         attention_decode on the layer's pages in place (sliding-window models
         use the masked attention_prefill, which knows windows)
     x = o @ wo + x
-    x = (silu(rms_norm(x) @ w_gate) * (rms_norm(x) @ w_up)) @ w_down + x
+    g, u = rms_norm(x) @ w_gate_up (one matmul); x = (silu(g) * u) @ w_down + x
   logits = rms_norm(x) @ lm_head   (lm_head = embed.T when tied), float32
 
 RMSNorm, every matmul and the attention go through the ``mosaic.registry`` ops
@@ -206,39 +206,43 @@ class Attention(nnx.Module):
   def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
     d, hd = cfg.hidden_size, cfg.head_dim
     self.cfg = cfg
-    self.wq = Linear(d, cfg.num_heads * hd, bias=cfg.qkv_bias, dtype=dtype, rngs=rngs)
-    self.wk = Linear(d, cfg.num_kv_heads * hd, bias=cfg.qkv_bias, dtype=dtype, rngs=rngs)
-    self.wv = Linear(d, cfg.num_kv_heads * hd, bias=cfg.qkv_bias, dtype=dtype, rngs=rngs)
+    # One matmul for q, k and v. Columns are grouped by kv head: [Hkv, G + 2, hd]
+    # holds each kv head's G query heads, then its k, then its v, so an even
+    # split of the columns over 'tp' gives each device whole groups.
+    self.wqkv = Linear(d, (cfg.num_heads + 2 * cfg.num_kv_heads) * hd, bias=cfg.qkv_bias,
+                       dtype=dtype, rngs=rngs)
     self.wo = Linear(cfg.num_heads * hd, d, dtype=dtype, rngs=rngs)
 
   def qkv(self, h, positions, inv_freq):
     """h [B, T, D] -> q [B, T, Hq, hd], k/v [B, T, Hkv, hd], RoPE applied."""
     cfg = self.cfg
     b, t, _ = h.shape
+    g = cfg.q_per_kv
     with jax.named_scope("qkv"):  # scopes name the ops in profiles (serving.profiler)
-      # -1 heads: all of them, or this device's shard under tensor parallelism.
-      q = self.wq(h).reshape(b, t, -1, cfg.head_dim)
-      k = self.wk(h).reshape(b, t, -1, cfg.head_dim)
-      v = self.wv(h).reshape(b, t, -1, cfg.head_dim)
+      # -1 kv heads: all of them, or this device's shard under tensor parallelism.
+      y = self.wqkv(h).reshape(b, t, -1, g + 2, cfg.head_dim)  # [B, T, Hkv, G + 2, hd]
+      q = y[:, :, :, :g].reshape(b, t, -1, cfg.head_dim)  # head h = kv head h // G
+      k, v = y[:, :, :, g], y[:, :, :, g + 1]
     with jax.named_scope("rope"):
       return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
 
 
 class MLP(nnx.Module):
-  """SwiGLU: (silu(h @ w_gate) * (h @ w_up)) @ w_down."""
+  """SwiGLU: (silu(h @ w_gate) * (h @ w_up)) @ w_down, gate and up in one matmul
+  whose columns pair them per feature ([F, 2]: a 'tp' split keeps pairs whole)."""
 
   def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
     d, f = cfg.hidden_size, cfg.intermediate_size
-    self.w_gate = Linear(d, f, dtype=dtype, rngs=rngs)
-    self.w_up = Linear(d, f, dtype=dtype, rngs=rngs)
+    self.w_gate_up = Linear(d, 2 * f, dtype=dtype, rngs=rngs)
     self.w_down = Linear(f, d, dtype=dtype, rngs=rngs)
 
   def __call__(self, h, residual):
     with jax.named_scope("gate_up"):
-      g = self.w_gate(h)
-      u = self.w_up(h)
+      y = self.w_gate_up(h)
+      y = y.reshape(*y.shape[:-1], -1, 2)  # [..., F, 2]
     with jax.named_scope("act"):
-      act = (jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)).astype(h.dtype)
+      g, u = y[..., 0].astype(jnp.float32), y[..., 1].astype(jnp.float32)
+      act = (jax.nn.silu(g) * u).astype(h.dtype)
     with jax.named_scope("down"):
       return self.w_down(act, residual=residual, row_parallel=True)
 
@@ -488,12 +492,12 @@ def _maybe_sharded(step, mesh, params, cache, *rest):
 
 def param_spec(path: tuple[str, ...], ndim: int) -> P:
   """PartitionSpec of one parameter over the 'tp' mesh axis (Megatron layout):
-  q/k/v, gate/up and lm_head split their output features, wo and w_down their
+  qkv, gate_up and lm_head split their output features, wo and w_down their
   input features; norms and the embedding table are replicated."""
   names = [str(p) for p in path]
   leaf, owner = names[-1], names[-2] if len(names) > 1 else ""
   lead = (None,) * (ndim - (2 if leaf == "w" else 1))
-  if owner in ("wq", "wk", "wv", "w_gate", "w_up", "lm_head"):
+  if owner in ("wqkv", "w_gate_up", "lm_head"):
     return P(*lead, None, "tp") if leaf == "w" else P(*lead, "tp")
   if owner in ("wo", "w_down") and leaf == "w":
     return P(*lead, "tp", None)

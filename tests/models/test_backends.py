@@ -37,7 +37,9 @@ def _run(m, prompts, page_size, *, prefill, decode, chunked=True):
     for i in range(b):
       rows[i].append(np.asarray(out[i, :n[i]]))
   rows = [np.concatenate(r) for r in rows]
-  nxt = np.stack([r[-1] for r in rows]).argmax(-1)
+  # Fixed next tokens, not each run's argmax: a near-tie that bf16 rounding
+  # flips would feed the runs different tokens and compare unrelated logits.
+  nxt = np.array([p[0] for p in prompts])
   l2, cache = m.decode(cache, nxt, lens + 1, table, **decode)
   l3, cache = m.decode(cache, np.stack([nxt, nxt], 1), lens + 3, table, **decode)
   return np.concatenate(rows + [np.asarray(l2), np.asarray(l3).reshape(-1, l3.shape[-1])])

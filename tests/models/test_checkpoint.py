@@ -6,6 +6,7 @@ import json
 import pathlib
 import shutil
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -35,6 +36,45 @@ def test_orbax_round_trip(tmp_path):
   assert r.config == m.config and isinstance(r.tokenizer, tok_lib.ByteTokenizer)
   ids = _ids(m)
   np.testing.assert_array_equal(_logits(r, ids), _logits(m, ids))
+
+
+def test_orbax_directory_with_unfused_qkv_still_loads(tmp_path):
+  """A directory saved when q/k/v and gate/up were separate matrices loads into
+  the fused layout with the same logits."""
+  import json as json_lib
+
+  import orbax.checkpoint as ocp
+
+  cfg = models.config.get("tiny").replace(qkv_bias=True)
+  params = model_lib.random_params(cfg, seed=int(np.random.default_rng().integers(1 << 30)))
+  m = models.Model(cfg, params, tok_lib.ByteTokenizer(), dtype="float32")
+  old = jax.tree.map(np.asarray, params)
+  u = checkpoint.unfused_layers(old, cfg)
+  old["layers"]["attn"] = {"wq": {"w": u["wq"], "b": u["bq"]}, "wk": {"w": u["wk"], "b": u["bk"]},
+                           "wv": {"w": u["wv"], "b": u["bv"]}, "wo": old["layers"]["attn"]["wo"]}
+  old["layers"]["mlp"] = {"w_gate": {"w": u["w_gate"]}, "w_up": {"w": u["w_up"]},
+                          "w_down": old["layers"]["mlp"]["w_down"]}
+  d = tmp_path / "old"
+  with ocp.StandardCheckpointer() as ckptr:
+    ckptr.save(d.absolute() / "params", old)
+  (d / "model.json").write_text(json_lib.dumps(
+      {"config": cfg.to_dict(), "dtype": "float32", "tokenizer": "byte"}))
+  r = models.load(d, dtype="float32")
+  ids = _ids(m)
+  np.testing.assert_array_equal(_logits(r, ids), _logits(m, ids))
+
+
+def test_fuse_and_split_are_inverse():
+  cfg = models.config.get("tiny")
+  rng = np.random.default_rng()
+  hd = cfg.head_dim
+  q, k, v = (rng.normal(size=(3, 8, n * hd)) for n in (cfg.num_heads, cfg.num_kv_heads,
+                                                        cfg.num_kv_heads))
+  for a, b in zip(checkpoint.split_qkv(checkpoint.fuse_qkv(q, k, v, cfg), cfg), (q, k, v)):
+    np.testing.assert_array_equal(a, b)
+  g, up = rng.normal(size=(2, 5, 7)), rng.normal(size=(2, 5, 7))
+  for a, b in zip(checkpoint.split_gate_up(checkpoint.fuse_gate_up(g, up)), (g, up)):
+    np.testing.assert_array_equal(a, b)
 
 
 def test_orbax_keeps_hf_tokenizer(tmp_path, hf_oracle):
@@ -86,16 +126,17 @@ def _write_gguf(path, cfg, params, rope_factors=None):
     w.add_tensor("rope_freqs.weight", f32(rope_factors))
   w.add_tensor("output_norm.weight", f32(params["final_norm"]["w"]))
   w.add_tensor("output.weight", f32(np.asarray(params["lm_head"]["w"]).T))
+  u = checkpoint.unfused_layers(params, cfg)
   for i in range(cfg.num_layers):
-    a = L["attn"]
     w.add_tensor(f"blk.{i}.attn_norm.weight", f32(L["attn_norm"]["w"][i]))
     w.add_tensor(f"blk.{i}.ffn_norm.weight", f32(L["mlp_norm"]["w"][i]))
-    w.add_tensor(f"blk.{i}.attn_q.weight", f32(_permute(np.asarray(a["wq"]["w"][i]).T, cfg.num_heads)))
-    w.add_tensor(f"blk.{i}.attn_k.weight", f32(_permute(np.asarray(a["wk"]["w"][i]).T, cfg.num_kv_heads)))
-    w.add_tensor(f"blk.{i}.attn_v.weight", f32(np.asarray(a["wv"]["w"][i]).T))
-    w.add_tensor(f"blk.{i}.attn_output.weight", f32(np.asarray(a["wo"]["w"][i]).T))
-    for ours, theirs in (("w_gate", "ffn_gate"), ("w_up", "ffn_up"), ("w_down", "ffn_down")):
-      w.add_tensor(f"blk.{i}.{theirs}.weight", f32(np.asarray(L["mlp"][ours]["w"][i]).T))
+    w.add_tensor(f"blk.{i}.attn_q.weight", f32(_permute(u["wq"][i].T, cfg.num_heads)))
+    w.add_tensor(f"blk.{i}.attn_k.weight", f32(_permute(u["wk"][i].T, cfg.num_kv_heads)))
+    w.add_tensor(f"blk.{i}.attn_v.weight", f32(u["wv"][i].T))
+    w.add_tensor(f"blk.{i}.attn_output.weight", f32(np.asarray(L["attn"]["wo"]["w"][i]).T))
+    w.add_tensor(f"blk.{i}.ffn_gate.weight", f32(u["w_gate"][i].T))
+    w.add_tensor(f"blk.{i}.ffn_up.weight", f32(u["w_up"][i].T))
+    w.add_tensor(f"blk.{i}.ffn_down.weight", f32(np.asarray(L["mlp"]["w_down"]["w"][i]).T))
   w.write_header_to_file()
   w.write_kv_data_to_file()
   w.write_tensors_to_file()
@@ -228,14 +269,16 @@ def test_hf_folder_with_sentencepiece(tmp_path):
   t = {"model.embed_tokens.weight": bf(params["embed"]), "model.norm.weight": bf(params["final_norm"]["w"]),
        "lm_head.weight": bf(np.asarray(params["lm_head"]["w"]).T)}
   L = params["layers"]
+  u = checkpoint.unfused_layers(params, cfg)
+  u["wo"], u["w_down"] = np.asarray(L["attn"]["wo"]["w"]), np.asarray(L["mlp"]["w_down"]["w"])
   for i in range(cfg.num_layers):
     p = f"model.layers.{i}."
     t[p + "input_layernorm.weight"] = bf(L["attn_norm"]["w"][i])
     t[p + "post_attention_layernorm.weight"] = bf(L["mlp_norm"]["w"][i])
     for ours, theirs in (("wq", "q_proj"), ("wk", "k_proj"), ("wv", "v_proj"), ("wo", "o_proj")):
-      t[p + f"self_attn.{theirs}.weight"] = bf(np.asarray(L["attn"][ours]["w"][i]).T)
+      t[p + f"self_attn.{theirs}.weight"] = bf(u[ours][i].T)
     for ours, theirs in (("w_gate", "gate_proj"), ("w_up", "up_proj"), ("w_down", "down_proj")):
-      t[p + f"mlp.{theirs}.weight"] = bf(np.asarray(L["mlp"][ours]["w"][i]).T)
+      t[p + f"mlp.{theirs}.weight"] = bf(u[ours][i].T)
   d = tmp_path / "hf"
   d.mkdir()
   save_file({k: np.ascontiguousarray(v) for k, v in t.items()}, str(d / "model.safetensors"))

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import models
-from models import llama, model as model_lib
+from models import checkpoint, llama, model as model_lib
 from mosaic import testing
 
 
@@ -29,12 +29,13 @@ def _dense_forward(m, ids):
   inv = jnp.asarray(llama.rope_inv_freq(cfg))
   norm = lambda x, w: x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + cfg.rms_norm_eps) * w
   x = p["embed"][jnp.asarray(ids)][None]
+  u = checkpoint.unfused_layers(jax.tree.map(np.asarray, p), cfg)
   for i in range(cfg.num_layers):
     L = jax.tree.map(lambda a: a[i], p["layers"])
     h = norm(x, L["attn_norm"]["w"])
-    q = (h @ L["attn"]["wq"]["w"]).reshape(1, t, cfg.num_heads, cfg.head_dim)
-    k = (h @ L["attn"]["wk"]["w"]).reshape(1, t, cfg.num_kv_heads, cfg.head_dim)
-    v = (h @ L["attn"]["wv"]["w"]).reshape(1, t, cfg.num_kv_heads, cfg.head_dim)
+    q = (h @ u["wq"][i]).reshape(1, t, cfg.num_heads, cfg.head_dim)
+    k = (h @ u["wk"][i]).reshape(1, t, cfg.num_kv_heads, cfg.head_dim)
+    v = (h @ u["wv"][i]).reshape(1, t, cfg.num_kv_heads, cfg.head_dim)
     q, k = llama.apply_rope(q, pos, inv), llama.apply_rope(k, pos, inv)
     k = jnp.repeat(k, cfg.q_per_kv, axis=2)
     v = jnp.repeat(v, cfg.q_per_kv, axis=2)
@@ -43,7 +44,7 @@ def _dense_forward(m, ids):
     o = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, -1), v).reshape(1, t, -1)
     x = x + o @ L["attn"]["wo"]["w"]
     h = norm(x, L["mlp_norm"]["w"])
-    x = x + (jax.nn.silu(h @ L["mlp"]["w_gate"]["w"]) * (h @ L["mlp"]["w_up"]["w"])) @ L["mlp"]["w_down"]["w"]
+    x = x + (jax.nn.silu(h @ u["w_gate"][i]) * (h @ u["w_up"][i])) @ L["mlp"]["w_down"]["w"]
   x = norm(x, p["final_norm"]["w"])
   return (x @ p["lm_head"]["w"])[0]
 

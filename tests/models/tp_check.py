@@ -22,8 +22,8 @@ def main():
   one = models.Model(cfg, params, tok_lib.ByteTokenizer(), dtype="float32")
   two = models.Model(cfg, params, tok_lib.ByteTokenizer(), dtype="float32",
                      mesh=model_lib.make_mesh(2))
-  wq = two.params["layers"]["attn"]["wq"]["w"][...]
-  assert len(wq.sharding.device_set) == 2 and wq.sharding.spec[-1] == "tp", wq.sharding
+  wqkv = two.params["layers"]["attn"]["wqkv"]["w"][...]
+  assert len(wqkv.sharding.device_set) == 2 and wqkv.sharding.spec[-1] == "tp", wqkv.sharding
   rng = np.random.default_rng(seed)
   prompts = [rng.integers(3, 259, n).tolist() for n in (9, 4)]
   outs = []
