@@ -130,15 +130,17 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
         if last is not None and ev.token_ids:
           self.metrics.itl.observe(now - last)
         last = now
-      yield ev
+      # An ended deadline or cancel is the call's status, not a response:
+      # abort before handing the Final on (Generate returns on a Final).
       if isinstance(ev, api.Failed):
         context.abort(grpc.StatusCode.INTERNAL, ev.message)
+      if isinstance(ev, api.Final) and ev.reason == api.FinishReason.DEADLINE:
+        context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                      f"deadline exceeded after {ev.completion_tokens} tokens")
+      if isinstance(ev, api.Final) and ev.reason == api.FinishReason.CANCELLED:
+        context.abort(grpc.StatusCode.CANCELLED, "the request was cancelled")
+      yield ev
       if isinstance(ev, api.Final):
-        if ev.reason == api.FinishReason.DEADLINE:
-          context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
-                        f"deadline exceeded after {ev.completion_tokens} tokens")
-        if ev.reason == api.FinishReason.CANCELLED:
-          context.abort(grpc.StatusCode.CANCELLED, "the request was cancelled")
         return
 
   def GenerateStream(self, request, context):

@@ -264,3 +264,53 @@ def test_an_engine_failure_fails_requests_and_health():
     with pytest.raises(grpc.RpcError) as e:
       c.generate("a", max_tokens=5)
     assert e.value.code() == grpc.StatusCode.INTERNAL
+
+
+class _Aborted(Exception):
+  pass
+
+
+class _Context:
+  """What the servicer uses of a grpc.ServicerContext; the deadline is the engine's."""
+
+  def __init__(self, remaining):
+    self.remaining, self.status = remaining, None
+
+  def time_remaining(self):
+    return self.remaining
+
+  def is_active(self):
+    return True
+
+  def add_callback(self, fn):
+    pass
+
+  def abort(self, code, details):
+    self.status = (code, details)
+    raise _Aborted(details)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_engine_deadline_is_the_call_status_not_a_response(stream):
+  """The engine ending a request at its deadline aborts the call with
+  DEADLINE_EXCEEDED even when the client's own timer has not fired yet."""
+  from serving.metrics import Metrics
+  from serving.service import TextGenerationServicer
+
+  engine = E.tiny_engine(max_batch=2, step_delay=0.01)
+  engine.start()
+  try:
+    svc = TextGenerationServicer(engine, Metrics(engine))
+    req = pb.GenerateRequest(text="abc", sampling=pb.SamplingParams(max_tokens=200,
+                                                                     ignore_eos=True))
+    ctx = _Context(remaining=0.2)
+    with pytest.raises(_Aborted):
+      if stream:
+        list(svc.GenerateStream(req, ctx))
+      else:
+        svc.Generate(req, ctx)
+    assert ctx.status[0] == grpc.StatusCode.DEADLINE_EXCEEDED
+    wait_for(lambda: engine.stats().pages_in_use == 0 and engine.stats().running == 0,
+             what="pages freed after the deadline")
+  finally:
+    engine.stop()
