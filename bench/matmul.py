@@ -61,6 +61,15 @@ def shapes(small: bool, smollm2: bool = False):
   return out
 
 
+def _input_sets(key, m, n, k, count=None):
+  """Fresh bf16 (a [m, k], b [k, n]) pairs; by default enough of them to rotate
+  past the L2 (small decode weights fit in it on their own)."""
+  count = count or bench.cold_sets(2 * (m * k + k * n))
+  rnd = lambda i, shape: jax.random.normal(jax.random.fold_in(key, i), shape,
+                                           jnp.float32).astype(jnp.bfloat16)
+  return [(rnd(2 * i, (m, k)), rnd(2 * i + 1, (k, n))) for i in range(count)]
+
+
 @jax.jit
 def _rel_err(out, ref):
   d = out.astype(jnp.float32) - ref
@@ -149,13 +158,7 @@ def main(argv=None):
 
   for name, m, n, k in todo:
     key = jax.random.key(m * 7 + n * 3 + k)
-    ka, kb = jax.random.split(key)
-    sets = []
-    # Enough rotating sets that the weight is never still in L2 (small decode weights fit).
-    for i in range(1 if args.small else bench.cold_sets(2 * (m * k + k * n))):
-      a = jax.random.normal(jax.random.fold_in(ka, i), (m, k), jnp.float32).astype(jnp.bfloat16)
-      b = jax.random.normal(jax.random.fold_in(kb, i), (k, n), jnp.float32).astype(jnp.bfloat16)
-      sets.append((a, b))
+    sets = _input_sets(key, m, n, k, 1 if args.small else None)
     ref = _ref(*sets[0])
     c = cost.matmul(m, n, k)
     row = {"shape": name, "M": m, "N": n, "K": k}
@@ -217,12 +220,7 @@ def main(argv=None):
       if time.time() - t_start > args.budget_s:
         tune_log.append({"shape": name, "M": m, "skipped": "budget"})
         continue
-      kk = jax.random.key(m + n + k)
-      tsets = [(jax.random.normal(jax.random.fold_in(kk, 2 * i), (m, k), jnp.float32
-                                  ).astype(jnp.bfloat16),
-                jax.random.normal(jax.random.fold_in(kk, 2 * i + 1), (k, n), jnp.float32
-                                  ).astype(jnp.bfloat16))
-               for i in range(bench.cold_sets(2 * (m * k + k * n)))]
+      tsets = _input_sets(jax.random.key(m + n + k), m, n, k, 1 if args.small else None)
       a, b = tsets[0]
       ref = _ref(a, b)
 

@@ -75,10 +75,15 @@ def main():
   runner = E.ModelRunner(model, num_pages=a.num_pages, page_size=page, attention=a.attention,
                          matmul=a.matmul)
   max_pages = -(-4096 // page)
+  if a.max_batch * -(-600 // page) >= a.num_pages:
+    raise SystemExit(f"--num-pages {a.num_pages} is too few for {a.max_batch} rows of 600 tokens")
   for b in sorted({1, a.max_batch}):
     tokens = jax.numpy.asarray(np.random.default_rng(0).integers(0, min(1000, runner.vocab_size), b), jax.numpy.int32)
     lengths = np.full((b,), 600, np.int32)
-    table = np.tile(np.arange(1, max_pages + 1, dtype=np.int32), (b, 1)) % a.num_pages
+    # Each row its own pages: rows sharing a slot would serialize the KV writes.
+    per_row = -(-600 // page)
+    table = np.zeros((b, max_pages), np.int32)
+    table[:, :per_row] = 1 + np.arange(b * per_row, dtype=np.int32).reshape(b, per_row)
     f = lambda: runner.decode(tokens, lengths, table)  # noqa: E731
     jax.block_until_ready(f())  # compile
     r, d = _timed_calls(f, a.iters)

@@ -98,6 +98,12 @@ _FUSED = {
 }
 
 
+def _fused_parts(key: str) -> list[str]:
+  """The unfused leaf paths a fused leaf is made of ("layers.attn.wq.w", ...)."""
+  base = key.rsplit(".", 2)[0]
+  return [f"{base}.{p}" for p in _FUSED[key][0]]
+
+
 def _target(cfg: ModelConfig, fused: bool = True) -> dict[str, Any]:
   """Shapes of our params tree, nested like nnx.state(Llama); ``fused=False``:
   the layout before q/k/v and gate/up were fused (older orbax directories)."""
@@ -147,21 +153,18 @@ def _fill(cfg: ModelConfig, get: Callable[[str, int | None], np.ndarray], names:
   total = len(leaves) - len(per_layer) + len(per_layer) * cfg.num_layers
   bar = _progress(range(total), total, desc)
   it = iter(bar)
-  def read(key, i):
-    if key not in _FUSED:
-      return get(names[key].format(i=i), i)
-    parts, combine = _FUSED[key]
-    base = key.rsplit(".", 2)[0]
-    return combine([get(names[f"{base}.{p}"].format(i=i), i) for p in parts], cfg)
-
   for path, shape in leaves:
     key = ".".join(path)
-    name = names.get(key) or " + ".join(
-        names[f"{key.rsplit('.', 2)[0]}.{p}"] for p in _FUSED[key][0])
+    name = names.get(key) or " + ".join(names[k] for k in _fused_parts(key))
     if path[0] == "layers":
       arr = np.empty(shape, dtype)
       for i in range(cfg.num_layers):
-        arr[i] = _checked(read(key, i), shape[1:], name.format(i=i), source)
+        if key in _FUSED:
+          part = [get(names[k].format(i=i), i) for k in _fused_parts(key)]
+          layer = _FUSED[key][1](part, cfg)
+        else:
+          layer = get(name.format(i=i), i)
+        arr[i] = _checked(layer, shape[1:], name.format(i=i), source)
         next(it, None)
     else:
       arr = _checked(get(name, None), shape, name, source).astype(dtype)
@@ -463,14 +466,14 @@ def read_orbax(directory, dtype) -> tuple[ModelConfig, dict, tok_lib.Tokenizer]:
 
 def _fuse_tree(params: dict, cfg: ModelConfig) -> dict:
   """An unfused params tree (wq/wk/wv, w_gate/w_up) in the fused layout."""
-  attn, mlp = params["layers"]["attn"], params["layers"]["mlp"]
-  fused_attn = {"wqkv": {"w": fuse_qkv(attn["wq"]["w"], attn["wk"]["w"], attn["wv"]["w"], cfg)}}
-  if "b" in attn["wq"]:
-    fused_attn["wqkv"]["b"] = fuse_qkv(attn["wq"]["b"], attn["wk"]["b"], attn["wv"]["b"], cfg)
-  params["layers"]["attn"] = {**fused_attn, "wo": attn["wo"]}
-  params["layers"]["mlp"] = {"w_gate_up": {"w": fuse_gate_up(mlp["w_gate"]["w"], mlp["w_up"]["w"])},
-                             "w_down": mlp["w_down"]}
-  return params
+  from flax import traverse_util
+
+  flat = traverse_util.flatten_dict(params, sep=".")
+  for key, (_, combine) in _FUSED.items():
+    parts = _fused_parts(key)
+    if all(p in flat for p in parts):  # a bias only where the model has one
+      flat[key] = combine([flat.pop(p) for p in parts], cfg)
+  return traverse_util.unflatten_dict(flat, sep=".")
 
 
 def copy_tokenizer_files(src: pathlib.Path, dst: pathlib.Path) -> None:

@@ -20,6 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from serving.engine import sampling
+
 
 def _has_backend(op: str, name: str) -> bool:
   try:
@@ -92,8 +94,6 @@ class ModelRunner:
       logits, cache = llama.decode_step(graphdef, params, cache, tokens[:, None], lengths,
                                         page_table, backends=db)
       return logits[:, 0], cache
-
-    from serving.engine import sampling
 
     @functools.partial(jax.jit, donate_argnums=(1, 6, 8),
                        static_argnames=("steps", "greedy_only", "logprobs"))

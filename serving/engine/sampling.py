@@ -153,9 +153,8 @@ def _sample(logits, s: SamplingArrays, counts, prompt_mask, last=None):
   return (tokens, chosen, top_ids, top_lp) + _update(counts, last, s.slot, tokens)
 
 
-greedy = functools.partial(jax.jit, donate_argnames=("counts", "last"),
-                           static_argnames=("logprobs",))(_greedy)
-sample = functools.partial(jax.jit, donate_argnames=("counts", "last"))(_sample)
+greedy = jax.jit(_greedy, donate_argnames=("counts", "last"), static_argnames=("logprobs",))
+sample = jax.jit(_sample, donate_argnames=("counts", "last"))
 
 
 def step(logits, s: SamplingArrays, i, counts, prompt_mask, last, *, greedy_only: bool,
@@ -169,8 +168,8 @@ def step(logits, s: SamplingArrays, i, counts, prompt_mask, last, *, greedy_only
   return _sample(logits, s, counts, prompt_mask, last)
 
 
-step_jit = functools.partial(jax.jit, donate_argnames=("counts", "last"),
-                             static_argnames=("greedy_only", "logprobs"))(step)
+step_jit = jax.jit(step, donate_argnames=("counts", "last"),
+                   static_argnames=("greedy_only", "logprobs"))
 
 
 @jax.jit

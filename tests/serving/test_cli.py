@@ -20,17 +20,19 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 @pytest.fixture
 def server_proc(tmp_path):
-  ready = tmp_path / "ready.json"
-  proc = subprocess.Popen(
-      [sys.executable, "-m", "serving", "serve", "--model", "counting", "--port", "0",
-       "--step-delay", "0.02", "--max-batch", "4", "--ready-file", str(ready)],
-      cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-      env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  ready, log = tmp_path / "ready.json", tmp_path / "server.log"
+  # The server's output goes to a file: a pipe nobody reads can fill and block it.
+  with open(log, "w") as out:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "serving", "serve", "--model", "counting", "--port", "0",
+         "--step-delay", "0.02", "--max-batch", "4", "--ready-file", str(ready)],
+        cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"})
   end = time.monotonic() + 120
   while not ready.exists():
     if proc.poll() is not None or time.monotonic() > end:
       proc.kill()
-      raise AssertionError(f"server did not start:\n{proc.stdout.read()}")
+      raise AssertionError(f"server did not start:\n{log.read_text()}")
     time.sleep(0.1)
   info = json.loads(ready.read_text())
   yield proc, f"127.0.0.1:{info['port']}"
