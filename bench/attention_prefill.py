@@ -131,15 +131,16 @@ def sweep(out_dir, rows, D, causal, S=4096, H=32):
   """Times a few configs of the Mosaic kernel; returns the fastest correct one."""
   C = ap.Config
   cands = {
-      128: [C(block_kv=128, stages=2), C(block_kv=128, stages=2, heavy_first=False),
-            C(block_kv=128, stages=2, acc_in_place=False, heavy_first=False),
-            C(block_kv=128, stages=2, pingpong=False)],
-      64: [C(block_kv=128, stages=3), C(block_kv=256, stages=2), C(block_kv=128, stages=4),
-           C(block_kv=128, stages=3, acc_in_place=False, heavy_first=False)],
+      128: [C(block_kv=128, stages=2), C(block_kv=128, stages=2, overlap=True),
+            C(block_kv=128, stages=2, overlap=True, pingpong=False),
+            C(block_kv=64, stages=4, overlap=True),
+            C(block_kv=128, stages=2, overlap=True, p_smem=True)],
+      64: [C(block_kv=256, stages=2), C(block_kv=128, stages=3, overlap=True),
+           C(block_kv=256, stages=2, overlap=True), C(block_kv=128, stages=4, overlap=True)],
   }[D]
   sets = _inputs(1, S, H, H, D)
   names = [f"mosaic[{c.block_kv},{c.stages}" + "".join(
-      f",{tag}" for tag, on in (("nopp", not c.pingpong), ("psmem", c.p_smem),
+      f",{tag}" for tag, on in (("ov", c.overlap), ("nopp", not c.pingpong), ("psmem", c.p_smem),
                                 ("addacc", not c.acc_in_place),
                                 ("inorder", causal and not c.heavy_first)) if on) + "]"
            for c in cands]

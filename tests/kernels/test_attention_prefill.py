@@ -112,9 +112,12 @@ CASES = ["noncausal", "causal_skip", "prefix_gqa_pad", "d128_window", "packed",
          "packed_empty_tiles", "model_chunk"]
 
 
+@pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("name", CASES)
-def test_mosaic_matches_reference(name):
+def test_mosaic_matches_reference(name, overlap):
   shape, kw, cfg = _case(name)
+  cfg = dataclasses.replace(cfg or ap._pick_config(shape["D"], jnp.bfloat16, kw["causal"]),
+                            overlap=overlap)
   dtype = jnp.float16 if name == "d128_window" else jnp.bfloat16
   q, k, v = _qkv(**shape, dtype=dtype)
   ref, lse_ref = ap.attention_prefill_reference(q, k, v, return_lse=True, **kw)
@@ -200,6 +203,8 @@ def test_cudnn_says_why_not():
 GPU_VARIANTS = {  # the GPU-only code paths, each alone
     "default": {}, "p_smem": dict(p_smem=True), "acc_add": dict(acc_in_place=False),
     "p_smem_acc_add": dict(p_smem=True, acc_in_place=False), "no_pingpong": dict(pingpong=False),
+    "overlap": dict(overlap=True), "overlap_no_pingpong": dict(overlap=True, pingpong=False),
+    "overlap_p_smem_acc_add": dict(overlap=True, p_smem=True, acc_in_place=False),
 }
 
 
