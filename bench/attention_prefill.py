@@ -133,8 +133,8 @@ def sweep(out_dir, rows, D, causal, S=4096, H=32):
   cands = {
       128: [C(block_kv=128, stages=2), C(block_kv=128, stages=2, overlap=True),
             C(block_kv=128, stages=2, overlap=True, pingpong=False),
-            C(block_kv=64, stages=4, overlap=True),
-            C(block_kv=128, stages=2, overlap=True, p_smem=True)],
+            C(block_kv=128, stages=2, overlap=True, p_smem=True),
+            C(block_kv=128, stages=2, overlap=True, p_smem=True, pingpong=False)],
       64: [C(block_kv=256, stages=2), C(block_kv=128, stages=3, overlap=True),
            C(block_kv=256, stages=2, overlap=True), C(block_kv=128, stages=4, overlap=True)],
   }[D]

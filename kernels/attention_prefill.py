@@ -261,8 +261,10 @@ def _mosaic_kernel(meta_ref, q_ref, k_ref, v_ref, qp_ref, qs_ref, kp_ref, ks_ref
       acc = plgpu.layout_cast(jnp.full((block_q, D), 0.0, jnp.float32), plgpu.Layout.WGMMA)
       slot_of = lambda s: lax.rem(s - lo_cta, stages)
 
-      def softmax(sc, slot, m_i, l_i, masked: bool):
+      def softmax(sc, slot, m_i, l_i, masked: bool, cast: bool = True):
         """Scores of kv block ``slot`` -> (P, m, l, alpha); releases the K slot.
+
+        P comes back in the input dtype, or float32 with ``cast=False``.
 
         The named scopes are the regions of the in-kernel timeline
         (dsl.kernel_timeline); they cost nothing otherwise.
@@ -291,7 +293,7 @@ def _mosaic_kernel(meta_ref, q_ref, k_ref, v_ref, qp_ref, qs_ref, kp_ref, ks_ref
           alpha = jnp.exp2(m_i - m_use)
           p = jnp.exp2(sc * c - lax.broadcast_in_dim(m_use, s_shape, [0]))
           l_new = l_i * alpha + p.sum(axis=1)
-          return p.astype(dtype), m_new, l_new, alpha
+          return p.astype(dtype) if cast else p, m_new, l_new, alpha
 
       def rescale(acc, alpha):
         return acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
@@ -415,27 +417,32 @@ def _mosaic_kernel(meta_ref, q_ref, k_ref, v_ref, qp_ref, qs_ref, kp_ref, ks_ref
           # Waits for QK only; PV of the previous block stays in flight.
           return plgpu.wgmma_accumulator_load(s_ref, wait_n=1)
 
+        # P stays float32 until PV has finished: its bf16 registers are the
+        # operand of the wgmma in flight, and writing them earlier makes
+        # ptxas serialize the wgmmas.
         if cfg.acc_in_place:
           def body_(refs):
             s_ref, o_ref, out_refs = refs
             sc = issue(s_ref, o_ref)
-            for r, x in zip(out_refs, softmax(sc, slot, m_i, l_i, masked)):
+            for r, x in zip(out_refs, softmax(sc, slot, m_i, l_i, masked, cast=False)):
               r[...] = x
 
           zero_s = plgpu.layout_cast(jnp.zeros(s_shape, jnp.float32), plgpu.Layout.WGMMA)
-          _, o, (p16, m_new, l_new, alpha) = pl.run_state(body_)(
-              (plgpu.ACC.init(zero_s), plgpu.ACC.init(acc), (p_prev, m_i, l_i, m_i)))
+          _, o, (p, m_new, l_new, alpha) = pl.run_state(body_)(
+              (plgpu.ACC.init(zero_s), plgpu.ACC.init(acc), (zero_s, m_i, l_i, m_i)))
         else:
           def body_(s_ref, o_ref):
             sc = issue(s_ref, o_ref)
-            out = softmax(sc, slot, m_i, l_i, masked)
+            out = softmax(sc, slot, m_i, l_i, masked, cast=False)
             return out, o_ref[...]
 
-          (p16, m_new, l_new, alpha), delta = pl.run_scoped(
+          (p, m_new, l_new, alpha), delta = pl.run_scoped(
               body_, plgpu.ACC(s_shape, jnp.float32), plgpu.ACC((block_q, D), jnp.float32))
           o = acc + delta
+        if not dsl.interpreting():
+          o, p = lax.optimization_barrier((o, p))  # after the wait for PV
         plgpu.barrier_arrive(v_free.at[prev])
-        return rescale(o, alpha), m_new, l_new, p16
+        return rescale(o, alpha), m_new, l_new, p.astype(dtype)
 
       def last(s, carry):
         acc, m_i, l_i, p_prev = carry
