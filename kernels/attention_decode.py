@@ -117,12 +117,12 @@ def _mosaic_kernel(lengths_ref, table_ref, layer_ref, q_ref, k_ref, v_ref, *refs
   q_bar, k_bars, v_bars = bars
   b = lax.axis_index("b")
   h = lax.axis_index("h")
-  kvh = layer_ref[0] * q_ref.shape[1] + h  # k_ref is [layers * Hkv, pages, page, D]
+  kvh = _kv_head0(layer_ref, k_ref, q_ref.shape[1]) + h
   s = lax.axis_index("s")
   r = lax.axis_index("r")
   head_dim = q_smem.shape[-1]
 
-  length = lengths_ref[b]
+  length = _length(lengths_ref, b, table_ref, page)
   block_kv = pages_per_step * page
   first_step = s * steps_per_split
   # Scalar arithmetic stays in div/min/max: lengths are >= 0.
@@ -132,7 +132,7 @@ def _mosaic_kernel(lengths_ref, table_ref, layer_ref, q_ref, k_ref, v_ref, *refs
   def issue(step, slot):
     """Starts the copies of step ``step``'s pages into ring slot ``slot``."""
     for j in range(pages_per_step):
-      pg = table_ref[b, (first_step + step) * pages_per_step + j]
+      pg = _page(table_ref, b, (first_step + step) * pages_per_step + j)
       rows = pl.ds(j * page, page)
       plgpu.copy_gmem_to_smem(k_ref.at[kvh, pg], k_smem.at[slot, rows], k_bars.at[slot])
       plgpu.copy_gmem_to_smem(v_ref.at[kvh, pg], v_smem.at[slot, rows], v_bars.at[slot])
@@ -170,6 +170,27 @@ def _mosaic_kernel(lengths_ref, table_ref, layer_ref, q_ref, k_ref, v_ref, *refs
   else:
     plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, io_rows)], o_ref.at[b, h, io])
   plgpu.wait_smem_to_gmem(0)
+
+
+# The clamps below run on scalars inside the kernel: as XLA ops in front of it
+# they were three more kernel launches per layer of a decode step.
+
+
+def _kv_head0(layer_ref, k_ref, hkv):
+  """First kv head of the layer: k_ref is [layers * Hkv, pages, page, D]."""
+  n_layers = k_ref.shape[0] // hkv
+  return jnp.minimum(jnp.maximum(layer_ref[0], 0), n_layers - 1) * hkv
+
+
+def _length(lengths_ref, b, table_ref, page):
+  """Sequence b's length, at most what its table row holds."""
+  return jnp.minimum(lengths_ref[b], table_ref.shape[1] * page)
+
+
+def _page(table_ref, b, idx):
+  """Page index idx of row b; a step's pages past the row's end (a partly
+  used last step) read its last entry, a valid page whose keys are masked."""
+  return table_ref[b, jnp.minimum(idx, table_ref.shape[1] - 1)]
 
 
 def _init_state(head_dim):
@@ -258,7 +279,7 @@ def _persistent_kernel(lengths_ref, table_ref, layer_ref, q_ref, k_ref, v_ref, *
   block_kv = pages_per_step * page
   head_dim = q_smem.shape[-1]
   n_local = lax.div(n_items - c + (grid_size - 1), jnp.int32(grid_size))
-  layer_off = layer_ref[0] * n_h  # k_ref is [layers * Hkv, pages, page, D]
+  layer_off = _kv_head0(layer_ref, k_ref, n_h)
 
   def item_info(j):
     """Local item j -> (b, h, s, r) and its number of steps."""
@@ -269,7 +290,7 @@ def _persistent_kernel(lengths_ref, table_ref, layer_ref, q_ref, k_ref, v_ref, *
     x = lax.div(x, jnp.int32(n_s))
     h = lax.rem(x, jnp.int32(n_h))
     b = lax.div(x, jnp.int32(n_h))
-    length = lengths_ref[b]
+    length = _length(lengths_ref, b, table_ref, page)
     total = lax.div(length + (block_kv - 1), jnp.int32(block_kv))
     n = jnp.minimum(jnp.maximum(total - s * steps_per_split, 0), steps_per_split)
     return b, h, s, r, length, n
@@ -285,7 +306,7 @@ def _persistent_kernel(lengths_ref, table_ref, layer_ref, q_ref, k_ref, v_ref, *
     b, h, s, _, _, _ = item_info(j)
     kvh = layer_off + h
     for jj in range(pages_per_step):
-      pg = table_ref[b, (s * steps_per_split + i) * pages_per_step + jj]
+      pg = _page(table_ref, b, (s * steps_per_split + i) * pages_per_step + jj)
       rows = pl.ds(jj * page, page)
       plgpu.copy_gmem_to_smem(k_ref.at[kvh, pg], k_smem.at[slot, rows], k_bars.at[slot])
       plgpu.copy_gmem_to_smem(v_ref.at[kvh, pg], v_smem.at[slot, rows], v_bars.at[slot])
@@ -445,7 +466,7 @@ def _attention_decode_mosaic(q, k_pages, v_pages, lengths, page_table, layer=Non
   # A whole layer stack is read in place: [L, Hkv, ...] viewed as [L * Hkv,
   # ...] (a free reshape) and the kernel offsets the kv head by layer * Hkv.
   if k_pages.ndim == 5:
-    layer_arr = jnp.clip(jnp.asarray(layer, jnp.int32), 0, k_pages.shape[0] - 1).reshape(1)
+    layer_arr = jnp.asarray(layer, jnp.int32).reshape(1)  # clamped in the kernel
     k_pages = k_pages.reshape(-1, *k_pages.shape[2:])
     v_pages = v_pages.reshape(-1, *v_pages.shape[2:])
   else:
@@ -462,10 +483,8 @@ def _attention_decode_mosaic(q, k_pages, v_pages, lengths, page_table, layer=Non
   splits = cfg.splits or _auto_splits(b, hkv, tiles, n_steps)
   splits = min(splits, n_steps)
   steps_per_split = dsl.cdiv(n_steps, splits)
-  # Steps past a sequence's last page are never run; the table is padded so
-  # that a partly used last step still reads valid page indices (page 0).
-  table = jnp.pad(page_table, ((0, 0), (0, splits * steps_per_split * pps - max_pages)))
-  lengths = jnp.minimum(lengths, max_pages * page)
+  # Steps past a sequence's last page are never run; the kernel clamps the
+  # lengths to the table and the page indices of a partly used last step.
   qp = _pack_q(q, hkv)
   split_out = splits > 1
   rows = _hbm_rows(tq, g)
@@ -509,7 +528,7 @@ def _attention_decode_mosaic(q, k_pages, v_pages, lengths, page_table, layer=Non
       grid_names=names,
       scratch_types=scratch,
       compiler_params=plgpu.CompilerParams(approx_math=True),
-  )(lengths, table, layer_arr, qp, k_pages, v_pages)
+  )(lengths, page_table, layer_arr, qp, k_pages, v_pages)
   if split_out:
     o_parts, lse = out
     o = _combine(o_parts, lse, exp2=True)

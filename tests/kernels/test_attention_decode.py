@@ -156,6 +156,26 @@ def test_layer_of_a_cache_stack(backend):
   testing.assert_close(ref, want, tol=1e-6)
 
 
+@pytest.mark.parametrize("backend", ["xla", "mosaic"])
+def test_clamps_at_the_edges(backend):
+  # A traced layer past the stack reads the last layer; a length past the
+  # table's capacity is clamped to it; with 2 pages a step and an odd table
+  # width the last step reaches past the table (those keys are masked).
+  q, kp, vp, lengths, table = _case(2, 1, 8, 2, 64, 16, lengths=[90, 33])
+  table = table[:, :5]  # capacity 80 tokens: row 0 is cut to 80
+  over = jnp.asarray([500, 33], jnp.int32)
+  want = ad.attention_decode_reference(q, kp, vp, jnp.asarray([80, 33], jnp.int32), table)
+  other = testing.random_inputs([kp.shape], kp.dtype)[0]
+  k_stack, v_stack = jnp.stack([other, kp]), jnp.stack([other, vp])
+  if backend == "mosaic":
+    cfg = ad.Config(pages_per_step=2, stages=2, splits=2)
+    f = jax.jit(lambda lyr, *a: ad.attention_decode_mosaic(*a, layer=lyr, config=cfg))
+  else:
+    f = jax.jit(lambda lyr, *a: ad.attention_decode(*a, layer=lyr, backend=backend))
+  out = f(jnp.int32(7), q, k_stack, v_stack, over, table)
+  testing.assert_close(out, want, jnp.bfloat16)
+
+
 def test_contiguous_to_paged_round_trip():
   b, s, hkv, d = 2, 40, 2, 16
   k, v, q = testing.random_inputs([(b, s, hkv, d), (b, s, hkv, d), (b, 1, 4, d)], jnp.float32)
