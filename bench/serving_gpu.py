@@ -118,16 +118,21 @@ def host_share(engine, min_decodes):
           "host_fraction_p50": statistics.median(h / t[0] for h, t in zip(host, steps))}
 
 
-def main():
-  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/serving_out"))
+def model_flags(ap: argparse.ArgumentParser) -> None:
+  """The model and engine flags the serving benchmarks share."""
   ap.add_argument("--config", default="llama3.1-8b")
   ap.add_argument("--attention", default="mosaic")
-  ap.add_argument("--decode-attention", default=None)
   ap.add_argument("--matmul", default="mosaic")
   ap.add_argument("--dtype", default="bfloat16")
   ap.add_argument("--decode-steps", type=int, default=1, help="EngineConfig.decode_steps")
   ap.add_argument("--num-pages", type=int, default=1400)
+
+
+def main():
+  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/serving_out"))
+  model_flags(ap)
+  ap.add_argument("--decode-attention", default=None)
   ap.add_argument("--quick", action="store_true", help="fewer requests (smoke run)")
   ap.add_argument("--ttft-len", type=int, default=2048)
   ap.add_argument("--input-len", type=int, default=512)

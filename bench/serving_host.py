@@ -30,7 +30,7 @@ import jax
 import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from serving_gpu import host_share, random_model  # noqa: E402
+from serving_gpu import host_share, model_flags, random_model  # noqa: E402
 
 
 def _timed_calls(f, n):
@@ -51,12 +51,7 @@ def main():
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/serving_host"))
   ap.add_argument("--tag", default="default")
-  ap.add_argument("--config", default="llama3.1-8b")
-  ap.add_argument("--attention", default="mosaic")
-  ap.add_argument("--matmul", default="mosaic")
-  ap.add_argument("--dtype", default="bfloat16")
-  ap.add_argument("--decode-steps", type=int, default=1, help="EngineConfig.decode_steps")
-  ap.add_argument("--num-pages", type=int, default=1400)
+  model_flags(ap)
   ap.add_argument("--max-batch", type=int, default=64)
   ap.add_argument("--requests", type=int, default=64)
   ap.add_argument("--input-len", type=int, default=512)

@@ -341,20 +341,23 @@ def _mosaic_kernel(meta_ref, q_ref, k_ref, v_ref, qp_ref, qs_ref, kp_ref, ks_ref
       # meet at a barrier twice per step so that one's softmax runs while the
       # other's wgmmas do.
 
+      def qk(slot, after_issue):
+        """S = Q K[slot]^T; with ping-pong, ``after_issue`` runs while it computes."""
+        def f(s_ref):
+          plgpu.wgmma(s_ref, qo, k_smem.at[slot].T)
+          if cfg.pingpong:
+            after_issue()
+          return s_ref[...]
+
+        with jax.named_scope("qk"):
+          return pl.run_scoped(f, plgpu.ACC(s_shape, jnp.float32))
+
       def step(s, carry, masked: bool):
         acc, m_i, l_i = carry
         slot = slot_of(s)
         with jax.named_scope("wait_k"):
           plgpu.barrier_wait(k_bar.at[slot])
-
-        def qk(s_ref):
-          plgpu.wgmma(s_ref, qo, k_smem.at[slot].T)
-          if cfg.pingpong:
-            sync_sched()
-          return s_ref[...]
-
-        with jax.named_scope("qk"):
-          sc = pl.run_scoped(qk, plgpu.ACC(s_shape, jnp.float32))
+        sc = qk(slot, sync_sched)
         p16, m_new, l_i, alpha = softmax(sc, slot, m_i, l_i, masked)
         acc = rescale(acc, alpha)
         if not dsl.interpreting():
@@ -386,15 +389,7 @@ def _mosaic_kernel(meta_ref, q_ref, k_ref, v_ref, qp_ref, qs_ref, kp_ref, ks_ref
           plgpu.barrier_wait(k_bar.at[slot])
           if cfg.pingpong:
             take_turn()
-
-        def qk(s_ref):
-          plgpu.wgmma(s_ref, qo, k_smem.at[slot].T)
-          if cfg.pingpong:
-            pass_turn()
-          return s_ref[...]
-
-        with jax.named_scope("qk"):
-          sc = pl.run_scoped(qk, plgpu.ACC(s_shape, jnp.float32))
+        sc = qk(slot, pass_turn)
         # The first block of the range may be a boundary block: always mask.
         p16, m_i, l_i, _ = softmax(sc, slot, m_i, l_i, masked=True)
         return acc, m_i, l_i, p16

@@ -153,8 +153,9 @@ def parser() -> argparse.ArgumentParser:
   s.add_argument("--token-budget", type=int, help="tokens per step (default batch + chunk)")
   s.add_argument("--default-max-tokens", type=int, default=256)
   s.add_argument("--decode-steps", type=int, default=1,
-                 help="greedy decode steps per dispatch when nothing waits for prefill "
-                      "(fewer host round trips; tokens past a request's end are dropped)")
+                 help="decode steps per dispatch, sampled on the device, when nothing waits "
+                      "for prefill (fewer host round trips; tokens past a request's end are "
+                      "dropped)")
   s.add_argument("--no-prefix-cache", action="store_true")
   s.add_argument("--no-warmup", action="store_true")
   s.add_argument("--auth-token", default=os.environ.get("MOSAIC_SERVING_TOKEN"),
