@@ -1,8 +1,9 @@
 """Measures the card's two ceilings and writes mosaic/calibration/<device>.json.
 
-HBM: a large device-to-device copy (bytes read + written). Tensor cores: an
-8192^3 bf16 matmul through XLA (cuBLAS) on random data. Both medians of
-device-timed runs.
+HBM: a large device-to-device copy (bytes read + written); also a read-only
+figure (a sum over the same 2 GiB), the ceiling of kernels that stream
+weights and write almost nothing. Tensor cores: an 8192^3 bf16 matmul
+through XLA (cuBLAS) on random data. All medians of device-timed runs.
 
   PYTHONPATH=. python3 bench/calibrate.py --out DIR
 """
@@ -25,6 +26,8 @@ def main():
   xs = [testing.random_inputs([(n,)], jnp.bfloat16)[0] for _ in range(2)]
   copy = bench.time_jax(lambda x: x * jnp.bfloat16(2), [(x,) for x in xs], iters=20)
   hbm = 2 * n * 2 / copy.median_s / 1e9
+  total = bench.time_jax(lambda x: jnp.sum(x, dtype=jnp.float32), [(x,) for x in xs], iters=20)
+  read = n * 2 / total.median_s / 1e9
   del xs
   hbm_torch = None
   try:  # torch's copy kernel is the better-tuned memory-bound reference
@@ -34,6 +37,8 @@ def main():
     dst = torch.empty_like(src[0])
     tc = bench.time_torch(lambda s: dst.copy_(s), [(s,) for s in src], iters=20)
     hbm_torch = 2 * n * 2 / tc.median_s / 1e9
+    ts = bench.time_torch(lambda s: s.sum(dtype=torch.float32), [(s,) for s in src], iters=20)
+    read = max(read, n * 2 / ts.median_s / 1e9)
     del src, dst
   except Exception as e:  # noqa: BLE001 -- torch is optional here
     print(f"torch copy not measured: {e}")
@@ -43,8 +48,9 @@ def main():
   data = {"device": t.name, "bf16_tflops": round(tflops, 1), "hbm_gbps": round(max(hbm, hbm_torch or 0), 1),
           "hbm_gbps_xla_elementwise": round(hbm, 1),
           "hbm_gbps_torch_copy": hbm_torch and round(hbm_torch, 1),
+          "hbm_read_gbps": round(read, 1),
           "sms": t.ceilings.sms, "smem_per_block": t.ceilings.smem_per_block,
-          "method": "median device time: the faster of a 2 GiB bf16 x*2 (XLA) and copy_ (torch); 8192^3 bf16 matmul via XLA",
+          "method": "median device time: the faster of a 2 GiB bf16 x*2 (XLA) and copy_ (torch); read: the faster of a 2 GiB sum in XLA and torch; 8192^3 bf16 matmul via XLA",
           "jax": jax.__version__}
   path = target.CALIBRATION_DIR / f"{t.key}.json"
   path.parent.mkdir(parents=True, exist_ok=True)

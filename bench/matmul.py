@@ -14,6 +14,8 @@ and writes the measured winners, merged into the table already in the tree,
 as ``matmul_tuning.json`` next to the results (copy it to
 kernels/tuning/matmul/<device_key>.json); a wrong config is never timed.
 ``--smollm2`` runs the SmolLM2-135M layer shapes instead of Llama-3-8B's.
+``gate_up_swiglu`` is gate_up with the model's fused SwiGLU gate (output
+[M, N / 2]); its anchors are cuBLAS followed by XLA's (or torch's) silu * up.
 
   PYTHONPATH=. python3 bench/matmul.py --out /tmp/mm [--tune] [--small]
 """
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import pathlib
 import sys
@@ -39,7 +42,9 @@ LAYERS = {  # Llama-3-8B, name: (K, N)
     "gate_up": (4096, 28672),
     "down": (14336, 4096),
     "lm_head": (4096, 128256),
+    "gate_up_swiglu": (4096, 28672),
 }
+ACTIVATION = {"gate_up_swiglu": "swiglu"}  # shapes run with a fused activation
 SMOLLM2_LAYERS = {  # SmolLM2-135M (hidden 576, 9 q / 3 kv heads of 64, FFN 1536)
     "smol_qkv": (576, 960),
     "smol_o": (576, 576),
@@ -76,10 +81,9 @@ def _rel_err(out, ref):
   return jnp.sqrt(jnp.sum(d * d) / jnp.sum(ref * ref))
 
 
-@jax.jit
-def _ref(a, b):
-  return jnp.dot(a.astype(jnp.float32), b.astype(jnp.float32),
-                 precision=jax.lax.Precision.HIGHEST)
+@functools.partial(jax.jit, static_argnames="activation")
+def _ref(a, b, activation=None):
+  return mm.matmul_reference(a, b, activation=activation)
 
 
 def candidates(m: int, n: int, k: int, sms: int) -> list[mm.Config]:
@@ -90,7 +94,8 @@ def candidates(m: int, n: int, k: int, sms: int) -> list[mm.Config]:
     # Weight streaming: vary the bytes in flight (stages x tile) and how the
     # K loop is split so that the grid fills the SMs once.
     cs = [h]
-    for tile_n, tile_k in ((128, 64), (64, 64), (64, 128), (128, 128)):
+    # tile_n 256 reads each weight row in 1 KB pieces (cta_n = 512).
+    for tile_n, tile_k in ((128, 64), (64, 64), (64, 128), (128, 128), (256, 32), (256, 64)):
       base = C(tile_m=64, tile_n=tile_n, tile_k=tile_k, wg_dim="n")
       tiles = -(-n // base.cta_n)
       one_wave = max(1, min(-(-k // tile_k) // 2, sms // tiles))
@@ -159,14 +164,20 @@ def main(argv=None):
   for name, m, n, k in todo:
     key = jax.random.key(m * 7 + n * 3 + k)
     sets = _input_sets(key, m, n, k, 1 if args.small else None)
-    ref = _ref(*sets[0])
+    act = ACTIVATION.get(name)
+    ref = _ref(*sets[0], activation=act)
     c = cost.matmul(m, n, k)
+    if act:  # the output is [M, N / 2]
+      c = cost.Cost(c.flops, c.bytes - m * n)
     row = {"shape": name, "M": m, "N": n, "K": k}
     cfg = mm.pick_config(m, n, k, jnp.bfloat16)
+    if act and cfg.split_k == 1:
+      cfg = dataclasses.replace(cfg, tile_n=2 * mm.SWIGLU_BLOCK)
     row["config"] = cfg_str(cfg)
     fns = {
-        "mosaic": jax.jit(lambda a, b, cfg=cfg: mm.matmul_mosaic(a, b, config=cfg)),
-        "xla": jax.jit(lambda a, b: mm.matmul_xla(a, b)),
+        "mosaic": jax.jit(lambda a, b, cfg=cfg: mm.matmul_mosaic(a, b, config=cfg,
+                                                                activation=act)),
+        "xla": jax.jit(lambda a, b: mm.matmul_xla(a, b, activation=act)),
     }
     for backend, f in fns.items():
       try:
@@ -187,10 +198,15 @@ def main(argv=None):
     if torch is not None:
       ta, tb = (torch.from_dlpack(sets[0][0]), torch.from_dlpack(sets[0][1]))
       tsets = [(torch.from_dlpack(a), torch.from_dlpack(b)) for a, b in sets]
-      terr = float(_rel_err(jnp.from_dlpack(torch.matmul(ta, tb)), ref))
+      tfn = torch.matmul
+      if act:
+        def tfn(a, b):
+          y = torch.matmul(a, b).float().unflatten(-1, (-1, 2, mm.SWIGLU_BLOCK))
+          return (torch.nn.functional.silu(y[..., 0, :]) * y[..., 1, :]).flatten(-2).to(a.dtype)
+      terr = float(_rel_err(jnp.from_dlpack(tfn(ta, tb)), ref))
       row["err_torch"] = terr
       if terr <= tol:
-        s = bench.time_torch(torch.matmul, tsets, iters=args.iters).median_s
+        s = bench.time_torch(tfn, tsets, iters=args.iters).median_s
         row["torch_us"] = s * 1e6
         row["torch_tflops"] = c.flops / s / 1e12
     best = min([row[x] for x in ("xla_us", "torch_us") if isinstance(row.get(x), float)],
@@ -217,6 +233,8 @@ def main(argv=None):
 
   if args.tune:
     for name, m, n, k in tune_todo:
+      if name in ACTIVATION:  # runs with the plain shape's config
+        continue
       if time.time() - t_start > args.budget_s:
         tune_log.append({"shape": name, "M": m, "skipped": "budget"})
         continue

@@ -1,7 +1,11 @@
-"""matmul: ``out = a @ b (+ bias) (+ residual)`` with fp32 accumulation.
+"""matmul: ``out = act(a @ b (+ bias)) (+ residual)`` with fp32 accumulation.
 
 a[M, K] and b[K, N] (weights stored [in_features, out_features]) are bf16 or
 fp16; the output dtype defaults to a's and may be bf16, fp16 or fp32.
+``activation="swiglu"`` fuses the SwiGLU gate of an MLP whose gate and up
+projections are one matmul: b's columns come in blocks of SWIGLU_BLOCK gate
+columns followed by the matching SWIGLU_BLOCK up columns (``swiglu_columns``
+builds that layout), and out[:, f] = silu(gate_f) * up_f is [M, N / 2].
 
 Hopper kernel (``mosaic`` backend), how data flows:
 
@@ -18,14 +22,18 @@ Hopper kernel (``mosaic`` backend), how data flows:
   buffered so the store of one piece overlaps the next.
 - On Blackwell the same entry point runs kernels/matmul_blackwell.py
   (tcgen05 MMA into tensor memory).
+- SwiGLU: each consumer's accumulator is one block pair [gate | up]
+  (tile_n = 2 * SWIGLU_BLOCK), so the gate and its up value sit in the same
+  thread's registers and silu(gate) * up is computed before the store; the
+  [M, N] gate/up product never reaches HBM.
 - Ragged edges: TMA fills out-of-bounds loads with zeros (so a partial K
   block contributes nothing) and clips out-of-bounds stores, so any M, N, K
   is handled without padding copies.
 - Small M (decode): the tile is 64 rows (the wgmma minimum; the missing rows
   are TMA zero fill, never read from memory) and K is split over ``split_k``
   CTAs so that every SM streams its share of the weights. Each split writes
-  fp32 partial sums; one fused XLA reduction adds them up with the bias and
-  residual and casts.
+  fp32 partial sums; one fused XLA reduction adds them up with the bias,
+  the activation and the residual, and casts.
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from mosaic import dsl, registry, target as target_lib, tuning
@@ -43,6 +52,10 @@ from mosaic.dsl import pl, plgpu
 OP = "matmul"
 IN_DTYPES = ("bfloat16", "float16")
 OUT_DTYPES = ("bfloat16", "float16", "float32")
+ACTIVATIONS = (None, "swiglu")
+# Gate/up column block of the fused SwiGLU layout: one consumer's tile_n is a
+# [gate | up] pair of blocks, so the two halves of its accumulator line up.
+SWIGLU_BLOCK = 64
 
 
 # --------------------------------------------------------------------------
@@ -114,8 +127,9 @@ SMEM_LIMIT = 227 * 1024
 
 
 def _kernel(a_gmem, b_gmem, bias_gmem, res_gmem, out_gmem, *, cfg: Config, k_iters: int,
-            out_dtype):
-  """Warp-specialized persistent body; ``out_gmem`` is [M, N] or [splits, M, N]."""
+            out_dtype, activation):
+  """Warp-specialized persistent body; ``out_gmem`` is [M, N] ([M, N / 2] with
+  swiglu) or [splits, M, N] split-K partials (the activation comes after their sum)."""
   m, _ = a_gmem.shape
   n = b_gmem.shape[1]
   tm, tn, tk = cfg.tile_m, cfg.tile_n, cfg.tile_k
@@ -126,9 +140,13 @@ def _kernel(a_gmem, b_gmem, bias_gmem, res_gmem, out_gmem, *, cfg: Config, k_ite
   split_out = splits > 1
   dtype = a_gmem.dtype
   acc_out_dtype = jnp.float32 if split_out else out_dtype
+  swiglu = activation == "swiglu" and not split_out
+  # Columns of one consumer's output tile: half of its accumulator with swiglu.
+  out_tn = tn // 2 if swiglu else tn
+  out_ratio = 2 if swiglu else 1  # accumulator columns per output column
 
   epi_m, epi_n = cfg.epi_m, cfg.epi_n
-  n_epi = (tm // epi_m) * (tn // epi_n)
+  n_epi = (tm // epi_m) * (out_tn // epi_n)
   slots = min(2, n_epi)
   a_tr = dsl.smem_transforms((cta_m, tk), dtype)
   b_tr = dsl.smem_transforms((tk, cta_n), dtype)
@@ -171,14 +189,15 @@ def _kernel(a_gmem, b_gmem, bias_gmem, res_gmem, out_gmem, *, cfg: Config, k_ite
           mn, (m_iters, n_iters), 1 if cfg.grid_minor == "n" else 0, cfg.grid_width)
       cta_ms = pl.ds(mi * cta_m, cta_m)
       cta_ns = pl.ds(ni * cta_n, cta_n)
+      out_cta_ns = pl.ds(ni * (cta_n // out_ratio), cta_n // out_ratio)
       if cfg.wg_dim == "m":
-        wg_ms, wg_ns = pl.ds(wg * tm, tm), slice(None)
+        wg_ms, wg_ns, out_wg_ns = pl.ds(wg * tm, tm), slice(None), slice(None)
         wg_n0 = ni * cta_n
       else:
-        wg_ms, wg_ns = slice(None), pl.ds(wg * tn, tn)
+        wg_ms, wg_ns, out_wg_ns = slice(None), pl.ds(wg * tn, tn), pl.ds(wg * out_tn, out_tn)
         wg_n0 = ni * cta_n + wg * tn
-      out_tile = (out_gmem.at[split] if split_out else out_gmem).at[cta_ms, cta_ns].at[
-          wg_ms, wg_ns]
+      out_tile = (out_gmem.at[split] if split_out else out_gmem).at[cta_ms, out_cta_ns].at[
+          wg_ms, out_wg_ns]
 
       def compute_context(run_pipeline):
         @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tm, tn), jnp.float32))
@@ -192,18 +211,21 @@ def _kernel(a_gmem, b_gmem, bias_gmem, res_gmem, out_gmem, *, cfg: Config, k_ite
             plgpu.barrier_wait(bias_bar)
             bias = plgpu.load(bias_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(0))
             acc = acc + lax.broadcast_in_dim(bias.astype(jnp.float32), (tm, tn), [1])
+          if swiglu:
+            gate, up = acc[:, :out_tn], acc[:, out_tn:]
+            acc = gate / (1.0 + jnp.exp(-gate)) * up
           # The previous tile's stores must have read their staging buffers.
           plgpu.wait_smem_to_gmem(0, wait_read_only=True)
           for emi in range(tm // epi_m):
-            for eni in range(tn // epi_n):
+            for eni in range(out_tn // epi_n):
               ems = slice(emi * epi_m, (emi + 1) * epi_m)
               ens = slice(eni * epi_n, (eni + 1) * epi_n)
-              slot = (emi * (tn // epi_n) + eni) % slots
+              slot = (emi * (out_tn // epi_n) + eni) % slots
               plgpu.wait_smem_to_gmem(slots - 1, wait_read_only=True)
               piece = acc[ems, ens]
               if res_gmem is not None:
                 plgpu.copy_gmem_to_smem(
-                    res_gmem.at[cta_ms, cta_ns].at[wg_ms, wg_ns].at[ems, ens],
+                    res_gmem.at[cta_ms, out_cta_ns].at[wg_ms, out_wg_ns].at[ems, ens],
                     out_smem.at[wg, slot], res_bar(slot))
                 plgpu.barrier_wait(res_bar(slot))
                 piece = piece + out_smem[wg, slot].astype(jnp.float32)
@@ -232,8 +254,8 @@ def _num_sms() -> int:
   return jax.devices()[0].core_count
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "out_dtype"))
-def _run(a, b, bias, residual, *, cfg: Config, out_dtype):
+@functools.partial(jax.jit, static_argnames=("cfg", "out_dtype", "activation"))
+def _run(a, b, bias, residual, *, cfg: Config, out_dtype, activation=None):
   m, k = a.shape
   n = b.shape[1]
   k_iters = dsl.cdiv(k, cfg.tile_k)
@@ -242,11 +264,14 @@ def _run(a, b, bias, residual, *, cfg: Config, out_dtype):
     splits = dsl.cdiv(k_iters, dsl.cdiv(k_iters, cfg.split_k))
     cfg = dataclasses.replace(cfg, split_k=splits)
   split_out = cfg.split_k > 1
+  if activation == "swiglu" and not split_out and cfg.tile_n != 2 * SWIGLU_BLOCK:
+    raise ValueError(f"swiglu without split-K needs tile_n = {2 * SWIGLU_BLOCK}; got {cfg}")
   tiles = dsl.cdiv(m, cfg.cta_m) * dsl.cdiv(n, cfg.cta_n) * cfg.split_k
   grid = max(1, min(_num_sms(), tiles))
-  out_shape = (cfg.split_k, m, n) if split_out else (m, n)
+  out_n = n // 2 if activation == "swiglu" else n
+  out_shape = (cfg.split_k, m, n) if split_out else (m, out_n)
   body = functools.partial(
-      _kernel, cfg=cfg, k_iters=k_iters, out_dtype=jnp.dtype(out_dtype))
+      _kernel, cfg=cfg, k_iters=k_iters, out_dtype=jnp.dtype(out_dtype), activation=activation)
   operands = [a, b]
   names = ["a", "b"]
   if not split_out:  # split partials get bias/residual in the reduction
@@ -274,6 +299,8 @@ def _run(a, b, bias, residual, *, cfg: Config, out_dtype):
     acc = out.sum(axis=0)
     if bias is not None:
       acc = acc + bias.astype(jnp.float32)
+    if activation == "swiglu":
+      acc = swiglu(acc)
     if residual is not None:
       acc = acc + residual.astype(jnp.float32)
     out = acc.astype(out_dtype)
@@ -284,7 +311,34 @@ def _run(a, b, bias, residual, *, cfg: Config, out_dtype):
 # Public wrapper
 
 
-def _check(a, b, bias, residual, out_dtype):
+def swiglu_columns(gate, up):
+  """gate/up [..., F] (numpy or jax) -> [..., 2F] in the fused SwiGLU column
+  order: per block of SWIGLU_BLOCK features, their gate columns then their up
+  columns. F must be a multiple of SWIGLU_BLOCK."""
+  xp = np if isinstance(gate, np.ndarray) else jnp
+  f = gate.shape[-1]
+  if f % SWIGLU_BLOCK or up.shape != gate.shape:
+    raise ValueError(f"gate and up must both be [..., F] with F a multiple of {SWIGLU_BLOCK}; "
+                     f"got {gate.shape} and {up.shape}")
+  lead = gate.shape[:-1]
+  blocks = lambda x: x.reshape(*lead, f // SWIGLU_BLOCK, 1, SWIGLU_BLOCK)
+  return xp.concatenate([blocks(gate), blocks(up)], axis=-2).reshape(*lead, 2 * f)
+
+
+def swiglu_split(w):
+  """Inverse of ``swiglu_columns``: (gate, up), each [..., F]."""
+  lead, n = w.shape[:-1], w.shape[-1]
+  y = w.reshape(*lead, n // (2 * SWIGLU_BLOCK), 2, SWIGLU_BLOCK)
+  return y[..., 0, :].reshape(*lead, n // 2), y[..., 1, :].reshape(*lead, n // 2)
+
+
+def swiglu(y):
+  """silu(gate) * up of a float32 [..., N] in the ``swiglu_columns`` order -> [..., N / 2]."""
+  gate, up = swiglu_split(y)
+  return jax.nn.silu(gate) * up
+
+
+def _check(a, b, bias, residual, out_dtype, activation=None):
   """Shapes and dtypes every backend accepts; returns the output dtype."""
   if getattr(a, "ndim", None) != 2 or getattr(b, "ndim", None) != 2:
     raise ValueError(f"matmul needs 2D a[M, K] and b[K, N]; got {jnp.shape(a)=}, {jnp.shape(b)=}")
@@ -294,20 +348,29 @@ def _check(a, b, bias, residual, out_dtype):
     raise ValueError(f"contracting dims differ: {a.shape=} {b.shape=}")
   if min(m, n, k) < 1:
     raise ValueError(f"empty matmul is not supported: {a.shape=} {b.shape=}")
+  if activation not in ACTIVATIONS:
+    raise ValueError(f"{activation=} must be one of {ACTIVATIONS}")
+  out_n = n
+  if activation == "swiglu":
+    if n % (2 * SWIGLU_BLOCK):
+      raise ValueError(f"swiglu needs N={n} to be whole [gate | up] blocks of "
+                       f"2 x {SWIGLU_BLOCK} columns (see swiglu_columns)")
+    out_n = n // 2
   if bias is not None and tuple(bias.shape) != (n,):
     raise ValueError(f"bias must be [N]={n}; got {bias.shape=}")
-  if residual is not None and tuple(residual.shape) != (m, n):
-    raise ValueError(f"residual must be [M, N]={(m, n)}; got {residual.shape=}")
+  if residual is not None and tuple(residual.shape) != (m, out_n):
+    raise ValueError(f"residual must be [M, N{' / 2' if activation else ''}]={(m, out_n)}; "
+                     f"got {residual.shape=}")
   out_dtype = jnp.dtype(a.dtype if out_dtype is None else out_dtype)
   if not jnp.issubdtype(out_dtype, jnp.floating):
     raise ValueError(f"{out_dtype=} must be a floating dtype")
   return out_dtype
 
 
-def _mosaic_why_not(a, b, *, bias=None, residual=None, out_dtype=None, config=None) -> str | None:
-  del config
+def _mosaic_why_not(a, b, *, bias=None, residual=None, out_dtype=None, activation=None,
+                    config=None) -> str | None:
   try:
-    out_dtype = _check(a, b, bias, residual, out_dtype)
+    out_dtype = _check(a, b, bias, residual, out_dtype, activation)
   except ValueError as e:
     return str(e)
   kind = target_lib.current().kind
@@ -337,6 +400,9 @@ def _mosaic_why_not(a, b, *, bias=None, residual=None, out_dtype=None, config=No
     return f"{bias.dtype=} must be one of {IN_DTYPES + ('float32',)}"
   if residual is not None and residual.dtype != out_dtype:
     return f"{residual.dtype=} must equal the output dtype {out_dtype}"
+  if (activation == "swiglu" and isinstance(config, Config) and config.split_k == 1
+      and config.tile_n != 2 * SWIGLU_BLOCK):
+    return f"swiglu needs tile_n = 2 x SWIGLU_BLOCK = {2 * SWIGLU_BLOCK}; got {config.tile_n=}"
   return None
 
 
@@ -374,12 +440,14 @@ def pick_config(m: int, n: int, k: int, dtype) -> Config:
   return tuning.lookup(OP, tuning_key(m, n, k, dtype), Config, lambda: heuristic(m, n, k, sms))
 
 
-def matmul_mosaic(a, b, *, bias=None, residual=None, out_dtype=None, config: Config | None = None):
+def matmul_mosaic(a, b, *, bias=None, residual=None, out_dtype=None, activation=None,
+                  config: Config | None = None):
   """The Hopper kernel; ``config`` overrides the tuning table / heuristic."""
-  why = _mosaic_why_not(a, b, bias=bias, residual=residual, out_dtype=out_dtype)
+  why = _mosaic_why_not(a, b, bias=bias, residual=residual, out_dtype=out_dtype,
+                        activation=activation, config=config)
   if why is not None:
     raise ValueError(f"matmul mosaic: {why}")
-  out_dtype = _check(a, b, bias, residual, out_dtype)
+  out_dtype = _check(a, b, bias, residual, out_dtype, activation)
   m, k = a.shape
   n = b.shape[1]
   if target_lib.current().kind == "blackwell":
@@ -387,59 +455,85 @@ def matmul_mosaic(a, b, *, bias=None, residual=None, out_dtype=None, config: Con
 
     if config is not None and not isinstance(config, bw.Config):
       raise ValueError(f"on Blackwell config must be a matmul_blackwell.Config; got {config=}")
+    if activation is not None:  # the tcgen05 kernel has no fused activation yet
+      y = bw.run(a, b, bias, None, cfg=config or bw.heuristic(m, n, k),
+                 out_dtype=jnp.dtype(jnp.float32), num_sms=_num_sms())
+      return _epilogue(y, None, residual, out_dtype, activation)
     return bw.run(a, b, bias, residual, cfg=config or bw.heuristic(m, n, k),
                   out_dtype=out_dtype, num_sms=_num_sms())
   isz = (a.dtype.itemsize, out_dtype.itemsize)
   # A picked config (heuristic or table, chosen for bf16 out) is fitted to
   # this call's output dtype; an explicit one is the caller's to fix.
-  cfg = config or fit_smem(pick_config(m, n, k, a.dtype), *isz)
+  if config is None:
+    cfg = pick_config(m, n, k, a.dtype)
+    if activation == "swiglu" and cfg.split_k == 1 and cfg.tile_n != 2 * SWIGLU_BLOCK:
+      # The shape's tuned tile is for a plain product: keep its schedule, fit the
+      # tile to one [gate | up] block pair per consumer.
+      cfg = dataclasses.replace(cfg, tile_n=2 * SWIGLU_BLOCK,
+                                epi_n=min(cfg.epi_n, SWIGLU_BLOCK))
+    cfg = fit_smem(cfg, *isz)
+  else:
+    cfg = config
   if cfg.smem_bytes(*isz) > SMEM_LIMIT:
     raise ValueError(f"{cfg=} needs {cfg.smem_bytes(*isz)} bytes of SMEM > {SMEM_LIMIT}")
-  return _run(a, b, bias, residual, cfg=cfg, out_dtype=out_dtype)
+  if activation == "swiglu" and cfg.split_k == 1 and SWIGLU_BLOCK % cfg.epi_n:
+    raise ValueError(f"swiglu needs epi_n dividing {SWIGLU_BLOCK}; got {cfg.epi_n=}")
+  return _run(a, b, bias, residual, cfg=cfg, out_dtype=out_dtype, activation=activation)
 
 
-@functools.partial(jax.jit, static_argnames=("out_dtype",))
-def _xla(a, b, bias, residual, out_dtype):
-  acc = jnp.dot(a, b, preferred_element_type=jnp.float32)
+def _epilogue(acc, bias, residual, out_dtype, activation):
+  """float32 acc [M, N] -> act(acc + bias) + residual, cast."""
   if bias is not None:
     acc = acc + bias.astype(jnp.float32)
+  if activation == "swiglu":
+    acc = swiglu(acc)
   if residual is not None:
     acc = acc + residual.astype(jnp.float32)
   return acc.astype(out_dtype)
 
 
-def matmul_xla(a, b, *, bias=None, residual=None, out_dtype=None):
+@functools.partial(jax.jit, static_argnames=("out_dtype", "activation"))
+def _xla(a, b, bias, residual, out_dtype, activation):
+  acc = jnp.dot(a, b, preferred_element_type=jnp.float32)
+  return _epilogue(acc, bias, residual, out_dtype, activation)
+
+
+def matmul_xla(a, b, *, bias=None, residual=None, out_dtype=None, activation=None):
   """cuBLAS (through XLA) with the epilogue left to XLA's fusion."""
-  out_dtype = _check(a, b, bias, residual, out_dtype)
-  return _xla(a, b, bias, residual, out_dtype)
+  out_dtype = _check(a, b, bias, residual, out_dtype, activation)
+  return _xla(a, b, bias, residual, out_dtype, activation)
 
 
 # --------------------------------------------------------------------------
 # Reference
 
 
-def matmul_reference(a, b, *, bias=None, residual=None, out_dtype=None):
+def matmul_reference(a, b, *, bias=None, residual=None, out_dtype=None, activation=None):
   """The meaning of the op, in float32 (returned in float32)."""
-  _check(a, b, bias, residual, out_dtype)
+  _check(a, b, bias, residual, out_dtype, activation)
   f = lambda x: jnp.asarray(x, jnp.float32)
   out = jnp.dot(f(a), f(b), precision=lax.Precision.HIGHEST)
   if bias is not None:
     out = out + f(bias)
+  if activation == "swiglu":
+    out = swiglu(out)
   if residual is not None:
     out = out + f(residual)
   return out
 
 
-def _reference_backend(a, b, *, bias=None, residual=None, out_dtype=None):
-  out_dtype = _check(a, b, bias, residual, out_dtype)
-  return matmul_reference(a, b, bias=bias, residual=residual).astype(out_dtype)
+def _reference_backend(a, b, *, bias=None, residual=None, out_dtype=None, activation=None):
+  out_dtype = _check(a, b, bias, residual, out_dtype, activation)
+  return matmul_reference(a, b, bias=bias, residual=residual,
+                          activation=activation).astype(out_dtype)
 
 
-def _valid(a, b, *, bias=None, residual=None, out_dtype=None, config=None) -> str | None:
+def _valid(a, b, *, bias=None, residual=None, out_dtype=None, activation=None,
+           config=None) -> str | None:
   if config is not None:
     return f"config= applies to the mosaic backend only; got {config=}"
   try:
-    _check(a, b, bias, residual, out_dtype)
+    _check(a, b, bias, residual, out_dtype, activation)
   except ValueError as e:
     return str(e)
   return None
@@ -448,7 +542,8 @@ def _valid(a, b, *, bias=None, residual=None, out_dtype=None, config=None) -> st
 # --------------------------------------------------------------------------
 # Registration
 
-_op = registry.op(OP, "a[M,K] @ b[K,N] (+ bias[N]) (+ residual[M,N]), fp32 accumulation")
+_op = registry.op(OP, "act(a[M,K] @ b[K,N] (+ bias[N])) (+ residual), fp32 accumulation; "
+                      "act: none or swiglu (fused gate/up, output [M, N/2])")
 _op.register("mosaic", matmul_mosaic, supports=_mosaic_why_not,
              doc="Hopper wgmma, warp-specialized, persistent; split-K for small M")
 _op.register("xla", matmul_xla, supports=_valid, doc="jnp.dot (cuBLAS on GPU)")

@@ -28,6 +28,7 @@ from typing import Any, Callable
 import ml_dtypes
 import numpy as np
 
+from kernels import matmul as mm
 from models import tokenizer as tok_lib
 from models.config import ModelConfig
 
@@ -68,15 +69,27 @@ def split_qkv(wqkv, cfg: ModelConfig):
           y[..., g + 1, :].reshape(*lead, -1))
 
 
+# Column order of the fused gate/up matrix, recorded in model.json. "pairs"
+# (gate and up side by side per feature) is what directories written before
+# the matmul fused the SwiGLU hold; they are converted when read.
+GATE_UP_LAYOUT = f"swiglu{mm.SWIGLU_BLOCK}"
+
+
 def fuse_gate_up(gate, up):
-  """gate/up [..., F] -> [..., 2F], the two side by side per feature."""
-  return np.stack([gate, up], axis=-1).reshape(*gate.shape[:-1], -1)
+  """gate/up [..., F] -> [..., 2F] in the order the matmul's fused SwiGLU
+  reads: blocks of SWIGLU_BLOCK gate columns, each followed by its up columns."""
+  return mm.swiglu_columns(np.asarray(gate), np.asarray(up))
 
 
 def split_gate_up(w):
   """Inverse of ``fuse_gate_up``: (gate, up)."""
+  return mm.swiglu_split(np.asarray(w))
+
+
+def _gate_up_from_pairs(w):
+  """A fused gate/up matrix in the older "pairs" order, in today's order."""
   y = np.asarray(w).reshape(*w.shape[:-1], -1, 2)
-  return y[..., 0], y[..., 1]
+  return fuse_gate_up(y[..., 0], y[..., 1])
 
 
 def unfused_layers(params: dict, cfg: ModelConfig) -> dict[str, Any]:
@@ -404,7 +417,8 @@ def save(directory, model) -> pathlib.Path:
   with ocp.StandardCheckpointer() as ckptr:
     ckptr.save(directory / "params", pure, force=True)
   tok = model.tokenizer
-  meta: dict[str, Any] = {"config": model.config.to_dict(), "dtype": str(model.dtype)}
+  meta: dict[str, Any] = {"config": model.config.to_dict(), "dtype": str(model.dtype),
+                          "gate_up_layout": GATE_UP_LAYOUT}
   if isinstance(tok, tok_lib.ByteTokenizer):
     meta["tokenizer"] = "byte"
   elif isinstance(tok, tok_lib.HFTokenizer):
@@ -460,6 +474,13 @@ def read_orbax(directory, dtype) -> tuple[ModelConfig, dict, tok_lib.Tokenizer]:
       params = _fuse_tree(jax.tree.map(np.asarray, params), cfg)
     else:
       params = ckptr.restore(directory / "params", target)
+      layout = meta.get("gate_up_layout", "pairs")
+      if layout == "pairs":
+        mlp = params["layers"]["mlp"]["w_gate_up"]
+        mlp["w"] = _gate_up_from_pairs(np.asarray(mlp["w"]))
+      elif layout != GATE_UP_LAYOUT:
+        raise ValueError(f"{meta_path}: unknown gate_up_layout {layout!r} "
+                         f"(this version reads 'pairs' and {GATE_UP_LAYOUT!r})")
   params = jax.tree.map(lambda a: jnp.asarray(a, dtype), params)
   return cfg, params, tokenizer
 

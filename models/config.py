@@ -63,6 +63,10 @@ class ModelConfig:
           f"{self.num_kv_heads=}")
     if self.head_dim % 2:
       raise ValueError(f"RoPE needs an even head_dim: {self.head_dim=}")
+    if self.intermediate_size % 64:
+      # The fused gate/up matmul pairs them in blocks of 64 features
+      # (kernels.matmul.SWIGLU_BLOCK); every Llama-family release fits.
+      raise ValueError(f"intermediate_size={self.intermediate_size} must be a multiple of 64")
     if self.sliding_window is not None and self.sliding_window <= 0:
       raise ValueError(f"{self.sliding_window=} must be positive or None")
     if self.rope_freq_factors is not None:

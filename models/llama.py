@@ -14,7 +14,8 @@ Data flow of one step, top to bottom::
         attention_decode on the layer's pages in place (sliding-window models
         use the masked attention_prefill, which knows windows)
     x = o @ wo + x
-    g, u = rms_norm(x) @ w_gate_up (one matmul); x = (silu(g) * u) @ w_down + x
+    a = silu(g) * u with g, u = rms_norm(x) @ w_gate_up (one matmul, the gate
+        fused into its epilogue); x = a @ w_down + x
   logits = rms_norm(x) @ lm_head   (lm_head = embed.T when tied), float32
 
 RMSNorm, every matmul and the attention go through the ``mosaic.registry`` ops
@@ -46,6 +47,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from kernels.matmul import SWIGLU_BLOCK
 from models.config import ModelConfig
 from mosaic import registry
 
@@ -172,7 +174,7 @@ class Linear(nnx.Module):
     self.w = nnx.Param(_init(rngs, (din, dout), dtype, din))
     self.b = nnx.Param(_init(rngs, (dout,), dtype, 1.0) * 0.1) if bias else None
 
-  def __call__(self, x, *, residual=None, out_dtype=None, row_parallel=False):
+  def __call__(self, x, *, residual=None, out_dtype=None, row_parallel=False, activation=None):
     lead = x.shape[:-1]
     a = x.reshape(-1, x.shape[-1])  # matmul is 2-D: [M = B*T, K]
     r = None if residual is None else residual.reshape(a.shape[0], -1)
@@ -185,7 +187,7 @@ class Linear(nnx.Module):
       y = y.astype(out_dtype or x.dtype)
       return y.reshape(*lead, y.shape[-1])
     y = ops()["matmul"](a, self.w[...], bias=None if self.b is None else self.b[...],
-                        residual=r, out_dtype=out_dtype)
+                        residual=r, out_dtype=out_dtype, activation=activation)
     # The float32 reference backends may hand back float32: keep the model dtype.
     y = y.astype(out_dtype or x.dtype)
     return y.reshape(*lead, y.shape[-1])
@@ -229,7 +231,9 @@ class Attention(nnx.Module):
 
 class MLP(nnx.Module):
   """SwiGLU: (silu(h @ w_gate) * (h @ w_up)) @ w_down, gate and up in one matmul
-  whose columns pair them per feature ([F, 2]: a 'tp' split keeps pairs whole)."""
+  that applies the gate in its epilogue. Its columns come in blocks of
+  SWIGLU_BLOCK gate features followed by the same up features
+  (kernels.matmul.swiglu_columns); a 'tp' split keeps blocks whole."""
 
   def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
     d, f = cfg.hidden_size, cfg.intermediate_size
@@ -238,11 +242,7 @@ class MLP(nnx.Module):
 
   def __call__(self, h, residual):
     with jax.named_scope("gate_up"):
-      y = self.w_gate_up(h)
-      y = y.reshape(*y.shape[:-1], -1, 2)  # [..., F, 2]
-    with jax.named_scope("act"):
-      g, u = y[..., 0].astype(jnp.float32), y[..., 1].astype(jnp.float32)
-      act = (jax.nn.silu(g) * u).astype(h.dtype)
+      act = self.w_gate_up(h, activation="swiglu")  # [..., F]
     with jax.named_scope("down"):
       return self.w_down(act, residual=residual, row_parallel=True)
 
@@ -510,6 +510,9 @@ def check_tp(cfg: ModelConfig, tp: int) -> None:
                   ("vocab_size", cfg.vocab_size)):
     if n % tp:
       raise ValueError(f"tensor parallelism {tp=} must divide {what}={n}")
+  if (cfg.intermediate_size // tp) % SWIGLU_BLOCK:
+    raise ValueError(f"with {tp=} each device holds {cfg.intermediate_size // tp} FFN features, "
+                     f"not whole fused gate/up blocks of {SWIGLU_BLOCK}")
 
 
 def param_specs(params):

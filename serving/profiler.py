@@ -65,7 +65,7 @@ from mosaic import cost as cost_lib
 
 # Scopes the model emits (models/llama.py), in execution order within a layer.
 LAYER_OPS = ("attn_norm", "qkv", "rope", "kv_write", "attention", "o_proj", "mlp_norm",
-             "gate_up", "act", "down")
+             "gate_up", "down")
 TOP_OPS = ("embed", "final_norm", "lm_head")
 OPS = TOP_OPS + LAYER_OPS
 PHASES = ("prefill", "decode")
@@ -84,7 +84,8 @@ def op_costs(cfg, phase: str, batch: int, length: int, *, dtype="bfloat16",
   prefill: ``batch`` x ``length`` new tokens, no cached prefix, logits at the
   last token of each row. decode: ``batch`` sequences of ``length`` kv tokens
   (including the ``decode_tokens`` new ones), logits at every new token.
-  Elementwise ops (rope, kv_write, act, embed) count bytes only.
+  Elementwise ops (rope, kv_write, embed) count bytes only. gate_up includes the
+  SwiGLU gate fused into it: it writes F features per row, not 2F.
   """
   if phase not in PHASES:
     raise ValueError(f"{phase=} is not one of {PHASES}")
@@ -115,8 +116,7 @@ def op_costs(cfg, phase: str, batch: int, length: int, *, dtype="bfloat16",
       "attention": attn,
       "o_proj": mm(m, d, hq * hd) + bytes_only(m * d * isz),  # + residual read
       "mlp_norm": cost_lib.rms_norm(m, d, dtype),
-      "gate_up": mm(m, f, d) + mm(m, f, d),
-      "act": bytes_only(3 * m * f * isz),
+      "gate_up": cost_lib.Cost(2.0 * m * 2 * f * d, (m * d + d * 2 * f + m * f) * isz),
       "down": mm(m, d, f) + bytes_only(m * d * isz),
       "final_norm": cost_lib.rms_norm(m_out, d, dtype),
       "lm_head": cost_lib.matmul(m_out, v, d, dtype, "float32", weight_dtype=dtype),

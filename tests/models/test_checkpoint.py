@@ -72,9 +72,40 @@ def test_fuse_and_split_are_inverse():
                                                         cfg.num_kv_heads))
   for a, b in zip(checkpoint.split_qkv(checkpoint.fuse_qkv(q, k, v, cfg), cfg), (q, k, v)):
     np.testing.assert_array_equal(a, b)
-  g, up = rng.normal(size=(2, 5, 7)), rng.normal(size=(2, 5, 7))
-  for a, b in zip(checkpoint.split_gate_up(checkpoint.fuse_gate_up(g, up)), (g, up)):
+  g, up = rng.normal(size=(2, 5, 192)), rng.normal(size=(2, 5, 192))
+  fused = checkpoint.fuse_gate_up(g, up)
+  # Blocks of 64 gate features, each followed by the same 64 up features.
+  np.testing.assert_array_equal(fused[..., 64:128], up[..., :64])
+  np.testing.assert_array_equal(fused[..., 128:192], g[..., 64:128])
+  for a, b in zip(checkpoint.split_gate_up(fused), (g, up)):
     np.testing.assert_array_equal(a, b)
+
+
+def test_orbax_directory_with_paired_gate_up_still_loads(tmp_path):
+  """A directory written when the fused gate/up columns alternated per feature
+  (no gate_up_layout in model.json) loads in today's order, same logits."""
+  import json as json_lib
+
+  import orbax.checkpoint as ocp
+
+  cfg = models.config.get("tiny")
+  params = model_lib.random_params(cfg, seed=int(np.random.default_rng().integers(1 << 30)))
+  m = models.Model(cfg, params, tok_lib.ByteTokenizer(), dtype="float32")
+  old = jax.tree.map(np.asarray, params)
+  g, up = checkpoint.split_gate_up(old["layers"]["mlp"]["w_gate_up"]["w"])
+  old["layers"]["mlp"]["w_gate_up"]["w"] = np.stack([g, up], axis=-1).reshape(g.shape[:-1] + (-1,))
+  d = tmp_path / "pairs"
+  with ocp.StandardCheckpointer() as ckptr:
+    ckptr.save(d.absolute() / "params", old)
+  (d / "model.json").write_text(json_lib.dumps(
+      {"config": cfg.to_dict(), "dtype": "float32", "tokenizer": "byte"}))
+  r = models.load(d, dtype="float32")
+  ids = _ids(m)
+  np.testing.assert_array_equal(_logits(r, ids), _logits(m, ids))
+  meta = json_lib.loads((d / "model.json").read_text())
+  (d / "model.json").write_text(json_lib.dumps({**meta, "gate_up_layout": "columns"}))
+  with pytest.raises(ValueError, match="gate_up_layout"):
+    models.load(d, dtype="float32")
 
 
 def test_orbax_keeps_hf_tokenizer(tmp_path, hf_oracle):
