@@ -14,8 +14,9 @@ query heads sharing one kv head, times the Tq new tokens, are packed as the
 rows of one 64-row tile, so one KV page read from HBM serves all of them
 through one wgmma (decode is bound by HBM bytes, and this makes every K/V byte
 count G * Tq times). The grid is (batch, kv head, split, row tile): the pages
-of a sequence are divided into ``splits`` contiguous ranges, enough that
-batch x kv heads x splits fills the SMs when the batch is small (split-K).
+a sequence fills (by its length at run time, not the table's width) are
+divided into ``splits`` contiguous ranges, enough that batch x kv heads x
+splits fills the SMs when the batch is small (split-K).
 Each block reads its page indices from the page table, TMA-copies
 ``pages_per_step`` pages of K and of V per step into a ring of ``stages``
 SMEM buffers (the copies of the next steps are in flight while this step
@@ -99,7 +100,7 @@ class Config(tuning.KernelConfig):
 
 def _mosaic_kernel(lengths_ref, table_ref, layer_ref, q_ref, k_ref, v_ref, *refs, tq: int,
                    group: int,
-                   page: int, pages_per_step: int, stages: int, steps_per_split: int,
+                   page: int, pages_per_step: int, stages: int, splits: int,
                    scale: float, split_out: bool, io_rows: int):
   """One block: (sequence b, kv head h, split s, row tile r).
 
@@ -124,10 +125,7 @@ def _mosaic_kernel(lengths_ref, table_ref, layer_ref, q_ref, k_ref, v_ref, *refs
 
   length = _length(lengths_ref, b, table_ref, page)
   block_kv = pages_per_step * page
-  first_step = s * steps_per_split
-  # Scalar arithmetic stays in div/min/max: lengths are >= 0.
-  total_steps = lax.div(length + (block_kv - 1), jnp.int32(block_kv))
-  n_steps = jnp.minimum(jnp.maximum(total_steps - first_step, 0), steps_per_split)
+  first_step, n_steps = _split_range(length, block_kv, s, splits)
 
   def issue(step, slot):
     """Starts the copies of step ``step``'s pages into ring slot ``slot``."""
@@ -174,6 +172,18 @@ def _mosaic_kernel(lengths_ref, table_ref, layer_ref, q_ref, k_ref, v_ref, *refs
 
 # The clamps below run on scalars inside the kernel: as XLA ops in front of it
 # they were three more kernel launches per layer of a decode step.
+
+
+def _split_range(length, block_kv: int, s, splits: int):
+  """(first step, number of steps) of split ``s`` of a sequence of ``length``
+  keys: its steps are shared out by the sequence's own length, not by the
+  table's width, so a short sequence in a wide table still spreads over every
+  split instead of leaving them all to the first."""
+  # Scalar arithmetic stays in div/min/max: lengths are >= 0.
+  total = lax.div(length + (block_kv - 1), jnp.int32(block_kv))
+  per = lax.div(total + (splits - 1), jnp.int32(splits))
+  first = s * per
+  return first, jnp.minimum(jnp.maximum(total - first, 0), per)
 
 
 def _kv_head0(layer_ref, k_ref, hkv):
@@ -255,7 +265,7 @@ def _store_output(acc, m_i, l_i, o_smem, lse_smem):
 
 def _persistent_kernel(lengths_ref, table_ref, layer_ref, q_ref, k_ref, v_ref, *refs, tq: int,
                        group: int,
-                       page: int, pages_per_step: int, stages: int, steps_per_split: int,
+                       page: int, pages_per_step: int, stages: int, splits: int,
                        scale: float, split_out: bool, io_rows: int, dims: tuple[int, ...],
                        grid_size: int):
   """A persistent block: work items c, c + grid, c + 2 grid, ... of (b, h, s, r).
@@ -281,8 +291,9 @@ def _persistent_kernel(lengths_ref, table_ref, layer_ref, q_ref, k_ref, v_ref, *
   n_local = lax.div(n_items - c + (grid_size - 1), jnp.int32(grid_size))
   layer_off = _kv_head0(layer_ref, k_ref, n_h)
 
+  del splits  # n_s: the grid's split axis
   def item_info(j):
-    """Local item j -> (b, h, s, r) and its number of steps."""
+    """Local item j -> (b, h, s, first step of split s, r, length, number of steps)."""
     item = c + j * grid_size
     r = lax.rem(item, jnp.int32(n_r))
     x = lax.div(item, jnp.int32(n_r))
@@ -291,9 +302,8 @@ def _persistent_kernel(lengths_ref, table_ref, layer_ref, q_ref, k_ref, v_ref, *
     h = lax.rem(x, jnp.int32(n_h))
     b = lax.div(x, jnp.int32(n_h))
     length = _length(lengths_ref, b, table_ref, page)
-    total = lax.div(length + (block_kv - 1), jnp.int32(block_kv))
-    n = jnp.minimum(jnp.maximum(total - s * steps_per_split, 0), steps_per_split)
-    return b, h, s, r, length, n
+    first, n = _split_range(length, block_kv, s, n_s)
+    return b, h, s, first, r, length, n
 
   def skip_empty(j):
     """The first local item >= j that has steps (n_local if none)."""
@@ -303,10 +313,10 @@ def _persistent_kernel(lengths_ref, table_ref, layer_ref, q_ref, k_ref, v_ref, *
 
   def issue(cursor, slot):
     j, i = cursor
-    b, h, s, _, _, _ = item_info(j)
+    b, h, _, first, _, _, _ = item_info(j)
     kvh = layer_off + h
     for jj in range(pages_per_step):
-      pg = _page(table_ref, b, (s * steps_per_split + i) * pages_per_step + jj)
+      pg = _page(table_ref, b, (first + i) * pages_per_step + jj)
       rows = pl.ds(jj * page, page)
       plgpu.copy_gmem_to_smem(k_ref.at[kvh, pg], k_smem.at[slot, rows], k_bars.at[slot])
       plgpu.copy_gmem_to_smem(v_ref.at[kvh, pg], v_smem.at[slot, rows], v_bars.at[slot])
@@ -319,7 +329,7 @@ def _persistent_kernel(lengths_ref, table_ref, layer_ref, q_ref, k_ref, v_ref, *
     return jnp.where(last, j2, j), jnp.where(last, 0, i + 1)
 
   def load_q(j, buf):
-    b, h, _, r, _, _ = item_info(j)
+    b, h, _, _, r, _, _ = item_info(j)
     plgpu.copy_gmem_to_smem(q_ref.at[b, h, pl.ds(r * ROWS, io_rows)],
                             q_smem.at[buf, pl.ds(0, io_rows)], q_bars.at[buf])
 
@@ -337,7 +347,7 @@ def _persistent_kernel(lengths_ref, table_ref, layer_ref, q_ref, k_ref, v_ref, *
   def item_body(j, carry):
     cursor, gstep = carry
     buf = lax.rem(j, jnp.int32(2))
-    b, h, s, r, length, n = item_info(j)
+    b, h, s, first, r, length, n = item_info(j)
 
     @pl.when(j + 1 < n_local)
     def _():
@@ -353,7 +363,7 @@ def _persistent_kernel(lengths_ref, table_ref, layer_ref, q_ref, k_ref, v_ref, *
     def step(i, carry):
       state, cursor, gstep = carry
       slot = lax.rem(gstep, jnp.int32(stages))
-      state = _attend_step(state, ids, slot, (s * steps_per_split + i) * block_kv, length, qb,
+      state = _attend_step(state, ids, slot, (first + i) * block_kv, length, qb,
                            k_smem, v_smem, p_smem, k_bars, v_bars, tq=tq, group=group,
                            scale=scale)
       valid = cursor[0] < n_local
@@ -482,7 +492,6 @@ def _attention_decode_mosaic(q, k_pages, v_pages, lengths, page_table, layer=Non
   n_steps = dsl.cdiv(max_pages, pps)
   splits = cfg.splits or _auto_splits(b, hkv, tiles, n_steps)
   splits = min(splits, n_steps)
-  steps_per_split = dsl.cdiv(n_steps, splits)
   # Steps past a sequence's last page are never run; the kernel clamps the
   # lengths to the table and the page indices of a partly used last step.
   qp = _pack_q(q, hkv)
@@ -511,7 +520,7 @@ def _attention_decode_mosaic(q, k_pages, v_pages, lengths, page_table, layer=Non
       plgpu.Barrier(num_arrivals=pps, num_barriers=cfg.stages),
   ))
   common = dict(tq=tq, group=g, page=page, pages_per_step=pps, stages=cfg.stages,
-                steps_per_split=steps_per_split, scale=sm_scale, split_out=split_out,
+                splits=splits, scale=sm_scale, split_out=split_out,
                 io_rows=min(rows, ROWS))
   if persistent:
     grid_size = min(n_items, _num_sms() * cfg.blocks_per_sm)
