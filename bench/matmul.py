@@ -95,7 +95,7 @@ def candidates(m: int, n: int, k: int, sms: int) -> list[mm.Config]:
     # K loop is split so that the grid fills the SMs once.
     cs = [h]
     # tile_n 256 reads each weight row in 1 KB pieces (cta_n = 512).
-    for tile_n, tile_k in ((128, 64), (64, 64), (64, 128), (128, 128), (256, 32), (256, 64)):
+    for tile_n, tile_k in ((128, 64), (64, 64), (64, 128), (128, 128), (256, 64)):
       base = C(tile_m=64, tile_n=tile_n, tile_k=tile_k, wg_dim="n")
       tiles = -(-n // base.cta_n)
       one_wave = max(1, min(-(-k // tile_k) // 2, sms // tiles))
@@ -104,6 +104,9 @@ def candidates(m: int, n: int, k: int, sms: int) -> list[mm.Config]:
                 if rep(base, split_k=split, stages=st).smem_bytes() <= mm.SMEM_LIMIT]
         if fits:  # the deepest ring that fits: the most weight bytes in flight
           cs.append(rep(base, split_k=split, stages=fits[-1]))
+          if split == 1:  # one CTA per tile: the hardware balances the stream
+            cs.append(rep(base, stages=fits[-1], persistent=False))
+            cs.append(rep(base, stages=2, persistent=False))  # two CTAs per SM
   elif m <= 256:
     cs = [h, C(tile_m=64, tile_n=128, stages=5, wg_dim="m"), C(tile_m=64, tile_n=64, stages=6),
           rep(h, split_k=max(1, h.split_k * 2)), C(tile_m=128, tile_n=128, stages=4)]
@@ -120,7 +123,8 @@ def candidates(m: int, n: int, k: int, sms: int) -> list[mm.Config]:
 
 def cfg_str(c: mm.Config) -> str:
   return (f"{c.tile_m}x{c.tile_n}x{c.tile_k}/{c.wg_dim} s{c.stages} w{c.grid_width}"
-          f"{c.grid_minor}" + (f" sk{c.split_k}" if c.split_k > 1 else ""))
+          f"{c.grid_minor}" + (f" sk{c.split_k}" if c.split_k > 1 else "")
+          + ("" if c.persistent else " np"))
 
 
 def main(argv=None):

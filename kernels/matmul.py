@@ -69,6 +69,11 @@ class Config(tuning.KernelConfig):
   tile_m x tile_n is one consumer warpgroup's accumulator; the CTA tile is
   twice that along ``wg_dim`` ("m" or "n"). ``split_k`` > 1 splits the K loop
   over that many CTAs (fp32 partials, reduced outside the kernel).
+  ``persistent=False`` launches one CTA per output tile instead of one per SM:
+  the hardware then hands tiles to SMs as they free up, which balances a
+  weight stream whose tile count is not a multiple of the SM count (decode
+  shapes), where a persistent CTA with one tile more than its neighbours
+  would finish last.
   """
 
   tile_m: int = 128
@@ -81,6 +86,7 @@ class Config(tuning.KernelConfig):
   grid_minor: str = "n"
   grid_width: int = 8
   split_k: int = 1
+  persistent: bool = True
 
   def __post_init__(self):
     if self.tile_m not in (64, 128, 192, 256):
@@ -267,7 +273,7 @@ def _run(a, b, bias, residual, *, cfg: Config, out_dtype, activation=None):
   if activation == "swiglu" and not split_out and cfg.tile_n != 2 * SWIGLU_BLOCK:
     raise ValueError(f"swiglu without split-K needs tile_n = {2 * SWIGLU_BLOCK}; got {cfg}")
   tiles = dsl.cdiv(m, cfg.cta_m) * dsl.cdiv(n, cfg.cta_n) * cfg.split_k
-  grid = max(1, min(_num_sms(), tiles))
+  grid = tiles if not cfg.persistent else max(1, min(_num_sms(), tiles))
   out_n = n // 2 if activation == "swiglu" else n
   out_shape = (cfg.split_k, m, n) if split_out else (m, out_n)
   body = functools.partial(

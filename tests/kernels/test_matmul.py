@@ -64,6 +64,8 @@ MOSAIC_CASES = [
     pytest.param(136, 128, 64, C(tile_m=128, tile_n=64, epi_n=32, stages=2, grid_minor="m",
                                  grid_width=2), True, False, None, jnp.bfloat16,
                  id="multi-epilogue-pieces"),
+    pytest.param(16, 320, 128, C(tile_m=64, tile_n=64, stages=2, persistent=False), True, True,
+                 None, jnp.bfloat16, id="one-cta-per-tile-partial-n"),
 ]
 
 
