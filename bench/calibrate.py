@@ -56,7 +56,7 @@ def main():
   path.parent.mkdir(parents=True, exist_ok=True)
   path.write_text(json.dumps(data, indent=1) + "\n")
   print(json.dumps(data))
-  bench.write(args.out, "calibration", [data], ["device", "bf16_tflops", "hbm_gbps"],
+  bench.write(args.out, "calibration", [data], ["device", "bf16_tflops", "hbm_gbps", "hbm_read_gbps"],
               "PYTHONPATH=. python3 bench/calibrate.py --out DIR")
 
 
