@@ -38,28 +38,35 @@ def test_orbax_round_trip(tmp_path):
   np.testing.assert_array_equal(_logits(r, ids), _logits(m, ids))
 
 
+def _random_model(cfg):
+  params = model_lib.random_params(cfg, seed=int(np.random.default_rng().integers(1 << 30)))
+  return models.Model(cfg, params, tok_lib.ByteTokenizer(), dtype="float32"), jax.tree.map(
+      np.asarray, params)
+
+
+def _write_older_dir(d, params, cfg):
+  """An orbax directory as older versions wrote it: params, and a model.json
+  without the keys added since (gate_up_layout)."""
+  import orbax.checkpoint as ocp
+
+  with ocp.StandardCheckpointer() as ckptr:
+    ckptr.save(d.absolute() / "params", params)
+  (d / "model.json").write_text(json.dumps(
+      {"config": cfg.to_dict(), "dtype": "float32", "tokenizer": "byte"}))
+
+
 def test_orbax_directory_with_unfused_qkv_still_loads(tmp_path):
   """A directory saved when q/k/v and gate/up were separate matrices loads into
   the fused layout with the same logits."""
-  import json as json_lib
-
-  import orbax.checkpoint as ocp
-
   cfg = models.config.get("tiny").replace(qkv_bias=True)
-  params = model_lib.random_params(cfg, seed=int(np.random.default_rng().integers(1 << 30)))
-  m = models.Model(cfg, params, tok_lib.ByteTokenizer(), dtype="float32")
-  old = jax.tree.map(np.asarray, params)
+  m, old = _random_model(cfg)
   u = checkpoint.unfused_layers(old, cfg)
   old["layers"]["attn"] = {"wq": {"w": u["wq"], "b": u["bq"]}, "wk": {"w": u["wk"], "b": u["bk"]},
                            "wv": {"w": u["wv"], "b": u["bv"]}, "wo": old["layers"]["attn"]["wo"]}
   old["layers"]["mlp"] = {"w_gate": {"w": u["w_gate"]}, "w_up": {"w": u["w_up"]},
                           "w_down": old["layers"]["mlp"]["w_down"]}
-  d = tmp_path / "old"
-  with ocp.StandardCheckpointer() as ckptr:
-    ckptr.save(d.absolute() / "params", old)
-  (d / "model.json").write_text(json_lib.dumps(
-      {"config": cfg.to_dict(), "dtype": "float32", "tokenizer": "byte"}))
-  r = models.load(d, dtype="float32")
+  _write_older_dir(tmp_path / "old", old, cfg)
+  r = models.load(tmp_path / "old", dtype="float32")
   ids = _ids(m)
   np.testing.assert_array_equal(_logits(r, ids), _logits(m, ids))
 
@@ -84,26 +91,17 @@ def test_fuse_and_split_are_inverse():
 def test_orbax_directory_with_paired_gate_up_still_loads(tmp_path):
   """A directory written when the fused gate/up columns alternated per feature
   (no gate_up_layout in model.json) loads in today's order, same logits."""
-  import json as json_lib
-
-  import orbax.checkpoint as ocp
-
   cfg = models.config.get("tiny")
-  params = model_lib.random_params(cfg, seed=int(np.random.default_rng().integers(1 << 30)))
-  m = models.Model(cfg, params, tok_lib.ByteTokenizer(), dtype="float32")
-  old = jax.tree.map(np.asarray, params)
+  m, old = _random_model(cfg)
   g, up = checkpoint.split_gate_up(old["layers"]["mlp"]["w_gate_up"]["w"])
   old["layers"]["mlp"]["w_gate_up"]["w"] = np.stack([g, up], axis=-1).reshape(g.shape[:-1] + (-1,))
   d = tmp_path / "pairs"
-  with ocp.StandardCheckpointer() as ckptr:
-    ckptr.save(d.absolute() / "params", old)
-  (d / "model.json").write_text(json_lib.dumps(
-      {"config": cfg.to_dict(), "dtype": "float32", "tokenizer": "byte"}))
+  _write_older_dir(d, old, cfg)
   r = models.load(d, dtype="float32")
   ids = _ids(m)
   np.testing.assert_array_equal(_logits(r, ids), _logits(m, ids))
-  meta = json_lib.loads((d / "model.json").read_text())
-  (d / "model.json").write_text(json_lib.dumps({**meta, "gate_up_layout": "columns"}))
+  meta = json.loads((d / "model.json").read_text())
+  (d / "model.json").write_text(json.dumps({**meta, "gate_up_layout": "columns"}))
   with pytest.raises(ValueError, match="gate_up_layout"):
     models.load(d, dtype="float32")
 
