@@ -14,6 +14,7 @@ NOT_SERVING, refuses new requests and lets the running ones finish.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import logging
 import queue
 import signal
@@ -67,6 +68,26 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
   def __init__(self, engine: api.Engine, metrics: Metrics):
     self.engine = engine
     self.metrics = metrics
+    # Generation calls still relaying events: a drain waits for them, since the
+    # engine forgets a request when its last event is queued, not when sent.
+    self._active = 0
+    self._idle = threading.Condition()
+
+  @contextlib.contextmanager
+  def _call(self):
+    with self._idle:
+      self._active += 1
+    try:
+      yield
+    finally:
+      with self._idle:
+        self._active -= 1
+        self._idle.notify_all()
+
+  def wait_idle(self, timeout: float) -> bool:
+    """True once no generation call is in progress, False after ``timeout`` s."""
+    with self._idle:
+      return self._idle.wait_for(lambda: self._active == 0, timeout=max(0.0, timeout))
 
   def _submit(self, request: pb.GenerateRequest, context) -> tuple[str, str, api.RequestHandle]:
     rid = request.request_id or uuid.uuid4().hex
@@ -144,6 +165,10 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
         return
 
   def GenerateStream(self, request, context):
+    with self._call():
+      yield from self._generate_stream(request, context)
+
+  def _generate_stream(self, request, context):
     rid, key, handle = self._submit(request, context)
     try:
       for ev in self._events(handle, context):
@@ -158,6 +183,10 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
       self.engine.cancel(key)
 
   def Generate(self, request, context):
+    with self._call():
+      return self._generate(request, context)
+
+  def _generate(self, request, context):
     rid, key, handle = self._submit(request, context)
     ids, text, lps = [], [], []
     try:
@@ -323,8 +352,8 @@ class Server:
         interceptors=[_BearerAuth(auth_token)] if auth_token else [],
         maximum_concurrent_rpcs=workers - 4,
         options=[("grpc.so_reuseport", 0)])
-    pb_grpc.add_TextGenerationServicer_to_server(
-        TextGenerationServicer(engine, self.metrics), self._grpc)
+    self.servicer = TextGenerationServicer(engine, self.metrics)
+    pb_grpc.add_TextGenerationServicer_to_server(self.servicer, self._grpc)
     self.health = HealthServicer(lambda: getattr(engine, "error", None) is None)
     health_pb2_grpc.add_HealthServicer_to_server(self.health, self._grpc)
     services = [SERVICE_NAME, "grpc.health.v1.Health", "grpc.reflection.v1.ServerReflection",
@@ -369,7 +398,12 @@ class Server:
       if self._stopped.is_set():
         return
       self.health.set_all(HealthServicer.Status.NOT_SERVING)
+      end = time.monotonic() + timeout
       finished = self.engine.drain(timeout)
+      # The engine is done with every request; their calls may still be sending
+      # the last events. A few seconds past the timeout at least, so a drain
+      # that used it all still delivers what was already generated.
+      finished = self.servicer.wait_idle(max(end - time.monotonic(), 5.0)) and finished
       if not finished:
         log.warning("drain timed out after %.0f s; cancelling the rest", timeout)
       self.stop(grace=1.0)

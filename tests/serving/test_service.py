@@ -234,6 +234,33 @@ def test_drain_refuses_new_requests_and_finishes_running():
     assert not t.is_alive()
 
 
+def test_drain_waits_for_calls_still_sending():
+  # The engine forgets a request once its last event is queued; a call that is
+  # slow to send that event (a busy interpreter) must still deliver it.
+  from serving.engine import api
+
+  engine = E.tiny_engine(max_batch=2, step_delay=0.01)
+  with running(engine) as (server, c):
+    relay = server.servicer._events
+
+    def slow_final(handle, context):
+      for ev in relay(handle, context):
+        if isinstance(ev, api.Final):
+          time.sleep(1.5)  # longer than the gRPC grace the stop gives
+        yield ev
+
+    server.servicer._events = slow_final
+    s = c.stream("a", max_tokens=20, ignore_eos=True)
+    next(s)
+    t = threading.Thread(target=server.drain_and_stop, args=(30,))
+    t.start()
+    rest = list(s)
+    assert rest[-1].final.finish_reason == pb.FINISH_REASON_LENGTH
+    assert rest[-1].final.usage.completion_tokens == 20
+    t.join(10)
+    assert not t.is_alive()
+
+
 def test_metrics_are_exposed():
   import urllib.request
 
