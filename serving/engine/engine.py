@@ -135,6 +135,11 @@ class _Seq:
   def tokens(self) -> list[int]:
     return self.prompt + self.generated if self.generated else self.prompt
 
+  @property
+  def num_tokens(self) -> int:
+    """len(tokens) without building the list (a per-token check on long prompts)."""
+    return len(self.prompt) + len(self.generated)
+
 
 class BatchingEngine(api.Engine):
 
@@ -434,7 +439,7 @@ class BatchingEngine(api.Engine):
     return True
 
   def _preempt(self, seq: _Seq) -> None:
-    log.info("preempting %s (%d tokens) to free KV pages", seq.req.request_id, len(seq.tokens))
+    log.info("preempting %s (%d tokens) to free KV pages", seq.req.request_id, seq.num_tokens)
     self.preemptions += 1
     self.alloc.release(seq.pages)
     seq.pages, seq.computed, seq.registered = [], 0, 0
@@ -485,7 +490,7 @@ class BatchingEngine(api.Engine):
       if len(out) == self.config.prefill_rows or budget <= 0:
         return out
       if seq.state == _State.PREFILL:
-        n = min(len(seq.tokens) - seq.computed, budget, cap)
+        n = min(seq.num_tokens - seq.computed, budget, cap)
         out.append((seq, n))
         budget -= n
     while (self._waiting and len(out) < self.config.prefill_rows and budget > 0
@@ -494,7 +499,7 @@ class BatchingEngine(api.Engine):
       if seq.pending or not self._admit(seq):  # preempted with a token in flight: next step
         break
       self._waiting.popleft()
-      n = min(len(seq.tokens) - seq.computed, budget, cap)
+      n = min(seq.num_tokens - seq.computed, budget, cap)
       out.append((seq, n))
       budget -= n
     return out
@@ -537,7 +542,7 @@ class BatchingEngine(api.Engine):
       table[i] = self._slot_table[seq.slot]
       seq.computed += n
       self._register_blocks(seq)
-      if seq.computed == len(seq.tokens):
+      if seq.computed == seq.num_tokens:
         finishing[i] = seq
     logits = self.runner.prefill(tokens, positions, lengths, table)
     out, want_lp = self._sampling_call(finishing, logits, rows)
@@ -608,7 +613,7 @@ class BatchingEngine(api.Engine):
       reason = api.FinishReason.EOS
     elif is_stop:
       reason = api.FinishReason.STOP
-    elif len(seq.generated) >= seq.max_tokens or len(seq.tokens) >= self.capacity:
+    elif len(seq.generated) >= seq.max_tokens or seq.num_tokens >= self.capacity:
       reason = api.FinishReason.LENGTH
     self._deferred.append((seq, token, lp, is_eos or is_stop, reason))
     if reason is not None:
