@@ -417,7 +417,11 @@ class Server:
     self._stopped.set()
 
   def wait(self) -> None:
-    self._stopped.wait()
+    # The kernel may hand SIGTERM to any thread, and Python runs its handler
+    # (the drain) only when the main thread is back in the interpreter: an
+    # untimed wait here could sleep through it, so wake up now and then.
+    while not self._stopped.wait(timeout=0.2):
+      pass
 
   def handle_signals(self, drain_timeout: float = 30.0) -> None:
     """SIGTERM / SIGINT start a drain in a background thread (main thread only)."""

@@ -65,6 +65,32 @@ def test_sigterm_drains_in_flight_and_reports_not_serving(server_proc):
   c.close()
 
 
+_SYS_TGKILL = {"x86_64": 234, "aarch64": 131}
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or
+                    os.uname().machine not in _SYS_TGKILL, reason="tgkill is Linux's")
+def test_sigterm_taken_by_another_thread_still_drains(server_proc):
+  # The kernel may deliver a process's SIGTERM to any of its threads; Python
+  # runs the handler in the main thread, which must not sleep through it.
+  import ctypes
+
+  proc, target = server_proc
+  c = Client(target)
+  stream = c.stream("a", max_tokens=400, ignore_eos=True)
+  next(stream)
+  tid = max(int(t) for t in os.listdir(f"/proc/{proc.pid}/task") if int(t) != proc.pid)
+  libc = ctypes.CDLL(None, use_errno=True)
+  assert libc.syscall(_SYS_TGKILL[os.uname().machine], proc.pid, tid, signal.SIGTERM) == 0
+  end = time.monotonic() + 15
+  while c.health() != health_pb2.HealthCheckResponse.NOT_SERVING:
+    assert time.monotonic() < end, "health never turned NOT_SERVING"
+    time.sleep(0.02)
+  assert list(stream)[-1].final.usage.completion_tokens == 400
+  assert proc.wait(timeout=20) == 0
+  c.close()
+
+
 def test_generate_and_loadgen_commands(server_proc, tmp_path):
   _, target = server_proc
   out = subprocess.run([sys.executable, "-m", "serving", "generate", "--target", target,
