@@ -290,8 +290,8 @@ def _persistent_kernel(lengths_ref, table_ref, layer_ref, q_ref, k_ref, v_ref, *
   head_dim = q_smem.shape[-1]
   n_local = lax.div(n_items - c + (grid_size - 1), jnp.int32(grid_size))
   layer_off = _kv_head0(layer_ref, k_ref, n_h)
+  del splits  # the same as n_s, the split axis of dims
 
-  del splits  # n_s: the grid's split axis
   def item_info(j):
     """Local item j -> (b, h, s, first step of split s, r, length, number of steps)."""
     item = c + j * grid_size
