@@ -174,9 +174,7 @@ def main(argv=None):
     if act:  # the output is [M, N / 2]
       c = cost.Cost(c.flops, c.bytes - m * n)
     row = {"shape": name, "M": m, "N": n, "K": k}
-    cfg = mm.pick_config(m, n, k, jnp.bfloat16)
-    if act and cfg.split_k == 1:
-      cfg = dataclasses.replace(cfg, tile_n=2 * mm.SWIGLU_BLOCK)
+    cfg = mm.pick_config(m, n, k, jnp.bfloat16, act)
     row["config"] = cfg_str(cfg)
     fns = {
         "mosaic": jax.jit(lambda a, b, cfg=cfg: mm.matmul_mosaic(a, b, config=cfg,

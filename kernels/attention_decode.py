@@ -265,7 +265,7 @@ def _store_output(acc, m_i, l_i, o_smem, lse_smem):
 
 def _persistent_kernel(lengths_ref, table_ref, layer_ref, q_ref, k_ref, v_ref, *refs, tq: int,
                        group: int,
-                       page: int, pages_per_step: int, stages: int, splits: int,
+                       page: int, pages_per_step: int, stages: int,
                        scale: float, split_out: bool, io_rows: int, dims: tuple[int, ...],
                        grid_size: int):
   """A persistent block: work items c, c + grid, c + 2 grid, ... of (b, h, s, r).
@@ -290,7 +290,6 @@ def _persistent_kernel(lengths_ref, table_ref, layer_ref, q_ref, k_ref, v_ref, *
   head_dim = q_smem.shape[-1]
   n_local = lax.div(n_items - c + (grid_size - 1), jnp.int32(grid_size))
   layer_off = _kv_head0(layer_ref, k_ref, n_h)
-  del splits  # the same as n_s, the split axis of dims
 
   def item_info(j):
     """Local item j -> (b, h, s, first step of split s, r, length, number of steps)."""
@@ -520,7 +519,7 @@ def _attention_decode_mosaic(q, k_pages, v_pages, lengths, page_table, layer=Non
       plgpu.Barrier(num_arrivals=pps, num_barriers=cfg.stages),
   ))
   common = dict(tq=tq, group=g, page=page, pages_per_step=pps, stages=cfg.stages,
-                splits=splits, scale=sm_scale, split_out=split_out,
+                scale=sm_scale, split_out=split_out,
                 io_rows=min(rows, ROWS))
   if persistent:
     grid_size = min(n_items, _num_sms() * cfg.blocks_per_sm)
@@ -528,7 +527,7 @@ def _attention_decode_mosaic(q, k_pages, v_pages, lengths, page_table, layer=Non
                              grid_size=grid_size, **common)
     grid, names = (grid_size,), ("c",)
   else:
-    body = functools.partial(_mosaic_kernel, **common)
+    body = functools.partial(_mosaic_kernel, splits=splits, **common)
     grid, names = (b, hkv, splits, tiles), ("b", "h", "s", "r")
   out = dsl.kernel(
       body,

@@ -265,13 +265,8 @@ def _run(a, b, bias, residual, *, cfg: Config, out_dtype, activation=None):
   m, k = a.shape
   n = b.shape[1]
   k_iters = dsl.cdiv(k, cfg.tile_k)
-  if cfg.split_k > 1:
-    # Every split gets at least one K block; the last may be partly zero fill.
-    splits = dsl.cdiv(k_iters, dsl.cdiv(k_iters, cfg.split_k))
-    cfg = dataclasses.replace(cfg, split_k=splits)
+  cfg = dataclasses.replace(cfg, split_k=_splits(cfg, k))
   split_out = cfg.split_k > 1
-  if activation == "swiglu" and not split_out and cfg.tile_n != 2 * SWIGLU_BLOCK:
-    raise ValueError(f"swiglu without split-K needs tile_n = {2 * SWIGLU_BLOCK}; got {cfg}")
   tiles = dsl.cdiv(m, cfg.cta_m) * dsl.cdiv(n, cfg.cta_n) * cfg.split_k
   grid = tiles if not cfg.persistent else max(1, min(_num_sms(), tiles))
   out_n = n // 2 if activation == "swiglu" else n
@@ -302,15 +297,28 @@ def _run(a, b, bias, residual, *, cfg: Config, out_dtype, activation=None):
   )
   out = call(*operands)
   if split_out:
-    acc = out.sum(axis=0)
-    if bias is not None:
-      acc = acc + bias.astype(jnp.float32)
-    if activation == "swiglu":
-      acc = swiglu(acc)
-    if residual is not None:
-      acc = acc + residual.astype(jnp.float32)
-    out = acc.astype(out_dtype)
+    out = _epilogue(out.sum(axis=0), bias, residual, out_dtype, activation)
   return out
+
+
+def _splits(cfg: Config, k: int) -> int:
+  """The split count a call runs: every split gets at least one K block (the
+  last may be partly zero fill), so a short K can leave fewer than asked."""
+  if cfg.split_k == 1:
+    return 1
+  k_iters = dsl.cdiv(k, cfg.tile_k)
+  return dsl.cdiv(k_iters, dsl.cdiv(k_iters, cfg.split_k))
+
+
+def _swiglu_tile_error(cfg: Config, k: int) -> str | None:
+  """Why ``cfg`` cannot fuse the SwiGLU gate (None if it can): without split-K
+  each consumer's tile must be one [gate | up] block pair."""
+  if _splits(cfg, k) > 1:
+    return None  # the gate runs after the partial sums, outside the kernel
+  if cfg.tile_n != 2 * SWIGLU_BLOCK or SWIGLU_BLOCK % cfg.epi_n:
+    return (f"swiglu needs tile_n = 2 x SWIGLU_BLOCK = {2 * SWIGLU_BLOCK} and epi_n dividing "
+            f"{SWIGLU_BLOCK}; got {cfg.tile_n=}, {cfg.epi_n=}")
+  return None
 
 
 # --------------------------------------------------------------------------
@@ -406,9 +414,8 @@ def _mosaic_why_not(a, b, *, bias=None, residual=None, out_dtype=None, activatio
     return f"{bias.dtype=} must be one of {IN_DTYPES + ('float32',)}"
   if residual is not None and residual.dtype != out_dtype:
     return f"{residual.dtype=} must equal the output dtype {out_dtype}"
-  if (activation == "swiglu" and isinstance(config, Config) and config.split_k == 1
-      and config.tile_n != 2 * SWIGLU_BLOCK):
-    return f"swiglu needs tile_n = 2 x SWIGLU_BLOCK = {2 * SWIGLU_BLOCK}; got {config.tile_n=}"
+  if activation == "swiglu" and isinstance(config, Config):
+    return _swiglu_tile_error(config, k)
   return None
 
 
@@ -441,9 +448,15 @@ def tuning_key(m: int, n: int, k: int, dtype) -> str:
   return tuning.shape_key(m=tuning.bucket(m), n=n, k=k, dtype=jnp.dtype(dtype).name)
 
 
-def pick_config(m: int, n: int, k: int, dtype) -> Config:
+def pick_config(m: int, n: int, k: int, dtype, activation=None) -> Config:
+  """The tuning table's config for the shape (else the heuristic's); with a
+  fused SwiGLU and no split-K, its tile is fitted to one [gate | up] block pair
+  per consumer, keeping the shape's schedule."""
   sms = 132 if dsl.interpreting() else _num_sms()
-  return tuning.lookup(OP, tuning_key(m, n, k, dtype), Config, lambda: heuristic(m, n, k, sms))
+  cfg = tuning.lookup(OP, tuning_key(m, n, k, dtype), Config, lambda: heuristic(m, n, k, sms))
+  if activation == "swiglu" and _swiglu_tile_error(cfg, k):
+    cfg = dataclasses.replace(cfg, tile_n=2 * SWIGLU_BLOCK, epi_n=min(cfg.epi_n, SWIGLU_BLOCK))
+  return cfg
 
 
 def matmul_mosaic(a, b, *, bias=None, residual=None, out_dtype=None, activation=None,
@@ -470,20 +483,11 @@ def matmul_mosaic(a, b, *, bias=None, residual=None, out_dtype=None, activation=
   isz = (a.dtype.itemsize, out_dtype.itemsize)
   # A picked config (heuristic or table, chosen for bf16 out) is fitted to
   # this call's output dtype; an explicit one is the caller's to fix.
-  if config is None:
-    cfg = pick_config(m, n, k, a.dtype)
-    if activation == "swiglu" and cfg.split_k == 1 and cfg.tile_n != 2 * SWIGLU_BLOCK:
-      # The shape's tuned tile is for a plain product: keep its schedule, fit the
-      # tile to one [gate | up] block pair per consumer.
-      cfg = dataclasses.replace(cfg, tile_n=2 * SWIGLU_BLOCK,
-                                epi_n=min(cfg.epi_n, SWIGLU_BLOCK))
-    cfg = fit_smem(cfg, *isz)
-  else:
-    cfg = config
+  cfg = config or fit_smem(pick_config(m, n, k, a.dtype, activation), *isz)
   if cfg.smem_bytes(*isz) > SMEM_LIMIT:
     raise ValueError(f"{cfg=} needs {cfg.smem_bytes(*isz)} bytes of SMEM > {SMEM_LIMIT}")
-  if activation == "swiglu" and cfg.split_k == 1 and SWIGLU_BLOCK % cfg.epi_n:
-    raise ValueError(f"swiglu needs epi_n dividing {SWIGLU_BLOCK}; got {cfg.epi_n=}")
+  if activation == "swiglu" and (why := _swiglu_tile_error(cfg, k)):
+    raise ValueError(f"matmul mosaic: {why}")
   return _run(a, b, bias, residual, cfg=cfg, out_dtype=out_dtype, activation=activation)
 
 
@@ -519,13 +523,7 @@ def matmul_reference(a, b, *, bias=None, residual=None, out_dtype=None, activati
   _check(a, b, bias, residual, out_dtype, activation)
   f = lambda x: jnp.asarray(x, jnp.float32)
   out = jnp.dot(f(a), f(b), precision=lax.Precision.HIGHEST)
-  if bias is not None:
-    out = out + f(bias)
-  if activation == "swiglu":
-    out = swiglu(out)
-  if residual is not None:
-    out = out + f(residual)
-  return out
+  return _epilogue(out, bias, residual, jnp.float32, activation)
 
 
 def _reference_backend(a, b, *, bias=None, residual=None, out_dtype=None, activation=None):

@@ -7,6 +7,8 @@ split-K partials, both warpgroup splits, several tiles per persistent CTA,
 and fp16 / fp32 outputs.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -121,6 +123,19 @@ def test_swiglu(backend, m, n, k, cfg, use_bias, use_res):
   testing.assert_close(out, want, jnp.bfloat16)
   if backend == "mosaic" and dsl.interpreting():
     assert not dsl.races_found()
+
+
+def test_swiglu_fits_a_picked_tile(monkeypatch):
+  # A tuned entry with 64-column consumer tiles and no split-K (the H200 has
+  # such): with the fused gate the tile becomes one [gate | up] block pair and
+  # keeps the entry's schedule; a split-K entry is kept as it is.
+  tuned = C(tile_m=64, tile_n=64, tile_k=64, stages=8, persistent=False)
+  monkeypatch.setattr(mm.tuning, "lookup", lambda *a, **k: tuned)
+  assert mm.pick_config(64, 6144, 4096, jnp.bfloat16) == tuned
+  fused = mm.pick_config(64, 6144, 4096, jnp.bfloat16, "swiglu")
+  assert fused == dataclasses.replace(tuned, tile_n=2 * mm.SWIGLU_BLOCK)
+  tuned = dataclasses.replace(tuned, split_k=4)
+  assert mm.pick_config(64, 6144, 4096, jnp.bfloat16, "swiglu") == tuned
 
 
 def test_swiglu_bad_inputs():
