@@ -140,14 +140,25 @@ def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
   return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
-def apply_rope(x, positions, inv_freq):
-  """x [B, T, H, hd], positions [B, T]: rotates the two halves of hd (HF layout)."""
+def rope_angles(positions, inv_freq):
+  """positions [B, T] -> (cos, sin), each [B, T, 1, hd/2] float32.
+
+  A step computes them once, outside the layer scan: inside it XLA would
+  evaluate them again in every layer (one more kernel per layer)."""
   ang = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, hd/2]
-  cos = jnp.cos(ang)[:, :, None, :]
-  sin = jnp.sin(ang)[:, :, None, :]
+  return jnp.cos(ang)[:, :, None, :], jnp.sin(ang)[:, :, None, :]
+
+
+def rotate(x, cos, sin):
+  """x [B, T, H, hd]: rotates the two halves of hd (HF layout) by the angles."""
   x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
   out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
   return out.astype(x.dtype)
+
+
+def apply_rope(x, positions, inv_freq):
+  """x [B, T, H, hd], positions [B, T]: RoPE at those positions."""
+  return rotate(x, *rope_angles(positions, inv_freq))
 
 
 # ---------------------------------------------------------------- modules
@@ -215,8 +226,9 @@ class Attention(nnx.Module):
                        dtype=dtype, rngs=rngs)
     self.wo = Linear(cfg.num_heads * hd, d, dtype=dtype, rngs=rngs)
 
-  def qkv(self, h, positions, inv_freq):
-    """h [B, T, D] -> q [B, T, Hq, hd], k/v [B, T, Hkv, hd], RoPE applied."""
+  def qkv(self, h, rope):
+    """h [B, T, D] -> q [B, T, Hq, hd], k/v [B, T, Hkv, hd]; RoPE applied with
+    ``rope`` = rope_angles(positions, inv_freq)."""
     cfg = self.cfg
     b, t, _ = h.shape
     g = cfg.q_per_kv
@@ -226,7 +238,7 @@ class Attention(nnx.Module):
       q = y[:, :, :, :g].reshape(b, t, -1, cfg.head_dim)  # head h = kv head h // G
       k, v = y[:, :, :, g], y[:, :, :, g + 1]
     with jax.named_scope("rope"):
-      return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
+      return rotate(q, *rope), rotate(k, *rope), v
 
 
 class MLP(nnx.Module):
@@ -330,8 +342,8 @@ class Llama(nnx.Module):
     cfg = self.cfg
     b, t = tokens.shape
     ps = cache.page_size
-    inv_freq = jnp.asarray(rope_inv_freq(cfg))
     tpos = positions[:, None] + jnp.arange(t, dtype=jnp.int32)  # [B, T]
+    rope = rope_angles(tpos, jnp.asarray(rope_inv_freq(cfg)))
     valid = jnp.arange(t)[None, :] < lengths[:, None]  # [B, T]
     page, slot = _page_slot(tpos, valid, page_table, ps)
     total = positions + lengths  # kv tokens of each row after this chunk
@@ -341,7 +353,7 @@ class Llama(nnx.Module):
     kv_seg = (kv_pos < total[:, None]).astype(jnp.int32)
 
     def attend(block, h, kc, vc, layer):
-      q, k, v = block.attn.qkv(h, tpos, inv_freq)
+      q, k, v = block.attn.qkv(h, rope)
       with jax.named_scope("kv_write"):
         kc = kc.at[layer, :, page, slot].set(k.astype(kc.dtype))  # [B, T, Hkv, hd] rows
         vc = vc.at[layer, :, page, slot].set(v.astype(vc.dtype))
@@ -368,9 +380,9 @@ class Llama(nnx.Module):
     cfg = self.cfg
     b, tq = tokens.shape
     ps = cache.page_size
-    inv_freq = jnp.asarray(rope_inv_freq(cfg))
     tpos = lengths[:, None] - tq + jnp.arange(tq, dtype=jnp.int32)  # [B, Tq]
     valid = tpos >= 0
+    rope = rope_angles(jnp.maximum(tpos, 0), jnp.asarray(rope_inv_freq(cfg)))
     page, slot = _page_slot(tpos, valid, page_table, ps)
     if cfg.sliding_window is not None:
       # attention_decode has no window: read the pages through the masked
@@ -381,7 +393,7 @@ class Llama(nnx.Module):
       kv_seg = (kv_pos < lengths[:, None]).astype(jnp.int32)
 
     def attend(block, h, kc, vc, layer):
-      q, k, v = block.attn.qkv(h, jnp.maximum(tpos, 0), inv_freq)
+      q, k, v = block.attn.qkv(h, rope)
       with jax.named_scope("kv_write"):
         kc = kc.at[layer, :, page, slot].set(k.astype(kc.dtype))
         vc = vc.at[layer, :, page, slot].set(v.astype(vc.dtype))
