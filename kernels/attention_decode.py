@@ -25,8 +25,9 @@ of each copy is a page index read from the table at run time), computes S = Q K^
 each row's own, runs the online softmax in float32, writes P to SMEM and
 accumulates P V with a second wgmma. A single split writes the normalized
 output directly; several splits write float32 partial outputs and their
-log-sum-exp, merged by a small jnp combine step. Only the packed rows
-(rounded up to 8) of Q and of the output travel through HBM.
+log-sum-exp, merged by a small jnp combine step. Only the packed rows of Q
+and of the output travel through HBM (rounded up to 8 rows; fewer than 8
+rows as they are, so that a decode step needs no padding copy of Q).
 
 ``Config.blocks_per_sm > 0`` selects ``_persistent_kernel`` instead: a grid of
 k blocks per SM, each looping over work items with its copy ring running
@@ -101,16 +102,21 @@ class Config(tuning.KernelConfig):
 def _mosaic_kernel(lengths_ref, table_ref, layer_ref, q_ref, k_ref, v_ref, *refs, tq: int,
                    group: int,
                    page: int, pages_per_step: int, stages: int, splits: int,
-                   scale: float, split_out: bool, io_rows: int):
+                   scale: float, split_out: bool, io_rows: int, store_rows: int,
+                   stage_out: bool):
   """One block: (sequence b, kv head h, split s, row tile r).
 
-  Only the first ``io_rows`` rows of the tile exist in HBM (the packed rows
-  rounded up to 8): the rest of the SMEM tile is never loaded and never
-  stored. Its rows compute garbage that stays in those rows (softmax and
+  Only the first ``io_rows`` rows of the tile (the packed rows rounded up to
+  8) move between HBM and SMEM; when HBM holds fewer than 8, TMA zero-fills
+  the others on load and drops them on store. The rest of the SMEM tile is
+  never loaded and never stored. Its rows compute garbage that stays in those rows (softmax and
   both matmuls are row-wise) and is dropped.
   """
   if split_out:
     o_ref, lse_ref, q_smem, k_smem, v_smem, p_smem, o_smem, lse_smem, bars = refs
+  elif stage_out:
+    o_ref, q_smem, k_smem, v_smem, p_smem, o_smem, bars = refs
+    lse_ref = lse_smem = None
   else:
     o_ref, q_smem, k_smem, v_smem, p_smem, bars = refs
     o_smem = q_smem  # Q is dead after the loop: its buffer stages the output
@@ -162,11 +168,14 @@ def _mosaic_kernel(lengths_ref, table_ref, layer_ref, q_ref, k_ref, v_ref, *refs
 
   acc, m_i, l_i = lax.fori_loop(0, n_steps, body, (acc, m_i, l_i))
   _store_output(acc, m_i, l_i, o_smem, lse_smem)
+  # store_rows < 8: exactly the packed rows leave, from an untiled buffer; a
+  # wider box would spill into the next head's rows in HBM.
+  out = pl.ds(r * ROWS, store_rows)
   if split_out:
-    plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, io_rows)], o_ref.at[s, b, h, io])
-    plgpu.copy_smem_to_gmem(lse_smem.at[pl.ds(0, io_rows)], lse_ref.at[s, b, h, io])
+    plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, store_rows)], o_ref.at[s, b, h, out])
+    plgpu.copy_smem_to_gmem(lse_smem.at[pl.ds(0, store_rows)], lse_ref.at[s, b, h, out])
   else:
-    plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, io_rows)], o_ref.at[b, h, io])
+    plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, store_rows)], o_ref.at[b, h, out])
   plgpu.wait_smem_to_gmem(0)
 
 
@@ -266,8 +275,8 @@ def _store_output(acc, m_i, l_i, o_smem, lse_smem):
 def _persistent_kernel(lengths_ref, table_ref, layer_ref, q_ref, k_ref, v_ref, *refs, tq: int,
                        group: int,
                        page: int, pages_per_step: int, stages: int,
-                       scale: float, split_out: bool, io_rows: int, dims: tuple[int, ...],
-                       grid_size: int):
+                       scale: float, split_out: bool, io_rows: int, store_rows: int,
+                       dims: tuple[int, ...], grid_size: int):
   """A persistent block: work items c, c + grid, c + 2 grid, ... of (b, h, s, r).
 
   The K/V ring runs across item boundaries: while the last steps of one
@@ -379,8 +388,9 @@ def _persistent_kernel(lengths_ref, table_ref, layer_ref, q_ref, k_ref, v_ref, *
     if split_out:
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # item j-1's partials have left
       _store_output(*state, o_smem, lse_smem)
-      plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, io_rows)], o_ref.at[s, b, h, io])
-      plgpu.copy_smem_to_gmem(lse_smem.at[pl.ds(0, io_rows)], lse_ref.at[s, b, h, io])
+      out = pl.ds(r * ROWS, store_rows)  # untiled float32 staging: exact rows
+      plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, store_rows)], o_ref.at[s, b, h, out])
+      plgpu.copy_smem_to_gmem(lse_smem.at[pl.ds(0, store_rows)], lse_ref.at[s, b, h, out])
     else:
       _store_output(*state, qb, None)
       plgpu.copy_smem_to_gmem(qb.at[pl.ds(0, io_rows)], o_ref.at[b, h, io])
@@ -405,6 +415,8 @@ def _smem_bytes(cfg: Config, page: int, head_dim: int, dtype, split: bool) -> in
   b += ROWS * head_dim * isz + ROWS * block_kv * isz  # Q (and bf16 output), P
   if split:
     b += ROWS * head_dim * 4 + ROWS * 4  # float32 partial output and lse
+  else:
+    b += ROWS * head_dim * isz  # untiled output staging (fewer than 8 packed rows)
   return b
 
 
@@ -445,10 +457,30 @@ def _auto_splits(batch, hkv, tiles, n_steps) -> int:
 
 
 def _hbm_rows(tq, g) -> int:
-  """Packed rows kept in HBM: a multiple of 8 (TMA on the tiled SMEM layout),
-  and whole 64-row tiles only when there is more than one tile."""
+  """Packed rows kept in HBM. Fewer than 8 stay as they are: the kernel moves
+  8-row boxes (the tiled SMEM layout's unit) and TMA zero-fills the missing
+  rows on load and drops them on store, so Q needs no padding copy and the
+  output no slice (both were kernels of their own in each decode layer). Else
+  a multiple of 8 (a tiled global dimension must be), and whole 64-row tiles
+  only when there is more than one tile."""
   n = tq * g
+  if n < 8:
+    return n
   return dsl.round_up(n, 8) if n <= ROWS else dsl.round_up(n, ROWS)
+
+
+def _out_rows(tq, g, exact: bool) -> int:
+  """Output rows in HBM: the packed rows as they are when the kernel stores
+  exactly them (``exact``), else padded like Q would be to 8 / 64."""
+  n = tq * g
+  if exact and n < 8:
+    return n
+  return dsl.round_up(n, 8) if n <= ROWS else dsl.round_up(n, ROWS)
+
+
+def _io_rows(tq, g) -> int:
+  """Rows of the 8-row boxes a block moves between HBM and its SMEM tile."""
+  return min(dsl.round_up(tq * g, 8), ROWS)
 
 
 def _pack_q(q, hkv):
@@ -456,14 +488,17 @@ def _pack_q(q, hkv):
   b, tq, hq, d = q.shape
   g = hq // hkv
   x = q.reshape(b, tq, hkv, g, d).transpose(0, 2, 1, 3, 4).reshape(b, hkv, tq * g, d)
-  return jnp.pad(x, ((0, 0), (0, 0), (0, _hbm_rows(tq, g) - tq * g), (0, 0)))
+  pad = _hbm_rows(tq, g) - tq * g
+  return jnp.pad(x, ((0, 0), (0, 0), (0, pad), (0, 0))) if pad else x
 
 
 def _unpack_o(o, tq, hq):
   """[B,Hkv,rows,D] -> [B,Tq,Hq,D]."""
   b, hkv, _, d = o.shape
   g = hq // hkv
-  o = o[:, :, :tq * g].reshape(b, hkv, tq, g, d).transpose(0, 2, 1, 3, 4)
+  if o.shape[2] != tq * g:
+    o = o[:, :, :tq * g]
+  o = o.reshape(b, hkv, tq, g, d).transpose(0, 2, 1, 3, 4)
   return o.reshape(b, tq, hq, d)
 
 
@@ -495,10 +530,14 @@ def _attention_decode_mosaic(q, k_pages, v_pages, lengths, page_table, layer=Non
   # lengths to the table and the page indices of a partly used last step.
   qp = _pack_q(q, hkv)
   split_out = splits > 1
-  rows = _hbm_rows(tq, g)
   block_kv = pps * page
   dt = q.dtype
   persistent = cfg.blocks_per_sm > 0
+  # Fewer than 8 packed rows leave exactly, through an untiled buffer: split
+  # partials have one; a bf16 output gets one, except in the persistent
+  # kernel, whose output leaves through its (tiled) Q buffer and stays padded.
+  stage_out = tq * g < 8 and not split_out and not persistent
+  rows = _out_rows(tq, g, exact=split_out or stage_out)
   n_items = b * hkv * splits * tiles
   q_shape = (2, ROWS, d) if persistent else (ROWS, d)  # persistent: prefetch next item's Q
   scratch = [
@@ -513,6 +552,8 @@ def _attention_decode_mosaic(q, k_pages, v_pages, lengths, page_table, layer=Non
     scratch += [plgpu.SMEM((ROWS, d), jnp.float32), plgpu.SMEM((ROWS,), jnp.float32)]
   else:
     out_type = jax.ShapeDtypeStruct((b, hkv, rows, d), dt)
+    if stage_out:
+      scratch.append(plgpu.SMEM((ROWS, d), dt))
   scratch.append((
       plgpu.Barrier(num_barriers=2 if persistent else 1),
       plgpu.Barrier(num_arrivals=pps, num_barriers=cfg.stages),
@@ -520,14 +561,14 @@ def _attention_decode_mosaic(q, k_pages, v_pages, lengths, page_table, layer=Non
   ))
   common = dict(tq=tq, group=g, page=page, pages_per_step=pps, stages=cfg.stages,
                 scale=sm_scale, split_out=split_out,
-                io_rows=min(rows, ROWS))
+                io_rows=_io_rows(tq, g), store_rows=min(rows, _io_rows(tq, g)))
   if persistent:
     grid_size = min(n_items, _num_sms() * cfg.blocks_per_sm)
     body = functools.partial(_persistent_kernel, dims=(b, hkv, splits, tiles),
                              grid_size=grid_size, **common)
     grid, names = (grid_size,), ("c",)
   else:
-    body = functools.partial(_mosaic_kernel, splits=splits, **common)
+    body = functools.partial(_mosaic_kernel, splits=splits, stage_out=stage_out, **common)
     grid, names = (b, hkv, splits, tiles), ("b", "h", "s", "r")
   out = dsl.kernel(
       body,
