@@ -126,6 +126,7 @@ def model_flags(ap: argparse.ArgumentParser) -> None:
   ap.add_argument("--dtype", default="bfloat16")
   ap.add_argument("--decode-steps", type=int, default=1, help="EngineConfig.decode_steps")
   ap.add_argument("--num-pages", type=int, default=1400)
+  ap.add_argument("--stream-interval", type=int, default=1, help="EngineConfig.stream_interval")
 
 
 def main():
@@ -168,7 +169,7 @@ def main():
                        # Prompts here fit one chunk and are random (no prefix hits):
                        # fresh prefill only, to keep the warm-up short.
                        warmup_continued=a.warmup_continued,
-                       decode_steps=a.decode_steps)
+                       decode_steps=a.decode_steps, stream_interval=a.stream_interval)
   engine = E.BatchingEngine(runner, cfg)
   t0 = time.perf_counter()
   server = Server(engine, port=0).start()  # warm-up compiles every bucketed shape here
@@ -177,7 +178,7 @@ def main():
   target = server.address
   rows, summary = [], {"warmup_s": warm, "config": a.config, "attention": a.attention,
                        "matmul": a.matmul, "page_size": page,
-                       "decode_steps": a.decode_steps}
+                       "decode_steps": a.decode_steps, "stream_interval": a.stream_interval}
 
   # 1. correctness before timing.
   from serving.client import Client

@@ -95,7 +95,8 @@ def main():
                        prefill_chunk=2048, min_chunk=a.input_len, prefill_rows=4,
                        batch_buckets=tuple(sorted({1, min(8, a.max_batch), a.max_batch})),
                        token_budget=a.max_batch + 2048, default_max_tokens=a.output_len,
-                       warmup_continued=False, decode_steps=a.decode_steps)
+                       warmup_continued=False, decode_steps=a.decode_steps,
+                       stream_interval=a.stream_interval)
   engine = E.BatchingEngine(runner, cfg)
   t0 = time.perf_counter()
   engine.warmup()

@@ -37,7 +37,8 @@ def build_engine(a):
   cfg = dict(max_batch=a.max_batch, max_waiting=a.max_waiting, prefill_chunk=a.prefill_chunk,
              prefill_rows=a.prefill_rows, max_seq_len=a.max_seq_len,
              prefix_caching=not a.no_prefix_cache, warmup=not a.no_warmup,
-             default_max_tokens=a.default_max_tokens, decode_steps=a.decode_steps)
+             default_max_tokens=a.default_max_tokens, decode_steps=a.decode_steps,
+             stream_interval=a.stream_interval)
   if a.token_budget:
     cfg["token_budget"] = a.token_budget
   spec = None if a.model in (None, "default") else a.model
@@ -156,6 +157,9 @@ def parser() -> argparse.ArgumentParser:
                  help="decode steps per dispatch, sampled on the device, when nothing waits "
                       "for prefill (fewer host round trips; tokens past a request's end are "
                       "dropped)")
+  s.add_argument("--stream-interval", type=int, default=1,
+                 help="tokens per streamed message after the first (fewer, larger messages "
+                      "cost less host time per token with many concurrent streams)")
   s.add_argument("--no-prefix-cache", action="store_true")
   s.add_argument("--no-warmup", action="store_true")
   s.add_argument("--auth-token", default=os.environ.get("MOSAIC_SERVING_TOKEN"),

@@ -84,10 +84,15 @@ class EngineConfig:
   # once per ``decode_steps`` tokens. Tokens past a request's end (EOS, stop,
   # max_tokens) are dropped. Seeded sampling draws what it would step by step.
   decode_steps: int = 1
+  # Tokens per streamed event after a request's first (which goes out at
+  # once); the last event carries whatever is left. Larger values mean fewer,
+  # larger messages: less Python per token when many streams share the
+  # interpreter (the --stream-interval of vLLM and SGLang).
+  stream_interval: int = 1
 
   def __post_init__(self):
     for f in ("max_batch", "max_waiting", "prefill_chunk", "min_chunk", "prefill_rows",
-              "default_max_tokens", "decode_steps"):
+              "default_max_tokens", "decode_steps", "stream_interval"):
       if getattr(self, f) < 1:
         raise ValueError(f"EngineConfig.{f}={getattr(self, f)} must be >= 1")
     if self.min_chunk > self.prefill_chunk:
@@ -130,6 +135,11 @@ class _Seq:
     self.hashes: list[bytes] | None = None
     self.final_sent = False
     self.pending = 0  # sampled tokens not read back yet
+    # Accepted tokens not handed to the client yet (EngineConfig.stream_interval).
+    self.out_ids: list[int] = []
+    self.out_text: list[str] = []
+    self.out_lps: list[api.TokenLogprob] = []
+    self.events_sent = 0
 
   @property
   def tokens(self) -> list[int]:
@@ -633,17 +643,27 @@ class BatchingEngine(api.Engine):
       if reason is not None and reason != api.FinishReason.STOP:
         text += seq.text.flush()
       p = seq.params
-      ids = () if silent else (token,)
-      logprobs = ()
-      if lp is not None and (p.logprobs or p.top_logprobs) and ids:
-        chosen, top_ids, top_lp = lp
-        top = tuple((int(top_ids[j]), float(top_lp[j])) for j in range(p.top_logprobs))
-        logprobs = (api.TokenLogprob(token, float(chosen), top),)
-      if ids or text:
-        seq.handle.events.put(api.Delta(ids, text, logprobs))
+      if not silent:
+        seq.out_ids.append(token)
+        if lp is not None and (p.logprobs or p.top_logprobs):
+          chosen, top_ids, top_lp = lp
+          top = tuple((int(top_ids[j]), float(top_lp[j])) for j in range(p.top_logprobs))
+          seq.out_lps.append(api.TokenLogprob(token, float(chosen), top))
+      if text:
+        seq.out_text.append(text)
       if reason is not None:
-        self._send_final(seq, reason)
+        self._send_final(seq, reason)  # sends what is buffered first
+      elif seq.events_sent == 0 or len(seq.out_ids) >= self.config.stream_interval:
+        self._send_delta(seq)
     return bool(items)
+
+  def _send_delta(self, seq: _Seq) -> None:
+    """Hands the buffered tokens, text and logprobs to the client as one Delta."""
+    if seq.out_ids or seq.out_text:
+      seq.handle.events.put(api.Delta(tuple(seq.out_ids), "".join(seq.out_text),
+                                      tuple(seq.out_lps)))
+      seq.events_sent += 1
+      seq.out_ids, seq.out_text, seq.out_lps = [], [], []
 
   def _release(self, seq: _Seq) -> None:
     """Takes the request out of the schedule and frees its pages and slot."""
@@ -666,6 +686,7 @@ class BatchingEngine(api.Engine):
     self._send_final(seq, reason)
 
   def _send_final(self, seq: _Seq, reason: api.FinishReason) -> None:
+    self._send_delta(seq)  # nothing accepted is lost, whatever the interval
     seq.final_sent = True
     now = time.monotonic()
     t0 = seq.handle.submitted

@@ -341,3 +341,54 @@ def test_engine_deadline_is_the_call_status_not_a_response(stream):
              what="pages freed after the deadline")
   finally:
     engine.stop()
+
+
+def _engine_events(engine, request):
+  """Runs ``request`` on an engine driven by ``step()`` here; its events in order."""
+  from serving.engine import api
+
+  handle = engine.submit(request)
+  events = []
+  while not events or not isinstance(events[-1], (api.Final, api.Failed)):
+    engine.step()
+    while not handle.events.empty():
+      events.append(handle.events.get_nowait())
+  return events
+
+
+@pytest.mark.parametrize("decode_steps", [1, 3])
+@pytest.mark.parametrize("interval", [1, 4])
+def test_stream_interval_groups_tokens_and_loses_none(interval, decode_steps):
+  """The first token goes out at once, then ``interval`` tokens per event; the
+  Final comes after whatever was left, ids, text and logprobs all complete."""
+  from serving.engine import api
+
+  def run(max_tokens, **kw):
+    engine = E.tiny_engine(max_batch=4, stream_interval=interval, decode_steps=decode_steps)
+    req = api.Request("r", prompt_ids=[ord("a")], add_bos=False, sampling=api.SamplingParams(
+        max_tokens=max_tokens, logprobs=True, top_logprobs=1, **kw))
+    *deltas, final = _engine_events(engine, req)
+    assert isinstance(final, api.Final) and all(isinstance(d, api.Delta) for d in deltas)
+    return deltas, final
+
+  deltas, final = run(10)
+  sizes = [len(d.token_ids) for d in deltas]
+  assert sizes == ([1] * 10 if interval == 1 else [1, 4, 4, 1]), sizes
+  assert [i for d in deltas for i in d.token_ids] == [ord(x) for x in _expected("a", 10)]
+  assert "".join(d.text for d in deltas) == _expected("a", 10)
+  assert [lp.token_id for d in deltas for lp in d.logprobs] == [ord(x) for x in _expected("a", 10)]
+  assert final.reason == api.FinishReason.LENGTH and final.completion_tokens == 10
+  # A stop string ends the request mid-interval: the text before it still arrives.
+  deltas, final = run(30, stop=("hij",))
+  assert "".join(d.text for d in deltas) == "bcdefg" and final.reason == api.FinishReason.STOP
+  # EOS after "~": buffered tokens arrive before the Final, the EOS itself is not sent.
+  engine = E.tiny_engine(max_batch=4, stream_interval=interval)
+  *deltas, final = _engine_events(engine, api.Request("e", prompt_ids=[ord("x")], add_bos=False))
+  assert "".join(d.text for d in deltas) == "yz{|}~" and final.reason == api.FinishReason.EOS
+
+
+def test_stream_interval_over_grpc_gives_fewer_messages():
+  with running(E.tiny_engine(max_batch=8, stream_interval=8)) as (_, c):
+    chunks = [ch for ch in c.stream("a", max_tokens=17) if ch.token_ids]
+  assert "".join(ch.text for ch in chunks) == _expected("a", 17)
+  assert 2 <= len(chunks) <= 3  # [1, 8, 8]; the server may merge the first two
