@@ -107,10 +107,11 @@ def _mosaic_kernel(lengths_ref, table_ref, layer_ref, q_ref, k_ref, v_ref, *refs
   """One block: (sequence b, kv head h, split s, row tile r).
 
   Only the first ``io_rows`` rows of the tile (the packed rows rounded up to
-  8) move between HBM and SMEM; when HBM holds fewer than 8, TMA zero-fills
-  the others on load and drops them on store. The rest of the SMEM tile is
-  never loaded and never stored. Its rows compute garbage that stays in those rows (softmax and
-  both matmuls are row-wise) and is dropped.
+  8) are loaded; when HBM holds fewer than 8, TMA zero-fills the others.
+  ``store_rows`` rows are stored (exactly the packed rows when there are
+  fewer than 8, from an untiled buffer). The rest of the SMEM tile is never
+  loaded and never stored. Its rows compute garbage that stays in those rows
+  (softmax and both matmuls are row-wise) and is dropped.
   """
   if split_out:
     o_ref, lse_ref, q_smem, k_smem, v_smem, p_smem, o_smem, lse_smem, bars = refs
@@ -456,22 +457,13 @@ def _auto_splits(batch, hkv, tiles, n_steps) -> int:
   return max(1, min(s, n_steps // 2 if n_steps >= 4 else 1))
 
 
-def _hbm_rows(tq, g) -> int:
-  """Packed rows kept in HBM. Fewer than 8 stay as they are: the kernel moves
-  8-row boxes (the tiled SMEM layout's unit) and TMA zero-fills the missing
-  rows on load and drops them on store, so Q needs no padding copy and the
-  output no slice (both were kernels of their own in each decode layer). Else
-  a multiple of 8 (a tiled global dimension must be), and whole 64-row tiles
-  only when there is more than one tile."""
-  n = tq * g
-  if n < 8:
-    return n
-  return dsl.round_up(n, 8) if n <= ROWS else dsl.round_up(n, ROWS)
-
-
-def _out_rows(tq, g, exact: bool) -> int:
-  """Output rows in HBM: the packed rows as they are when the kernel stores
-  exactly them (``exact``), else padded like Q would be to 8 / 64."""
+def _hbm_rows(tq, g, exact: bool = True) -> int:
+  """Packed rows kept in HBM. With ``exact``, fewer than 8 stay as they are:
+  Q's 8-row box is zero-filled by TMA past them (Q needs no padding copy),
+  and an output stored from an untiled buffer leaves exactly them (it needs
+  no slice); each of those was a kernel of its own in every decode layer.
+  Else a multiple of 8 (a tiled global dimension must be), and whole 64-row
+  tiles only when there is more than one tile."""
   n = tq * g
   if exact and n < 8:
     return n
@@ -537,7 +529,7 @@ def _attention_decode_mosaic(q, k_pages, v_pages, lengths, page_table, layer=Non
   # partials have one; a bf16 output gets one, except in the persistent
   # kernel, whose output leaves through its (tiled) Q buffer and stays padded.
   stage_out = tq * g < 8 and not split_out and not persistent
-  rows = _out_rows(tq, g, exact=split_out or stage_out)
+  rows = _hbm_rows(tq, g, exact=split_out or stage_out)  # of the output
   n_items = b * hkv * splits * tiles
   q_shape = (2, ROWS, d) if persistent else (ROWS, d)  # persistent: prefetch next item's Q
   scratch = [
