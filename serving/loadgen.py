@@ -46,14 +46,22 @@ def run(client: Client, *, num_requests: int, input_len: int, output_len: int,
 
   def one(prompt) -> Sample:
     t0 = time.perf_counter()
-    times, n = [], 0
+    first = last = None
+    itls, n = [], 0
     for chunk in client.stream(prompt, timeout=timeout, max_tokens=output_len, ignore_eos=True):
-      if chunk.token_ids:
-        times.append(time.perf_counter())
-        n += len(chunk.token_ids)
+      k = len(chunk.token_ids)
+      if k:
+        now = time.perf_counter()
+        if last is None:
+          first = now
+        else:
+          # A chunk of k tokens (the server's stream interval, or merged
+          # messages) counts as k inter-token gaps of equal share.
+          itls.extend([(now - last) / k] * k)
+        last = now
+        n += k
     end = time.perf_counter()
-    return Sample(times[0] - t0 if times else float("nan"),
-                  [b - a for a, b in zip(times, times[1:])], end - t0, n)
+    return Sample(first - t0 if first is not None else float("nan"), itls, end - t0, n)
 
   t_start = time.perf_counter()
   workers = concurrency or min(num_requests, 1024)

@@ -148,9 +148,13 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
           ev = api.Delta(ev.token_ids + nxt.token_ids, ev.text + nxt.text,
                          ev.logprobs + nxt.logprobs)
         now = time.monotonic()
-        if last is not None and ev.token_ids:
-          self.metrics.itl.observe(now - last)
-        last = now
+        k = len(ev.token_ids)
+        if last is not None and k:
+          # k tokens in one message: k inter-token gaps of equal share.
+          for _ in range(k):
+            self.metrics.itl.observe((now - last) / k)
+        if k:
+          last = now
       # An ended deadline or cancel is the call's status, not a response:
       # abort before handing the Final on (Generate returns on a Final).
       if isinstance(ev, api.Failed):

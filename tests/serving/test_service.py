@@ -392,3 +392,32 @@ def test_stream_interval_over_grpc_gives_fewer_messages():
     chunks = [ch for ch in c.stream("a", max_tokens=17) if ch.token_ids]
   assert "".join(ch.text for ch in chunks) == _expected("a", 17)
   assert 2 <= len(chunks) <= 3  # [1, 8, 8]; the server may merge the first two
+
+
+def test_itl_counts_every_token_of_a_grouped_message():
+  """With a stream interval of 4 the server's inter-token histogram still
+  gets one sample per token after the first (not one per message)."""
+  with running(E.tiny_engine(max_batch=4, stream_interval=4)) as (server, c):
+    chunks = [ch for ch in c.stream("a", max_tokens=9) if ch.token_ids]
+    wait_for(lambda: server.metrics.itl.count == 8, timeout=5, what="8 ITL samples")
+  assert [len(ch.token_ids) for ch in chunks] in ([1, 4, 4], [5, 4], [1, 8], [9])
+
+
+def test_loadgen_splits_a_grouped_chunk_into_per_token_gaps():
+  from serving import loadgen
+
+  class Chunk:
+    def __init__(self, k):
+      self.token_ids = [7] * k
+
+  class FakeClient:
+    def stream(self, prompt, **kw):
+      for k in (1, 4, 4):  # 9 tokens, a chunk every 40 ms after the first
+        time.sleep(0.04)
+        yield Chunk(k)
+
+  r = loadgen.run(FakeClient(), num_requests=1, input_len=2, output_len=9, concurrency=1)
+  assert r["output_tokens"] == 9
+  # 8 gaps of about 10 ms each (40 ms / 4 tokens), not 2 gaps of 40 ms.
+  assert 8 <= r["itl_mean_ms"] <= 25, r
+  assert abs(r["tpot_mean_ms"] - r["itl_mean_ms"]) < 5, r
