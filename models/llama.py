@@ -343,7 +343,8 @@ class Llama(nnx.Module):
     b, t = tokens.shape
     ps = cache.page_size
     tpos = positions[:, None] + jnp.arange(t, dtype=jnp.int32)  # [B, T]
-    rope = rope_angles(tpos, jnp.asarray(rope_inv_freq(cfg)))
+    with jax.named_scope("rope"):  # once per step: the profiler books it as rope
+      rope = rope_angles(tpos, jnp.asarray(rope_inv_freq(cfg)))
     valid = jnp.arange(t)[None, :] < lengths[:, None]  # [B, T]
     page, slot = _page_slot(tpos, valid, page_table, ps)
     total = positions + lengths  # kv tokens of each row after this chunk
@@ -382,7 +383,8 @@ class Llama(nnx.Module):
     ps = cache.page_size
     tpos = lengths[:, None] - tq + jnp.arange(tq, dtype=jnp.int32)  # [B, Tq]
     valid = tpos >= 0
-    rope = rope_angles(jnp.maximum(tpos, 0), jnp.asarray(rope_inv_freq(cfg)))
+    with jax.named_scope("rope"):
+      rope = rope_angles(jnp.maximum(tpos, 0), jnp.asarray(rope_inv_freq(cfg)))
     page, slot = _page_slot(tpos, valid, page_table, ps)
     if cfg.sliding_window is not None:
       # attention_decode has no window: read the pages through the masked
