@@ -205,10 +205,11 @@ class BatchingEngine(api.Engine):
     self.preemptions = 0
     self.error: BaseException | None = None
     # The last steps: (wall s, s blocked on the device's results, decode rows,
-    # pipelined: whether the device had this step queued while the host worked).
-    # Host time per step is wall - blocked.
-    self.step_times: collections.deque[tuple[float, float, int, bool]] = collections.deque(
-        maxlen=4096)
+    # pipelined: whether the device had this step queued while the host worked,
+    # s spent launching: building the inputs and dispatching the device calls).
+    # Host time per step is wall - blocked; launching is part of it.
+    self.step_times: collections.deque[tuple[float, float, int, bool, float]] = (
+        collections.deque(maxlen=4096))
     self.observer = None  # optional metrics sink: .on_step(...), .on_final(...)
 
   # -- the interface -------------------------------------------------------
@@ -371,10 +372,12 @@ class BatchingEngine(api.Engine):
     decodes = self._schedule_decodes(steps)
     prefills = self._schedule_prefills(self.config.budget - len(decodes))
     launched = []  # (rows, device outputs, logprobs wanted)
+    t_launch = time.perf_counter()
     if prefills:
       launched.append(self._run_prefill(prefills))
     if decodes:
       launched.append(self._run_decode(decodes, steps))
+    t_launch = time.perf_counter() - t_launch
     previous, self._inflight = self._inflight, launched
     t_wait = 0.0
     for seqs, out, want_lp in previous:
@@ -399,7 +402,7 @@ class BatchingEngine(api.Engine):
     if launched:
       self.steps += 1
     dt = time.perf_counter() - t0
-    self.step_times.append((dt, t_wait, len(decodes), bool(launched)))
+    self.step_times.append((dt, t_wait, len(decodes), bool(launched), t_launch))
     if self.observer is not None:
       self.observer.on_step(self, dt, t_wait, len(decodes), sum(n for _, n in prefills))
     return True

@@ -421,3 +421,15 @@ def test_loadgen_splits_a_grouped_chunk_into_per_token_gaps():
   # 8 gaps of about 10 ms each (40 ms / 4 tokens), not 2 gaps of 40 ms.
   assert 8 <= r["itl_mean_ms"] <= 25, r
   assert abs(r["tpot_mean_ms"] - r["itl_mean_ms"]) < 5, r
+
+
+def test_step_times_split_out_the_launch():
+  """step_times' last field is the time spent building inputs and dispatching
+  the device calls: a runner that takes 20 ms per call shows it there."""
+  from serving.engine import api
+
+  engine = E.tiny_engine(max_batch=4, step_delay=0.02)
+  _engine_events(engine, api.Request("r", prompt_ids=[ord("a")], add_bos=False,
+                                     sampling=api.SamplingParams(max_tokens=3)))
+  launched = [t for t in engine.step_times if t[3]]
+  assert launched and all(0.02 <= t[4] <= t[0] for t in launched), list(engine.step_times)
