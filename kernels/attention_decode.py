@@ -421,7 +421,8 @@ def _smem_bytes(cfg: Config, page: int, head_dim: int, dtype, split: bool) -> in
   return b
 
 
-SMEM_BUDGET = 220 * 1024
+SMEM_BUDGET = 220 * 1024  # what the heuristic plans for
+SMEM_LIMIT = 226 * 1024  # what a block may use on Hopper (227 KB), less barriers
 
 
 def _pick_config(batch, hkv, tiles, max_pages, page, head_dim, dtype) -> Config:
@@ -455,6 +456,16 @@ def _auto_splits(batch, hkv, tiles, n_steps) -> int:
   blocks = batch * hkv * tiles
   s = max(1, _num_sms() // blocks)
   return max(1, min(s, n_steps // 2 if n_steps >= 4 else 1))
+
+
+def _stage_out(cfg: Config, rows: int, split_out: bool, page: int, head_dim: int, dtype) -> bool:
+  """Whether a bf16 output of ``rows`` packed rows leaves through its own
+  untiled buffer, exactly those rows. Fewer than 8 rows only (else the tiled
+  Q buffer serves); split partials already have such a buffer; the persistent
+  kernel's output leaves through its Q buffer and stays padded; and a config
+  that fits in SMEM only without the extra buffer keeps the padded output."""
+  return (rows < 8 and not split_out and cfg.blocks_per_sm == 0
+          and _smem_bytes(cfg, page, head_dim, dtype, False) <= SMEM_LIMIT)
 
 
 def _hbm_rows(tq, g, exact: bool = True) -> int:
@@ -525,10 +536,7 @@ def _attention_decode_mosaic(q, k_pages, v_pages, lengths, page_table, layer=Non
   block_kv = pps * page
   dt = q.dtype
   persistent = cfg.blocks_per_sm > 0
-  # Fewer than 8 packed rows leave exactly, through an untiled buffer: split
-  # partials have one; a bf16 output gets one, except in the persistent
-  # kernel, whose output leaves through its (tiled) Q buffer and stays padded.
-  stage_out = tq * g < 8 and not split_out and not persistent
+  stage_out = _stage_out(cfg, tq * g, split_out, page, d, dt)
   rows = _hbm_rows(tq, g, exact=split_out or stage_out)  # of the output
   n_items = b * hkv * splits * tiles
   q_shape = (2, ROWS, d) if persistent else (ROWS, d)  # persistent: prefetch next item's Q

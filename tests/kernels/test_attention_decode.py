@@ -276,3 +276,25 @@ def test_gpu_layer_stack_and_persistent():
               ad.Config(pages_per_step=2, stages=2, splits=3, blocks_per_sm=1)):
     out = ad.attention_decode_mosaic(q, k_stack, v_stack, lengths, table, layer=1, config=cfg)
     testing.assert_close(out, want, jnp.bfloat16, what=f"mosaic {cfg}")
+
+
+def test_exact_output_rows_only_where_the_staging_buffer_fits():
+  """4 packed rows leave exactly through an untiled buffer, unless the config
+  fills SMEM without it (then the output stays padded, as before)."""
+  stage = lambda cfg, rows=4, split=False: ad._stage_out(cfg, rows, split, 64, 128, jnp.bfloat16)
+  assert stage(ad.Config(pages_per_step=1, stages=2))
+  assert not stage(ad.Config(pages_per_step=2, stages=3))  # 224 KB before the buffer
+  assert not stage(ad.Config(pages_per_step=1, stages=2), rows=8)  # tiled Q buffer serves
+  assert not stage(ad.Config(pages_per_step=1, stages=2), split=True)  # float32 buffer exists
+  assert not stage(ad.Config(pages_per_step=1, stages=2, blocks_per_sm=2))  # persistent
+
+
+@pytest.mark.parametrize("limit", [None, 0])
+def test_padded_output_fallback_is_correct(limit, monkeypatch):
+  """4 packed rows, one split: exact rows from the staging buffer, or (SMEM
+  too small for it) the padded output through the Q buffer, then a slice."""
+  if limit is not None:
+    monkeypatch.setattr(ad, "SMEM_LIMIT", limit)
+  args = _case(3, 1, 8, 2, 64, 16, lengths=[1, 30, 47])
+  out = ad.attention_decode_mosaic(*args, config=ad.Config(pages_per_step=1, stages=2, splits=1))
+  testing.assert_close(out, ad.attention_decode_reference(*args), jnp.bfloat16)
