@@ -99,13 +99,16 @@ def isolated(model, phase, batch, length, attn_names, page_size):
         ps = page_size or llama.DEFAULT_PAGE_SIZE
         per = -(-length // ps)
         pages = batch * per + 1
-        q = rnd(batch, 1, hq, hd)
-        kp, vp = rnd(hkv, pages, ps, hd), rnd(hkv, pages, ps, hd)
         lengths = jnp.full((batch,), length, jnp.int32)
         pt = (1 + jnp.arange(batch * per, dtype=jnp.int32)).reshape(batch, per)
         fn = jax.jit(lambda q, k, v: ops["attention_decode"](q, k, v, lengths, pt, backend=name))
         c = cost.attention(batch, hq, hkv, 1, length, hd, causal=True)
-        t = bench.time_jax(fn, [(q, kp, vp)], iters=10, warmup=1)
+        # As in the model (and as the matmuls above), the layer's K/V pages are
+        # not in L2 when it runs: rotate past them (a small cache would stay hot).
+        n_sets = bench.cold_sets(2 * hkv * pages * ps * hd * jnp.dtype(dt).itemsize)
+        sets = [(rnd(batch, 1, hq, hd), rnd(hkv, pages, ps, hd), rnd(hkv, pages, ps, hd))
+                for _ in range(n_sets)]
+        t = bench.time_jax(fn, sets, iters=10, warmup=1)
       out[("attention", name)] = (t.median_s, c.flops)
     except Exception as e:  # a backend that cannot run this shape is reported, not fatal
       log(f"isolated {phase} attention {name}: {type(e).__name__}: {str(e)[:200]}")
