@@ -41,6 +41,10 @@ def build_engine(a):
              stream_interval=a.stream_interval)
   if a.token_budget:
     cfg["token_budget"] = a.token_budget
+  try:
+    E.EngineConfig(**cfg)  # bad flags fail here, before any model is loaded
+  except ValueError as e:
+    raise SystemExit(f"serve: {e}") from None
   spec = None if a.model in (None, "default") else a.model
   extra = {"step_delay": a.step_delay} if a.step_delay else {}
   return E.model_engine(spec, dtype=a.dtype, num_pages=a.num_pages, page_size=a.page_size,

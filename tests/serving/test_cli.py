@@ -108,3 +108,14 @@ def test_generate_and_loadgen_commands(server_proc, tmp_path):
   r = json.loads(js.read_text())
   assert r["output_tokens"] == 48 and r["ttft_p50_ms"] > 0 and r["output_tok_s"] > 0
   assert "ttft" in out.stdout
+
+
+@pytest.mark.parametrize("flag, value, field", [
+    ("--stream-interval", "0", "stream_interval"), ("--decode-steps", "0", "decode_steps"),
+    ("--max-batch", "-1", "max_batch")])
+def test_serve_refuses_bad_engine_flags_with_a_message(flag, value, field):
+  from serving import cli
+
+  with pytest.raises(SystemExit) as e:
+    cli.main(["serve", "--model", "counting", "--no-warmup", flag, value])
+  assert str(e.value).startswith("serve: ") and field in str(e.value)
