@@ -491,17 +491,14 @@ def _pack_q(q, hkv):
   b, tq, hq, d = q.shape
   g = hq // hkv
   x = q.reshape(b, tq, hkv, g, d).transpose(0, 2, 1, 3, 4).reshape(b, hkv, tq * g, d)
-  pad = _hbm_rows(tq, g) - tq * g
-  return jnp.pad(x, ((0, 0), (0, 0), (0, pad), (0, 0))) if pad else x
+  return jnp.pad(x, ((0, 0), (0, 0), (0, _hbm_rows(tq, g) - tq * g), (0, 0)))
 
 
 def _unpack_o(o, tq, hq):
   """[B,Hkv,rows,D] -> [B,Tq,Hq,D]."""
   b, hkv, _, d = o.shape
   g = hq // hkv
-  if o.shape[2] != tq * g:
-    o = o[:, :, :tq * g]
-  o = o.reshape(b, hkv, tq, g, d).transpose(0, 2, 1, 3, 4)
+  o = o[:, :, :tq * g].reshape(b, hkv, tq, g, d).transpose(0, 2, 1, 3, 4)
   return o.reshape(b, tq, hq, d)
 
 

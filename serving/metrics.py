@@ -65,10 +65,11 @@ class Histogram(_Metric):
     self.counts = [0] * (len(self.buckets) + 1)
     self.sum = 0.0
 
-  def observe(self, v: float) -> None:
+  def observe(self, v: float, n: int = 1) -> None:
+    """Records ``n`` samples of value ``v``."""
     with self._lock:
-      self.counts[bisect.bisect_left(self.buckets, v)] += 1
-      self.sum += v
+      self.counts[bisect.bisect_left(self.buckets, v)] += n
+      self.sum += v * n
 
   @property
   def count(self) -> int:
