@@ -1,14 +1,16 @@
 """Where the serving engine's step time goes, without the gRPC server.
 
 1. The model's decode step alone (the runner's jitted call): the time until
-   the call returns (host dispatch: what the engine's thread pays) and until
-   its result is ready (device), at batch 1 and the engine's max batch.
+   the call returns (host dispatch: what the engine's thread pays) on an idle
+   device and back to back, and until its result is ready (device), at batch 1
+   and the engine's max batch.
 2. The engine alone: ``--requests`` greedy requests of ``--input-len`` in /
    ``--output-len`` out submitted at once and driven by ``engine.step()`` in
    this thread under cProfile: step wall time, host time (wall minus the time
    blocked on the device's results) and the host functions that cost most.
 
-Run it under different ``XLA_FLAGS`` to compare settings (command buffers).
+Run it under different ``XLA_FLAGS`` to compare settings (command buffers);
+``serving.engine.runners.XLA_DEFAULTS`` are added unless ``--no-xla-defaults``.
 
   PYTHONPATH=. python3 bench/serving_host.py --out $OUT [--tag NAME]
 """
@@ -22,7 +24,6 @@ import json
 import os
 import pathlib
 import pstats
-import re
 import statistics
 import sys
 import time
@@ -48,15 +49,6 @@ def _timed_calls(f, n):
   return statistics.median(ret), statistics.median(done)
 
 
-def _command_buffers(runner, tokens, lengths, table):
-  """How many command-buffer (CUDA graph) regions XLA formed in the decode step."""
-  if getattr(runner, "_fast", None) is None:
-    return None
-  hlo = runner._fast[1].lower(runner.model.params, runner.cache, tokens, lengths,
-                              table).compile().as_text()
-  return len(re.findall(r"command_buffer", hlo))
-
-
 def main():
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/serving_host"))
@@ -68,6 +60,10 @@ def main():
   ap.add_argument("--output-len", type=int, default=64)
   ap.add_argument("--iters", type=int, default=20)
   a = ap.parse_args()
+  from serving.engine import runners
+
+  if not a.no_xla_defaults:
+    runners.configure_xla()
   out = pathlib.Path(a.out)
   out.mkdir(parents=True, exist_ok=True)
   from serving import engine as E
@@ -98,15 +94,16 @@ def main():
                    "finite": bool(np.isfinite(logits).all())}
     r, d = _timed_calls(f, a.iters)
     # Back to back without waiting: the steady state of a pipelined engine.
-    t0 = time.perf_counter()
+    rets, t0 = [], time.perf_counter()
     for _ in range(a.iters):
+      t1 = time.perf_counter()
       o = f()
+      rets.append(time.perf_counter() - t1)
     jax.block_until_ready(o)
     res[f"decode_b{b}"] = {"dispatch_ms": r * 1e3, "call_to_ready_ms": d * 1e3,
                            "back_to_back_ms": (time.perf_counter() - t0) / a.iters * 1e3,
-                           "logits": fingerprint,
-                           "command_buffers": (_command_buffers(runner, tokens, lengths, table)
-                                               if b == 1 else None)}
+                           "back_to_back_dispatch_ms": statistics.median(rets) * 1e3,
+                           "logits": fingerprint}
     print(f"decode B={b}: {res[f'decode_b{b}']}", flush=True)
 
   cfg = E.EngineConfig(max_batch=a.max_batch, max_waiting=4 * a.requests, max_seq_len=4096,
