@@ -130,8 +130,6 @@ def model_flags(ap: argparse.ArgumentParser) -> None:
   ap.add_argument("--decode-steps", type=int, default=1, help="EngineConfig.decode_steps")
   ap.add_argument("--num-pages", type=int, default=1400)
   ap.add_argument("--stream-interval", type=int, default=1, help="EngineConfig.stream_interval")
-  ap.add_argument("--no-xla-defaults", action="store_true",
-                  help="leave XLA_FLAGS as they are (no serving.engine.runners.XLA_DEFAULTS)")
 
 
 def main():
@@ -149,10 +147,6 @@ def main():
   ap.add_argument("--warmup-continued", action="store_true",
                   help="also compile prefill of continued chunks at start")
   a = ap.parse_args()
-  from serving.engine import runners
-
-  if not a.no_xla_defaults:
-    runners.configure_xla()
   out = pathlib.Path(a.out)
   out.mkdir(parents=True, exist_ok=True)
 

@@ -9,8 +9,8 @@
    this thread under cProfile: step wall time, host time (wall minus the time
    blocked on the device's results) and the host functions that cost most.
 
-Run it under different ``XLA_FLAGS`` to compare settings (command buffers);
-``serving.engine.runners.XLA_DEFAULTS`` are added unless ``--no-xla-defaults``.
+Run it under different ``XLA_FLAGS`` to compare settings (command buffers):
+the logits' fingerprint shows whether a setting changed the results.
 
   PYTHONPATH=. python3 bench/serving_host.py --out $OUT [--tag NAME]
 """
@@ -60,10 +60,6 @@ def main():
   ap.add_argument("--output-len", type=int, default=64)
   ap.add_argument("--iters", type=int, default=20)
   a = ap.parse_args()
-  from serving.engine import runners
-
-  if not a.no_xla_defaults:
-    runners.configure_xla()
   out = pathlib.Path(a.out)
   out.mkdir(parents=True, exist_ok=True)
   from serving import engine as E

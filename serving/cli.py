@@ -216,8 +216,4 @@ def main(argv=None) -> int:
   logging.basicConfig(level=logging.INFO if a.verbose or a.cmd == "serve" else logging.WARNING,
                       format="%(asctime)s %(name)s %(levelname)s %(message)s")
   logging.getLogger("jax").setLevel(logging.WARNING)
-  if a.cmd == "serve":
-    from serving.engine import runners
-
-    runners.configure_xla()  # before the model touches a device
   return a.fn(a)

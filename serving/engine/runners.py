@@ -14,8 +14,6 @@ next token is the previous token + 1, so the service's output is known.
 from __future__ import annotations
 
 import functools
-import logging
-import os
 import time
 
 import jax
@@ -23,39 +21,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from serving.engine import sampling
-
-log = logging.getLogger("serving.engine")
-
-# XLA settings the decode step needs, added to XLA_FLAGS by the entry points
-# (serve, the serving benchmarks) before jax first touches a device; a flag the
-# user already set wins.
-#
-# xla_cmd_buffer_trace_cache_size: XLA runs each layer of the decode step's
-# scan as one command buffer (CUDA graph). It records each custom call in it
-# (every Mosaic kernel) by tracing it under stream capture, once per distinct
-# set of buffer addresses, and keeps the last 16 traces. The layer's weights
-# sit at another address in every iteration, so with more than 16 layers each
-# iteration traced its kernels again on the host: about half of the 2 ms that
-# dispatching a Llama-3-8B decode step took on the H200
-# (bench/results/serving_h200/trace_cache/). The cache must exceed the layers.
-XLA_DEFAULTS = {"xla_cmd_buffer_trace_cache_size": "256"}
-
-
-def xla_flags(current: str, defaults: dict[str, str] = XLA_DEFAULTS) -> str:
-  """``current`` (an XLA_FLAGS value) plus each of ``defaults`` it does not set."""
-  have = {f.split("=", 1)[0].lstrip("-") for f in current.split()}
-  extra = [f"--{k}={v}" for k, v in defaults.items() if k not in have]
-  return " ".join([current.strip()] + extra).strip()
-
-
-def configure_xla(environ=None) -> None:
-  """Puts XLA_DEFAULTS into XLA_FLAGS; XLA reads them when jax first uses a device."""
-  environ = os.environ if environ is None else environ
-  environ["XLA_FLAGS"] = xla_flags(environ.get("XLA_FLAGS", ""))
-  from jax._src import xla_bridge
-
-  if xla_bridge.backends_are_initialized():
-    log.warning("configure_xla: jax already uses a device; XLA_FLAGS take effect next process")
 
 
 def _has_backend(op: str, name: str) -> bool:

@@ -170,19 +170,3 @@ def test_last_token_per_slot_feeds_the_next_decode():
   out = sampling.greedy(logits, arrays, jnp.zeros((6, 10), jnp.int32), last, logprobs=False)
   np.testing.assert_array_equal(np.asarray(out[5]), [7, 5, 1, 5, 3, 5])  # row 3 is padding
   np.testing.assert_array_equal(np.asarray(sampling.take(out[5], np.array([4, 2, -1]))), [3, 1, 7])
-
-
-def test_xla_defaults_join_without_overriding_the_user():
-  from serving.engine import runners
-
-  key = next(iter(runners.XLA_DEFAULTS))
-  assert runners.xla_flags("") == f"--{key}={runners.XLA_DEFAULTS[key]}"
-  mine = f"--xla_gpu_autotune_level=0 --{key}=7"
-  assert runners.xla_flags(mine) == mine  # the user's value wins, nothing appended
-  joined = runners.xla_flags("--xla_gpu_autotune_level=0")
-  assert joined.split() == ["--xla_gpu_autotune_level=0", f"--{key}={runners.XLA_DEFAULTS[key]}"]
-  env = {"XLA_FLAGS": "--xla_gpu_autotune_level=0"}
-  runners.configure_xla(env)
-  assert env["XLA_FLAGS"] == joined
-  runners.configure_xla(env)  # idempotent
-  assert env["XLA_FLAGS"] == joined
