@@ -20,8 +20,9 @@ Data flow of one step, top to bottom::
 
 RMSNorm, every matmul and the attention go through the ``mosaic.registry`` ops
 (``rms_norm``, ``matmul``, ``attention_prefill``, ``attention_decode``), so the
-backend of each is a name chosen by the caller. ``prefill_step`` and
-``decode_step`` are jitted with the backend names as static arguments and the
+backend of each is a name chosen by the caller. ``prefill_step``,
+``decode_step`` and ``mixed_step`` (decode rows and prefill chunks sharing one
+pass over the weights) are jitted with the backend names as static arguments and the
 cache donated. With a mesh they run under shard_map over axis 'tp' (Megatron
 layout: heads and FFN features split, one all-reduce after wo and one after
 w_down, the vocabulary all-gathered), so every kernel sees local shapes.
@@ -347,11 +348,9 @@ class Llama(nnx.Module):
       rope = rope_angles(tpos, jnp.asarray(rope_inv_freq(cfg)))
     valid = jnp.arange(t)[None, :] < lengths[:, None]  # [B, T]
     page, slot = _page_slot(tpos, valid, page_table, ps)
-    total = positions + lengths  # kv tokens of each row after this chunk
-    skv = page_table.shape[1] * ps
-    kv_pos = jnp.broadcast_to(jnp.arange(skv, dtype=jnp.int32), (b, skv))
-    q_seg = valid.astype(jnp.int32)
-    kv_seg = (kv_pos < total[:, None]).astype(jnp.int32)
+
+    chunk_attention = self._chunk_attention(tokens.shape, positions, lengths, page_table, ps,
+                                           fresh)
 
     def attend(block, h, kc, vc, layer):
       q, k, v = block.attn.qkv(h, rope)
@@ -359,13 +358,7 @@ class Llama(nnx.Module):
         kc = kc.at[layer, :, page, slot].set(k.astype(kc.dtype))  # [B, T, Hkv, hd] rows
         vc = vc.at[layer, :, page, slot].set(v.astype(vc.dtype))
       with jax.named_scope("attention"):
-        if fresh:
-          o = ops()["attention_prefill"](q, k, v, causal=True, sliding_window=cfg.sliding_window)
-        else:
-          kg, vg = _gather_pages(kc, vc, layer, page_table)  # [B, Skv, Hkv, hd]
-          o = ops()["attention_prefill"](
-              q, kg, vg, causal=True, q_positions=tpos, kv_positions=kv_pos,
-              q_segment_ids=q_seg, kv_segment_ids=kv_seg, sliding_window=cfg.sliding_window)
+        o = chunk_attention(q, k, v, kc, vc, layer)
       return o.reshape(b, t, -1).astype(h.dtype), kc, vc
 
     with jax.named_scope("embed"):
@@ -374,6 +367,83 @@ class Llama(nnx.Module):
     if not all_logits:
       last = jnp.maximum(lengths - 1, 0)
       x = jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]  # [B, D]
+    return self._logits(x), cache
+
+  def _chunk_attention(self, shape, positions, lengths, page_table, page_size: int,
+                       fresh: bool):
+    """attention(q, k, v, kc, vc, layer) of prefill chunks [B, T] (k/v: the chunk's
+    own, already written into kc/vc): within the chunk when ``fresh``, else over
+    the row's gathered pages, masked by position and segment ids."""
+    cfg = self.cfg
+    b, t = shape
+    if fresh:
+      return lambda q, k, v, kc, vc, layer: ops()["attention_prefill"](
+          q, k, v, causal=True, sliding_window=cfg.sliding_window)
+    tpos = positions[:, None] + jnp.arange(t, dtype=jnp.int32)  # [B, T]
+    skv = page_table.shape[1] * page_size
+    kv_pos = jnp.broadcast_to(jnp.arange(skv, dtype=jnp.int32), (b, skv))
+    q_seg = (jnp.arange(t)[None, :] < lengths[:, None]).astype(jnp.int32)
+    kv_seg = (kv_pos < (positions + lengths)[:, None]).astype(jnp.int32)
+
+    def attend(q, k, v, kc, vc, layer):
+      kg, vg = _gather_pages(kc, vc, layer, page_table)  # [B, Skv, Hkv, hd]
+      return ops()["attention_prefill"](
+          q, kg, vg, causal=True, q_positions=tpos, kv_positions=kv_pos, q_segment_ids=q_seg,
+          kv_segment_ids=kv_seg, sliding_window=cfg.sliding_window)
+
+    return attend
+
+  def mixed(self, cache: KVCache, dec_tokens, dec_lengths, dec_table, tokens, positions,
+            lengths, page_table, *, fresh: bool = False):
+    """Decode rows and prefill chunks in one pass over the weights.
+
+    dec_tokens [Bd] (one new token per row; dec_lengths [Bd] include it, 0 =
+    padding row), dec_table [Bd, P]; the chunks as in ``prefill``. Their
+    Bd + B*T tokens go through the norms and matmuls as one flat batch
+    x [1, Bd + B*T, D], so each weight is read once for both; the K/V of all
+    of them are written by one scatter per layer; attention runs per part
+    (attention_decode on the decode rows' pages, the chunk attention of
+    ``prefill`` on the chunks). A decode step streams every weight for a few
+    rows; the chunk's tokens ride along almost free until the matmuls turn
+    compute-bound. Returns (logits [Bd + B, vocab]: the decode rows', then
+    each chunk's at its last valid token; cache).
+    """
+    cfg = self.cfg
+    if cfg.sliding_window is not None:
+      raise NotImplementedError("mixed steps: sliding-window models decode through the masked "
+                                "prefill attention; run prefill and decode apart")
+    bd = dec_tokens.shape[0]
+    b, t = tokens.shape
+    ps = cache.page_size
+    dpos = dec_lengths - 1  # [Bd]
+    tpos = positions[:, None] + jnp.arange(t, dtype=jnp.int32)  # [B, T]
+    valid = jnp.arange(t)[None, :] < lengths[:, None]
+    dpage, dslot = _page_slot(dpos[:, None], (dpos >= 0)[:, None], dec_table, ps)  # [Bd, 1]
+    page, slot = _page_slot(tpos, valid, page_table, ps)
+    flat = lambda d, p: jnp.concatenate([d.reshape(bd), p.reshape(b * t)])[None]  # [1, N]
+    page, slot = flat(dpage, page), flat(dslot, slot)
+    with jax.named_scope("rope"):
+      rope = rope_angles(flat(jnp.maximum(dpos, 0), tpos), jnp.asarray(rope_inv_freq(cfg)))
+    chunk_attention = self._chunk_attention((b, t), positions, lengths, page_table, ps, fresh)
+
+    def attend(block, h, kc, vc, layer):
+      q, k, v = block.attn.qkv(h, rope)  # [1, N, H, hd]
+      with jax.named_scope("kv_write"):
+        kc = kc.at[layer, :, page, slot].set(k.astype(kc.dtype))
+        vc = vc.at[layer, :, page, slot].set(v.astype(vc.dtype))
+      with jax.named_scope("attention"):
+        od = ops()["attention_decode"](q[0, :bd, None], kc, vc, dec_lengths, dec_table,
+                                       layer=layer)  # [Bd, 1, Hq, hd]
+        split = lambda a: a[0, bd:].reshape(b, t, *a.shape[2:])
+        op = chunk_attention(split(q), split(k), split(v), kc, vc, layer)  # [B, T, Hq, hd]
+      o = jnp.concatenate([od.reshape(bd, -1), op.reshape(b * t, -1)])
+      return o[None].astype(h.dtype), kc, vc
+
+    with jax.named_scope("embed"):
+      x = jnp.take(self.embed[...], flat(dec_tokens, tokens), axis=0)  # [1, N, D]
+    x, cache = self._run_layers(x, cache, attend)
+    last = bd + jnp.arange(b) * t + jnp.maximum(lengths - 1, 0)
+    x = jnp.take(x[0], jnp.concatenate([jnp.arange(bd), last]), axis=0)  # [Bd + B, D]
     return self._logits(x), cache
 
   def decode(self, cache: KVCache, tokens, lengths, page_table):
@@ -479,6 +549,20 @@ def decode_step(graphdef, params, cache, tokens, lengths, page_table, *, backend
       return model.decode(cache, *rest)
 
   return _maybe_sharded(step, mesh, params, cache, tokens, lengths, page_table)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "backends", "fresh", "mesh"),
+                   donate_argnames=("cache",))
+def mixed_step(graphdef, params, cache, dec_tokens, dec_lengths, dec_table, tokens, positions,
+               lengths, page_table, *, backends=(), fresh=False, mesh=None):
+  """Llama.mixed: decode rows and prefill chunks in one call -> (logits [Bd + B, vocab], cache)."""
+  def step(params, cache, *rest):
+    model = nnx.merge(graphdef, params)
+    with registry.use(**dict(backends)):
+      return model.mixed(cache, *rest, fresh=fresh)
+
+  return _maybe_sharded(step, mesh, params, cache, dec_tokens, dec_lengths, dec_table, tokens,
+                        positions, lengths, page_table)
 
 
 def _maybe_sharded(step, mesh, params, cache, *rest):

@@ -160,3 +160,45 @@ def test_config_validation():
     models.ModelConfig.from_hf({"architectures": ["GPT2LMHeadModel"]})
   for name, c in models.config.CONFIGS.items():
     assert models.ModelConfig.from_dict(c.to_dict()) == c, name
+
+
+@pytest.mark.parametrize("fresh", [True, False])
+def test_mixed_step_equals_decode_then_prefill(tiny, fresh):
+  """One mixed call (decode rows + prefill chunks sharing the matmuls) gives the
+  logits and the cache that a decode call and a prefill call give."""
+  rng = np.random.default_rng()
+  ps, per_seq = 4, 6
+  pages = rng.permutation(np.arange(1, 1 + per_seq * 4)).reshape(4, per_seq).astype(np.int32)
+  cache = tiny.init_cache(1 + per_seq * 4, ps)
+  prompts = [rng.integers(3, 259, n).tolist() for n in (6, 9)]  # rows 0, 1: decoding
+  cached = 0 if fresh else 4  # row 3's prefix already in the cache
+  chunk_rows = [rng.integers(3, 259, 7).tolist(), rng.integers(3, 259, 10).tolist()]
+  toks = np.zeros((3, 9), np.int32)
+  toks[0, :6], toks[1, :9], toks[2, :cached] = prompts[0], prompts[1], chunk_rows[1][:cached]
+  _, cache = tiny.prefill(cache, toks, [0, 0, 0], [6, 9, cached], pages[[0, 1, 3]])
+  dec_tokens = np.asarray([11, 12, 0], np.int32)  # row 2: padding
+  dec_lengths = np.asarray([7, 10, 0], np.int32)
+  dec_table = np.stack([pages[0], pages[1], np.zeros(per_seq, np.int32)])
+  ch_tokens = np.zeros((2, 8), np.int32)
+  ch_tokens[0, :7] = chunk_rows[0]
+  if not fresh:  # row 3 continues after its cached prefix; in a fresh batch it is padding
+    ch_tokens[1, :6] = chunk_rows[1][cached:]
+  ch_lengths = np.asarray([7, 0 if fresh else 6], np.int32)
+  ch_pos = np.asarray([0, cached], np.int32)
+  ch_table = pages[[2, 3]]
+
+  ref_cache = jax.tree.map(jnp.copy, cache)
+  dec_ref, ref_cache = llama.decode_step(tiny.graphdef, tiny.params, ref_cache,
+                                         jnp.asarray(dec_tokens)[:, None], dec_lengths, dec_table)
+  pre_ref, ref_cache = llama.prefill_step(tiny.graphdef, tiny.params, ref_cache, ch_tokens,
+                                          ch_pos, ch_lengths, ch_table, fresh=fresh)
+  got, cache = llama.mixed_step(tiny.graphdef, tiny.params, cache, dec_tokens, dec_lengths,
+                                dec_table, ch_tokens, ch_pos, ch_lengths, ch_table, fresh=fresh)
+  assert got.shape == (5, tiny.config.vocab_size)
+  want = np.concatenate([np.asarray(dec_ref[:, 0]), np.asarray(pre_ref)])
+  live = [0, 1, 3] + ([] if fresh else [4])
+  testing.assert_close(np.asarray(got)[live], want[live], dtype=jnp.float32, what="mixed logits")
+  for name in ("k", "v"):
+    a, b = np.array(getattr(cache, name)), np.array(getattr(ref_cache, name))
+    a[:, :, 0], b[:, :, 0] = 0, 0  # page 0 is scratch: padding writes land there
+    testing.assert_close(a, b, dtype=jnp.float32, what=f"mixed cache {name}")
