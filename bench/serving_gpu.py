@@ -130,6 +130,9 @@ def model_flags(ap: argparse.ArgumentParser) -> None:
   ap.add_argument("--decode-steps", type=int, default=1, help="EngineConfig.decode_steps")
   ap.add_argument("--num-pages", type=int, default=1400)
   ap.add_argument("--stream-interval", type=int, default=1, help="EngineConfig.stream_interval")
+  ap.add_argument("--mixed-steps", action="store_true", help="EngineConfig.mixed_steps")
+  ap.add_argument("--decode-prefill-budget", type=int,
+                  help="EngineConfig.decode_prefill_budget (prompt tokens per decoding step)")
 
 
 def main():
@@ -146,6 +149,7 @@ def main():
   ap.add_argument("--page-size", type=int, help="default: the decode kernel's")
   ap.add_argument("--warmup-continued", action="store_true",
                   help="also compile prefill of continued chunks at start")
+  ap.add_argument("--min-chunk", type=int, help="EngineConfig.min_chunk (default: --input-len)")
   a = ap.parse_args()
   out = pathlib.Path(a.out)
   out.mkdir(parents=True, exist_ok=True)
@@ -166,13 +170,15 @@ def main():
                          decode_attention=a.decode_attention, matmul=a.matmul)
   cmax, chunk = a.concurrency, a.ttft_len
   cfg = E.EngineConfig(max_batch=cmax, max_waiting=512, max_seq_len=a.max_seq_len,
-                       prefill_chunk=chunk, min_chunk=min(a.input_len, chunk), prefill_rows=4,
+                       prefill_chunk=chunk, min_chunk=min(a.min_chunk or a.input_len, chunk),
+                       prefill_rows=4,
                        batch_buckets=tuple(sorted({1, min(8, cmax), cmax})),
                        token_budget=cmax + chunk, default_max_tokens=a.output_len,
                        # Prompts here fit one chunk and are random (no prefix hits):
                        # fresh prefill only, to keep the warm-up short.
                        warmup_continued=a.warmup_continued,
-                       decode_steps=a.decode_steps, stream_interval=a.stream_interval)
+                       decode_steps=a.decode_steps, stream_interval=a.stream_interval,
+                       mixed_steps=a.mixed_steps, decode_prefill_budget=a.decode_prefill_budget)
   engine = E.BatchingEngine(runner, cfg)
   t0 = time.perf_counter()
   server = Server(engine, port=0).start()  # warm-up compiles every bucketed shape here
@@ -181,7 +187,9 @@ def main():
   target = server.address
   rows, summary = [], {"warmup_s": warm, "config": a.config, "attention": a.attention,
                        "matmul": a.matmul, "page_size": page,
-                       "decode_steps": a.decode_steps, "stream_interval": a.stream_interval}
+                       "decode_steps": a.decode_steps, "stream_interval": a.stream_interval,
+                       "mixed_steps": a.mixed_steps,
+                       "decode_prefill_budget": a.decode_prefill_budget}
 
   # 1. correctness before timing.
   from serving.client import Client
@@ -249,7 +257,9 @@ def main():
   if runner._fast is not None:  # compiles after the warm-up would be in the timings
     summary["compiled_shapes"] = {"prefill": runner._fast[0]._cache_size(),
                                   "decode": runner._fast[1]._cache_size(),
-                                  "decode_multi_step": runner._fast[2]._cache_size()}
+                                  "decode_multi_step": runner._fast[2]._cache_size(),
+                                  "mixed": runner._fast[3]._cache_size()}
+    summary["mixed_steps_run"] = engine.mixed_steps_run
 
   (out / "serving_gpu_summary.json").write_text(json.dumps(summary, indent=1, default=str))
   bench.write(out, "serving_gpu", rows, ["case", "ours", "target", "anchor_hf", "unit"],

@@ -107,7 +107,8 @@ def main():
                        batch_buckets=tuple(sorted({1, min(8, a.max_batch), a.max_batch})),
                        token_budget=a.max_batch + 2048, default_max_tokens=a.output_len,
                        warmup_continued=False, decode_steps=a.decode_steps,
-                       stream_interval=a.stream_interval)
+                       stream_interval=a.stream_interval, mixed_steps=a.mixed_steps,
+                       decode_prefill_budget=a.decode_prefill_budget)
   engine = E.BatchingEngine(runner, cfg)
   t0 = time.perf_counter()
   engine.warmup()

@@ -38,7 +38,8 @@ def build_engine(a):
              prefill_rows=a.prefill_rows, max_seq_len=a.max_seq_len,
              prefix_caching=not a.no_prefix_cache, warmup=not a.no_warmup,
              default_max_tokens=a.default_max_tokens, decode_steps=a.decode_steps,
-             stream_interval=a.stream_interval)
+             stream_interval=a.stream_interval, mixed_steps=a.mixed_steps,
+             decode_prefill_budget=a.decode_prefill_budget)
   if a.token_budget:
     cfg["token_budget"] = a.token_budget
   try:
@@ -164,6 +165,12 @@ def parser() -> argparse.ArgumentParser:
   s.add_argument("--stream-interval", type=int, default=1,
                  help="tokens per streamed message after the first (fewer, larger messages "
                       "cost less host time per token with many concurrent streams)")
+  s.add_argument("--mixed-steps", action="store_true",
+                 help="run a step's decodes and prefill chunks as one device call (one pass "
+                      "over the weights; warm-up compiles the mixed shapes too)")
+  s.add_argument("--decode-prefill-budget", type=int,
+                 help="prompt tokens per step while requests decode (default: what "
+                      "--token-budget leaves)")
   s.add_argument("--no-prefix-cache", action="store_true")
   s.add_argument("--no-warmup", action="store_true")
   s.add_argument("--auth-token", default=os.environ.get("MOSAIC_SERVING_TOKEN"),

@@ -9,9 +9,16 @@ clean.
 import os
 
 os.environ.setdefault("MOSAIC_DETECT_RACES", "1")
+# An interpreted kernel runs its barriers and copies as host callbacks, and
+# those callbacks run jax ops themselves. With async dispatch the test thread
+# goes on to dispatch its reference while the kernel is still running; on a
+# small machine the CPU client's threads could then all wait on each other
+# (seen: a hang in the kernel's wait_smem_to_gmem callback while the test
+# computed its reference). Run each computation to completion on the caller.
+import jax  # noqa: E402
+import pytest  # noqa: E402
 
-import jax
-import pytest
+jax.config.update("jax_cpu_enable_async_dispatch", False)  # before the CPU client exists
 
 
 def _has_gpu() -> bool:

@@ -18,6 +18,9 @@ Each iteration (``step``):
 5. then reads the previous step's tokens and hands each request its tokens,
    text and final event while the device runs this step.
 
+With ``EngineConfig.mixed_steps``, step 4's two calls are one when both have
+work: the chunk's tokens join the decode batch's pass over the weights.
+
 With ``EngineConfig.decode_steps`` = n > 1, an iteration with no prompt
 waiting runs n decode steps in one device call (sampling on the device, each
 step's token fed to the next), so the host dispatches and reads once per n
@@ -89,6 +92,17 @@ class EngineConfig:
   # larger messages: less Python per token when many streams share the
   # interpreter (the --stream-interval of vLLM and SGLang).
   stream_interval: int = 1
+  # A step with both decodes and prefill chunks runs them as one device call
+  # (the runner's ``mixed``): the chunk's tokens share the decode batch's pass
+  # over the weights. Its decode rows are padded to max_batch (a few more rows
+  # cost little next to the chunk) so that warm-up compiles one mixed shape
+  # per chunk shape, not per batch bucket too.
+  mixed_steps: bool = False
+  # Prompt tokens per step while requests decode (default: what token_budget
+  # leaves). A small value (say 256) prefills prompts a little each step;
+  # with mixed_steps that is nearly free while decode is memory-bound, and
+  # decoding requests are not held up by long prefills.
+  decode_prefill_budget: int | None = None
 
   def __post_init__(self):
     for f in ("max_batch", "max_waiting", "prefill_chunk", "min_chunk", "prefill_rows",
@@ -99,6 +113,8 @@ class EngineConfig:
       raise ValueError(f"{self.min_chunk=} must be <= {self.prefill_chunk=}")
     if self.token_budget is not None and self.token_budget < 1:
       raise ValueError(f"{self.token_budget=} must be >= 1")
+    if self.decode_prefill_budget is not None and self.decode_prefill_budget < 1:
+      raise ValueError(f"{self.decode_prefill_budget=} must be >= 1")
 
   @property
   def budget(self) -> int:
@@ -198,6 +214,15 @@ class BatchingEngine(api.Engine):
     self._deferred: list = []
     self._inflight: list = []  # the dispatched step whose tokens are not read yet
     self._order = 0
+    self.mixed = config.mixed_steps and getattr(runner, "supports_mixed", False)
+    self.mixed_steps_run = 0
+    # Chunk shapes a mixed step can carry (at most decode_prefill_budget tokens).
+    cap = min(config.decode_prefill_budget or config.prefill_chunk, config.prefill_chunk)
+    self._mixed_chunks = tuple(t for t in self.chunk_buckets
+                               if t <= _bucket(cap, self.chunk_buckets))
+    if config.mixed_steps and not self.mixed:
+      log.warning("mixed_steps: runner %s has no mixed step; prefill and decode run apart",
+                  runner.name)
     self._draining = False
     self._stopping = False
     self._thread: threading.Thread | None = None
@@ -370,13 +395,19 @@ class BatchingEngine(api.Engine):
 
     steps = self._decode_steps()
     decodes = self._schedule_decodes(steps)
-    prefills = self._schedule_prefills(self.config.budget - len(decodes))
+    budget = self.config.budget - len(decodes)
+    if decodes and self.config.decode_prefill_budget is not None:
+      budget = min(budget, self.config.decode_prefill_budget)
+    prefills = self._schedule_prefills(budget)
     launched = []  # (rows, device outputs, logprobs wanted)
     t_launch = time.perf_counter()
-    if prefills:
-      launched.append(self._run_prefill(prefills))
-    if decodes:
-      launched.append(self._run_decode(decodes, steps))
+    if prefills and decodes and steps == 1 and self.mixed:
+      launched.append(self._run_mixed(prefills, decodes))
+    else:
+      if prefills:
+        launched.append(self._run_prefill(prefills))
+      if decodes:
+        launched.append(self._run_decode(decodes, steps))
     t_launch = time.perf_counter() - t_launch
     previous, self._inflight = self._inflight, launched
     t_wait = 0.0
@@ -542,6 +573,20 @@ class BatchingEngine(api.Engine):
     return out[:4], want_lp
 
   def _run_prefill(self, chunks: list[tuple[_Seq, int]]):
+    tokens, positions, lengths, table, finishing = self._prefill_inputs(chunks)
+    logits = self.runner.prefill(tokens, positions, lengths, table)
+    out, want_lp = self._sampling_call(finishing, logits, len(finishing))
+    self._start_decoding(finishing)
+    return finishing, out, want_lp
+
+  def _start_decoding(self, finishing: list[_Seq | None]) -> None:
+    for seq in finishing:
+      if seq is not None:
+        seq.state = _State.DECODE
+
+  def _prefill_inputs(self, chunks: list[tuple[_Seq, int]]):
+    """Padded chunk arrays; advances each request's computed tokens. The last
+    element lists, per row, the request whose prompt this chunk completes."""
     rows = _bucket(len(chunks), self.row_buckets)
     t = _bucket(max(n for _, n in chunks), self.chunk_buckets)
     tokens = np.zeros((rows, t), np.int32)
@@ -557,12 +602,7 @@ class BatchingEngine(api.Engine):
       self._register_blocks(seq)
       if seq.computed == seq.num_tokens:
         finishing[i] = seq
-    logits = self.runner.prefill(tokens, positions, lengths, table)
-    out, want_lp = self._sampling_call(finishing, logits, rows)
-    for seq in finishing:
-      if seq is not None:
-        seq.state = _State.DECODE
-    return finishing, out, want_lp
+    return tokens, positions, lengths, table, finishing
 
   def _register_blocks(self, seq: _Seq) -> None:
     full = min(seq.computed // self.page_size, len(seq.hashes or ()))
@@ -570,8 +610,23 @@ class BatchingEngine(api.Engine):
       self.alloc.register(seq.pages[i], seq.hashes[i])
     seq.registered = max(seq.registered, full * self.page_size)
 
-  def _run_decode(self, seqs: list[_Seq], steps: int = 1):
-    n, b = len(seqs), _bucket(len(seqs), self.batch_buckets)
+  def _run_mixed(self, chunks: list[tuple[_Seq, int]], seqs: list[_Seq]):
+    """The decode batch and the prefill chunks in one device call (one pass
+    over the weights), sampled together: rows = decode rows, then chunk rows."""
+    self.mixed_steps_run += 1
+    rows, tokens, lengths, table = self._decode_inputs(seqs, self.batch_buckets[-1])
+    for seq in seqs:
+      seq.computed += 1
+    p_tokens, positions, p_lengths, p_table, finishing = self._prefill_inputs(chunks)
+    logits = self.runner.mixed(tokens, lengths, table, p_tokens, positions, p_lengths, p_table)
+    out, want_lp = self._sampling_call(rows + finishing, logits, len(rows) + len(finishing))
+    self._start_decoding(finishing)
+    return rows + finishing, out, want_lp
+
+  def _decode_inputs(self, seqs: list[_Seq], batch: int | None = None):
+    """(rows padded to ``batch`` or the batch bucket, input tokens on the
+    device, lengths, page table)."""
+    n, b = len(seqs), batch or _bucket(len(seqs), self.batch_buckets)
     slots = np.full((b,), -1, np.int32)
     slots[:n] = np.fromiter((s.slot for s in seqs), np.int32, n)
     # The input tokens stay on the device: the last token sampled for each slot.
@@ -581,12 +636,16 @@ class BatchingEngine(api.Engine):
     lengths[:n] = np.fromiter((s.computed + 1 for s in seqs), np.int32, n)
     table[:n] = self._slot_table[slots[:n]]
     rows: list[_Seq | None] = list(seqs) + [None] * (b - n)
+    return rows, tokens, lengths, table
+
+  def _run_decode(self, seqs: list[_Seq], steps: int = 1):
+    rows, tokens, lengths, table = self._decode_inputs(seqs)
     if steps > 1:
       return (rows,) + self._run_decode_steps(rows, tokens, lengths, table, steps)
     for seq in seqs:
       seq.computed += 1
     logits = self.runner.decode(tokens, lengths, table)
-    out, want_lp = self._sampling_call(rows, logits, b)
+    out, want_lp = self._sampling_call(rows, logits, len(rows))
     return rows, out, want_lp
 
   def _run_decode_steps(self, rows, tokens, lengths, table, steps: int):
@@ -735,10 +794,21 @@ class BatchingEngine(api.Engine):
                                        np.zeros((rows,), np.int32),
                                        np.zeros((rows, table_w), np.int32))
         self._warm_sampling(logits, rows)
+        if self.mixed and t in self._mixed_chunks:
+          b = self.batch_buckets[-1]
+          # Mixed steps split prompts across steps: continued chunks are the rule.
+          for pos in (0, 1):
+            logits = self.runner.mixed(
+                sampling.take(self._last_tok, np.zeros((b,), np.int32)),
+                np.zeros((b,), np.int32), np.zeros((b, table_w), np.int32),
+                np.zeros((rows, t), np.int32), np.full((rows,), pos, np.int32),
+                np.zeros((rows,), np.int32), np.zeros((rows, table_w), np.int32))
+          self._warm_sampling(logits, b + rows)
     jax.block_until_ready(self._counts)
     del v
-    log.info("warm-up compiled %d decode and %d prefill shapes in %.1f s",
+    log.info("warm-up compiled %d decode, %d prefill and %d mixed shapes in %.1f s",
              len(self.batch_buckets), len(self.row_buckets) * len(self.chunk_buckets),
+             len(self.row_buckets) * len(self._mixed_chunks) * self.mixed,
              time.perf_counter() - t0)
 
   def _warm_sampling(self, logits, b):

@@ -6,7 +6,9 @@ lengths[B], page_table[B, P]) -> logits[B, V]`` on host (numpy) inputs,
 returning device logits. ``ModelRunner`` over a models.Model also has
 ``decode_multi``: several decode steps in one device call, each sampling on
 the device (serving.engine.sampling.step) and feeding its token to the next
-(step i at lengths + i), so that the host dispatches once for several tokens. ``ModelRunner`` wraps anything with the ``models``
+(step i at lengths + i), so that the host dispatches once for several tokens,
+and ``mixed``: a decode batch and prefill chunks in one call (one pass over
+the weights). ``ModelRunner`` wraps anything with the ``models``
 API (models.Model, or the toy model); ``CountingRunner`` is a model whose
 next token is the previous token + 1, so the service's output is known.
 """
@@ -113,7 +115,16 @@ class ModelRunner:
           one, (cache, tokens, counts, last), jnp.arange(steps, dtype=jnp.int32))
       return outs + (counts, last), cache
 
-    return prefill, decode, decode_multi
+    mb = llama.backends(attention_prefill=attention, attention_decode=decode_attention,
+                        matmul=matmul)
+
+    @functools.partial(jax.jit, static_argnames=("fresh",), donate_argnums=(1,))
+    def mixed(params, cache, dec_tokens, dec_lengths, dec_table, tokens, positions, lengths,
+              page_table, fresh=False):
+      return llama.mixed_step(graphdef, params, cache, dec_tokens, dec_lengths, dec_table, tokens,
+                              positions, lengths, page_table, backends=mb, fresh=fresh)
+
+    return prefill, decode, decode_multi, mixed
 
   def prefill(self, tokens, positions, lengths, page_table):
     if self._fast is not None:
@@ -136,6 +147,18 @@ class ModelRunner:
   @property
   def supports_multi_step(self) -> bool:
     return self._fast is not None
+
+  @property
+  def supports_mixed(self) -> bool:
+    return self._fast is not None and self.model.config.sliding_window is None
+
+  def mixed(self, dec_tokens, dec_lengths, dec_table, tokens, positions, lengths, page_table):
+    """A decode batch and prefill chunks in one call (models.Model only):
+    logits [Bd + B, V], the decode rows' then each chunk's last token's."""
+    logits, self.cache = self._fast[3](self.model.params, self.cache, dec_tokens, dec_lengths,
+                                       dec_table, tokens, positions, lengths, page_table,
+                                       fresh=not np.any(positions))
+    return logits
 
   def decode_multi(self, tokens, lengths, page_table, arrays, counts, prompt_mask, last, *,
                    steps: int, greedy_only: bool, logprobs: bool):
@@ -181,3 +204,15 @@ class CountingRunner:
     del lengths, page_table
     time.sleep(self.step_delay)
     return self._logits(np.asarray(tokens))
+
+  supports_mixed = True
+
+  def mixed(self, dec_tokens, dec_lengths, dec_table, tokens, positions, lengths, page_table):
+    delay, self.step_delay = self.step_delay, 0.0  # one call: one delay
+    try:
+      out = np.concatenate([self.decode(dec_tokens, dec_lengths, dec_table),
+                            self.prefill(tokens, positions, lengths, page_table)])
+    finally:
+      self.step_delay = delay
+    time.sleep(delay)
+    return out

@@ -187,3 +187,59 @@ def test_multi_step_decode_under_preemption_and_cancel():
     wait_for(lambda: engine.stats().pages_in_use == 0 and engine.stats().running == 0,
              what="pages freed after cancel")
     engine.alloc.check()
+
+
+def _drain(handle) -> list[int]:
+  from serving.engine import api
+
+  ids = []
+  while not handle.events.empty():
+    ev = handle.events.get_nowait()
+    if isinstance(ev, api.Delta):
+      ids.extend(ev.token_ids)
+    assert not isinstance(ev, api.Failed), ev
+  return ids
+
+
+def test_mixed_steps_keep_outputs_on_the_llama_decoder():
+  """mixed_steps: prompts arriving while others decode share their steps (one
+  call for both); greedy tokens must not change, and pages come back."""
+  import models
+  from serving.engine import api, sampling
+
+  model = models.load("tiny", dtype="float32")
+  prompts = [p for p in _prompts(9, seed=4)]
+  outs, calls = {}, {}
+  for mixed in (False, True):
+    runner = E.ModelRunner(model, num_pages=120, page_size=8)
+    n_mixed = [0]
+    real = runner.mixed
+
+    def counted(*a, real=real, n_mixed=n_mixed):
+      n_mixed[0] += 1
+      return real(*a)
+
+    runner.mixed = counted
+    engine = E.BatchingEngine(runner, E.EngineConfig(
+        max_batch=8, batch_buckets=(1, 8), prefill_rows=2, min_chunk=16, prefill_chunk=64,
+        decode_prefill_budget=16, max_seq_len=128, warmup=mixed, mixed_steps=mixed))
+    if mixed:
+      engine.warmup()  # the mixed shapes too: steady state must not compile
+      compiled = [f._cache_size() for f in runner._fast] + [sampling.greedy._cache_size()]
+    sub = lambda i: engine.submit(api.Request(  # noqa: E731
+        f"r{i}", prompt_ids=prompts[i], add_bos=False,
+        sampling=api.SamplingParams(max_tokens=6, ignore_eos=True)))
+    handles = [sub(i) for i in range(3)]
+    for _ in range(4):  # the first prompts decode while the next ones arrive
+      engine.step()
+    handles += [sub(i) for i in range(3, len(prompts))]
+    while engine.step():
+      pass
+    outs[mixed] = [_drain(h) for h in handles]
+    if mixed:
+      assert [f._cache_size() for f in runner._fast] + [sampling.greedy._cache_size()] == compiled
+    calls[mixed] = n_mixed[0]
+    assert engine.stats().pages_in_use == 0
+  assert calls[False] == 0 and calls[True] > 0
+  assert outs[True] == outs[False]
+  assert all(len(o) == 6 for o in outs[True])

@@ -28,8 +28,8 @@ def test_models_tiny_through_the_server_equals_models_generate(decode_steps):
     assert runner._fast is not None
     compiled = [f._cache_size() for f in runner._fast]
     # prefill fresh / continued chunk; decode; decode_steps steps in one call
-    # (greedy, greedy with logprobs, sampled)
-    assert compiled == [2, 1, 3 if decode_steps > 1 else 0]
+    # (greedy, greedy with logprobs, sampled); no mixed step (mixed_steps off)
+    assert compiled == [2, 1, 3 if decode_steps > 1 else 0, 0]
     assert c.model_info().model_name == model.config.name
     got = [list(c.generate(prompt, max_tokens=8, ignore_eos=True).token_ids) for _ in range(2)]
     assert got == [want, want]

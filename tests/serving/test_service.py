@@ -433,3 +433,21 @@ def test_step_times_split_out_the_launch():
                                      sampling=api.SamplingParams(max_tokens=3)))
   launched = [t for t in engine.step_times if t[3]]
   assert launched and all(0.02 <= t[4] <= t[0] for t in launched), list(engine.step_times)
+
+
+def test_mixed_steps_over_grpc_give_the_known_continuations():
+  """Requests arriving while others decode share their steps (mixed_steps, a
+  small decode_prefill_budget splits the prompts): every continuation is the
+  known one, mixed steps did run, and every page comes back."""
+  import concurrent.futures
+
+  engine = E.tiny_engine(max_batch=8, num_pages=200, step_delay=0.002, mixed_steps=True,
+                         decode_prefill_budget=8, min_chunk=4, prefill_chunk=32)
+  prompts = [chr(ord("a") + i % 20) * (3 + 5 * i) for i in range(12)]
+  with running(engine) as (_, c):
+    with concurrent.futures.ThreadPoolExecutor(12) as pool:
+      texts = list(pool.map(lambda p: c.generate(p, max_tokens=9, ignore_eos=True).text,
+                            prompts))
+    wait_for(lambda: engine.stats().pages_in_use == 0, what="pages freed")
+  assert texts == [_expected(p[-1], 9) for p in prompts]
+  assert engine.mixed_steps_run > 0
