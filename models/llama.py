@@ -403,10 +403,8 @@ class Llama(nnx.Module):
     x [1, Bd + B*T, D], so each weight is read once for both; the K/V of all
     of them are written by one scatter per layer; attention runs per part
     (attention_decode on the decode rows' pages, the chunk attention of
-    ``prefill`` on the chunks). A decode step streams every weight for a few
-    rows; the chunk's tokens ride along almost free until the matmuls turn
-    compute-bound. Returns (logits [Bd + B, vocab]: the decode rows', then
-    each chunk's at its last valid token; cache).
+    ``prefill`` on the chunks). Returns (logits [Bd + B, vocab]: the decode
+    rows', then each chunk's at its last valid token; cache).
     """
     cfg = self.cfg
     if cfg.sliding_window is not None:
@@ -443,8 +441,11 @@ class Llama(nnx.Module):
       x = jnp.take(self.embed[...], flat(dec_tokens, tokens), axis=0)  # [1, N, D]
     x, cache = self._run_layers(x, cache, attend)
     last = bd + jnp.arange(b) * t + jnp.maximum(lengths - 1, 0)
-    x = jnp.take(x[0], jnp.concatenate([jnp.arange(bd), last]), axis=0)  # [Bd + B, D]
-    return self._logits(x), cache
+    rows = jnp.concatenate([jnp.arange(bd), last])  # [Bd + B]
+    # The lm_head matmul tiles rows by 8 (TMA): past 8 rows, round up (repeats).
+    n = bd + b if bd + b <= 8 else -(-(bd + b) // 8) * 8
+    rows = jnp.concatenate([rows, jnp.zeros((n - bd - b,), rows.dtype)])
+    return self._logits(jnp.take(x[0], rows, axis=0))[:bd + b], cache
 
   def decode(self, cache: KVCache, tokens, lengths, page_table):
     """tokens [B, Tq]; lengths [B] include the Tq new tokens -> logits [B, Tq, vocab]."""
