@@ -52,10 +52,10 @@ def main(argv=None) -> int:
 
   engine = _engine(a)
   rng = random.Random(0)
+  params = api.SamplingParams(max_tokens=a.output_len, ignore_eos=True)
   for i in range(a.concurrency):
-    engine.submit(api.Request(f"r{i}", prompt_ids=[rng.randrange(256) for _ in range(a.input_len)],
-                              add_bos=False,
-                              sampling=api.SamplingParams(max_tokens=a.output_len, ignore_eos=True)))
+    prompt = [rng.randrange(256) for _ in range(a.input_len)]
+    engine.submit(api.Request(f"r{i}", prompt_ids=prompt, add_bos=False, sampling=params))
   while engine.step():
     pass
   alone = _full_steps(engine, a.concurrency)

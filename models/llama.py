@@ -22,8 +22,8 @@ RMSNorm, every matmul and the attention go through the ``mosaic.registry`` ops
 (``rms_norm``, ``matmul``, ``attention_prefill``, ``attention_decode``), so the
 backend of each is a name chosen by the caller. ``prefill_step``,
 ``decode_step`` and ``mixed_step`` (decode rows and prefill chunks sharing one
-pass over the weights) are jitted with the backend names as static arguments and the
-cache donated. With a mesh they run under shard_map over axis 'tp' (Megatron
+pass over the weights) are jitted with the backend names as static arguments
+and the cache donated. With a mesh they run under shard_map over axis 'tp' (Megatron
 layout: heads and FFN features split, one all-reduce after wo and one after
 w_down, the vocabulary all-gathered), so every kernel sees local shapes.
 
@@ -442,7 +442,8 @@ class Llama(nnx.Module):
     x, cache = self._run_layers(x, cache, attend)
     last = bd + jnp.arange(b) * t + jnp.maximum(lengths - 1, 0)
     rows = jnp.concatenate([jnp.arange(bd), last])  # [Bd + B]
-    # The lm_head matmul tiles rows by 8 (TMA): past 8 rows, round up (repeats).
+    # The lm_head matmul tiles rows by 8 (TMA): past 8 rows, pad with row 0
+    # up to a multiple of 8; those logits are dropped.
     n = bd + b if bd + b <= 8 else -(-(bd + b) // 8) * 8
     rows = jnp.concatenate([rows, jnp.zeros((n - bd - b,), rows.dtype)])
     return self._logits(jnp.take(x[0], rows, axis=0))[:bd + b], cache

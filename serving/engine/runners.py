@@ -194,11 +194,15 @@ class CountingRunner:
     out[np.arange(len(last)), nxt] = 10.0
     return out
 
+  @staticmethod
+  def _chunk_last(tokens, lengths):
+    lengths = np.asarray(lengths)
+    return np.asarray(tokens)[np.arange(len(lengths)), np.maximum(lengths - 1, 0)]
+
   def prefill(self, tokens, positions, lengths, page_table):
     del positions, page_table
     time.sleep(self.step_delay)
-    lengths = np.asarray(lengths)
-    return self._logits(np.asarray(tokens)[np.arange(len(lengths)), np.maximum(lengths - 1, 0)])
+    return self._logits(self._chunk_last(tokens, lengths))
 
   def decode(self, tokens, lengths, page_table):
     del lengths, page_table
@@ -208,11 +212,6 @@ class CountingRunner:
   supports_mixed = True
 
   def mixed(self, dec_tokens, dec_lengths, dec_table, tokens, positions, lengths, page_table):
-    delay, self.step_delay = self.step_delay, 0.0  # one call: one delay
-    try:
-      out = np.concatenate([self.decode(dec_tokens, dec_lengths, dec_table),
-                            self.prefill(tokens, positions, lengths, page_table)])
-    finally:
-      self.step_delay = delay
-    time.sleep(delay)
-    return out
+    del dec_lengths, dec_table, positions, page_table
+    time.sleep(self.step_delay)  # one call, one delay
+    return self._logits(np.concatenate([np.asarray(dec_tokens), self._chunk_last(tokens, lengths)]))
