@@ -2,4 +2,5 @@ import sys
 
 from serving.cli import main
 
-sys.exit(main())
+if __name__ == "__main__":  # a spawned engine process imports this module again
+  sys.exit(main())

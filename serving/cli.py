@@ -31,7 +31,7 @@ def _client(a):
                 tls_server_name=a.tls_server_name)
 
 
-def build_engine(a):
+def _engine_config(a) -> dict:
   from serving import engine as E
 
   cfg = dict(max_batch=a.max_batch, max_waiting=a.max_waiting, prefill_chunk=a.prefill_chunk,
@@ -46,6 +46,13 @@ def build_engine(a):
     E.EngineConfig(**cfg)  # bad flags fail here, before any model is loaded
   except ValueError as e:
     raise SystemExit(f"serve: {e}") from None
+  return cfg
+
+
+def build_engine(a):
+  from serving import engine as E
+
+  cfg = _engine_config(a)
   spec = None if a.model in (None, "default") else a.model
   extra = {"step_delay": a.step_delay} if a.step_delay else {}
   return E.model_engine(spec, dtype=a.dtype, num_pages=a.num_pages, page_size=a.page_size,
@@ -62,7 +69,13 @@ def cmd_serve(a) -> int:
     if not (a.tls_cert and a.tls_key):
       raise SystemExit("--tls-cert and --tls-key go together")
     tls = (a.tls_cert.read_bytes(), a.tls_key.read_bytes())
-  engine = build_engine(a)
+  if a.engine_process:
+    from serving.engine.process import ProcessEngine
+
+    _engine_config(a)  # bad flags end here, before a process starts
+    engine = ProcessEngine(build_engine, a)
+  else:
+    engine = build_engine(a)
   server = Server(engine, host=a.host, port=a.port, auth_token=a.auth_token, tls=tls,
                   metrics_port=a.metrics_port)
   server.handle_signals(a.drain_timeout)
@@ -171,6 +184,9 @@ def parser() -> argparse.ArgumentParser:
   s.add_argument("--decode-prefill-budget", type=int,
                  help="prompt tokens per step while requests decode (default: what "
                       "--token-budget leaves)")
+  s.add_argument("--engine-process", action="store_true",
+                 help="run the engine in a process of its own, so that the gRPC stream "
+                      "threads do not share its interpreter (serving.engine.process)")
   s.add_argument("--no-prefix-cache", action="store_true")
   s.add_argument("--no-warmup", action="store_true")
   s.add_argument("--auth-token", default=os.environ.get("MOSAIC_SERVING_TOKEN"),

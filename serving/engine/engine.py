@@ -216,6 +216,9 @@ class BatchingEngine(api.Engine):
     self._deferred: list = []
     self._inflight: list = []  # the dispatched step whose tokens are not read yet
     self._order = 0
+    # Where a request's events go: anything with put(); serving.engine.process
+    # forwards them to another process.
+    self.make_events = lambda request_id: queue.SimpleQueue()
     self.mixed = config.mixed_steps and getattr(runner, "supports_mixed", False)
     self.mixed_steps_run = 0
     # Chunk shapes a mixed step can carry (at most decode_prefill_budget tokens).
@@ -282,7 +285,8 @@ class BatchingEngine(api.Engine):
       raise api.InvalidRequest(f"stop_token_ids {bad} are outside the vocabulary "
                                f"[0, {self.runner.vocab_size})")
     seed = p.seed if p.seed is not None else random.getrandbits(64)
-    handle = api.RequestHandle(request.request_id, len(prompt), queue.SimpleQueue())
+    handle = api.RequestHandle(request.request_id, len(prompt),
+                               self.make_events(request.request_id))
     with self._lock:
       if request.request_id in self._by_id:
         raise api.InvalidRequest(f"request_id {request.request_id!r} is already running")

@@ -18,14 +18,14 @@ from serving.proto import health_pb2
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture
-def server_proc(tmp_path):
+@pytest.fixture(params=[[], ["--engine-process"]], ids=["in-process", "engine-process"])
+def server_proc(tmp_path, request):
   ready, log = tmp_path / "ready.json", tmp_path / "server.log"
   # The server's output goes to a file: a pipe nobody reads can fill and block it.
   with open(log, "w") as out:
     proc = subprocess.Popen(
         [sys.executable, "-m", "serving", "serve", "--model", "counting", "--port", "0",
-         "--step-delay", "0.02", "--max-batch", "4", "--ready-file", str(ready)],
+         "--step-delay", "0.02", "--max-batch", "4", "--ready-file", str(ready)] + request.param,
         cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, text=True,
         env={**os.environ, "JAX_PLATFORMS": "cpu"})
   end = time.monotonic() + 120

@@ -1,0 +1,291 @@
+"""The engine in a process of its own, behind the same ``api.Engine`` interface.
+
+Behind gRPC each streaming call has a thread in the server's process, woken
+for every message it sends. In one process those threads share the
+interpreter with the engine's scheduler thread, which then waits for the GIL
+each time it lets go of it (every device dispatch): at 64 streams its steps
+took 5-10 times their own cost (bench/results/serving_contention_cpu/).
+``ProcessEngine`` runs the engine in a spawned child process instead:
+
+  server process                              engine process
+  ProcessEngine.submit/cancel/stats/... --->  command loop -> BatchingEngine
+  reader thread: events -> handles      <---  forwarder thread: every request's
+                 step timings -> observer       events and each step's timings
+
+Calls are request/reply over one pipe each way (replies matched by call id;
+the engine's exceptions, e.g. QueueFull, are raised in the caller). Events
+travel in batches, one pipe message per forwarder wake-up.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import itertools
+import logging
+import multiprocessing
+import pickle
+import queue
+import signal
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from serving.engine import api
+
+log = logging.getLogger("serving.engine")
+
+
+class _Forward:
+  """A request's events queue in the engine process: tags and hands them on."""
+
+  def __init__(self, request_id: str, out: queue.SimpleQueue):
+    self.request_id, self.out = request_id, out
+
+  def put(self, event) -> None:
+    self.out.put(("event", self.request_id, event))
+
+
+class _StepObserver:
+
+  def __init__(self, out: queue.SimpleQueue):
+    self.out = out
+
+  def on_step(self, engine, wall, wait, decodes, prefill_tokens) -> None:
+    self.out.put(("step", engine.step_times[-1] if engine.step_times else None,
+                  (wall, wait, decodes, prefill_tokens)))
+
+  def on_final(self, final) -> None:  # finals reach the server as events
+    del final
+
+
+def _serve(factory: Callable[..., Any], args: tuple, kwargs: dict, commands, results) -> None:
+  """The engine process: builds the engine, then answers calls until 'stop'."""
+  # The server process decides when to stop (SIGTERM drains there); a ^C to
+  # the process group must not kill the engine under it.
+  signal.signal(signal.SIGINT, signal.SIG_IGN)
+  send_lock = threading.Lock()
+
+  def send(msg) -> None:
+    with send_lock:
+      results.send(msg)
+
+  try:
+    engine = factory(*args, **kwargs)
+    out: queue.SimpleQueue = queue.SimpleQueue()
+    engine.make_events = lambda request_id: _Forward(request_id, out)
+    engine.observer = _StepObserver(out)
+  except BaseException as e:  # noqa: BLE001 - the server process reports it
+    results.send(("failed", repr(e)))
+    return
+  config = getattr(engine, "config", None)
+  send(("built", engine.info, getattr(config, "max_waiting", 256)))
+
+  def forward() -> None:
+    while True:
+      batch = [out.get()]
+      while len(batch) < 1024:
+        try:
+          batch.append(out.get_nowait())
+        except queue.Empty:
+          break
+      if batch[-1] is None:
+        send(("batch", batch[:-1]))
+        return
+      send(("batch", batch))
+
+  forwarder = threading.Thread(target=forward, name="engine-forward", daemon=True)
+  forwarder.start()
+
+  def run(call_id, name, a, kw):
+    try:
+      if name == "error":
+        value = None if engine.error is None else repr(engine.error)
+      else:
+        value = getattr(engine, name)(*a, **kw)
+        if name == "submit":  # the handle's queue stays here; the server builds its own
+          value = (value.prompt_tokens, value.submitted)
+      return ("reply", call_id, True, value)
+    except Exception as e:  # noqa: BLE001 - raised again in the caller
+      try:
+        pickle.dumps(e)
+      except Exception:  # noqa: BLE001
+        e = api.EngineFailed(repr(e))
+      return ("reply", call_id, False, e)
+
+  # Calls run on a pool: a drain that waits must not hold up health checks.
+  pool = concurrent.futures.ThreadPoolExecutor(8, thread_name_prefix="engine-call")
+  while True:
+    try:
+      call_id, name, a, kw = commands.recv()
+    except (EOFError, OSError):  # the server process is gone
+      call_id, name, a, kw = None, "stop", (), {}
+    if name == "stop":
+      reply = run(call_id, name, a, kw)
+      out.put(None)
+      forwarder.join(timeout=10)
+      if call_id is not None:
+        send(reply)
+      return
+    pool.submit(lambda *c: send(run(*c)), call_id, name, a, kw)
+
+
+class ProcessEngine(api.Engine):
+  """``factory(*args, **kwargs)`` (picklable: a module-level function) builds
+  the engine in a spawned process, here and now (its ``info`` is known on
+  return); ``start`` warms it up there. This object stands for it in the
+  server."""
+
+  def __init__(self, factory: Callable[..., Any], *args, build_timeout: float = 600.0,
+               **kwargs):
+    self.observer = None
+    self.step_times: list = []
+    self._ids = itertools.count()
+    self._handles: dict[str, api.RequestHandle] = {}
+    self._replies: dict[int, list] = {}
+    self._lock = threading.Lock()
+    self._send_lock = threading.Lock()
+    ctx = multiprocessing.get_context("spawn")  # a forked child would share the CUDA context
+    cmd_recv, self._cmd = ctx.Pipe(duplex=False)
+    self._res, res_send = ctx.Pipe(duplex=False)
+    self._proc = ctx.Process(target=_serve, name="engine",
+                             args=(factory, args, kwargs, cmd_recv, res_send), daemon=True)
+    self._proc.start()
+    cmd_recv.close()
+    res_send.close()
+    if not self._res.poll(build_timeout):
+      self._proc.kill()
+      raise api.EngineFailed(f"the engine process built no engine in {build_timeout} s")
+    msg = self._res.recv()
+    if msg[0] != "built":
+      self._proc.join(timeout=10)
+      raise api.EngineFailed(f"the engine process failed to build the engine: {msg[1]}")
+    _, self.info, max_waiting = msg
+    self.config = _Config(max_waiting)
+    threading.Thread(target=self._read, name="engine-events", daemon=True).start()
+
+  def start(self) -> None:
+    self._call("start")
+
+  def _read(self) -> None:
+    try:
+      while True:
+        msg = self._res.recv()
+        if msg[0] == "reply":
+          _, call_id, ok, value = msg
+          with self._lock:
+            slot = self._replies.get(call_id)
+          if slot is not None:
+            slot.append((ok, value))
+            slot[0].set()
+        else:
+          self._dispatch(msg[1])
+    except (EOFError, OSError):
+      self._engine_gone()
+
+  def _dispatch(self, batch) -> None:
+    for item in batch:
+      if item[0] == "event":
+        _, rid, event = item
+        with self._lock:
+          handle = self._handles.get(rid)
+          if isinstance(event, (api.Final, api.Failed)):
+            self._handles.pop(rid, None)
+        if handle is not None:
+          handle.events.put(event)
+      elif item[0] == "step":
+        _, record, args = item
+        if record is not None:
+          self.step_times.append(record)
+        if self.observer is not None:
+          self.observer.on_step(self, *args)
+
+  def _engine_gone(self) -> None:
+    with self._lock:
+      handles, self._handles = list(self._handles.values()), {}
+      waiting = list(self._replies.values())
+    for h in handles:
+      h.events.put(api.Failed("the engine process exited"))
+    for slot in waiting:
+      slot.append((False, api.EngineFailed("the engine process exited")))
+      slot[0].set()
+
+  def _call(self, name: str, *args, **kwargs):
+    call_id = next(self._ids)
+    slot = [threading.Event()]
+    with self._lock:
+      self._replies[call_id] = slot
+    try:
+      with self._send_lock:
+        self._cmd.send((call_id, name, args, kwargs))
+      slot[0].wait()
+    except (BrokenPipeError, OSError) as e:
+      raise api.EngineFailed(f"the engine process is gone: {e!r}") from None
+    finally:
+      with self._lock:
+        self._replies.pop(call_id, None)
+    ok, value = slot[1]
+    if not ok:
+      raise value
+    return value
+
+  # -- api.Engine
+
+  def submit(self, request: api.Request) -> api.RequestHandle:
+    rid = request.request_id
+    with self._lock:
+      if rid in self._handles:
+        raise api.InvalidRequest(f"request_id {rid!r} is already running")
+      # Registered before the call: its first events may arrive before the reply.
+      handle = api.RequestHandle(rid, 0, queue.SimpleQueue())
+      self._handles[rid] = handle
+    try:
+      prompt_tokens, submitted = self._call("submit", request)
+    except BaseException:
+      with self._lock:
+        if self._handles.get(rid) is handle:
+          del self._handles[rid]
+      raise
+    handle.prompt_tokens, handle.submitted = prompt_tokens, submitted
+    return handle
+
+  def cancel(self, request_id: str) -> None:
+    self._call("cancel", request_id)
+
+  def tokenize(self, text: str, add_bos: bool = False) -> list[int]:
+    return self._call("tokenize", text, add_bos)
+
+  def token_pieces(self, ids: Sequence[int]) -> list[str]:
+    return self._call("token_pieces", list(ids))
+
+  def stats(self) -> api.EngineStats:
+    return self._call("stats")
+
+  def drain(self, timeout: float | None = None) -> bool:
+    return self._call("drain", timeout)
+
+  @property
+  def error(self):
+    if not self._proc.is_alive():
+      return "the engine process exited"
+    try:
+      return self._call("error")
+    except api.EngineFailed as e:
+      return repr(e)
+
+  def stop(self) -> None:
+    if not self._proc.is_alive():
+      return
+    try:
+      self._call("stop")
+    except api.EngineFailed:
+      pass
+    self._proc.join(timeout=30)
+    if self._proc.is_alive():
+      self._proc.kill()
+
+
+class _Config:
+  """What the server reads of the engine's config (it sizes its thread pool by it)."""
+
+  def __init__(self, max_waiting: int):
+    self.max_waiting = max_waiting

@@ -1,0 +1,64 @@
+"""The engine in a process of its own (serving.engine.process) behind gRPC."""
+
+import concurrent.futures
+
+import grpc
+import pytest
+
+from serving import engine as E
+from serving.engine import api
+from serving.engine.process import ProcessEngine
+from serving.proto import generate_pb2 as pb
+
+from tests.serving.conftest import running, wait_for
+
+
+def _expected(last: str, n: int) -> str:
+  return "".join(chr(ord(last) + 1 + i) for i in range(n))
+
+
+@pytest.fixture(scope="module")
+def served():
+  engine = ProcessEngine(E.tiny_engine, max_batch=8, max_waiting=12, step_delay=0.002,
+                         stream_interval=2)
+  with running(engine) as (server, c):
+    yield engine, server, c
+
+
+def test_streams_calls_and_errors_cross_the_process(served):
+  engine, server, c = served
+  prompts = [chr(ord("a") + i) * (1 + i) for i in range(8)]
+  with concurrent.futures.ThreadPoolExecutor(8) as pool:
+    streamed = list(pool.map(
+        lambda p: "".join(ch.text for ch in c.stream(p, max_tokens=9, ignore_eos=True)), prompts))
+  assert streamed == [_expected(p[-1], 9) for p in prompts]
+  r = c.generate("hello a", max_tokens=5, request_id="one")
+  assert r.text == _expected("a", 5) and r.finish_reason == pb.FINISH_REASON_LENGTH
+  assert c.tokenize("ab").token_ids[-2:] == [ord("a"), ord("b")]
+  assert engine.stats().pages_in_use == 0 and engine.error is None
+  assert any(t[2] >= 1 for t in engine.step_times)  # step timings came back
+  with pytest.raises(grpc.RpcError) as e:  # the engine's InvalidRequest, raised here
+    c.generate("a", max_tokens=5000)
+  assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_cancel_frees_pages_and_a_full_queue_is_refused(served):
+  engine, server, c = served
+  futs = []
+  with concurrent.futures.ThreadPoolExecutor(28) as pool:
+    for i in range(28):  # 8 running + 12 waiting fit; the rest are refused
+      futs.append(pool.submit(c.generate, "a", max_tokens=1000, ignore_eos=True, timeout=1.0))
+    codes = set()
+    for f in futs:
+      try:
+        f.result()
+      except grpc.RpcError as e:
+        codes.add(e.code())
+  assert grpc.StatusCode.RESOURCE_EXHAUSTED in codes
+  assert grpc.StatusCode.DEADLINE_EXCEEDED in codes
+  wait_for(lambda: engine.stats().pages_in_use == 0, what="pages freed in the engine process")
+
+
+def test_a_failing_factory_is_reported_when_built():
+  with pytest.raises(api.EngineFailed, match="max_batch"):
+    ProcessEngine(E.tiny_engine, max_batch=0)  # EngineConfig refuses it
