@@ -121,6 +121,32 @@ def host_share(engine, min_decodes):
           "host_fraction_p50": statistics.median(h / t[0] for h, t in zip(host, steps))}
 
 
+def build_engine(a):
+  """The benchmark's engine (random weights of ``a.config``); module-level, so
+  that an engine process can build it from ``a``."""
+  from serving import engine as E
+
+  t0 = time.perf_counter()
+  model = random_model(a.config, a.dtype)
+  jax.block_until_ready(model.params)
+  print(f"model {model!r} ready in {time.perf_counter() - t0:.1f} s", flush=True)
+  page = a.page_size or E.default_page_size()
+  runner = E.ModelRunner(model, num_pages=a.num_pages, page_size=page, attention=a.attention,
+                         decode_attention=a.decode_attention, matmul=a.matmul)
+  cmax, chunk = a.concurrency, a.ttft_len
+  cfg = E.EngineConfig(max_batch=cmax, max_waiting=512, max_seq_len=a.max_seq_len,
+                       prefill_chunk=chunk, min_chunk=min(a.min_chunk or a.input_len, chunk),
+                       prefill_rows=4,
+                       batch_buckets=tuple(sorted({1, min(8, cmax), cmax})),
+                       token_budget=cmax + chunk, default_max_tokens=a.output_len,
+                       # Prompts here fit one chunk and are random (no prefix hits):
+                       # fresh prefill only, to keep the warm-up short.
+                       warmup_continued=a.warmup_continued,
+                       decode_steps=a.decode_steps, stream_interval=a.stream_interval,
+                       mixed_steps=a.mixed_steps, decode_prefill_budget=a.decode_prefill_budget)
+  return E.BatchingEngine(runner, cfg)
+
+
 def model_flags(ap: argparse.ArgumentParser) -> None:
   """The model and engine flags the serving benchmarks share."""
   ap.add_argument("--config", default="llama3.1-8b")
@@ -150,36 +176,32 @@ def main():
   ap.add_argument("--warmup-continued", action="store_true",
                   help="also compile prefill of continued chunks at start")
   ap.add_argument("--min-chunk", type=int, help="EngineConfig.min_chunk (default: --input-len)")
+  ap.add_argument("--engine-process", action="store_true",
+                  help="the engine in a process of its own (serving.engine.process)")
   a = ap.parse_args()
   out = pathlib.Path(a.out)
   out.mkdir(parents=True, exist_ok=True)
 
   from mosaic import bench
-  from serving import engine as E
   from serving.service import Server
 
-  t0 = time.perf_counter()
-  model = random_model(a.config, a.dtype)
-  jax.block_until_ready(model.params)
-  print(f"model {model!r} ready in {time.perf_counter() - t0:.1f} s", flush=True)
+  if a.engine_process:
+    # Two processes share the GPU: neither may take most of its memory up front.
+    os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
+    from serving.engine.process import ProcessEngine
+
+    engine = ProcessEngine(build_engine, a)  # its own copy of the (seeded) random model
+    runner = None
+  else:
+    engine = build_engine(a)
+    runner = engine.runner
+  # The reference for the correctness check: the same seeded weights.
+  model = random_model(a.config, a.dtype) if a.engine_process else runner.model
 
   import models
 
-  page = a.page_size or E.default_page_size()
-  runner = E.ModelRunner(model, num_pages=a.num_pages, page_size=page, attention=a.attention,
-                         decode_attention=a.decode_attention, matmul=a.matmul)
+  page = engine.info.page_size
   cmax, chunk = a.concurrency, a.ttft_len
-  cfg = E.EngineConfig(max_batch=cmax, max_waiting=512, max_seq_len=a.max_seq_len,
-                       prefill_chunk=chunk, min_chunk=min(a.min_chunk or a.input_len, chunk),
-                       prefill_rows=4,
-                       batch_buckets=tuple(sorted({1, min(8, cmax), cmax})),
-                       token_budget=cmax + chunk, default_max_tokens=a.output_len,
-                       # Prompts here fit one chunk and are random (no prefix hits):
-                       # fresh prefill only, to keep the warm-up short.
-                       warmup_continued=a.warmup_continued,
-                       decode_steps=a.decode_steps, stream_interval=a.stream_interval,
-                       mixed_steps=a.mixed_steps, decode_prefill_budget=a.decode_prefill_budget)
-  engine = E.BatchingEngine(runner, cfg)
   t0 = time.perf_counter()
   server = Server(engine, port=0).start()  # warm-up compiles every bucketed shape here
   warm = time.perf_counter() - t0
@@ -189,7 +211,8 @@ def main():
                        "matmul": a.matmul, "page_size": page,
                        "decode_steps": a.decode_steps, "stream_interval": a.stream_interval,
                        "mixed_steps": a.mixed_steps,
-                       "decode_prefill_budget": a.decode_prefill_budget}
+                       "decode_prefill_budget": a.decode_prefill_budget,
+                       "engine_process": a.engine_process}
 
   # 1. correctness before timing.
   from serving.client import Client
@@ -254,7 +277,7 @@ def main():
     summary["error"] = f"{type(e).__name__}: {e}"
   finally:
     server.stop(grace=1.0)
-  if runner._fast is not None:  # compiles after the warm-up would be in the timings
+  if runner is not None and runner._fast is not None:  # compiles after warm-up would be timed
     summary["compiled_shapes"] = {"prefill": runner._fast[0]._cache_size(),
                                   "decode": runner._fast[1]._cache_size(),
                                   "decode_multi_step": runner._fast[2]._cache_size(),

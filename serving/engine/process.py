@@ -144,6 +144,7 @@ class ProcessEngine(api.Engine):
     self._replies: dict[int, list] = {}
     self._lock = threading.Lock()
     self._send_lock = threading.Lock()
+    self._gone = False  # the engine process exited: calls fail at once
     ctx = multiprocessing.get_context("spawn")  # a forked child would share the CUDA context
     cmd_recv, self._cmd = ctx.Pipe(duplex=False)
     self._res, res_send = ctx.Pipe(duplex=False)
@@ -201,6 +202,7 @@ class ProcessEngine(api.Engine):
 
   def _engine_gone(self) -> None:
     with self._lock:
+      self._gone = True
       handles, self._handles = list(self._handles.values()), {}
       waiting = list(self._replies.values())
     for h in handles:
@@ -213,6 +215,8 @@ class ProcessEngine(api.Engine):
     call_id = next(self._ids)
     slot = [threading.Event()]
     with self._lock:
+      if self._gone:
+        raise api.EngineFailed("the engine process exited")
       self._replies[call_id] = slot
     try:
       with self._send_lock:

@@ -62,3 +62,18 @@ def test_cancel_frees_pages_and_a_full_queue_is_refused(served):
 def test_a_failing_factory_is_reported_when_built():
   with pytest.raises(api.EngineFailed, match="max_batch"):
     ProcessEngine(E.tiny_engine, max_batch=0)  # EngineConfig refuses it
+
+
+def test_a_dead_engine_process_fails_requests_and_calls():
+  engine = ProcessEngine(E.tiny_engine, max_batch=2, step_delay=0.01)
+  engine.start()
+  handle = engine.submit(api.Request("r", prompt_ids=[1, 2], add_bos=False,
+                                     sampling=api.SamplingParams(max_tokens=1000, ignore_eos=True)))
+  engine._proc.kill()
+  events = []
+  wait_for(lambda: events.append(handle.events.get(timeout=30)) or
+           isinstance(events[-1], api.Failed), what="the request to fail")
+  with pytest.raises(api.EngineFailed):
+    engine.stats()
+  assert engine.error is not None
+  engine.stop()
