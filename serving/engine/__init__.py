@@ -1,4 +1,5 @@
-"""The engine behind the service: interface (api), batching engine, runners.
+"""The engine behind the service: interface (api), batching engine, runners,
+and ``process.ProcessEngine``, which runs any of them in a process of its own.
 
 Constructors:
   tiny_engine(...)   the counting model (next byte = previous + 1): known output
