@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import itertools
-import logging
 import multiprocessing
 import pickle
 import queue
@@ -31,8 +30,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from serving.engine import api
-
-log = logging.getLogger("serving.engine")
 
 
 class _Forward:
@@ -54,7 +51,7 @@ class _StepObserver:
     self.out.put(("step", engine.step_times[-1] if engine.step_times else None,
                   (wall, wait, decodes, prefill_tokens)))
 
-  def on_final(self, final) -> None:  # finals reach the server as events
+  def on_final(self, final) -> None:  # the server process hears it from the Final event
     del final
 
 
@@ -191,6 +188,8 @@ class ProcessEngine(api.Engine):
           handle = self._handles.get(rid)
           if isinstance(event, (api.Final, api.Failed)):
             self._handles.pop(rid, None)
+        if isinstance(event, api.Final) and self.observer is not None:
+          self.observer.on_final(event)  # what the engine's observer hears in-process
         if handle is not None:
           handle.events.put(event)
       elif item[0] == "step":

@@ -77,3 +77,17 @@ def test_a_dead_engine_process_fails_requests_and_calls():
     engine.stats()
   assert engine.error is not None
   engine.stop()
+
+
+def test_metrics_of_the_engine_process_reach_the_server():
+  import urllib.request
+
+  engine = ProcessEngine(E.tiny_engine)
+  with running(engine, metrics_port=0) as (server, c):
+    c.generate("a", max_tokens=4)
+    body = urllib.request.urlopen(
+        f"http://127.0.0.1:{server.metrics_http.server_port}/metrics").read().decode()
+  for name in ("time_to_first_token_seconds_count 1", "generation_tokens_total 4.0",
+               "request_latency_seconds_count 1", "kv_pages_total 63", "requests_running 0"):
+    assert "mosaic_serving_" + name in body, name
+  assert "mosaic_serving_step_seconds_count 0" not in body  # step timings crossed over too
