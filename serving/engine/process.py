@@ -153,7 +153,11 @@ class ProcessEngine(api.Engine):
     if not self._res.poll(build_timeout):
       self._proc.kill()
       raise api.EngineFailed(f"the engine process built no engine in {build_timeout} s")
-    msg = self._res.recv()
+    try:
+      msg = self._res.recv()
+    except EOFError:
+      self._proc.join(timeout=10)
+      msg = ("failed", f"it exited with code {self._proc.exitcode}")
     if msg[0] != "built":
       self._proc.join(timeout=10)
       raise api.EngineFailed(f"the engine process failed to build the engine: {msg[1]}")
@@ -177,7 +181,10 @@ class ProcessEngine(api.Engine):
             slot[0].set()
         else:
           self._dispatch(msg[1])
-    except (EOFError, OSError):
+    except (EOFError, OSError):  # the engine process exited
+      self._engine_gone()
+    except Exception:  # noqa: BLE001 - a message this side cannot take: stop trusting the pipe
+      self._proc.kill()
       self._engine_gone()
 
   def _dispatch(self, batch) -> None:

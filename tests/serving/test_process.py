@@ -91,3 +91,14 @@ def test_metrics_of_the_engine_process_reach_the_server():
                "request_latency_seconds_count 1", "kv_pages_total 63", "requests_running 0"):
     assert "mosaic_serving_" + name in body, name
   assert "mosaic_serving_step_seconds_count 0" not in body  # step timings crossed over too
+
+
+def _exit_while_building():
+  import os
+
+  os._exit(3)
+
+
+def test_an_engine_process_that_dies_while_building_is_reported():
+  with pytest.raises(api.EngineFailed, match="exited with code 3"):
+    ProcessEngine(_exit_while_building)
