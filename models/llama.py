@@ -343,13 +343,10 @@ class Llama(nnx.Module):
     cfg = self.cfg
     b, t = tokens.shape
     ps = cache.page_size
-    tpos = positions[:, None] + jnp.arange(t, dtype=jnp.int32)  # [B, T]
+    tpos, valid, page, slot = _chunk_slots(positions, lengths, t, page_table, ps)  # [B, T]
     with jax.named_scope("rope"):  # once per step: the profiler books it as rope
       rope = rope_angles(tpos, jnp.asarray(rope_inv_freq(cfg)))
-    valid = jnp.arange(t)[None, :] < lengths[:, None]  # [B, T]
-    page, slot = _page_slot(tpos, valid, page_table, ps)
-
-    chunk_attention = self._chunk_attention(tokens.shape, positions, lengths, page_table, ps,
+    chunk_attention = self._chunk_attention(tpos, valid, positions + lengths, page_table, ps,
                                            fresh)
 
     def attend(block, h, kc, vc, layer):
@@ -369,21 +366,20 @@ class Llama(nnx.Module):
       x = jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]  # [B, D]
     return self._logits(x), cache
 
-  def _chunk_attention(self, shape, positions, lengths, page_table, page_size: int,
-                       fresh: bool):
-    """attention(q, k, v, kc, vc, layer) of prefill chunks [B, T] (k/v: the chunk's
-    own, already written into kc/vc): within the chunk when ``fresh``, else over
-    the row's gathered pages, masked by position and segment ids."""
+  def _chunk_attention(self, tpos, valid, total, page_table, page_size: int, fresh: bool):
+    """attention(q, k, v, kc, vc, layer) of prefill chunks (tpos/valid [B, T],
+    total [B] kv tokens after the chunk; k/v: the chunk's own, already written
+    into kc/vc): within the chunk when ``fresh``, else over the row's gathered
+    pages, masked by position and segment ids."""
     cfg = self.cfg
-    b, t = shape
     if fresh:
       return lambda q, k, v, kc, vc, layer: ops()["attention_prefill"](
           q, k, v, causal=True, sliding_window=cfg.sliding_window)
-    tpos = positions[:, None] + jnp.arange(t, dtype=jnp.int32)  # [B, T]
+    b = tpos.shape[0]
     skv = page_table.shape[1] * page_size
     kv_pos = jnp.broadcast_to(jnp.arange(skv, dtype=jnp.int32), (b, skv))
-    q_seg = (jnp.arange(t)[None, :] < lengths[:, None]).astype(jnp.int32)
-    kv_seg = (kv_pos < (positions + lengths)[:, None]).astype(jnp.int32)
+    q_seg = valid.astype(jnp.int32)
+    kv_seg = (kv_pos < total[:, None]).astype(jnp.int32)
 
     def attend(q, k, v, kc, vc, layer):
       kg, vg = _gather_pages(kc, vc, layer, page_table)  # [B, Skv, Hkv, hd]
@@ -414,15 +410,14 @@ class Llama(nnx.Module):
     b, t = tokens.shape
     ps = cache.page_size
     dpos = dec_lengths - 1  # [Bd]
-    tpos = positions[:, None] + jnp.arange(t, dtype=jnp.int32)  # [B, T]
-    valid = jnp.arange(t)[None, :] < lengths[:, None]
+    tpos, valid, page, slot = _chunk_slots(positions, lengths, t, page_table, ps)  # [B, T]
     dpage, dslot = _page_slot(dpos[:, None], (dpos >= 0)[:, None], dec_table, ps)  # [Bd, 1]
-    page, slot = _page_slot(tpos, valid, page_table, ps)
     flat = lambda d, p: jnp.concatenate([d.reshape(bd), p.reshape(b * t)])[None]  # [1, N]
     page, slot = flat(dpage, page), flat(dslot, slot)
     with jax.named_scope("rope"):
       rope = rope_angles(flat(jnp.maximum(dpos, 0), tpos), jnp.asarray(rope_inv_freq(cfg)))
-    chunk_attention = self._chunk_attention((b, t), positions, lengths, page_table, ps, fresh)
+    chunk_attention = self._chunk_attention(tpos, valid, positions + lengths, page_table, ps,
+                                           fresh)
 
     def attend(block, h, kc, vc, layer):
       q, k, v = block.attn.qkv(h, rope)  # [1, N, H, hd]
@@ -487,6 +482,14 @@ class Llama(nnx.Module):
       x = jnp.take(self.embed[...], tokens, axis=0)  # [B, Tq, D]
     x, cache = self._run_layers(x, cache, attend)
     return self._logits(x), cache
+
+
+def _chunk_slots(positions, lengths, t, page_table, page_size):
+  """Of chunks of T tokens at ``positions`` with ``lengths`` valid: each token's
+  position, validity, page and slot, each [B, T]."""
+  tpos = positions[:, None] + jnp.arange(t, dtype=jnp.int32)
+  valid = jnp.arange(t)[None, :] < lengths[:, None]
+  return (tpos, valid) + _page_slot(tpos, valid, page_table, page_size)
 
 
 def _page_slot(tpos, valid, page_table, page_size):

@@ -101,9 +101,9 @@ class EngineConfig:
   # Prompt tokens per step while requests decode (default: what token_budget
   # leaves). A small value prefills prompts a little each step, so decoding
   # requests are not held up by long prefills (a steadier inter-token
-  # latency). It is not free: on the H200 a 128-token chunk made a mixed
-  # Llama-3-8B step at batch 64 take 9.0 ms instead of 6.2 ms
-  # (bench/results/serving_h200/mixed_steps/).
+  # latency). It is not free: on the H200, with 128-token chunks mixed in,
+  # the median Llama-3-8B engine step at batch 64 took 9.0 ms, against 6.2 ms
+  # for a decode step alone (bench/results/serving_h200/mixed_steps/).
   decode_prefill_budget: int | None = None
 
   def __post_init__(self):
