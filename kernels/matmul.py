@@ -26,6 +26,11 @@ Hopper kernel (``mosaic`` backend), how data flows:
   (tile_n = 2 * SWIGLU_BLOCK), so the gate and its up value sit in the same
   thread's registers and silu(gate) * up is computed before the store; the
   [M, N] gate/up product never reaches HBM.
+- A stack of weights: with ``layer=``, b is [L, K, N] (bias [L, N]) and the
+  kernel reads layer ``layer`` in place (a device scalar, read in the kernel),
+  so a layer scan hands every iteration the same buffers. XLA records each
+  scan iteration as a command buffer and must re-record one whose kernel
+  arguments moved; a sliced weight moves every layer, the stack never does.
 - Ragged edges: TMA fills out-of-bounds loads with zeros (so a partial K
   block contributes nothing) and clips out-of-bounds stores, so any M, N, K
   is handled without padding copies.
@@ -132,10 +137,15 @@ SMEM_LIMIT = 227 * 1024
 # Kernel body
 
 
-def _kernel(a_gmem, b_gmem, bias_gmem, res_gmem, out_gmem, *, cfg: Config, k_iters: int,
-            out_dtype, activation):
+def _kernel(layer_gmem, a_gmem, b_gmem, bias_gmem, res_gmem, out_gmem, *, cfg: Config,
+            k_iters: int, out_dtype, activation):
   """Warp-specialized persistent body; ``out_gmem`` is [M, N] ([M, N / 2] with
-  swiglu) or [splits, M, N] split-K partials (the activation comes after their sum)."""
+  swiglu) or [splits, M, N] split-K partials (the activation comes after their
+  sum). b is a [L, K, N] stack (bias [L, N]) of which layer_gmem[0] is used."""
+  layer = jnp.minimum(jnp.maximum(layer_gmem[0], 0), b_gmem.shape[0] - 1)
+  b_gmem = b_gmem.at[layer]
+  if bias_gmem is not None:
+    bias_gmem = bias_gmem.at[layer]
   m, _ = a_gmem.shape
   n = b_gmem.shape[1]
   tm, tn, tk = cfg.tile_m, cfg.tile_n, cfg.tile_k
@@ -261,9 +271,14 @@ def _num_sms() -> int:
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "out_dtype", "activation"))
-def _run(a, b, bias, residual, *, cfg: Config, out_dtype, activation=None):
+def _run(a, b, bias, residual, layer=None, *, cfg: Config, out_dtype, activation=None):
+  """b [K, N] (bias [N]), or with ``layer`` a [L, K, N] stack (bias [L, N])."""
+  if layer is None:  # one code path: a stack of one (free reshapes, a constant index)
+    b, bias, layer_arr = b[None], None if bias is None else bias[None], np.zeros((1,), np.int32)
+  else:
+    layer_arr = jnp.asarray(layer, jnp.int32).reshape(1)  # clamped in the kernel
   m, k = a.shape
-  n = b.shape[1]
+  n = b.shape[-1]
   k_iters = dsl.cdiv(k, cfg.tile_k)
   cfg = dataclasses.replace(cfg, split_k=_splits(cfg, k))
   split_out = cfg.split_k > 1
@@ -273,8 +288,8 @@ def _run(a, b, bias, residual, *, cfg: Config, out_dtype, activation=None):
   out_shape = (cfg.split_k, m, n) if split_out else (m, out_n)
   body = functools.partial(
       _kernel, cfg=cfg, k_iters=k_iters, out_dtype=jnp.dtype(out_dtype), activation=activation)
-  operands = [a, b]
-  names = ["a", "b"]
+  operands = [layer_arr, a, b]
+  names = ["layer", "a", "b"]
   if not split_out:  # split partials get bias/residual in the reduction
     for name, x in (("bias", bias), ("residual", residual)):
       if x is not None:
@@ -283,7 +298,7 @@ def _run(a, b, bias, residual, *, cfg: Config, out_dtype, activation=None):
   def entry(*refs):
     *ins, out_ref = refs
     r = dict(zip(names, ins))
-    body(r["a"], r["b"], r.get("bias"), r.get("residual"), out_ref)
+    body(r["layer"], r["a"], r["b"], r.get("bias"), r.get("residual"), out_ref)
 
   call = dsl.kernel(
       entry,
@@ -297,6 +312,7 @@ def _run(a, b, bias, residual, *, cfg: Config, out_dtype, activation=None):
   )
   out = call(*operands)
   if split_out:
+    bias = None if bias is None else _take(bias, layer_arr[0])
     out = _epilogue(out.sum(axis=0), bias, residual, out_dtype, activation)
   return out
 
@@ -352,8 +368,34 @@ def swiglu(y):
   return jax.nn.silu(gate) * up
 
 
-def _check(a, b, bias, residual, out_dtype, activation=None):
+def _layer_view(b, bias, layer):
+  """(b, bias) as one layer's shapes for the checks below. With ``layer``
+  (an int or an int32 scalar array, e.g. a layer scan's index), b must be a
+  [L, K, N] stack and bias [L, N]; a traced index is clamped to [0, L)."""
+  if layer is None:
+    return b, bias
+  if isinstance(layer, (int, np.integer)):
+    if getattr(b, "ndim", None) == 3 and not 0 <= layer < b.shape[0]:
+      raise ValueError(f"{layer=} is out of range for a stack of {b.shape[0]} weights")
+  elif (not hasattr(layer, "dtype") or jnp.shape(layer) != ()
+        or not jnp.issubdtype(layer.dtype, jnp.integer)):
+    raise ValueError(f"layer must be an int or an integer scalar array, got {layer!r}")
+  if getattr(b, "ndim", None) != 3:
+    raise ValueError(f"with layer=, b must be a [L, K, N] stack; got {jnp.shape(b)=}")
+  if bias is not None and (bias.ndim != 2 or bias.shape[0] != b.shape[0]):
+    raise ValueError(f"with layer=, bias must be [L, N] with L={b.shape[0]}; got {bias.shape=}")
+  one = lambda x: None if x is None else jax.ShapeDtypeStruct(x.shape[1:], x.dtype)
+  return one(b), one(bias)
+
+
+def _take(x, layer):
+  """x[layer] of a stack, sliced by XLA (clamped like the kernel's index)."""
+  return lax.dynamic_index_in_dim(x, jnp.asarray(layer, jnp.int32), 0, keepdims=False)
+
+
+def _check(a, b, bias, residual, out_dtype, activation=None, layer=None):
   """Shapes and dtypes every backend accepts; returns the output dtype."""
+  b, bias = _layer_view(b, bias, layer)
   if getattr(a, "ndim", None) != 2 or getattr(b, "ndim", None) != 2:
     raise ValueError(f"matmul needs 2D a[M, K] and b[K, N]; got {jnp.shape(a)=}, {jnp.shape(b)=}")
   m, k = a.shape
@@ -382,11 +424,12 @@ def _check(a, b, bias, residual, out_dtype, activation=None):
 
 
 def _mosaic_why_not(a, b, *, bias=None, residual=None, out_dtype=None, activation=None,
-                    config=None) -> str | None:
+                    config=None, layer=None) -> str | None:
   try:
-    out_dtype = _check(a, b, bias, residual, out_dtype, activation)
+    out_dtype = _check(a, b, bias, residual, out_dtype, activation, layer)
   except ValueError as e:
     return str(e)
+  b, bias = _layer_view(b, bias, layer)
   kind = target_lib.current().kind
   if kind not in ("hopper", "blackwell", "cpu"):
     return f"the mosaic matmul kernels target Hopper and Blackwell; this device is {kind}"
@@ -460,16 +503,18 @@ def pick_config(m: int, n: int, k: int, dtype, activation=None) -> Config:
 
 
 def matmul_mosaic(a, b, *, bias=None, residual=None, out_dtype=None, activation=None,
-                  config: Config | None = None):
+                  config: Config | None = None, layer=None):
   """The Hopper kernel; ``config`` overrides the tuning table / heuristic."""
   why = _mosaic_why_not(a, b, bias=bias, residual=residual, out_dtype=out_dtype,
-                        activation=activation, config=config)
+                        activation=activation, config=config, layer=layer)
   if why is not None:
     raise ValueError(f"matmul mosaic: {why}")
-  out_dtype = _check(a, b, bias, residual, out_dtype, activation)
+  out_dtype = _check(a, b, bias, residual, out_dtype, activation, layer)
   m, k = a.shape
-  n = b.shape[1]
+  n = b.shape[-1]
   if target_lib.current().kind == "blackwell":
+    if layer is not None:  # the tcgen05 kernel takes one weight: XLA slices the layer
+      b, bias = _take(b, layer), None if bias is None else _take(bias, layer)
     from kernels import matmul_blackwell as bw
 
     if config is not None and not isinstance(config, bw.Config):
@@ -488,7 +533,7 @@ def matmul_mosaic(a, b, *, bias=None, residual=None, out_dtype=None, activation=
     raise ValueError(f"{cfg=} needs {cfg.smem_bytes(*isz)} bytes of SMEM > {SMEM_LIMIT}")
   if activation == "swiglu" and (why := _swiglu_tile_error(cfg, k)):
     raise ValueError(f"matmul mosaic: {why}")
-  return _run(a, b, bias, residual, cfg=cfg, out_dtype=out_dtype, activation=activation)
+  return _run(a, b, bias, residual, layer, cfg=cfg, out_dtype=out_dtype, activation=activation)
 
 
 def _epilogue(acc, bias, residual, out_dtype, activation):
@@ -508,9 +553,11 @@ def _xla(a, b, bias, residual, out_dtype, activation):
   return _epilogue(acc, bias, residual, out_dtype, activation)
 
 
-def matmul_xla(a, b, *, bias=None, residual=None, out_dtype=None, activation=None):
+def matmul_xla(a, b, *, bias=None, residual=None, out_dtype=None, activation=None, layer=None):
   """cuBLAS (through XLA) with the epilogue left to XLA's fusion."""
-  out_dtype = _check(a, b, bias, residual, out_dtype, activation)
+  out_dtype = _check(a, b, bias, residual, out_dtype, activation, layer)
+  if layer is not None:
+    b, bias = _take(b, layer), None if bias is None else _take(bias, layer)
   return _xla(a, b, bias, residual, out_dtype, activation)
 
 
@@ -518,26 +565,30 @@ def matmul_xla(a, b, *, bias=None, residual=None, out_dtype=None, activation=Non
 # Reference
 
 
-def matmul_reference(a, b, *, bias=None, residual=None, out_dtype=None, activation=None):
+def matmul_reference(a, b, *, bias=None, residual=None, out_dtype=None, activation=None,
+                     layer=None):
   """The meaning of the op, in float32 (returned in float32)."""
-  _check(a, b, bias, residual, out_dtype, activation)
+  _check(a, b, bias, residual, out_dtype, activation, layer)
+  if layer is not None:
+    b, bias = _take(b, layer), None if bias is None else _take(bias, layer)
   f = lambda x: jnp.asarray(x, jnp.float32)
   out = jnp.dot(f(a), f(b), precision=lax.Precision.HIGHEST)
   return _epilogue(out, bias, residual, jnp.float32, activation)
 
 
-def _reference_backend(a, b, *, bias=None, residual=None, out_dtype=None, activation=None):
-  out_dtype = _check(a, b, bias, residual, out_dtype, activation)
-  return matmul_reference(a, b, bias=bias, residual=residual,
-                          activation=activation).astype(out_dtype)
+def _reference_backend(a, b, *, bias=None, residual=None, out_dtype=None, activation=None,
+                       layer=None):
+  out_dtype = _check(a, b, bias, residual, out_dtype, activation, layer)
+  return matmul_reference(a, b, bias=bias, residual=residual, activation=activation,
+                          layer=layer).astype(out_dtype)
 
 
 def _valid(a, b, *, bias=None, residual=None, out_dtype=None, activation=None,
-           config=None) -> str | None:
+           config=None, layer=None) -> str | None:
   if config is not None:
     return f"config= applies to the mosaic backend only; got {config=}"
   try:
-    _check(a, b, bias, residual, out_dtype, activation)
+    _check(a, b, bias, residual, out_dtype, activation, layer)
   except ValueError as e:
     return str(e)
   return None
@@ -547,7 +598,8 @@ def _valid(a, b, *, bias=None, residual=None, out_dtype=None, activation=None,
 # Registration
 
 _op = registry.op(OP, "act(a[M,K] @ b[K,N] (+ bias[N])) (+ residual), fp32 accumulation; "
-                      "act: none or swiglu (fused gate/up, output [M, N/2])")
+                      "act: none or swiglu (fused gate/up, output [M, N/2]); with layer=, "
+                      "b is a [L, K, N] stack (bias [L, N]) and b[layer] is used")
 _op.register("mosaic", matmul_mosaic, supports=_mosaic_why_not,
              doc="Hopper wgmma, warp-specialized, persistent; split-K for small M")
 _op.register("xla", matmul_xla, supports=_valid, doc="jnp.dot (cuBLAS on GPU)")

@@ -10,12 +10,19 @@ the row into registers in float32, reduces its sum of squares, scales it,
 and writes the result into one of two output slots in SMEM, which a TMA
 store sends out while the next rows are computed. The op is bound by HBM:
 each element is read once and written once.
+
+With ``layer=``, weight is a [L, D] stack and the kernel reads row ``layer``
+in place (a device scalar): a layer scan then passes every iteration the
+same buffers, which XLA's command buffers need to replay without re-recording
+(see kernels/matmul.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+
+import numpy as np
 
 from mosaic import registry, tuning
 from mosaic import target as target_lib
@@ -52,10 +59,16 @@ def _normalize_rows(src, dst, w, eps: float):
   plgpu.commit_smem()  # register->SMEM stores visible to the TMA engine
 
 
-def _kernel_one_block(x_gmem, w_gmem, o_gmem, x_smem, w_smem, bars, *, eps: float,
+def _weight_row(layer_gmem, w_gmem):
+  """The weight [D] of the [L, D] stack's row layer_gmem[0] (clamped)."""
+  return w_gmem.at[jnp.minimum(jnp.maximum(layer_gmem[0], 0), w_gmem.shape[0] - 1)]
+
+
+def _kernel_one_block(layer_gmem, x_gmem, w_gmem, o_gmem, x_smem, w_smem, bars, *, eps: float,
                       block_rows: int):
   # One row block per CUDA block: many small blocks resident per SM overlap
   # each other's copies and arithmetic, with no pipeline bookkeeping.
+  w_gmem = _weight_row(layer_gmem, w_gmem)
   rows = pl.ds(lax.axis_index("blocks") * block_rows, block_rows)
   plgpu.copy_gmem_to_smem(x_gmem.at[rows], x_smem, bars.at[0], oob_mode=dsl.IN_BOUNDS)
   plgpu.copy_gmem_to_smem(w_gmem, w_smem, bars.at[1], oob_mode=dsl.IN_BOUNDS)
@@ -67,9 +80,10 @@ def _kernel_one_block(x_gmem, w_gmem, o_gmem, x_smem, w_smem, bars, *, eps: floa
   plgpu.wait_smem_to_gmem(0)
 
 
-def _kernel_persistent(x_gmem, w_gmem, o_gmem, w_smem, out_smem, bar, *, eps: float,
+def _kernel_persistent(layer_gmem, x_gmem, w_gmem, o_gmem, w_smem, out_smem, bar, *, eps: float,
                        block_rows: int, stages: int, num_blocks: int, row_blocks: int):
   # Persistent: block c handles row blocks c, c + G, c + 2G, ... (G blocks).
+  w_gmem = _weight_row(layer_gmem, w_gmem)
   cta = lax.axis_index("blocks")
   plgpu.copy_gmem_to_smem(w_gmem, w_smem, bar, oob_mode=dsl.IN_BOUNDS)
   plgpu.barrier_wait(bar)
@@ -104,7 +118,11 @@ def _pick_config(rows: int, cols: int, dtype) -> Config:
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "config"))
-def _rms_norm_mosaic(x, weight, eps: float, config: Config | None = None):
+def _rms_norm_mosaic(x, weight, eps: float, config: Config | None = None, layer=None):
+  if layer is None:  # one code path: a stack of one (a free reshape, a constant index)
+    weight, layer_arr = weight[None], np.zeros((1,), np.int32)
+  else:
+    layer_arr = jnp.asarray(layer, jnp.int32).reshape(1)  # clamped in the kernel
   shape = x.shape
   cols = shape[-1]
   x2 = x.reshape(-1, cols)
@@ -121,7 +139,7 @@ def _rms_norm_mosaic(x, weight, eps: float, config: Config | None = None):
         out_type=out_type, grid=(row_blocks,), grid_names=("blocks",),
         scratch_types=[plgpu.SMEM((br, cols), x.dtype), plgpu.SMEM((cols,), weight.dtype),
                        plgpu.Barrier(num_barriers=2)],
-    )(x2, weight)
+    )(layer_arr, x2, weight)
     return out.reshape(shape)
   num_blocks = min(row_blocks, target_lib.current().ceilings.sms * cfg.blocks_per_sm)
   if dsl.interpreting():
@@ -132,33 +150,54 @@ def _rms_norm_mosaic(x, weight, eps: float, config: Config | None = None):
       out_type=out_type, grid=(num_blocks,), grid_names=("blocks",),
       scratch_types=[plgpu.SMEM((cols,), weight.dtype), plgpu.SMEM((2, br, cols), x.dtype),
                      plgpu.Barrier()],
-  )(x2, weight)
+  )(layer_arr, x2, weight)
   return out.reshape(shape)
 
 
-def _check(x, weight):
+def _check(x, weight, layer=None):
   if x.ndim < 1:
     raise ValueError(f"rms_norm needs x with a feature axis, got {x.shape=}")
-  if weight.shape != (x.shape[-1],):
+  if layer is None and weight.shape != (x.shape[-1],):
     raise ValueError(f"{weight.shape=} must be ({x.shape[-1]},) to match {x.shape=}")
+  if layer is not None:
+    if weight.ndim != 2 or weight.shape[1] != x.shape[-1]:
+      raise ValueError(f"with layer=, weight must be a [L, {x.shape[-1]}] stack; "
+                       f"got {weight.shape=}")
+    if isinstance(layer, (int, np.integer)):
+      if not 0 <= layer < weight.shape[0]:
+        raise ValueError(f"{layer=} is out of range for a stack of {weight.shape[0]}")
+    elif (not hasattr(layer, "dtype") or jnp.shape(layer) != ()
+          or not jnp.issubdtype(layer.dtype, jnp.integer)):
+      raise ValueError(f"layer must be an int or an integer scalar array, got {layer!r}")
   if jnp.dtype(x.dtype).name not in DTYPES:
     raise ValueError(f"{x.dtype=} is not supported; supported: {DTYPES}")
 
 
-def rms_norm_mosaic(x, weight, *, eps: float = 1e-6, config: Config | None = None):
-  _check(x, weight)
-  return _rms_norm_mosaic(x, weight, float(eps), config)
+def rms_norm_mosaic(x, weight, *, eps: float = 1e-6, config: Config | None = None,
+                    layer=None):
+  _check(x, weight, layer)
+  return _rms_norm_mosaic(x, weight, float(eps), config, layer)
 
 
-def rms_norm_xla(x, weight, *, eps: float = 1e-6):
-  _check(x, weight)
+def _take(weight, layer):
+  """weight[layer] of a stack, sliced by XLA (None: weight as given)."""
+  if layer is None:
+    return weight
+  return lax.dynamic_index_in_dim(weight, jnp.asarray(layer, jnp.int32), 0, keepdims=False)
+
+
+def rms_norm_xla(x, weight, *, eps: float = 1e-6, layer=None):
+  _check(x, weight, layer)
+  weight = _take(weight, layer)
   xf = x.astype(jnp.float32)
   ms = jnp.mean(xf * xf, axis=-1, keepdims=True)
   return (xf * lax.rsqrt(ms + eps) * weight.astype(jnp.float32)).astype(x.dtype)
 
 
-def rms_norm_reference(x, weight, *, eps: float = 1e-6):
+def rms_norm_reference(x, weight, *, eps: float = 1e-6, layer=None):
   """The meaning of the op, in float32 (the result stays float32)."""
+  _check(x, weight, layer)
+  weight = _take(weight, layer)
   xf = jnp.asarray(x, jnp.float32)
   ms = jnp.mean(xf * xf, axis=-1, keepdims=True)
   return xf / jnp.sqrt(ms + eps) * jnp.asarray(weight, jnp.float32)
@@ -179,7 +218,8 @@ def _mosaic_supports(x, weight, **kwargs) -> str | None:
   return None
 
 
-op = registry.op("rms_norm", "y = x * rsqrt(mean(x^2, -1) + eps) * weight")
+op = registry.op("rms_norm", "y = x * rsqrt(mean(x^2, -1) + eps) * weight; with layer=, "
+                "weight is a [L, D] stack and weight[layer] is used")
 op.register("mosaic", rms_norm_mosaic, supports=_mosaic_supports,
             doc="Mosaic GPU: TMA row blocks, fp32 math in registers")
 op.register("xla", rms_norm_xla, doc="jnp, fused by XLA")
@@ -187,5 +227,5 @@ op.register("reference", rms_norm_reference, doc="float32 jnp; output stays floa
 op.set_defaults(hopper=("mosaic", "xla"), blackwell=("mosaic", "xla"), default=("xla",))
 
 
-def rms_norm(x, weight, *, eps: float = 1e-6, backend: str | None = None):
-  return op(x, weight, eps=eps, backend=backend)
+def rms_norm(x, weight, *, eps: float = 1e-6, layer=None, backend: str | None = None):
+  return op(x, weight, eps=eps, layer=layer, backend=backend)

@@ -172,6 +172,12 @@ def _init(rngs, shape, dtype, fan_in):
 # Set while tracing a step under tensor parallelism (shard_map over the 'tp'
 # mesh axis): the layers then see their local shard of heads / features.
 _TP_AXIS: contextvars.ContextVar[str | None] = contextvars.ContextVar("tp_axis", default=None)
+# Set while tracing the layer scan's body: the layer index (an int32 scalar).
+# The blocks' parameters are then their whole [num_layers, ...] stacks, which
+# the matmul and rms_norm ops index in place (``layer=``): every iteration of
+# the scan hands its kernels the same buffers, so XLA replays the recorded
+# command buffer of an iteration instead of recording it again for each layer.
+_LAYER: contextvars.ContextVar[jax.Array | None] = contextvars.ContextVar("layer", default=None)
 
 
 class Linear(nnx.Module):
@@ -191,15 +197,16 @@ class Linear(nnx.Module):
     a = x.reshape(-1, x.shape[-1])  # matmul is 2-D: [M = B*T, K]
     r = None if residual is None else residual.reshape(a.shape[0], -1)
     axis = _TP_AXIS.get() if row_parallel else None
+    layer = _LAYER.get()
     if axis is not None:
-      y = ops()["matmul"](a, self.w[...], out_dtype=jnp.float32)
+      y = ops()["matmul"](a, self.w[...], out_dtype=jnp.float32, layer=layer)
       y = jax.lax.psum(y, axis)
       if r is not None:
         y = y + r.astype(jnp.float32)
       y = y.astype(out_dtype or x.dtype)
       return y.reshape(*lead, y.shape[-1])
     y = ops()["matmul"](a, self.w[...], bias=None if self.b is None else self.b[...],
-                        residual=r, out_dtype=out_dtype, activation=activation)
+                        residual=r, out_dtype=out_dtype, activation=activation, layer=layer)
     # The float32 reference backends may hand back float32: keep the model dtype.
     y = y.astype(out_dtype or x.dtype)
     return y.reshape(*lead, y.shape[-1])
@@ -212,7 +219,7 @@ class RMSNorm(nnx.Module):
     self.eps = eps
 
   def __call__(self, x):
-    return ops()["rms_norm"](x, self.w[...], eps=self.eps).astype(x.dtype)
+    return ops()["rms_norm"](x, self.w[...], eps=self.eps, layer=_LAYER.get()).astype(x.dtype)
 
 
 class Attention(nnx.Module):
@@ -303,26 +310,31 @@ class Llama(nnx.Module):
       return y.reshape(*lead, -1)
 
   def _run_layers(self, x, cache: KVCache, attend):
-    """Scans the blocks; ``attend(block, h, k_cache, v_cache, layer)`` does the
-    attention part (q/k/v, cache write, attention, output projection input)."""
-    graphdef, layer_state = nnx.split(self.layers)
+    """Scans the layer index; ``attend(block, h, k_cache, v_cache, layer)`` does
+    the attention part (q/k/v, cache write, attention, output projection input).
+
+    The scan carries no parameters: ``block`` holds every layer's stacked
+    parameters and the ops pick layer ``layer`` in place (see _LAYER)."""
+    block = self.layers
     layer_ids = jnp.arange(self.cfg.num_layers, dtype=jnp.int32)
 
-    def body(carry, xs):
+    def body(carry, layer):
       x, kc, vc = carry
-      state, layer = xs
-      block = nnx.merge(graphdef, state)
-      with jax.named_scope("attn_norm"):
-        h = block.attn_norm(x)
-      o, kc, vc = attend(block, h, kc, vc, layer)
-      with jax.named_scope("o_proj"):
-        x = block.attn.wo(o, residual=x, row_parallel=True)
-      with jax.named_scope("mlp_norm"):
-        h = block.mlp_norm(x)
-      x = block.mlp(h, residual=x)
+      token = _LAYER.set(layer)
+      try:
+        with jax.named_scope("attn_norm"):
+          h = block.attn_norm(x)
+        o, kc, vc = attend(block, h, kc, vc, layer)
+        with jax.named_scope("o_proj"):
+          x = block.attn.wo(o, residual=x, row_parallel=True)
+        with jax.named_scope("mlp_norm"):
+          h = block.mlp_norm(x)
+        x = block.mlp(h, residual=x)
+      finally:
+        _LAYER.reset(token)
       return (x, kc, vc), None
 
-    (x, k, v), _ = jax.lax.scan(body, (x, cache.k, cache.v), (layer_state, layer_ids))
+    (x, k, v), _ = jax.lax.scan(body, (x, cache.k, cache.v), layer_ids)
     return x, KVCache(k, v)
 
   # -- entry points (called inside jit by the functions below)

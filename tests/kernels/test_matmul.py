@@ -85,6 +85,60 @@ def test_mosaic_kernel(m, n, k, cfg, use_bias, use_res, out_dtype, dtype):
     assert not dsl.races_found()
 
 
+LAYER_CASES = [
+    # m, n, k, config, bias, residual: the kernel reads the layer's weights (and
+    # bias) from the stack in place, with and without split-K partials.
+    pytest.param(72, 128, 128, C(tile_m=64, tile_n=64, stages=2), True, True, id="plain"),
+    pytest.param(1, 128, 256, C(tile_m=64, tile_n=64, stages=2, split_k=2), True, False,
+                 id="split-k"),
+]
+
+
+@pytest.mark.parametrize("backend", ["mosaic", "xla", "reference"])
+@pytest.mark.parametrize("m,n,k,cfg,use_bias,use_res", LAYER_CASES)
+def test_layer_of_a_stack(backend, m, n, k, cfg, use_bias, use_res):
+  # Under a scan over the layer index, as the model calls it: each layer's
+  # output must be that layer's weights' product (distinct random layers).
+  layers = 3
+  a, bs, biases, res = testing.random_inputs([(m, k), (layers, k, n), (layers, n), (m, n)],
+                                             jnp.bfloat16)
+  biases = biases if use_bias else None
+  res = res if use_res else None
+  kw = dict(config=cfg) if backend == "mosaic" else {}
+  op = registry.get_op("matmul")
+
+  @jax.jit
+  def run(a, bs, biases, res):
+    return jax.lax.scan(lambda c, i: (c, op(a, bs, bias=biases, residual=res, layer=i,
+                                            backend=backend, **kw)),
+                        None, jnp.arange(layers, dtype=jnp.int32))[1]
+
+  outs = run(a, bs, biases, res)
+  assert outs.shape == (layers, m, n) and outs.dtype == jnp.bfloat16
+  for i in range(layers):
+    want = mm.matmul_reference(a, bs[i], bias=None if biases is None else biases[i],
+                               residual=res)
+    testing.assert_close(outs[i], want, jnp.bfloat16)
+  # A plain int picks the same layer.
+  testing.assert_close(op(a, bs, bias=biases, residual=res, layer=2, backend=backend, **kw),
+                       outs[2].astype(jnp.float32), jnp.bfloat16)
+  if backend == "mosaic" and dsl.interpreting():
+    assert not dsl.races_found()
+
+
+def test_layer_bad_inputs():
+  a, bs, b2 = testing.random_inputs([(4, 64), (2, 64, 64), (64, 64)], jnp.bfloat16)
+  for backend in ("mosaic", "xla"):
+    with pytest.raises((ValueError, registry.BackendError), match="out of range"):
+      registry.get_op("matmul")(a, bs, layer=2, backend=backend)
+    with pytest.raises((ValueError, registry.BackendError), match="stack"):
+      registry.get_op("matmul")(a, b2, layer=0, backend=backend)
+    with pytest.raises((ValueError, registry.BackendError), match="bias must be"):
+      registry.get_op("matmul")(a, bs, bias=bs[0, 0], layer=0, backend=backend)
+    with pytest.raises((ValueError, registry.BackendError), match="integer scalar"):
+      registry.get_op("matmul")(a, bs, layer=jnp.zeros((2,), jnp.int32), backend=backend)
+
+
 SWIGLU_CASES = [
     # m, n, k, config, bias, residual: both warpgroup splits, a partial last CTA
     # (its second consumer entirely past N), several epilogue pieces per

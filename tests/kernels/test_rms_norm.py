@@ -4,6 +4,7 @@ On CPU the mosaic backend runs the real kernel in Mosaic GPU interpret mode
 with race detection; the gpu-marked cases run the full size on the GPU.
 """
 
+import jax
 import jax.numpy as jnp
 import pytest
 
@@ -34,6 +35,36 @@ def test_each_config(block_rows, stages, persistent):
   out = rn.rms_norm_mosaic(x, w, config=rn.Config(block_rows=block_rows, stages=stages,
                                                    persistent=persistent))
   testing.assert_close(out, rn.rms_norm_reference(x, w), "bfloat16")
+
+
+@pytest.mark.parametrize("backend", BACKENDS + ["reference"])
+@pytest.mark.parametrize("persistent", [False, True])
+def test_layer_of_a_stack(backend, persistent):
+  # Under a scan over the layer index, as the model calls it.
+  layers = 3
+  x, ws = testing.random_inputs([(4, 128), (layers, 128)], "bfloat16")
+  kw = {"config": rn.Config(block_rows=2, persistent=persistent)} if backend == "mosaic" else {}
+  op = registry.get_op("rms_norm")
+
+  @jax.jit
+  def run(x, ws):
+    return jax.lax.scan(lambda c, i: (c, op(x, ws, eps=1e-5, layer=i, backend=backend, **kw)),
+                        None, jnp.arange(layers, dtype=jnp.int32))[1]
+
+  outs = run(x, ws)
+  for i in range(layers):
+    testing.assert_close(outs[i], rn.rms_norm_reference(x, ws[i], eps=1e-5), "bfloat16")
+  if backend == "mosaic":
+    assert not dsl.races_found()
+
+
+def test_layer_bad_inputs():
+  x, ws = testing.random_inputs([(4, 128), (2, 128)], "float32")
+  for backend in ("mosaic", "xla"):
+    with pytest.raises((ValueError, registry.BackendError), match="out of range"):
+      rn.rms_norm(x, ws, layer=2, backend=backend)
+    with pytest.raises((ValueError, registry.BackendError), match="stack"):
+      rn.rms_norm(x, ws[0], layer=0, backend=backend)
 
 
 def test_weight_dtype_may_differ():
