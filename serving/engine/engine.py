@@ -90,7 +90,8 @@ class EngineConfig:
   # Tokens per streamed event after a request's first (which goes out at
   # once); the last event carries whatever is left. Larger values mean fewer,
   # larger messages: less Python per token when many streams share the
-  # interpreter (the --stream-interval of vLLM and SGLang).
+  # interpreter (the --stream-interval of vLLM and SGLang). The tokens a step
+  # reads back for a request (decode_steps of them) go out in one event.
   stream_interval: int = 1
   # A step with both decodes and prefill chunks runs them as one device call
   # (the runner's ``mixed``): the chunk's tokens share the decode batch's pass
@@ -698,32 +699,54 @@ class BatchingEngine(api.Engine):
       self._release(seq)
 
   def _flush_deferred(self) -> bool:
-    """Text, stop strings and events of the tokens accepted last step."""
+    """Text, stop strings and events of the tokens accepted last step. A
+    request's tokens of one step (several with decode_steps > 1) are
+    consecutive items: they leave in one Delta, and without stop strings
+    their text is decoded in one go."""
     items, self._deferred = self._deferred, []
-    for seq, token, lp, silent, reason in items:
-      if seq.final_sent:
-        continue
-      text = seq.text.push([token], skip=silent)
+    i = 0
+    while i < len(items):
+      seq, j = items[i][0], i + 1
+      while j < len(items) and items[j][0] is seq:
+        j += 1
+      if not seq.final_sent:
+        self._flush_seq(seq, items[i:j])
+      i = j
+    return bool(items)
+
+  def _flush_seq(self, seq: _Seq, group) -> None:
+    p = seq.params
+    if p.stop:  # a stop string ends the request at the token that completes it
+      chunks = [[item] for item in group]
+    else:  # no stop strings: only the last token can end it (_accept stops there)
+      chunks = [group]
+    reason = None
+    for chunk in chunks:
+      ids = [token for _, token, _, silent, _ in chunk if not silent]
+      text = seq.text.push(ids, skip=not ids)
+      reason = chunk[-1][4]
       if reason is None and seq.text.stopped:
         # A token of this request may be in flight already: it is dropped on return.
         reason = api.FinishReason.STOP
         self._release(seq)
       if reason is not None and reason != api.FinishReason.STOP:
         text += seq.text.flush()
-      p = seq.params
-      if not silent:
+      for _, token, lp, silent, _ in chunk:
+        if silent:
+          continue
         seq.out_ids.append(token)
         if lp is not None and (p.logprobs or p.top_logprobs):
           chosen, top_ids, top_lp = lp
-          top = tuple((int(top_ids[j]), float(top_lp[j])) for j in range(p.top_logprobs))
+          top = tuple((int(top_ids[k]), float(top_lp[k])) for k in range(p.top_logprobs))
           seq.out_lps.append(api.TokenLogprob(token, float(chosen), top))
       if text:
         seq.out_text.append(text)
       if reason is not None:
-        self._send_final(seq, reason)  # sends what is buffered first
-      elif seq.events_sent == 0 or len(seq.out_ids) >= self.config.stream_interval:
-        self._send_delta(seq)
-    return bool(items)
+        break
+    if reason is not None:
+      self._send_final(seq, reason)  # sends what is buffered first
+    elif seq.events_sent == 0 or len(seq.out_ids) >= self.config.stream_interval:
+      self._send_delta(seq)
 
   def _send_delta(self, seq: _Seq) -> None:
     """Hands the buffered tokens, text and logprobs to the client as one Delta."""

@@ -359,8 +359,9 @@ def _engine_events(engine, request):
 @pytest.mark.parametrize("decode_steps", [1, 3])
 @pytest.mark.parametrize("interval", [1, 4])
 def test_stream_interval_groups_tokens_and_loses_none(interval, decode_steps):
-  """The first token goes out at once, then ``interval`` tokens per event; the
-  Final comes after whatever was left, ids, text and logprobs all complete."""
+  """The first token goes out at once, then at least ``interval`` tokens per
+  event, a step's tokens together (``decode_steps`` of them); the Final comes
+  after whatever was left, ids, text and logprobs all complete."""
   from serving.engine import api
 
   def run(max_tokens, **kw):
@@ -373,7 +374,9 @@ def test_stream_interval_groups_tokens_and_loses_none(interval, decode_steps):
 
   deltas, final = run(10)
   sizes = [len(d.token_ids) for d in deltas]
-  assert sizes == ([1] * 10 if interval == 1 else [1, 4, 4, 1]), sizes
+  # 10 tokens: the prefill's, then steps of decode_steps tokens.
+  assert sizes == {(1, 1): [1] * 10, (4, 1): [1, 4, 4, 1], (1, 3): [1, 3, 3, 3],
+                   (4, 3): [1, 6, 3]}[interval, decode_steps], sizes
   assert [i for d in deltas for i in d.token_ids] == [ord(x) for x in _expected("a", 10)]
   assert "".join(d.text for d in deltas) == _expected("a", 10)
   assert [lp.token_id for d in deltas for lp in d.logprobs] == [ord(x) for x in _expected("a", 10)]
