@@ -328,6 +328,13 @@ class BatchingEngine(api.Engine):
                            pages_cached=self.alloc.cached, pages_total=self.alloc.usable,
                            steps=self.steps, draining=self._draining)
 
+  def counters(self) -> dict:
+    """Engine-internal counts for benchmarks and tests: steps, mixed steps run,
+    and the runner's compiled shapes (None where the runner does not say)."""
+    shapes = getattr(self.runner, "compiled_shapes", None)
+    return {"steps": self.steps, "mixed_steps_run": self.mixed_steps_run,
+            "compiled_shapes": shapes() if shapes is not None else None}
+
   def drain(self, timeout: float | None = None) -> bool:
     self._draining = True
     end = None if timeout is None else time.monotonic() + timeout

@@ -273,6 +273,9 @@ class ProcessEngine(api.Engine):
   def drain(self, timeout: float | None = None) -> bool:
     return self._call("drain", timeout)
 
+  def counters(self) -> dict:
+    return self._call("counters")
+
   @property
   def error(self):
     if not self._proc.is_alive():

@@ -148,6 +148,14 @@ class ModelRunner:
   def supports_multi_step(self) -> bool:
     return self._fast is not None
 
+  def compiled_shapes(self) -> dict[str, int] | None:
+    """Shapes compiled so far per jitted step (None off the direct path): after
+    warm-up these must not grow, or steady state is paying for compiles."""
+    if self._fast is None:
+      return None
+    names = ("prefill", "decode", "decode_multi_step", "mixed")
+    return {name: f._cache_size() for name, f in zip(names, self._fast)}
+
   @property
   def supports_mixed(self) -> bool:
     return self._fast is not None and self.model.config.sliding_window is None

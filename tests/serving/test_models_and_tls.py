@@ -26,10 +26,11 @@ def test_models_tiny_through_the_server_equals_models_generate(decode_steps):
       max_seq_len=128, warmup=True, decode_steps=decode_steps))
   with running(engine) as (server, c):
     assert runner._fast is not None
-    compiled = [f._cache_size() for f in runner._fast]
+    compiled = engine.counters()["compiled_shapes"]
     # prefill fresh / continued chunk; decode; decode_steps steps in one call
     # (greedy, greedy with logprobs, sampled); no mixed step (mixed_steps off)
-    assert compiled == [2, 1, 3 if decode_steps > 1 else 0, 0]
+    assert compiled == {"prefill": 2, "decode": 1,
+                        "decode_multi_step": 3 if decode_steps > 1 else 0, "mixed": 0}
     assert c.model_info().model_name == model.config.name
     got = [list(c.generate(prompt, max_tokens=8, ignore_eos=True).token_ids) for _ in range(2)]
     assert got == [want, want]
@@ -47,9 +48,9 @@ def test_models_tiny_through_the_server_equals_models_generate(decode_steps):
       assert list(multi.token_ids) == list(single.token_ids)
       assert [round(x.logprob, 4) for x in multi.logprobs] == [
           round(x.logprob, 4) for x in single.logprobs]
-      assert [f._cache_size() for f in runner._fast] == compiled  # the sampled steps too
+      assert engine.counters()["compiled_shapes"] == compiled  # the sampled steps too
     assert engine.stats().pages_in_use == 0
-    assert [f._cache_size() for f in runner._fast] == compiled  # steady state: no compiles
+    assert engine.counters()["compiled_shapes"] == compiled  # steady state: no compiles
 
 
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")

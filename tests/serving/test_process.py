@@ -37,6 +37,8 @@ def test_streams_calls_and_errors_cross_the_process(served):
   assert c.tokenize("ab").token_ids[-2:] == [ord("a"), ord("b")]
   assert engine.stats().pages_in_use == 0 and engine.error is None
   assert any(t[2] >= 1 for t in engine.step_times)  # step timings came back
+  counters = engine.counters()  # the counting model compiles nothing it could report
+  assert counters["steps"] == engine.stats().steps > 0 and counters["compiled_shapes"] is None
   with pytest.raises(grpc.RpcError) as e:  # the engine's InvalidRequest, raised here
     c.generate("a", max_tokens=5000)
   assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
