@@ -287,3 +287,22 @@ def test_blackwell_kernel_interpreted(m, n, k, cfg, use_bias, use_res):
   out = bw.run(a, b, bias, res, cfg=cfg, out_dtype=jnp.dtype(jnp.bfloat16), num_sms=2)
   testing.assert_close(out, mm.matmul_reference(a, b, bias=bias, residual=res), jnp.bfloat16)
   assert not dsl.races_found()
+
+
+def test_blackwell_layer_of_a_stack_interpreted(monkeypatch):
+  # On Blackwell the entry point slices the layer for the tcgen05 kernel.
+  if not dsl.interpreting():
+    pytest.skip("Blackwell kernel is checked in interpret mode only")
+  from kernels import matmul_blackwell as bw
+  from mosaic import target as target_lib
+
+  monkeypatch.setenv("MOSAIC_INTERPRET", "1")  # still interpreted with a Blackwell target
+  monkeypatch.setattr(mm.target_lib, "current",
+                      lambda: target_lib.make("gpu", "NVIDIA B200", "10.0"))
+  monkeypatch.setattr(mm, "_num_sms", lambda: 2)
+  a, bs, biases, res = testing.random_inputs([(128, 64), (2, 64, 128), (2, 128), (128, 128)],
+                                             jnp.bfloat16)
+  out = mm.matmul_mosaic(a, bs, bias=biases, residual=res, layer=jnp.int32(1),
+                         config=bw.Config(tile_n=128, stages=2))
+  testing.assert_close(out, mm.matmul_reference(a, bs[1], bias=biases[1], residual=res),
+                       jnp.bfloat16)
