@@ -3,8 +3,9 @@
 Data flow of one step, top to bottom::
 
   tokens [B, T] --embed--> x [B, T, D]
-  for each layer (a lax.scan over stacked layer parameters, the KV cache in the
-  carry so its pages are updated in place):
+  for each layer (a lax.scan over the layer index, the KV cache in the carry so
+  its pages are updated in place; the ops read the layer's weights from the
+  stacked parameters in place, so every iteration uses the same buffers):
     h = rms_norm(x)
     q [B,T,Hq,hd], k/v [B,T,Hkv,hd] = h @ wqkv (+ bias for Qwen2), split; RoPE on q, k
     k/v are written into their pages: cache[layer, :, page, slot]
