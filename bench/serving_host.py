@@ -3,7 +3,9 @@
 1. The model's decode step alone (the runner's jitted call): the time until
    the call returns (host dispatch: what the engine's thread pays) on an idle
    device and back to back, and until its result is ready (device), at batch 1
-   and the engine's max batch.
+   and the engine's max batch; with the lengths and page table from numpy (as
+   the engine sends them) and kept on the device (the same addresses every
+   call). ``--decode-only`` stops here.
 2. The engine alone: ``--requests`` greedy requests of ``--input-len`` in /
    ``--output-len`` out submitted at once and driven by ``engine.step()`` in
    this thread under cProfile: step wall time, host time (wall minus the time
@@ -12,7 +14,7 @@
 Run it under different ``XLA_FLAGS`` to compare settings (command buffers):
 the logits' fingerprint shows whether a setting changed the results.
 
-  PYTHONPATH=. python3 bench/serving_host.py --out $OUT [--tag NAME]
+  PYTHONPATH=. python3 bench/serving_host.py --out $OUT [--tag NAME] [--decode-only]
 """
 
 from __future__ import annotations
