@@ -205,3 +205,36 @@ def test_mixed_step_equals_decode_then_prefill(tiny, fresh, pad_rows):
     a, b = np.array(getattr(cache, name)), np.array(getattr(ref_cache, name))
     a[:, :, 0], b[:, :, 0] = 0, 0  # page 0 is scratch: padding writes land there
     testing.assert_close(a, b, dtype=jnp.float32, what=f"mixed cache {name}")
+
+
+def test_layers_read_their_weight_stacks_in_place(tiny, monkeypatch):
+  """Inside the layer scan every matmul and rms_norm gets the whole [layers, ...]
+  stack and the layer index, never a per-layer slice: a slice moves every
+  layer, and XLA then records each iteration's command buffer again
+  (bench/results/serving_h200/layer_stack_dispatch/)."""
+  import dataclasses
+
+  from flax import nnx
+  from mosaic import registry
+
+  calls = []
+  for name in ("matmul", "rms_norm"):
+    op = llama.ops()[name]  # imports the op modules
+    impl = op.impls["xla"]
+
+    def spy(x, w, *args, _fn=impl.fn, _name=name, **kw):
+      calls.append((_name, w.ndim, kw.get("layer") is not None))
+      return _fn(x, w, *args, **kw)
+
+    monkeypatch.setitem(op.impls, "xla", dataclasses.replace(impl, fn=spy))
+  m = nnx.merge(tiny.graphdef, tiny.params)
+  with registry.use(matmul="xla", rms_norm="xla"):
+    logits, _ = m.decode(tiny.init_cache(8, 4), jnp.asarray([[5]]), jnp.asarray([1]),
+                         jnp.asarray([[1, 2]]))
+  assert np.isfinite(np.asarray(logits)).all()
+  in_scan = [c for c in calls if c[2]]
+  # Traced once: attn_norm, qkv, o_proj, mlp_norm, gate_up, down.
+  assert in_scan == [("rms_norm", 2, True), ("matmul", 3, True), ("matmul", 3, True),
+                     ("rms_norm", 2, True), ("matmul", 3, True), ("matmul", 3, True)], calls
+  # After the scan: the final norm and the lm_head, plain weights.
+  assert [c for c in calls if not c[2]] == [("rms_norm", 1, False), ("matmul", 2, False)], calls
