@@ -10,7 +10,8 @@ One process, in this order (CUPTI must not follow a jax.profiler trace):
    (mosaic.bench.time_jax, CUPTI): each matmul of a layer (qkv, o + residual,
    gate_up, down + residual, lm_head) at M = B*S (prefill) and M = B
    (decode), and each attention backend at the model's call;
-3. serving.profiler.profile, one call for both phases: every configuration
+3. serving.profiler.profile, one call for both phases (and the mixed step
+   with ``--mixed-chunk T``; it has no own-kernel comparison): every configuration
    compiled, its logits checked against the xla-attention configuration, its
    step timed (CUPTI kernel sum and back-to-back wall time); only then each
    is traced and attributed to layers and ops;
@@ -126,6 +127,9 @@ def main(argv=None) -> int:
   p.add_argument("--decode-context", type=int, default=2048)
   p.add_argument("--attention-backend", default="mosaic,cudnn,xla")
   p.add_argument("--decode-attention-backend", default="mosaic,xla")
+  p.add_argument("--mixed-chunk", type=int, default=0,
+                 help="also profile a mixed step: the decode batch plus a prompt chunk of "
+                      "this many tokens in one call (0: off)")
   p.add_argument("--budget-s", type=float, default=120.0,
                  help="stop starting new work after this many seconds")
   p.add_argument("--keep-command-buffers", action="store_true")
@@ -153,8 +157,10 @@ def main(argv=None) -> int:
   # One profile() call for both phases: it measures every configuration (CUPTI)
   # before it traces any (CUPTI aborts after a jax.profiler trace).
   left = T0 + a.budget_s - time.monotonic()
+  phases = P.PHASES if a.mixed_chunk > 0 else ("prefill", "decode")
   rep = P.profile(model, batch=a.batch, prefill_len=a.prefill_len, decode_batch=a.decode_batch,
                   decode_context=a.decode_context, attention=attn, decode_attention=dattn,
+                  phases=phases, mixed_chunk=max(1, a.mixed_chunk),
                   steps=3, iters=10, measure_deadline=time.monotonic() + left * 0.6,
                   deadline=time.monotonic() + left, log=log)
   print(rep.table(), flush=True)

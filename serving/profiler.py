@@ -3,8 +3,10 @@
 Data flow, for each configuration (phase x attention backend x matmul backend):
 
 1. ``_Step`` builds the inputs of one step (prefill: B x S fresh tokens;
-   decode: B sequences with L tokens in a paged KV cache) and compiles the
-   model's jitted step (``models.llama.prefill_step`` / ``decode_step``) once.
+   decode: B sequences with L tokens in a paged KV cache; mixed: that decode
+   batch and one fresh prompt chunk of T tokens in one call, as the engine's
+   ``--mixed-steps`` runs them) and compiles the model's jitted step
+   (``models.llama.prefill_step`` / ``decode_step`` / ``mixed_step``) once.
    The compiled HLO text maps every HLO instruction to its ``op_name``
    metadata, which carries the ``jax.named_scope`` path the model emits
    (``.../while/body/.../qkv/...``, ``.../lm_head/...``).
@@ -68,7 +70,7 @@ LAYER_OPS = ("attn_norm", "qkv", "rope", "kv_write", "attention", "o_proj", "mlp
              "gate_up", "down")
 TOP_OPS = ("embed", "final_norm", "lm_head")
 OPS = TOP_OPS + LAYER_OPS
-PHASES = ("prefill", "decode")
+PHASES = ("prefill", "decode", "mixed")
 PNG_SIZE = (1200, 800)  # pixels of the chart: 12 x 8 inches at 100 dpi
 _PNG_DPI = 100
 
@@ -77,13 +79,16 @@ _PNG_DPI = 100
 
 
 def op_costs(cfg, phase: str, batch: int, length: int, *, dtype="bfloat16",
-             decode_tokens: int = 1) -> dict[str, cost_lib.Cost]:
+             decode_tokens: int = 1, chunk: int = 0) -> dict[str, cost_lib.Cost]:
   """FLOPs and minimum bytes of each op of ONE layer (LAYER_OPS) and of the
   ops outside the layers (TOP_OPS), for a step of ``phase``.
 
   prefill: ``batch`` x ``length`` new tokens, no cached prefix, logits at the
   last token of each row. decode: ``batch`` sequences of ``length`` kv tokens
   (including the ``decode_tokens`` new ones), logits at every new token.
+  mixed: that decode step (one token a row) and a fresh prompt chunk of
+  ``chunk`` tokens in one pass: batch + chunk rows through the matmuls, logits
+  for the decode rows and the chunk's last token.
   Elementwise ops (rope, kv_write, embed) count bytes only. gate_up includes the
   SwiGLU gate fused into it: it writes F features per row, not 2F.
   """
@@ -93,19 +98,25 @@ def op_costs(cfg, phase: str, batch: int, length: int, *, dtype="bfloat16",
     raise ValueError(f"{batch=} and {length=} must be positive")
   if phase == "decode" and not 1 <= decode_tokens <= length:
     raise ValueError(f"{decode_tokens=} must be in [1, {length=}]")
+  if phase == "mixed" and chunk < 1:
+    raise ValueError(f"a mixed step needs a prompt chunk: {chunk=} must be >= 1")
   import numpy as np
 
   isz = np.dtype(dtype).itemsize
   d, hd, f, v = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size, cfg.vocab_size
   hq, hkv = cfg.num_heads, cfg.num_kv_heads
-  t = length if phase == "prefill" else decode_tokens
-  m = batch * t  # rows through the layer's matmuls
-  m_out = batch if phase == "prefill" else m  # rows through final norm and lm_head
   mm = lambda rows, n, k, **kw: cost_lib.matmul(rows, n, k, dtype, dtype, **kw)
+  attention = lambda b, tq, tkv: cost_lib.attention(b, hq, hkv, tq, tkv, hd, causal=True,
+                                                    dtype=dtype)
   if phase == "prefill":
-    attn = cost_lib.attention(batch, hq, hkv, length, length, hd, causal=True, dtype=dtype)
+    m, m_out = batch * length, batch  # rows through the matmuls / final norm and lm_head
+    attn = attention(batch, length, length)
+  elif phase == "decode":
+    m = m_out = batch * decode_tokens
+    attn = attention(batch, decode_tokens, length)
   else:
-    attn = cost_lib.attention(batch, hq, hkv, t, length, hd, causal=True, dtype=dtype)
+    m, m_out = batch + chunk, batch + 1
+    attn = attention(batch, 1, length) + attention(1, chunk, chunk)
   bytes_only = lambda n: cost_lib.Cost(0.0, float(n))
   return {
       "embed": bytes_only(2 * m * d * isz),
@@ -395,7 +406,7 @@ class _Step:
   """Inputs and the compiled step of one (phase, backends) configuration."""
 
   def __init__(self, model, phase: str, batch: int, length: int, backends: dict[str, str | None],
-               *, page_size: int | None = None, seed: int = 0):
+               *, page_size: int | None = None, seed: int = 0, chunk: int = 0):
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -405,11 +416,14 @@ class _Step:
       raise ValueError(f"{phase=} is not one of {PHASES}")
     if batch <= 0 or length <= 0:
       raise ValueError(f"{batch=} and {length=} must be positive")
+    if phase == "mixed" and chunk < 1:
+      raise ValueError(f"a mixed step needs a prompt chunk: {chunk=} must be >= 1")
     cfg = model.config
     self.model, self.phase, self.batch, self.length = model, phase, batch, length
     ps = page_size or llama.DEFAULT_PAGE_SIZE
     per_row = _pages(length, ps)
-    num_pages = batch * per_row + 1  # page 0 is the scratch page
+    chunk_pages = _pages(chunk, ps) if phase == "mixed" else 0
+    num_pages = batch * per_row + chunk_pages + 1  # page 0 is the scratch page
     rng = np.random.default_rng(seed)
     page_table = (1 + np.arange(batch * per_row, dtype=np.int32)).reshape(batch, per_row)
     key = jax.random.key(seed)
@@ -431,6 +445,12 @@ class _Step:
       self.rest = (jnp.asarray(tokens), jnp.full((batch,), length, jnp.int32),
                    jnp.asarray(page_table))
       fn, kw = llama.decode_step, dict(backends=self.backends)
+    if phase == "mixed":  # the decode batch above, then one fresh chunk on its own pages
+      chunk_tokens = rng.integers(0, cfg.vocab_size, (1, chunk), dtype=np.int32)
+      chunk_table = (1 + batch * per_row + np.arange(chunk_pages, dtype=np.int32))[None]
+      self.rest += (jnp.asarray(chunk_tokens), jnp.zeros((1,), jnp.int32),
+                    jnp.full((1,), chunk, jnp.int32), jnp.asarray(chunk_table))
+      fn, kw = llama.mixed_step, dict(backends=self.backends, fresh=True)
     lowered = fn.lower(model.graphdef, model.params, self.cache, *self.rest, **kw)
     self.compiled = lowered.compile()
     self.hlo_text = self.compiled.as_text()
@@ -508,12 +528,14 @@ class Profile:
   events: list[dict[str, Any]] = dataclasses.field(default_factory=list)
   unattributed: dict[str, float] = dataclasses.field(default_factory=dict)
   error: str | None = None
+  chunk: int = 0  # mixed: the prompt chunk's tokens
 
   @property
   def label(self) -> str:
     b = ",".join(f"{k.replace('attention_', 'attn_')}={v}" for k, v in self.backends.items())
-    return f"{self.phase} B={self.batch} {'S' if self.phase == 'prefill' else 'L'}={self.length}" + (
-        f" [{b}]" if b else "")
+    shape = f"{'S' if self.phase == 'prefill' else 'L'}={self.length}" + (
+        f" T={self.chunk}" if self.phase == "mixed" else "")
+    return f"{self.phase} B={self.batch} {shape}" + (f" [{b}]" if b else "")
 
   def as_dict(self) -> dict[str, Any]:
     return dataclasses.asdict(self) | {"label": self.label}
@@ -733,6 +755,14 @@ def configurations(phases: Sequence[str], attention: Sequence[str | None],
   for ph in phases:
     if ph not in PHASES:
       raise ValueError(f"phase {ph!r} is not one of {PHASES}")
+    if ph == "mixed":  # both attentions run: every prefill x decode x matmul backend
+      for (_, pre), (_, dec) in itertools.product(
+          configurations(["prefill"], attention, decode_attention, [None]),
+          configurations(["decode"], attention, decode_attention, [None])):
+        for m in matmul:
+          out.append((ph, {"attention_prefill": pre["attention_prefill"],
+                           "attention_decode": dec["attention_decode"], "matmul": m}))
+      continue
     op = "attention_prefill" if ph == "prefill" else "attention_decode"
     names = attention if ph == "prefill" else (decode_attention if decode_attention is not None
                                                 else attention)
@@ -754,9 +784,11 @@ def profile(model, *, batch: int = 1, prefill_len: int = 128, decode_context: in
             matmul: str | Sequence[str] | None = None, steps: int = 3, iters: int = 10,
             page_size: int | None = None, trace_dir: str | os.PathLike | None = None,
             log=None, measure_deadline: float | None = None,
-            deadline: float | None = None) -> Report:
-  """Profiles ``model``'s prefill (batch x prefill_len) and decode (batch at
-  context decode_context; decode_batch rows if given) for every backend configuration. See the module
+            deadline: float | None = None, mixed_chunk: int = 128) -> Report:
+  """Profiles ``model``'s prefill (batch x prefill_len), decode (batch at
+  context decode_context; decode_batch rows if given) and, among ``phases``,
+  mixed (that decode batch plus a fresh chunk of mixed_chunk prompt tokens)
+  for every backend configuration. See the module
   docstring; backends are registry names ('default' = the op's default).
   ``measure_deadline`` / ``deadline`` (time.monotonic() values) stop starting
   new configurations in the measuring / tracing pass; skipped ones say so."""
@@ -769,7 +801,8 @@ def profile(model, *, batch: int = 1, prefill_len: int = 128, decode_context: in
   if steps < 1 or iters < 1:
     raise ValueError(f"{steps=} and {iters=} must be >= 1")
   for what, n in (("batch", batch), ("prefill_len", prefill_len),
-                  ("decode_context", decode_context), ("decode_batch", decode_batch or 1)):
+                  ("decode_context", decode_context), ("decode_batch", decode_batch or 1),
+                  ("mixed_chunk", mixed_chunk)):
     if n < 1:
       raise ValueError(f"{what}={n} must be >= 1")
   log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
@@ -785,13 +818,14 @@ def profile(model, *, batch: int = 1, prefill_len: int = 128, decode_context: in
     length = prefill_len if ph == "prefill" else decode_context
     rows = batch if ph == "prefill" or decode_batch is None else decode_batch
     chosen = {k: v for k, v in backends.items() if v is not None}
-    prof = Profile(ph, rows, length, chosen)
+    chunk = mixed_chunk if ph == "mixed" else 0
+    prof = Profile(ph, rows, length, chosen, chunk=chunk)
     if measure_deadline is not None and time.monotonic() > measure_deadline:
       prof.error = "skipped: out of time budget before compiling"
       built.append((prof, None))
       continue
     try:
-      step = _Step(model, ph, rows, length, backends, page_size=page_size)
+      step = _Step(model, ph, rows, length, backends, page_size=page_size, chunk=chunk)
       prof.step.update(step.measure(iters))
       log(f"measured {prof.label}: " + ", ".join(f"{k} {v * 1e6:.1f} us"
                                                  for k, v in prof.step.items()))
@@ -829,7 +863,8 @@ def profile(model, *, batch: int = 1, prefill_len: int = 128, decode_context: in
       per_step = [attribute(ks, step.op_names, cfg.num_layers) for ks in groups]
       if not any(s.times for s in per_step):
         raise RuntimeError(f"the trace ({tr.path}) holds no kernel of the step")
-      costs = op_costs(cfg, prof.phase, prof.batch, prof.length, dtype=model.dtype)
+      costs = op_costs(cfg, prof.phase, prof.batch, prof.length, dtype=model.dtype,
+                       chunk=prof.chunk)
       summarize(prof, per_step, costs, cfg.num_layers, tgt)
       prof.step["trace_device"] = tr.device
       prof.step["trace_info"] = tr.info
@@ -866,7 +901,8 @@ def _check_logits(built) -> None:
     done = [(p, s) for p, s in built if p.phase == ph and s is not None]
     refs = [(p, s) for p, s in done
             if p.backends.get("attention_prefill" if ph == "prefill" else "attention_decode")
-            in ("xla", "reference")]
+            in ("xla", "reference")
+            and (ph != "mixed" or p.backends.get("attention_prefill") in ("xla", "reference"))]
     if not refs:
       continue
     rp, rs = refs[0]
@@ -996,7 +1032,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
   p.add_argument("--decode-batch", type=int, help="rows in decode (default: --batch)")
   p.add_argument("--prefill-len", type=int, default=128, help="S: tokens per row in prefill")
   p.add_argument("--decode-context", type=int, default=512, help="L: kv tokens per row in decode")
-  p.add_argument("--phases", default="prefill,decode")
+  p.add_argument("--phases", default="prefill,decode",
+                 help="comma list of prefill, decode, mixed (decode rows + a prompt chunk)")
+  p.add_argument("--mixed-chunk", type=int, default=128,
+                 help="T: prompt tokens of the mixed step's chunk")
   p.add_argument("--attention-backend", default="default",
                  help="comma list, e.g. mosaic,cudnn,xla (prefill; decode too where it exists)")
   p.add_argument("--decode-attention-backend", help="comma list for decode (default: as above)")
@@ -1025,7 +1064,7 @@ def run_cli(a) -> int:
                 phases=[s.strip() for s in a.phases.split(",") if s.strip()],
                 attention=a.attention_backend, decode_attention=a.decode_attention_backend,
                 matmul=a.matmul_backend, steps=a.steps, iters=a.iters, page_size=a.page_size,
-                trace_dir=trace_dir)
+                trace_dir=trace_dir, mixed_chunk=a.mixed_chunk)
   print(rep.table(per_layer=a.per_layer))
   if a.out is not None:
     paths = rep.write_all(a.out)

@@ -45,6 +45,20 @@ def test_op_costs_match_hand_computed_decode():
   assert c["lm_head"].flops == 2 * b * 4096 * 128256
 
 
+def test_op_costs_match_hand_computed_mixed():
+  # 16 decode rows at L=2048 and a fresh 128-token chunk in one pass.
+  cfg = config_lib.get("llama3.1-8b")
+  b, l, t = 16, 2048, 128
+  c = P.op_costs(cfg, "mixed", b, l, dtype="bfloat16", chunk=t)
+  assert c["qkv"].flops == 2 * (b + t) * 4096 * (32 * 128 + 2 * 8 * 128)
+  assert c["down"].flops == 2 * (b + t) * 14336 * 4096
+  # the decode rows' attention over L keys, plus the chunk's causal attention
+  assert c["attention"].flops == 4 * b * 32 * l * 128 + 4 * 32 * (t * (t + 1) / 2) * 128
+  assert c["lm_head"].flops == 2 * (b + 1) * 4096 * 128256  # decode rows + the chunk's last
+  with pytest.raises(ValueError, match="chunk"):
+    P.op_costs(cfg, "mixed", b, l)
+
+
 def test_op_costs_reject_bad_input():
   cfg = config_lib.get("tiny")
   with pytest.raises(ValueError, match="phase"):
@@ -194,6 +208,7 @@ def test_profile_cli_writes_json_png_and_perfetto_trace(tmp_path):
   out = tmp_path / "profile"
   rc = P.main(["--model", "tiny", "--dtype", "float32", "--batch", "2", "--prefill-len", "16",
                "--decode-context", "40", "--page-size", "16", "--attention-backend", "xla",
+               "--phases", "prefill,decode,mixed", "--mixed-chunk", "8",
                "--steps", "2", "--iters", "2", "--out", str(out)])
   assert rc == 0
   _check_json(out)
@@ -205,7 +220,8 @@ def _check_json(out):
   rep = json.loads((out / "profile.json").read_text())
   assert "CPU" in rep["note"] and "nominal" in rep["note"]
   cfg = config_lib.get("tiny")
-  assert [p["phase"] for p in rep["profiles"]] == ["prefill", "decode"]
+  assert [p["phase"] for p in rep["profiles"]] == ["prefill", "decode", "mixed"]
+  assert rep["profiles"][2]["chunk"] == 8 and "T=8" in rep["profiles"][2]["label"]
   for p in rep["profiles"]:
     assert p["error"] is None
     rows = {(r["layer"], r["op"]): r for r in p["rows"]}
@@ -243,7 +259,7 @@ def _check_trace(out):
   assert {"layer 0", "layer 1"} <= names
   assert all(e["dur"] >= 0 and e["ts"] >= 0 for e in xs)
   procs = [e for e in tr["traceEvents"] if e["ph"] == "M" and e["name"] == "process_name"]
-  assert len(procs) == 2  # one per configuration: prefill, decode
+  assert len(procs) == 3  # one per configuration: prefill, decode, mixed
 
 
 def test_kernels_without_metadata_join_the_op_around_them():
