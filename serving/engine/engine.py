@@ -722,6 +722,7 @@ class BatchingEngine(api.Engine):
     return bool(items)
 
   def _flush_seq(self, seq: _Seq, group) -> None:
+    """One request's deferred (seq, token, logprobs, silent, reason) items of a step."""
     p = seq.params
     if p.stop:  # a stop string ends the request at the token that completes it
       chunks = [[item] for item in group]
