@@ -199,7 +199,7 @@ def _split_range(length, block_kv: int, s, splits: int):
 def _kv_head0(layer_ref, k_ref, hkv):
   """First kv head of the layer: k_ref is [layers * Hkv, pages, page, D]."""
   n_layers = k_ref.shape[0] // hkv
-  return jnp.minimum(jnp.maximum(layer_ref[0], 0), n_layers - 1) * hkv
+  return dsl.layer_index(layer_ref, n_layers) * hkv
 
 
 def _length(lengths_ref, b, table_ref, page):
@@ -509,12 +509,10 @@ def _attention_decode_mosaic(q, k_pages, v_pages, lengths, page_table, layer=Non
   hkv, _, page, _ = k_pages.shape[-4:]
   # A whole layer stack is read in place: [L, Hkv, ...] viewed as [L * Hkv,
   # ...] (a free reshape) and the kernel offsets the kv head by layer * Hkv.
+  layer_arr = dsl.layer_operand(layer if k_pages.ndim == 5 else None)  # clamped in the kernel
   if k_pages.ndim == 5:
-    layer_arr = jnp.asarray(layer, jnp.int32).reshape(1)  # clamped in the kernel
     k_pages = k_pages.reshape(-1, *k_pages.shape[2:])
     v_pages = v_pages.reshape(-1, *v_pages.shape[2:])
-  else:
-    layer_arr = jnp.zeros((1,), jnp.int32)
   max_pages = page_table.shape[1]
   g = hq // hkv
   tiles = dsl.cdiv(tq * g, ROWS)
@@ -611,12 +609,7 @@ def _check(q, k_pages, v_pages, lengths, page_table, layer=None):
     if k_pages.ndim != 5:
       raise ValueError(f"with layer=, k_pages must be [layers, Hkv, num_pages, page_size, D], "
                        f"got {k_pages.shape=}")
-    if isinstance(layer, (int, np.integer)):
-      if not 0 <= layer < k_pages.shape[0]:
-        raise ValueError(f"{layer=} is out of range for {k_pages.shape[0]} layers")
-    elif not hasattr(layer, "dtype") or jnp.shape(layer) != () or not jnp.issubdtype(
-        layer.dtype, jnp.integer):
-      raise ValueError(f"layer must be an int or an integer scalar array, got {layer!r}")
+    dsl.check_layer(layer, k_pages.shape[0])
   if v_pages.shape != k_pages.shape:
     raise ValueError(f"{v_pages.shape=} must equal {k_pages.shape=}")
   b, tq, hq, d = q.shape
@@ -645,13 +638,6 @@ def _check(q, k_pages, v_pages, lengths, page_table, layer=None):
 
 def _scale(sm_scale, d) -> float:
   return float(d ** -0.5 if sm_scale is None else sm_scale)
-
-
-def _layer(pages, layer):
-  """The pages of one layer: a [L, Hkv, ...] stack indexed, or ``pages`` as given."""
-  if layer is None:
-    return pages
-  return lax.dynamic_index_in_dim(pages, jnp.asarray(layer, jnp.int32), 0, keepdims=False)
 
 
 def attention_decode_mosaic(q, k_pages, v_pages, lengths, page_table, *, sm_scale=None,
@@ -805,7 +791,7 @@ def attention_decode_triton(q, k_pages, v_pages, lengths, page_table, *, sm_scal
   why = _triton_supports(q, k_pages, v_pages, lengths, page_table, layer=layer)
   if why:
     raise ValueError(f"attention_decode triton: {why}")
-  return _attention_decode_triton(q, _layer(k_pages, layer), _layer(v_pages, layer), lengths,
+  return _attention_decode_triton(q, dsl.take_layer(k_pages, layer), dsl.take_layer(v_pages, layer), lengths,
                                   page_table, _scale(sm_scale, q.shape[-1]), splits,
                                   pages_per_block)
 
@@ -876,7 +862,7 @@ def _attention_decode_xla(q, k_pages, v_pages, lengths, page_table, sm_scale: fl
 def attention_decode_xla(q, k_pages, v_pages, lengths, page_table, *, sm_scale=None,
                          layer=None):
   _check(q, k_pages, v_pages, lengths, page_table, layer)
-  return _attention_decode_xla(q, _layer(k_pages, layer), _layer(v_pages, layer), lengths,
+  return _attention_decode_xla(q, dsl.take_layer(k_pages, layer), dsl.take_layer(v_pages, layer), lengths,
                                page_table, _scale(sm_scale, q.shape[-1]))
 
 
@@ -885,7 +871,7 @@ def attention_decode_reference(q, k_pages, v_pages, lengths, page_table, *, sm_s
   """The meaning of the op, in float32 (the result stays float32)."""
   _check(q, k_pages, v_pages, lengths, page_table, layer)
   f32 = lambda x: jnp.asarray(x, jnp.float32)
-  k_pages, v_pages = _layer(k_pages, layer), _layer(v_pages, layer)
+  k_pages, v_pages = dsl.take_layer(k_pages, layer), dsl.take_layer(v_pages, layer)
   cap = page_table.shape[1] * k_pages.shape[2]
   lengths = jnp.minimum(jnp.asarray(lengths), cap)
   k = _gather(f32(k_pages), page_table)

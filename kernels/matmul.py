@@ -142,7 +142,7 @@ def _kernel(layer_gmem, a_gmem, b_gmem, bias_gmem, res_gmem, out_gmem, *, cfg: C
   """Warp-specialized persistent body; ``out_gmem`` is [M, N] ([M, N / 2] with
   swiglu) or [splits, M, N] split-K partials (the activation comes after their
   sum). b is a [L, K, N] stack (bias [L, N]) of which layer_gmem[0] is used."""
-  layer = jnp.minimum(jnp.maximum(layer_gmem[0], 0), b_gmem.shape[0] - 1)
+  layer = dsl.layer_index(layer_gmem, b_gmem.shape[0])
   b_gmem = b_gmem.at[layer]
   if bias_gmem is not None:
     bias_gmem = bias_gmem.at[layer]
@@ -274,9 +274,8 @@ def _num_sms() -> int:
 def _run(a, b, bias, residual, layer=None, *, cfg: Config, out_dtype, activation=None):
   """b [K, N] (bias [N]), or with ``layer`` a [L, K, N] stack (bias [L, N])."""
   if layer is None:  # one code path: a stack of one (free reshapes, a constant index)
-    b, bias, layer_arr = b[None], None if bias is None else bias[None], np.zeros((1,), np.int32)
-  else:
-    layer_arr = jnp.asarray(layer, jnp.int32).reshape(1)  # clamped in the kernel
+    b, bias = b[None], None if bias is None else bias[None]
+  layer_arr = dsl.layer_operand(layer)  # clamped in the kernel
   m, k = a.shape
   n = b.shape[-1]
   k_iters = dsl.cdiv(k, cfg.tile_k)
@@ -312,7 +311,7 @@ def _run(a, b, bias, residual, layer=None, *, cfg: Config, out_dtype, activation
   )
   out = call(*operands)
   if split_out:
-    bias = None if bias is None else _take(bias, layer_arr[0])
+    bias = None if bias is None else dsl.take_layer(bias, layer_arr[0])
     out = _epilogue(out.sum(axis=0), bias, residual, out_dtype, activation)
   return out
 
@@ -374,23 +373,13 @@ def _layer_view(b, bias, layer):
   [L, K, N] stack and bias [L, N]; a traced index is clamped to [0, L)."""
   if layer is None:
     return b, bias
-  if isinstance(layer, (int, np.integer)):
-    if getattr(b, "ndim", None) == 3 and not 0 <= layer < b.shape[0]:
-      raise ValueError(f"{layer=} is out of range for a stack of {b.shape[0]} weights")
-  elif (not hasattr(layer, "dtype") or jnp.shape(layer) != ()
-        or not jnp.issubdtype(layer.dtype, jnp.integer)):
-    raise ValueError(f"layer must be an int or an integer scalar array, got {layer!r}")
   if getattr(b, "ndim", None) != 3:
     raise ValueError(f"with layer=, b must be a [L, K, N] stack; got {jnp.shape(b)=}")
+  dsl.check_layer(layer, b.shape[0])
   if bias is not None and (bias.ndim != 2 or bias.shape[0] != b.shape[0]):
     raise ValueError(f"with layer=, bias must be [L, N] with L={b.shape[0]}; got {bias.shape=}")
   one = lambda x: None if x is None else jax.ShapeDtypeStruct(x.shape[1:], x.dtype)
   return one(b), one(bias)
-
-
-def _take(x, layer):
-  """x[layer] of a stack, sliced by XLA (clamped like the kernel's index)."""
-  return lax.dynamic_index_in_dim(x, jnp.asarray(layer, jnp.int32), 0, keepdims=False)
 
 
 def _check(a, b, bias, residual, out_dtype, activation=None, layer=None):
@@ -514,7 +503,7 @@ def matmul_mosaic(a, b, *, bias=None, residual=None, out_dtype=None, activation=
   n = b.shape[-1]
   if target_lib.current().kind == "blackwell":
     if layer is not None:  # the tcgen05 kernel takes one weight: XLA slices the layer
-      b, bias = _take(b, layer), None if bias is None else _take(bias, layer)
+      b, bias = dsl.take_layer(b, layer), dsl.take_layer(bias, layer)
     from kernels import matmul_blackwell as bw
 
     if config is not None and not isinstance(config, bw.Config):
@@ -557,7 +546,7 @@ def matmul_xla(a, b, *, bias=None, residual=None, out_dtype=None, activation=Non
   """cuBLAS (through XLA) with the epilogue left to XLA's fusion."""
   out_dtype = _check(a, b, bias, residual, out_dtype, activation, layer)
   if layer is not None:
-    b, bias = _take(b, layer), None if bias is None else _take(bias, layer)
+    b, bias = dsl.take_layer(b, layer), dsl.take_layer(bias, layer)
   return _xla(a, b, bias, residual, out_dtype, activation)
 
 
@@ -570,7 +559,7 @@ def matmul_reference(a, b, *, bias=None, residual=None, out_dtype=None, activati
   """The meaning of the op, in float32 (returned in float32)."""
   _check(a, b, bias, residual, out_dtype, activation, layer)
   if layer is not None:
-    b, bias = _take(b, layer), None if bias is None else _take(bias, layer)
+    b, bias = dsl.take_layer(b, layer), dsl.take_layer(bias, layer)
   f = lambda x: jnp.asarray(x, jnp.float32)
   out = jnp.dot(f(a), f(b), precision=lax.Precision.HIGHEST)
   return _epilogue(out, bias, residual, jnp.float32, activation)

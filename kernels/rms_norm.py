@@ -22,8 +22,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-import numpy as np
-
 from mosaic import registry, tuning
 from mosaic import target as target_lib
 from mosaic.dsl import jax, jnp, lax, pl, plgpu
@@ -61,7 +59,7 @@ def _normalize_rows(src, dst, w, eps: float):
 
 def _weight_row(layer_gmem, w_gmem):
   """The weight [D] of the [L, D] stack's row layer_gmem[0] (clamped)."""
-  return w_gmem.at[jnp.minimum(jnp.maximum(layer_gmem[0], 0), w_gmem.shape[0] - 1)]
+  return w_gmem.at[dsl.layer_index(layer_gmem, w_gmem.shape[0])]
 
 
 def _kernel_one_block(layer_gmem, x_gmem, w_gmem, o_gmem, x_smem, w_smem, bars, *, eps: float,
@@ -119,10 +117,9 @@ def _pick_config(rows: int, cols: int, dtype) -> Config:
 
 @functools.partial(jax.jit, static_argnames=("eps", "config"))
 def _rms_norm_mosaic(x, weight, eps: float, config: Config | None = None, layer=None):
+  layer_arr = dsl.layer_operand(layer)  # clamped in the kernel
   if layer is None:  # one code path: a stack of one (a free reshape, a constant index)
-    weight, layer_arr = weight[None], np.zeros((1,), np.int32)
-  else:
-    layer_arr = jnp.asarray(layer, jnp.int32).reshape(1)  # clamped in the kernel
+    weight = weight[None]
   shape = x.shape
   cols = shape[-1]
   x2 = x.reshape(-1, cols)
@@ -163,12 +160,7 @@ def _check(x, weight, layer=None):
     if weight.ndim != 2 or weight.shape[1] != x.shape[-1]:
       raise ValueError(f"with layer=, weight must be a [L, {x.shape[-1]}] stack; "
                        f"got {weight.shape=}")
-    if isinstance(layer, (int, np.integer)):
-      if not 0 <= layer < weight.shape[0]:
-        raise ValueError(f"{layer=} is out of range for a stack of {weight.shape[0]}")
-    elif (not hasattr(layer, "dtype") or jnp.shape(layer) != ()
-          or not jnp.issubdtype(layer.dtype, jnp.integer)):
-      raise ValueError(f"layer must be an int or an integer scalar array, got {layer!r}")
+    dsl.check_layer(layer, weight.shape[0])
   if jnp.dtype(x.dtype).name not in DTYPES:
     raise ValueError(f"{x.dtype=} is not supported; supported: {DTYPES}")
 
@@ -179,16 +171,9 @@ def rms_norm_mosaic(x, weight, *, eps: float = 1e-6, config: Config | None = Non
   return _rms_norm_mosaic(x, weight, float(eps), config, layer)
 
 
-def _take(weight, layer):
-  """weight[layer] of a stack, sliced by XLA (None: weight as given)."""
-  if layer is None:
-    return weight
-  return lax.dynamic_index_in_dim(weight, jnp.asarray(layer, jnp.int32), 0, keepdims=False)
-
-
 def rms_norm_xla(x, weight, *, eps: float = 1e-6, layer=None):
   _check(x, weight, layer)
-  weight = _take(weight, layer)
+  weight = dsl.take_layer(weight, layer)
   xf = x.astype(jnp.float32)
   ms = jnp.mean(xf * xf, axis=-1, keepdims=True)
   return (xf * lax.rsqrt(ms + eps) * weight.astype(jnp.float32)).astype(x.dtype)
@@ -197,7 +182,7 @@ def rms_norm_xla(x, weight, *, eps: float = 1e-6, layer=None):
 def rms_norm_reference(x, weight, *, eps: float = 1e-6, layer=None):
   """The meaning of the op, in float32 (the result stays float32)."""
   _check(x, weight, layer)
-  weight = _take(weight, layer)
+  weight = dsl.take_layer(weight, layer)
   xf = jnp.asarray(x, jnp.float32)
   ms = jnp.mean(xf * xf, axis=-1, keepdims=True)
   return xf / jnp.sqrt(ms + eps) * jnp.asarray(weight, jnp.float32)

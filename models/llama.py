@@ -364,9 +364,7 @@ class Llama(nnx.Module):
 
     def attend(block, h, kc, vc, layer):
       q, k, v = block.attn.qkv(h, rope)
-      with jax.named_scope("kv_write"):
-        kc = kc.at[layer, :, page, slot].set(k.astype(kc.dtype))  # [B, T, Hkv, hd] rows
-        vc = vc.at[layer, :, page, slot].set(v.astype(vc.dtype))
+      kc, vc = _write_kv(kc, vc, layer, page, slot, k, v)
       with jax.named_scope("attention"):
         o = chunk_attention(q, k, v, kc, vc, layer)
       return o.reshape(b, t, -1).astype(h.dtype), kc, vc
@@ -434,9 +432,7 @@ class Llama(nnx.Module):
 
     def attend(block, h, kc, vc, layer):
       q, k, v = block.attn.qkv(h, rope)  # [1, N, H, hd]
-      with jax.named_scope("kv_write"):
-        kc = kc.at[layer, :, page, slot].set(k.astype(kc.dtype))
-        vc = vc.at[layer, :, page, slot].set(v.astype(vc.dtype))
+      kc, vc = _write_kv(kc, vc, layer, page, slot, k, v)
       with jax.named_scope("attention"):
         od = ops()["attention_decode"](q[0, :bd, None], kc, vc, dec_lengths, dec_table,
                                        layer=layer)  # [Bd, 1, Hq, hd]
@@ -476,9 +472,7 @@ class Llama(nnx.Module):
 
     def attend(block, h, kc, vc, layer):
       q, k, v = block.attn.qkv(h, rope)
-      with jax.named_scope("kv_write"):
-        kc = kc.at[layer, :, page, slot].set(k.astype(kc.dtype))
-        vc = vc.at[layer, :, page, slot].set(v.astype(vc.dtype))
+      kc, vc = _write_kv(kc, vc, layer, page, slot, k, v)
       if cfg.sliding_window is None:
         with jax.named_scope("attention"):
           # layer=: the kernel reads this layer's pages from the stack in place
@@ -503,6 +497,13 @@ def _chunk_slots(positions, lengths, t, page_table, page_size):
   tpos = positions[:, None] + jnp.arange(t, dtype=jnp.int32)
   valid = jnp.arange(t)[None, :] < lengths[:, None]
   return (tpos, valid) + _page_slot(tpos, valid, page_table, page_size)
+
+
+def _write_kv(kc, vc, layer, page, slot, k, v):
+  """k/v [B, T, Hkv, hd] into the layer's cache at each token's (page, slot) [B, T]."""
+  with jax.named_scope("kv_write"):
+    return (kc.at[layer, :, page, slot].set(k.astype(kc.dtype)),
+            vc.at[layer, :, page, slot].set(v.astype(vc.dtype)))
 
 
 def _page_slot(tpos, valid, page_table, page_size):

@@ -30,6 +30,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -63,6 +64,43 @@ def cdiv(a: int, b: int) -> int:
 
 def round_up(a: int, b: int) -> int:
   return cdiv(a, b) * b
+
+
+# --------------------------------------------------------------------------
+# Layer stacks: an op given ``layer=`` reads one layer of a [L, ...] stack in
+# place, so a layer scan hands its kernels the same buffers every iteration
+# (XLA re-records a command buffer whose kernel arguments moved).
+
+
+def check_layer(layer, num_layers: int) -> None:
+  """``layer`` is an int in [0, num_layers) or an integer scalar array (a
+  traced index is clamped where it is used)."""
+  if isinstance(layer, (int, np.integer)):
+    if not 0 <= layer < num_layers:
+      raise ValueError(f"{layer=} is out of range for a stack of {num_layers}")
+  elif (not hasattr(layer, "dtype") or jnp.shape(layer) != ()
+        or not jnp.issubdtype(layer.dtype, jnp.integer)):
+    raise ValueError(f"layer must be an int or an integer scalar array, got {layer!r}")
+
+
+def take_layer(x, layer):
+  """x[layer] of a stack, sliced by XLA (clamped); ``x`` itself when layer or x
+  is None (an optional operand, e.g. a bias)."""
+  if layer is None or x is None:
+    return x
+  return lax.dynamic_index_in_dim(x, jnp.asarray(layer, jnp.int32), 0, keepdims=False)
+
+
+def layer_operand(layer):
+  """The int32[1] kernel operand holding ``layer`` (a constant 0 for None)."""
+  if layer is None:
+    return np.zeros((1,), np.int32)
+  return jnp.asarray(layer, jnp.int32).reshape(1)
+
+
+def layer_index(layer_ref, num_layers: int):
+  """In a kernel: the layer of ``layer_operand``, clamped to [0, num_layers)."""
+  return jnp.minimum(jnp.maximum(layer_ref[0], 0), num_layers - 1)
 
 
 # --------------------------------------------------------------------------
