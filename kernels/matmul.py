@@ -476,8 +476,13 @@ def fit_smem(cfg: Config, in_itemsize: int = 2, out_itemsize: int = 2) -> Config
   return cfg
 
 
+# Row buckets of the tuning table: the decode batches (1, 16, 64), the mixed
+# step's decode batch plus a prompt chunk (64 + 64, 64 + 128), and prefill.
+M_BUCKETS = (1, 16, 64, 128, 192, 256, 2048, 8192)
+
+
 def tuning_key(m: int, n: int, k: int, dtype) -> str:
-  return tuning.shape_key(m=tuning.bucket(m), n=n, k=k, dtype=jnp.dtype(dtype).name)
+  return tuning.shape_key(m=tuning.bucket(m, M_BUCKETS), n=n, k=k, dtype=jnp.dtype(dtype).name)
 
 
 def pick_config(m: int, n: int, k: int, dtype, activation=None) -> Config:

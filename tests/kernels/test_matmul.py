@@ -68,6 +68,9 @@ MOSAIC_CASES = [
                  id="multi-epilogue-pieces"),
     pytest.param(16, 320, 128, C(tile_m=64, tile_n=64, stages=2, persistent=False), True, True,
                  None, jnp.bfloat16, id="one-cta-per-tile-partial-n"),
+    # The mixed step's rows (decode batch + prompt chunk) in one 192-row tile.
+    pytest.param(136, 128, 128, C(tile_m=192, tile_n=64, stages=2), False, True, None,
+                 jnp.bfloat16, id="192-row-tile"),
 ]
 
 
