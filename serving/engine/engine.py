@@ -188,6 +188,11 @@ class BatchingEngine(api.Engine):
       raise ValueError(f"the largest of {config.batch_buckets=} must be {config.max_batch=}")
     self.chunk_buckets = _pow2_buckets(config.min_chunk, config.prefill_chunk, 4)
     self.row_buckets = _pow2_buckets(1, config.prefill_rows, 4)
+    # Page-table widths of continued chunks (a prefix in the cache): they
+    # attend over their rows' pages gathered up to the table's width, so a
+    # table as wide as the context would gather and attend max_pages pages for
+    # every chunk, whatever its length. Bucketed (x4) so warm-up compiles each.
+    self.table_buckets = _pow2_buckets(1, self.max_pages, 4)
     eos = tuple(getattr(self.tok, "eos_ids", ()) or ())
     bos = getattr(self.tok, "bos_id", None)
     self.eos_ids = frozenset(eos)
@@ -606,16 +611,20 @@ class BatchingEngine(api.Engine):
     tokens = np.zeros((rows, t), np.int32)
     positions = np.zeros((rows,), np.int32)
     lengths = np.zeros((rows,), np.int32)
-    table = np.zeros((rows, self.max_pages), np.int32)
+    slots = np.zeros((rows,), np.int32)
     finishing: list[_Seq | None] = [None] * rows
     for i, (seq, n) in enumerate(chunks):
       tokens[i, :n] = seq.tokens[seq.computed:seq.computed + n]
-      positions[i], lengths[i] = seq.computed, n
-      table[i] = self._slot_table[seq.slot]
+      positions[i], lengths[i], slots[i] = seq.computed, n, seq.slot
       seq.computed += n
       self._register_blocks(seq)
       if seq.computed == seq.num_tokens:
         finishing[i] = seq
+    width = self.max_pages  # fresh chunks gather nothing: one shape
+    if positions.any():
+      width = _bucket(-(-int((positions + lengths).max()) // self.page_size), self.table_buckets)
+    table = self._slot_table[slots, :width]  # a copy
+    table[len(chunks):] = 0
     return tokens, positions, lengths, table, finishing
 
   def _register_blocks(self, seq: _Seq) -> None:
@@ -825,28 +834,34 @@ class BatchingEngine(api.Engine):
       for t in self.chunk_buckets:
         # Positions 0 and 1: a model may compile fresh prompts and continued
         # chunks (prefix in the cache) apart. Rows of length 0 write nothing.
-        for pos in (0, 1) if self.config.warmup_continued else (0,):
+        for pos, w in self._warm_tables() if self.config.warmup_continued else ((0, table_w),):
           logits = self.runner.prefill(np.zeros((rows, t), np.int32),
                                        np.full((rows,), pos, np.int32),
-                                       np.zeros((rows,), np.int32),
-                                       np.zeros((rows, table_w), np.int32))
+                                       np.zeros((rows,), np.int32), np.zeros((rows, w), np.int32))
         self._warm_sampling(logits, rows)
         if self.mixed and t in self._mixed_chunks:
           b = self.batch_buckets[-1]
           # Mixed steps split prompts across steps: continued chunks are the rule.
-          for pos in (0, 1):
+          for pos, w in self._warm_tables():
             logits = self.runner.mixed(
                 sampling.take(self._last_tok, np.zeros((b,), np.int32)),
                 np.zeros((b,), np.int32), np.zeros((b, table_w), np.int32),
                 np.zeros((rows, t), np.int32), np.full((rows,), pos, np.int32),
-                np.zeros((rows,), np.int32), np.zeros((rows, table_w), np.int32))
+                np.zeros((rows,), np.int32), np.zeros((rows, w), np.int32))
           self._warm_sampling(logits, b + rows)
     jax.block_until_ready(self._counts)
     del v
+    chunk_shapes = len(self._warm_tables()) if self.config.warmup_continued else 1
     log.info("warm-up compiled %d decode, %d prefill and %d mixed shapes in %.1f s",
-             len(self.batch_buckets), len(self.row_buckets) * len(self.chunk_buckets),
-             len(self.row_buckets) * len(self._mixed_chunks) * self.mixed,
-             time.perf_counter() - t0)
+             len(self.batch_buckets),
+             len(self.row_buckets) * len(self.chunk_buckets) * chunk_shapes,
+             len(self.row_buckets) * len(self._mixed_chunks) * len(self._warm_tables())
+             * self.mixed, time.perf_counter() - t0)
+
+  def _warm_tables(self):
+    """(position, page-table width) of each chunk shape warm-up compiles: a
+    fresh chunk with the full table, a continued one at each width bucket."""
+    return ((0, self.max_pages),) + tuple((1, w) for w in self.table_buckets)
 
   def _warm_sampling(self, logits, b):
     arrays = sampling.pack([], [], [], [], b)

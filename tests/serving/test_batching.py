@@ -130,7 +130,10 @@ def test_warmup_compiles_every_shape_steady_state_does_not():
       max_seq_len=128, warmup=True))
   with running(engine) as (server, c):
     compiled = model._fwd._cache_size()
-    assert compiled == 2 + 2 * 2  # decode buckets + prefill rows x chunk buckets
+    # decode buckets + prefill rows x chunk buckets x page-table widths (the toy
+    # model compiles a fresh chunk's full table as the widest continued one's)
+    assert engine.table_buckets == (1, 4, 16)
+    assert compiled == 2 + 2 * 2 * 3
     with concurrent.futures.ThreadPoolExecutor(6) as pool:
       list(pool.map(lambda p: _ids(c, p, max_tokens=5), _prompts(6, seed=9)))
     assert model._fwd._cache_size() == compiled
@@ -218,6 +221,19 @@ def test_mixed_steps_keep_outputs_on_the_llama_decoder():
     if mixed:
       engine.warmup()  # the mixed shapes too: steady state must not compile
       compiled = [f._cache_size() for f in runner._fast] + [sampling.greedy._cache_size()]
+      widths, run_mixed = [], runner.mixed
+
+      def spy(*args):
+        positions, lengths, table = args[4:]
+        # A continued chunk gets the bucketed width its rows need, not the
+        # whole context's (its attention gathers that many pages per row).
+        if positions.any():
+          need = -(-int((positions + lengths).max()) // 8)
+          widths.append(table.shape[1])
+          assert table.shape[1] in engine.table_buckets and table.shape[1] >= need
+        return run_mixed(*args)
+
+      runner.mixed = spy
     sub = lambda i: engine.submit(api.Request(  # noqa: E731
         f"r{i}", prompt_ids=prompts[i], add_bos=False,
         sampling=api.SamplingParams(max_tokens=6, ignore_eos=True)))
@@ -232,6 +248,7 @@ def test_mixed_steps_keep_outputs_on_the_llama_decoder():
       assert [f._cache_size() for f in runner._fast] + [sampling.greedy._cache_size()] == compiled
     calls[mixed] = engine.mixed_steps_run
     assert engine.stats().pages_in_use == 0
+  assert min(widths) < engine.max_pages, widths
   assert calls[False] == 0 and calls[True] > 0
   assert outs[True] == outs[False]
   assert all(len(o) == 6 for o in outs[True])
