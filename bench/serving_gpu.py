@@ -171,6 +171,10 @@ def main():
   ap.add_argument("--input-len", type=int, default=512)
   ap.add_argument("--output-len", type=int, default=256)
   ap.add_argument("--concurrency", type=int, default=64)
+  ap.add_argument("--requests-per-stream", type=int, default=2,
+                  help="requests of the concurrency run per stream: 2 times it in two waves "
+                       "(the first prefill overlaps nothing); more approach steady state, "
+                       "where streams are out of step and prompts arrive while others decode")
   ap.add_argument("--max-seq-len", type=int, default=4096)
   ap.add_argument("--page-size", type=int, help="default: the decode kernel's")
   ap.add_argument("--warmup-continued", action="store_true",
@@ -179,6 +183,8 @@ def main():
   ap.add_argument("--engine-process", action="store_true",
                   help="the engine in a process of its own (serving.engine.process)")
   a = ap.parse_args()
+  if a.requests_per_stream < 1:
+    ap.error(f"--requests-per-stream must be >= 1, got {a.requests_per_stream}")
   out = pathlib.Path(a.out)
   out.mkdir(parents=True, exist_ok=True)
 
@@ -212,7 +218,8 @@ def main():
                        "decode_steps": a.decode_steps, "stream_interval": a.stream_interval,
                        "mixed_steps": a.mixed_steps,
                        "decode_prefill_budget": a.decode_prefill_budget,
-                       "engine_process": a.engine_process}
+                       "engine_process": a.engine_process,
+                       "requests_per_stream": a.requests_per_stream}
 
   # 1. correctness before timing.
   from serving.client import Client
@@ -234,7 +241,7 @@ def main():
         f"{'ok' if summary['correct'] else 'MISMATCH'}", flush=True)
   del ref_cache
 
-  n1, n64 = (2, cmax) if a.quick else (4, 2 * cmax)
+  n1, n64 = (2, cmax) if a.quick else (4, a.requests_per_stream * cmax)
   io = dict(input_len=n_in, output_len=a.output_len)
   try:
     # Each run draws other prompts (--seed): a prefix-cache hit would time a

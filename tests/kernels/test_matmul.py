@@ -257,7 +257,9 @@ def test_config_validation(bad):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("m,n,k", [(8192, 8192, 8192), (2048, 6144, 4096), (1, 28672, 4096),
-                                   (64, 4096, 14336), (304, 1088, 1088), (7, 49152, 576)])
+                                   (64, 4096, 14336), (304, 1088, 1088), (7, 49152, 576),
+                                   # the mixed step's 64 decode rows + a 128-token chunk
+                                   (192, 6144, 4096), (192, 4096, 14336), (136, 4096, 4096)])
 def test_mosaic_gpu_full_size(m, n, k):
   a, b, bias, res = _inputs(m, n, k)
   out = registry.get_op("matmul")(a, b, bias=bias, residual=res, backend="mosaic")
@@ -266,7 +268,7 @@ def test_mosaic_gpu_full_size(m, n, k):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("m,n,k", [(1, 28672, 4096), (16, 28672, 4096), (2048, 28672, 4096),
-                                   (8, 3072, 576)])
+                                   (192, 28672, 4096), (8, 3072, 576)])
 def test_swiglu_gpu_full_size(m, n, k):
   a, b, _, _ = _inputs(m, n, k)
   out = registry.get_op("matmul")(a, b, activation="swiglu", backend="mosaic")
