@@ -170,8 +170,14 @@ def main(argv=None):
   rows, tune_log, winners = [], [], {}
   todo = shapes(args.small, args.smollm2)
   def pick(spec):
-    keep = set(spec.split(","))
-    return [s for s in todo if s[0] in keep or f"{s[0]}:{s[1]}" in keep]
+    """Shapes by name ("qkv": every M of MS) or name:M, for any M (e.g. lm_head:72)."""
+    keep, out = set(spec.split(",")), [s for s in todo if s[0] in set(spec.split(","))]
+    for item in keep:
+      name, _, m = item.partition(":")
+      layer = next((s for s in todo if s[0] == name), None)
+      if m and layer is not None:
+        out.append((name, int(m)) + layer[2:])
+    return out
 
   if args.only:
     todo = pick(args.only)

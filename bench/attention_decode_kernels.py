@@ -1,0 +1,71 @@
+"""Where a paged decode attention call spends its device time, kernel by kernel.
+
+One ``attention_decode`` call on the mosaic backend is our kernel plus, with
+split-K, the small XLA kernels that merge the splits' partials. This times
+each kernel alone with CUPTI (Mosaic GPU's profiler, not aggregated), on
+fresh random bf16 K/V pages in random order, at the issue's shapes (Hq 32,
+Hkv 8, D 128), after checking the output against the float32 reference:
+
+    PYTHONPATH=. python3 bench/attention_decode_kernels.py --out DIR
+
+writes ``attention_decode_kernels.json``: per shape, each kernel's median us.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kernels import attention_decode as ad
+from mosaic import bench, testing
+
+HQ, HKV, D = 32, 8, 128
+SHAPES = ((1, 131072), (8, 32768), (64, 4096), (1, 512))
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--out", required=True)
+  p.add_argument("--iters", type=int, default=30)
+  a = p.parse_args(argv)
+  from jax.experimental.mosaic.gpu import profiler  # GPU only (CUPTI)
+
+  page = ad.DEFAULT_PAGE_SIZE
+  f = jax.jit(ad.attention_decode_mosaic)
+  out = {}
+  for b, length in SHAPES:
+    pages = length // page
+    n = b * pages + 1  # page 0 unused: the table never points at it
+    rng = np.random.default_rng(b)
+    table = jnp.asarray(rng.permutation(np.arange(1, n))[:b * pages].reshape(b, pages), jnp.int32)
+    lengths = jnp.full((b,), length, jnp.int32)
+    # Enough input sets that each call reads its K/V from HBM, not L2.
+    count = bench.cold_sets(2 * b * length * HKV * D * 2)
+    sets = [(q, kp, vp, lengths, table) for q, kp, vp in (
+        testing.random_inputs([(b, 1, HQ, D), (HKV, n, page, D), (HKV, n, page, D)],
+                              jnp.bfloat16, seed=i) for i in range(count))]
+    testing.assert_close(f(*sets[0]), ad.attention_decode_reference(*sets[0]), jnp.bfloat16)
+    for s in sets:  # compiled and warm before anything is timed
+      jax.block_until_ready(f(*s))
+    measure = profiler.measure(f, aggregate=False)
+    times = collections.defaultdict(list)
+    for i in range(a.iters):
+      _, kernels = measure(*sets[i % count])
+      for name, ms in kernels:
+        times[name].append(ms * 1e3)
+    out[f"B={b} L={length}"] = {k: float(np.median(v)) for k, v in times.items()}
+    print(f"B={b} L={length}", json.dumps(out[f"B={b} L={length}"]), flush=True)
+  path = pathlib.Path(a.out)
+  path.mkdir(parents=True, exist_ok=True)
+  (path / "attention_decode_kernels.json").write_text(json.dumps(out, indent=1) + "\n")
+  return 0
+
+
+if __name__ == "__main__":
+  raise SystemExit(main())
