@@ -102,9 +102,11 @@ class EngineConfig:
   # Prompt tokens per step while requests decode (default: what token_budget
   # leaves). A small value prefills prompts a little each step, so decoding
   # requests are not held up by long prefills (a steadier inter-token
-  # latency). It is not free: on the H200, with 128-token chunks mixed in,
-  # the median Llama-3-8B engine step at batch 64 took 9.0 ms, against 6.2 ms
-  # for a decode step alone (bench/results/serving_h200/mixed_steps/).
+  # latency). It is not free: on the H200 a Llama-3-8B mixed step of 64
+  # decode rows and a 128-token chunk takes 8.0 ms, against 6.3 ms for the
+  # decode step alone. At c=64 this ties separate calls in throughput, with a
+  # lower median TTFT and tail ITL but a higher median ITL and tail TTFT
+  # (bench/results/serving_h200/mixed_trimmed_tables/).
   decode_prefill_budget: int | None = None
 
   def __post_init__(self):
