@@ -171,12 +171,11 @@ def main(argv=None):
   todo = shapes(args.small, args.smollm2)
   def pick(spec):
     """Shapes by name ("qkv": every M of MS) or name:M, for any M (e.g. lm_head:72)."""
-    keep, out = set(spec.split(",")), [s for s in todo if s[0] in set(spec.split(","))]
-    for item in keep:
+    out = []
+    for item in dict.fromkeys(spec.split(",")):  # once each, in order
       name, _, m = item.partition(":")
-      layer = next((s for s in todo if s[0] == name), None)
-      if m and layer is not None:
-        out.append((name, int(m)) + layer[2:])
+      layer = [s for s in todo if s[0] == name]
+      out += layer if not m else [(name, int(m)) + layer[0][2:]] if layer else []
     return out
 
   if args.only:
