@@ -40,16 +40,17 @@ def main(argv=None) -> int:
   f = jax.jit(ad.attention_decode_mosaic)
   out = {}
   for b, length in SHAPES:
-    pages = length // page
-    n = b * pages + 1  # page 0 unused: the table never points at it
-    rng = np.random.default_rng(b)
-    table = jnp.asarray(rng.permutation(np.arange(1, n))[:b * pages].reshape(b, pages), jnp.int32)
     lengths = jnp.full((b,), length, jnp.int32)
     # Enough input sets that each call reads its K/V from HBM, not L2.
     count = bench.cold_sets(2 * b * length * HKV * D * 2)
-    sets = [(q, kp, vp, lengths, table) for q, kp, vp in (
-        testing.random_inputs([(b, 1, HQ, D), (HKV, n, page, D), (HKV, n, page, D)],
-                              jnp.bfloat16, seed=i) for i in range(count))]
+    sets = []
+    for i in range(count):
+      q, k, v = testing.random_inputs([(b, 1, HQ, D), (b, length, HKV, D), (b, length, HKV, D)],
+                                      jnp.bfloat16, seed=i)
+      # Pages in random order, the same table for K and V (same seed).
+      (kp, table), (vp, _) = (ad.contiguous_to_paged(x, page, seed=b) for x in (k, v))
+      sets.append((q, kp, vp, lengths, table))
+      del k, v
     testing.assert_close(f(*sets[0]), ad.attention_decode_reference(*sets[0]), jnp.bfloat16)
     for s in sets:  # compiled and warm before anything is timed
       jax.block_until_ready(f(*s))

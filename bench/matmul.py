@@ -175,7 +175,9 @@ def main(argv=None):
     for item in dict.fromkeys(spec.split(",")):  # once each, in order
       name, _, m = item.partition(":")
       layer = [s for s in todo if s[0] == name]
-      out += layer if not m else [(name, int(m)) + layer[0][2:]] if layer else []
+      if layer and m:
+        layer = [(name, int(m)) + layer[0][2:]]  # (name, M, N, K)
+      out += layer
     return out
 
   if args.only:

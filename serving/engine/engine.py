@@ -832,11 +832,15 @@ class BatchingEngine(api.Engine):
               self._last_tok, steps=self.config.decode_steps, greedy_only=greedy_only,
               logprobs=lp)
           self._counts, self._last_tok = out[4], out[5]
+    # (position, page-table width) of each chunk shape: position 0 is a fresh
+    # chunk with the full table, position 1 a continued one at each width
+    # bucket (a model may compile the two apart).
+    chunk_tables = ((0, table_w),) + tuple((1, w) for w in self.table_buckets)
+    prefill_tables = chunk_tables if self.config.warmup_continued else chunk_tables[:1]
     for rows in self.row_buckets:
       for t in self.chunk_buckets:
-        # Positions 0 and 1: a model may compile fresh prompts and continued
-        # chunks (prefix in the cache) apart. Rows of length 0 write nothing.
-        for pos, w in self._warm_tables() if self.config.warmup_continued else ((0, table_w),):
+        # Rows of length 0 write nothing.
+        for pos, w in prefill_tables:
           logits = self.runner.prefill(np.zeros((rows, t), np.int32),
                                        np.full((rows,), pos, np.int32),
                                        np.zeros((rows,), np.int32), np.zeros((rows, w), np.int32))
@@ -844,7 +848,7 @@ class BatchingEngine(api.Engine):
         if self.mixed and t in self._mixed_chunks:
           b = self.batch_buckets[-1]
           # Mixed steps split prompts across steps: continued chunks are the rule.
-          for pos, w in self._warm_tables():
+          for pos, w in chunk_tables:
             logits = self.runner.mixed(
                 sampling.take(self._last_tok, np.zeros((b,), np.int32)),
                 np.zeros((b,), np.int32), np.zeros((b, table_w), np.int32),
@@ -853,17 +857,11 @@ class BatchingEngine(api.Engine):
           self._warm_sampling(logits, b + rows)
     jax.block_until_ready(self._counts)
     del v
-    chunk_shapes = len(self._warm_tables()) if self.config.warmup_continued else 1
     log.info("warm-up compiled %d decode, %d prefill and %d mixed shapes in %.1f s",
              len(self.batch_buckets),
-             len(self.row_buckets) * len(self.chunk_buckets) * chunk_shapes,
-             len(self.row_buckets) * len(self._mixed_chunks) * len(self._warm_tables())
-             * self.mixed, time.perf_counter() - t0)
-
-  def _warm_tables(self):
-    """(position, page-table width) of each chunk shape warm-up compiles: a
-    fresh chunk with the full table, a continued one at each width bucket."""
-    return ((0, self.max_pages),) + tuple((1, w) for w in self.table_buckets)
+             len(self.row_buckets) * len(self.chunk_buckets) * len(prefill_tables),
+             len(self.row_buckets) * len(self._mixed_chunks) * len(chunk_tables) * self.mixed,
+             time.perf_counter() - t0)
 
   def _warm_sampling(self, logits, b):
     arrays = sampling.pack([], [], [], [], b)

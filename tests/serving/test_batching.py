@@ -228,7 +228,7 @@ def test_mixed_steps_keep_outputs_on_the_llama_decoder():
         # A continued chunk gets the bucketed width its rows need, not the
         # whole context's (its attention gathers that many pages per row).
         if positions.any():
-          need = -(-int((positions + lengths).max()) // 8)
+          need = -(-int((positions + lengths).max()) // engine.page_size)
           widths.append(table.shape[1])
           assert table.shape[1] in engine.table_buckets and table.shape[1] >= need
         return run_mixed(*args)
