@@ -267,7 +267,7 @@ def _kernel(layer_gmem, a_gmem, b_gmem, bias_gmem, res_gmem, out_gmem, *, cfg: C
 def _num_sms() -> int:
   if dsl.interpreting():
     return 4
-  return jax.devices()[0].core_count
+  return target_lib.current().ceilings.sms
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "out_dtype", "activation"))

@@ -108,7 +108,10 @@ def layer_index(layer_ref, num_layers: int):
 
 
 def interpreting() -> bool:
-  """True when kernels run in the interpreter (no GPU, or forced by env)."""
+  """True when kernels run in the interpreter (no GPU, or forced by env);
+  never while tracing for another machine (``target.override``)."""
+  if target_lib.overridden():
+    return not target_lib.on_gpu()
   if os.environ.get("MOSAIC_INTERPRET", "") == "1":
     return True
   return not target_lib.on_gpu()

@@ -7,10 +7,17 @@ TFLOP/s, HBM GB/s, SM count, SMEM per block). Datasheet ceilings are the
 starting point; a measured calibration file overrides them:
 ``mosaic/calibration/<device_key>.json`` in the tree, or the file named by
 ``MOSAIC_CALIBRATION``. Utilization figures (mosaic.cost) divide by these.
+
+``override(target)`` makes ``current()`` answer another machine inside a
+``with`` block: kernels then trace for that machine (compiled, its tuning
+table) on any host, which is how ``mosaic.testing.lower_for_gpu`` checks the
+GPU lowering of every kernel on a CPU-only machine.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
 import json
@@ -107,22 +114,59 @@ def load_calibration(key: str) -> Ceilings | None:
   return None
 
 
-def make(platform: str, name: str, compute_capability: str | None) -> Target:
+def make(platform: str, name: str, compute_capability: str | None,
+         sms: int | None = None) -> Target:
+  """The Target of a device; ``sms`` (the device's own count) replaces the
+  datasheet's, which does not know every part."""
   kind = kind_of(platform, compute_capability)
   key = device_key(name)
   ceilings = load_calibration(key)
   if ceilings is None:
     ceilings = _CPU if kind == "cpu" else _DATASHEET.get(key, _GENERIC_GPU)
+  if sms and kind != "cpu" and sms != ceilings.sms:
+    ceilings = dataclasses.replace(ceilings, sms=int(sms))
   return Target(kind, name, compute_capability, ceilings)
 
 
+_OVERRIDE: contextvars.ContextVar[Target | None] = contextvars.ContextVar(
+    "mosaic_target_override", default=None)
+
+
 @functools.cache
-def current() -> Target:
+def _device_target() -> Target:
   import jax
 
   dev = jax.devices()[0]
   cc = getattr(dev, "compute_capability", None) if dev.platform == "gpu" else None
-  return make(dev.platform, dev.device_kind, cc)
+  sms = getattr(dev, "core_count", None) if dev.platform == "gpu" else None
+  return make(dev.platform, dev.device_kind, cc, sms)
+
+
+def current() -> Target:
+  return _OVERRIDE.get() or _device_target()
+
+
+def overridden() -> bool:
+  """True inside ``override``."""
+  return _OVERRIDE.get() is not None
+
+
+@contextlib.contextmanager
+def override(target: Target):
+  """``current()`` is ``target`` inside the block. jax's trace caches are
+  cleared on entry and exit, so that nothing traced for one machine is
+  reused for the other."""
+  import jax
+
+  if not isinstance(target, Target):
+    raise TypeError(f"override takes a Target (target.make(...)), got {type(target).__name__}")
+  jax.clear_caches()
+  token = _OVERRIDE.set(target)
+  try:
+    yield target
+  finally:
+    _OVERRIDE.reset(token)
+    jax.clear_caches()
 
 
 def on_gpu() -> bool:

@@ -6,12 +6,20 @@ a key that changes every call unless a seed is given (so a test that passes by
 accident on one draw does not pass forever), and never returns zeros.
 ``poisoned`` builds an output buffer full of NaN, for kernels that write into
 a given buffer: any element the kernel forgets stays NaN and fails.
+
+``lower_for_gpu(fn, *args, device=...)`` lowers ``fn`` for CUDA as it would
+run on that GPU (kernels compiled, not interpreted, with that device's tuning
+table), on any host: interpret mode checks a kernel's logic, this checks that
+its Mosaic GPU lowering (layouts, TMA transforms, barriers, wgmma or tcgen05
+shapes) goes through. It stops short of ptxas, which needs the GPU toolchain.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
+import re
 import time
 
 import jax
@@ -85,3 +93,37 @@ def random_inputs(shapes, dtype, seed: int | None = None, scale: float = 1.0):
 def poisoned(shape, dtype) -> jax.Array:
   """An output buffer of NaN: elements a kernel does not write fail the check."""
   return jnp.full(shape, jnp.nan, dtype)
+
+
+# Devices lower_for_gpu knows by name: (jax device kind, compute capability, SMs).
+GPUS = {
+    "h200": ("NVIDIA H200", "9.0", 132),
+    "b200": ("NVIDIA B200", "10.0", 148),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Lowered:
+  """What lower_for_gpu made: the StableHLO text and its Mosaic GPU kernels."""
+
+  text: str
+  mosaic_kernels: int  # distinct Mosaic GPU kernels (a kernel called twice lowers once)
+  host_callbacks: int  # custom calls back into Python (an interpreted kernel)
+  kernel_results: tuple[str, ...]  # each kernel's result type, e.g. "tensor<64x6144xbf16>"
+
+
+def lower_for_gpu(fn, *args, device: str = "h200", **kwargs) -> Lowered:
+  """Lowers ``jax.jit(fn)(*args, **kwargs)`` for ``device`` (a key of GPUS);
+  ``args`` may be jax.ShapeDtypeStruct. Raises what the lowering raises."""
+  from mosaic import target as target_lib
+
+  if device not in GPUS:
+    raise ValueError(f"unknown device {device!r}; known: {sorted(GPUS)}")
+  name, cc, sms = GPUS[device]
+  with target_lib.override(target_lib.make("gpu", name, cc, sms)):
+    exported = jax.export.export(jax.jit(fn), platforms=["cuda"])(*args, **kwargs)
+    text = exported.mlir_module()
+  calls = [line for line in text.splitlines() if "stablehlo.custom_call @mosaic_gpu" in line]
+  results = tuple(re.sub(r"\s+loc\(.*$", "", line.rsplit("->", 1)[-1]).strip() for line in calls)
+  return Lowered(text=text, mosaic_kernels=len(calls), host_callbacks=text.count("callback"),
+                 kernel_results=results)

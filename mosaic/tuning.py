@@ -90,6 +90,11 @@ def _load(path: pathlib.Path) -> dict[str, dict[str, Any]]:
   return data["entries"]
 
 
+def entries(op: str, device_key: str | None = None) -> dict[str, dict[str, Any]]:
+  """The tuning table of ``op`` on a device (this one by default): key -> config dict."""
+  return dict(_load(table_path(op, device_key)))
+
+
 def lookup(op: str, key: str, config_cls: type[C], heuristic: Callable[[], C],
            device_key: str | None = None) -> C:
   """The tuned config for ``key`` on this device, else ``heuristic()``."""

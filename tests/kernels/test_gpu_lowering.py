@@ -1,0 +1,254 @@
+"""Every kernel's GPU path lowers for the H200 (and matmul's for the B200), on CPU.
+
+Interpret mode checks a kernel's logic but never builds its Mosaic GPU
+program. These tests lower each kernel for CUDA as it would run on the GPU:
+compiled, with the device's tuning table, at the shapes the model and the
+benchmarks run (decode and prefill, split-K and 192-row tiles, fused SwiGLU,
+layer stacks, FA3's overlap and ping-pong schedules, paged decode with splits
+and the persistent grid), and the whole Llama-3-8B decode and prefill steps.
+A layout, transform, barrier or MMA-shape error in any of them fails here.
+No test runs a kernel; ptxas is not reached (it needs the GPU toolchain).
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from kernels import attention_decode as ad
+from kernels import attention_prefill as ap
+from kernels import matmul as mm
+from kernels import rms_norm as rn
+from mosaic import dsl, target as target_lib, testing, tuning
+
+S = jax.ShapeDtypeStruct
+BF16, F16, F32, I32 = jnp.bfloat16, jnp.float16, jnp.float32, jnp.int32
+
+
+def _lower(fn, *args, device="h200", kernels=1, **kwargs):
+  lowered = testing.lower_for_gpu(fn, *args, device=device, **kwargs)
+  assert lowered.host_callbacks == 0, "a kernel was interpreted, not compiled"
+  assert lowered.mosaic_kernels == kernels, lowered.mosaic_kernels
+  return lowered
+
+
+def test_override_is_scoped_and_restores_the_machine(monkeypatch):
+  before = (dsl.interpreting(), target_lib.current())
+  h200 = target_lib.make("gpu", "NVIDIA H200", "9.0", 132)
+  monkeypatch.setenv("MOSAIC_INTERPRET", "1")  # tracing for the H200 compiles anyway
+  with target_lib.override(h200):
+    assert target_lib.current() is h200 and not dsl.interpreting()
+    assert mm.pick_config(16, 4096, 4096, BF16).split_k > 1  # the H200 table's entry
+  monkeypatch.delenv("MOSAIC_INTERPRET")
+  assert (dsl.interpreting(), target_lib.current()) == before
+  with pytest.raises(TypeError, match="Target"):
+    with target_lib.override("NVIDIA H200"):
+      pass
+  with pytest.raises(ValueError, match="known"):
+    testing.lower_for_gpu(lambda x: x, S((1,), F32), device="h300")
+
+
+def test_a_config_interpret_mode_runs_fails_to_lower():
+  # 32-element K blocks run in interpret mode, but Mosaic GPU finds no
+  # register layout for them: only the lowering shows it.
+  cfg = mm.Config(tile_m=64, tile_n=128, tile_k=32)
+  with pytest.raises(ValueError, match="layout"):
+    testing.lower_for_gpu(lambda a, b: mm.matmul_mosaic(a, b, config=cfg),
+                          S((128, 512), BF16), S((512, 512), BF16))
+
+
+def _table(op):
+  return tuning.entries(op, "nvidia_h200")
+
+
+def _key(key):
+  return {k: v for k, v in (kv.split("=") for kv in key.split(","))}
+
+
+@pytest.mark.parametrize("key", list(_table("matmul")))
+def test_every_h200_matmul_table_entry_lowers(key):
+  d = _key(key)
+  m, n, k, dt = int(d["m"]), int(d["n"]), int(d["k"]), jnp.dtype(d["dtype"])
+  cfg = mm.Config.from_dict(_table("matmul")[key])
+  _lower(lambda a, b: mm.matmul_mosaic(a, b, config=cfg), S((m, k), dt), S((k, n), dt))
+
+
+@pytest.mark.parametrize("key", list(_table("attention_prefill")))
+def test_every_h200_attention_prefill_table_entry_lowers(key):
+  d = _key(key)
+  dh, dt, causal = int(d["head_dim"]), jnp.dtype(d["dtype"]), d["causal"] == "1"
+  cfg = ap.Config.from_dict(_table("attention_prefill")[key])
+  _lower(lambda q, k, v: ap.attention_prefill_mosaic(q, k, v, causal=causal, config=cfg),
+         S((1, 2048, 32, dh), dt), S((1, 2048, 8, dh), dt), S((1, 2048, 8, dh), dt))
+
+
+@pytest.mark.parametrize("key", list(_table("attention_decode")))
+def test_every_h200_attention_decode_table_entry_lowers(key):
+  d = _key(key)
+  page, dh, dt, b = int(d["page"]), int(d["head_dim"]), jnp.dtype(d["dtype"]), int(d["batch"])
+  width = int(d["pages"])  # pages per sequence
+  cfg = ad.Config.from_dict(_table("attention_decode")[key])
+  cache = S((8, b * width + 1, page, dh), dt)
+  _lower(lambda q, k, v, n, t: ad.attention_decode_mosaic(q, k, v, n, t, config=cfg),
+         S((b, 1, 32, dh), dt), cache, cache, S((b,), I32), S((b, width), I32))
+
+
+@pytest.mark.parametrize("key", list(_table("rms_norm")))
+def test_every_h200_rms_norm_table_entry_lowers(key):
+  d = _key(key)
+  cols, dt = int(d["cols"]), jnp.dtype(d["dtype"])
+  cfg = rn.Config.from_dict(_table("rms_norm")[key])
+  _lower(lambda x, w: rn.rms_norm_mosaic(x, w, config=cfg), S((4096, cols), dt), S((cols,), dt))
+
+
+MATMULS = {
+    # name: (M, N, K, kwargs)
+    "decode_split_k_residual": (16, 4096, 4096, dict(residual=True)),
+    "decode_m1_qkv": (1, 6144, 4096, {}),
+    "decode_swiglu": (1, 28672, 4096, dict(activation="swiglu")),
+    "mixed_192_rows": (192, 4096, 4096, dict(residual=True)),
+    "mixed_lm_head_72": (72, 128256, 4096, dict(out_dtype=F32)),
+    "prefill_bias_residual": (2048, 4096, 4096, dict(bias=True, residual=True)),
+    "prefill_swiglu": (2048, 28672, 4096, dict(activation="swiglu")),
+    # Partial tiles in M, N and K (M a multiple of 8, N and K of 64, as TMA needs).
+    "ragged": (104, 960, 320, dict(bias=True)),
+    "fp16_in_fp32_out": (256, 512, 512, dict(dtype=F16, out_dtype=F32)),
+}
+
+
+@pytest.mark.parametrize("name", MATMULS)
+def test_matmul_lowers_for_h200(name):
+  m, n, k, kw = MATMULS[name]
+  kw = dict(kw)
+  dt = kw.pop("dtype", BF16)
+  args = [S((m, k), dt), S((k, n), dt)]
+  names = []
+  for opt, shape in (("bias", (n,)), ("residual", (m, n))):
+    if kw.pop(opt, False):
+      args.append(S(shape, dt))
+      names.append(opt)
+
+  def f(a, b, *rest):
+    return mm.matmul_mosaic(a, b, **dict(zip(names, rest)), **kw)
+
+  _lower(f, *args)
+
+
+def test_matmul_layer_stack_lowers_for_h200():
+  _lower(lambda a, b, layer: mm.matmul_mosaic(a, b, layer=layer),
+         S((64, 4096), BF16), S((4, 4096, 6144), BF16), S((), I32))
+
+
+@pytest.mark.parametrize("m", [16, 256])
+def test_matmul_lowers_for_b200_through_the_tcgen05_kernel(m, monkeypatch):
+  from kernels import matmul_blackwell as bw
+
+  calls = []
+  real = bw.run
+  monkeypatch.setattr(bw, "run", lambda *a, **k: calls.append(1) or real(*a, **k))
+  _lower(lambda a, b, r: mm.matmul_mosaic(a, b, residual=r),
+         S((m, 4096), BF16), S((4096, 4096), BF16), S((m, 4096), BF16), device="b200")
+  assert calls, "the Blackwell target did not take the tcgen05 kernel"
+
+
+PREFILLS = {
+    # name: (B, Sq, Skv, Hq, Hkv, D, kwargs)
+    "d128_noncausal_overlap": (1, 1024, 1024, 32, 32, 128, dict(causal=False)),
+    "d128_causal_pingpong": (1, 1024, 1024, 32, 8, 128, dict(causal=True)),
+    "d64_causal": (1, 1024, 1024, 32, 32, 64, dict(causal=True)),
+    "gqa_64_8_lse": (2, 512, 512, 64, 8, 128, dict(causal=True, return_lse=True)),
+    "cached_prefix": (1, 300, 1000, 32, 8, 128, dict(causal=True)),
+    "sliding_window_fp16": (1, 1024, 1024, 32, 8, 128, dict(causal=True, sliding_window=256,
+                                                           dtype=F16)),
+}
+
+
+@pytest.mark.parametrize("name", PREFILLS)
+def test_attention_prefill_lowers_for_h200(name):
+  b, sq, skv, hq, hkv, d, kw = PREFILLS[name]
+  kw = dict(kw)
+  dt = kw.pop("dtype", BF16)
+  _lower(lambda q, k, v: ap.attention_prefill_mosaic(q, k, v, **kw),
+         S((b, sq, hq, d), dt), S((b, skv, hkv, d), dt), S((b, skv, hkv, d), dt))
+
+
+@pytest.mark.parametrize("schedule", ["pingpong", "overlap", "overlap_nopp", "p_smem"])
+def test_attention_prefill_schedules_lower_for_h200(schedule):
+  cfg = {"pingpong": ap.Config(pingpong=True, overlap=False),
+         "overlap": ap.Config(pingpong=True, overlap=True),
+         "overlap_nopp": ap.Config(pingpong=False, overlap=True),
+         "p_smem": ap.Config(p_smem=True, acc_in_place=False)}[schedule]
+  _lower(lambda q, k, v, s: ap.attention_prefill_mosaic(
+      q, k, v, causal=True, q_segment_ids=s, kv_segment_ids=s, config=cfg),
+      S((1, 2048, 32, 128), BF16), S((1, 2048, 8, 128), BF16), S((1, 2048, 8, 128), BF16),
+      S((1, 2048), I32))
+
+
+DECODES = {
+    # name: (B, Tq, L, pages, config): one kernel, plus the split merge in XLA
+    "b1_long_splits": (1, 1, 131072, 2100, None),
+    "b64_no_split": (64, 1, 4096, 4200, None),
+    "speculative_tq4": (8, 4, 2048, 300, None),
+    "persistent": (256, 1, 512, 2100, ad.Config(pages_per_step=1, stages=2, blocks_per_sm=2)),
+}
+
+
+@pytest.mark.parametrize("name", DECODES)
+def test_attention_decode_lowers_for_h200(name):
+  b, tq, length, pages, cfg = DECODES[name]
+  page = ad.DEFAULT_PAGE_SIZE
+  kw = {} if cfg is None else {"config": cfg}
+  _lower(lambda q, k, v, n, t: ad.attention_decode_mosaic(q, k, v, n, t, **kw),
+         S((b, tq, 32, 128), BF16), S((8, pages, page, 128), BF16),
+         S((8, pages, page, 128), BF16), S((b,), I32), S((b, -(-length // page)), I32))
+
+
+def test_attention_decode_layer_stack_lowers_for_h200():
+  page = ad.DEFAULT_PAGE_SIZE
+  _lower(lambda q, k, v, n, t, layer: ad.attention_decode_mosaic(q, k, v, n, t, layer=layer),
+         S((16, 1, 32, 128), BF16), S((4, 8, 600, page, 128), BF16),
+         S((4, 8, 600, page, 128), BF16), S((16,), I32), S((16, 64), I32), S((), I32))
+
+
+@pytest.mark.parametrize("rows", [1, 64, 8192])
+def test_rms_norm_lowers_for_h200(rows):
+  _lower(lambda x, w: rn.rms_norm_mosaic(x, w), S((rows, 4096), BF16), S((4096,), BF16))
+  _lower(lambda x, w, layer: rn.rms_norm_mosaic(x, w, layer=layer),
+         S((rows, 4096), BF16), S((32, 4096), BF16), S((), I32))
+
+
+def _llama_8b():
+  from flax import nnx
+
+  from models import config as config_lib
+  from models import llama
+
+  cfg = config_lib.get("llama3.1-8b")
+  abstract = nnx.eval_shape(lambda: llama.Llama(cfg, dtype=BF16, rngs=nnx.Rngs(0)))
+  graphdef, params = nnx.split(abstract)
+  params = jax.tree.map(lambda x: S(x.shape, x.dtype), params)
+  cache = jax.eval_shape(lambda: llama.init_cache(cfg, 1400, ad.DEFAULT_PAGE_SIZE))
+  return llama, graphdef, params, cache
+
+
+@pytest.mark.parametrize("step", ["decode", "prefill"])
+def test_llama_8b_steps_lower_for_h200_on_mosaic_kernels(step):
+  llama, graphdef, params, cache = _llama_8b()
+  names = llama.backends(attention_prefill="mosaic", attention_decode="mosaic",
+                         matmul="mosaic", rms_norm="mosaic")
+  b, t, width = (64, 1, 64) if step == "decode" else (1, 2048, 32)
+  if step == "decode":
+    fn = lambda p, c, tok, n, tab: llama.decode_step(graphdef, p, c, tok, n, tab, backends=names)
+    args = (S((b, 1), I32), S((b,), I32), S((b, width), I32))
+  else:
+    fn = lambda p, c, tok, pos, n, tab: llama.prefill_step(graphdef, p, c, tok, pos, n, tab,
+                                                          backends=names)
+    args = (S((b, t), I32), S((b,), I32), S((b,), I32), S((b, width), I32))
+  # In the layer scan: the norm (both norms call one kernel), qkv, attention,
+  # o, gate_up with the SwiGLU gate, down; after it the final norm and lm_head.
+  lowered = _lower(fn, params, cache, *args, kernels=8)
+  rows = b * t
+  outs = " ".join(lowered.kernel_results)
+  for want in (f"{rows}x6144xbf16", f"{rows}x14336xbf16", f"{b}x128256xf32"):
+    assert want in outs, (want, lowered.kernel_results)
