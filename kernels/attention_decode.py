@@ -29,6 +29,13 @@ log-sum-exp, merged by a small jnp combine step. Only the packed rows of Q
 and of the output travel through HBM (rounded up to 8 rows; fewer than 8
 rows as they are, so that a decode step needs no padding copy of Q).
 
+fp8 pages (``float8_e4m3fn``, ``kv_scales`` = (k_scale, v_scale), one pair
+or one per layer): the ring holds the fp8 pages, half the HBM bytes; each
+step converts its K and V tiles into two f16 SMEM tiles for the wgmmas
+(Hopper converts fp8 to f16 only, so Q and P run in f16 too); k_scale folds
+into the score scale and v_scale into the output's normalization, both exact.
+``quantize_pages`` and ``fp8_scale`` make such pages.
+
 ``Config.blocks_per_sm > 0`` selects ``_persistent_kernel`` instead: a grid of
 k blocks per SM, each looping over work items with its copy ring running
 across item boundaries (short sequences keep HBM busy between items).
@@ -53,6 +60,12 @@ DEFAULT_PAGE_SIZE = 64
 MAX_TQ = 8  # speculative verification checks at most 8 tokens per step
 DTYPES = ("bfloat16", "float16", "float32")
 KERNEL_DTYPES = ("bfloat16", "float16")
+# fp8 pages: the cache holds K / k_scale and V / v_scale (``quantize_pages``).
+FP8_DTYPES = ("float8_e4m3fn",)
+FP8_MAX = 448.0  # the largest finite float8_e4m3fn
+# Hopper converts fp8 to f16 only (not bf16), so with fp8 pages the tensor
+# cores run Q, K, P and V in f16; the dequantized values are exact in f16.
+FP8_COMPUTE = jnp.float16
 ROWS = 64  # wgmma M: one warpgroup's tile of packed (token, head) rows
 _LOG2E = math.log2(math.e)
 # Running max before any visible key: finite so that exp2(m_old - m_new) is 1,
@@ -103,7 +116,7 @@ def _mosaic_kernel(lengths_ref, table_ref, layer_ref, q_ref, k_ref, v_ref, *refs
                    group: int,
                    page: int, pages_per_step: int, stages: int, splits: int,
                    scale: float, split_out: bool, io_rows: int, store_rows: int,
-                   stage_out: bool):
+                   stage_out: bool, fp8: bool):
   """One block: (sequence b, kv head h, split s, row tile r).
 
   Only the first ``io_rows`` rows of the tile (the packed rows rounded up to
@@ -112,7 +125,11 @@ def _mosaic_kernel(lengths_ref, table_ref, layer_ref, q_ref, k_ref, v_ref, *refs
   fewer than 8, from an untiled buffer). The rest of the SMEM tile is never
   loaded and never stored. Its rows compute garbage that stays in those rows
   (softmax and both matmuls are row-wise) and is dropped.
+
+  With ``fp8``, a scales input follows v_ref and two f16 buffers the K and V
+  of one step are converted into come before the barriers.
   """
+  refs, scale, v_scale, cvt = _fp8_refs(refs, layer_ref, scale, fp8)
   if split_out:
     o_ref, lse_ref, q_smem, k_smem, v_smem, p_smem, o_smem, lse_smem, bars = refs
   elif stage_out:
@@ -157,7 +174,8 @@ def _mosaic_kernel(lengths_ref, table_ref, layer_ref, q_ref, k_ref, v_ref, *refs
   def body(i, carry):
     slot = lax.rem(i, jnp.int32(stages))
     carry = _attend_step(carry, ids, slot, (first_step + i) * block_kv, length, q_smem, k_smem,
-                         v_smem, p_smem, k_bars, v_bars, tq=tq, group=group, scale=scale)
+                         v_smem, p_smem, k_bars, v_bars, tq=tq, group=group, scale=scale,
+                         cvt=cvt)
 
     # Both wgmmas of this step are complete (their results were read), so
     # the slot is free for the step `stages` ahead.
@@ -168,7 +186,7 @@ def _mosaic_kernel(lengths_ref, table_ref, layer_ref, q_ref, k_ref, v_ref, *refs
     return carry
 
   acc, m_i, l_i = lax.fori_loop(0, n_steps, body, (acc, m_i, l_i))
-  _store_output(acc, m_i, l_i, o_smem, lse_smem)
+  _store_output(acc, m_i, l_i, o_smem, lse_smem, v_scale)
   # store_rows < 8: exactly the packed rows leave, from an untiled buffer; a
   # wider box would spill into the next head's rows in HBM.
   out = pl.ds(r * ROWS, store_rows)
@@ -178,6 +196,20 @@ def _mosaic_kernel(lengths_ref, table_ref, layer_ref, q_ref, k_ref, v_ref, *refs
   else:
     plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, store_rows)], o_ref.at[b, h, out])
   plgpu.wait_smem_to_gmem(0)
+
+
+def _fp8_refs(refs, layer_ref, scale, fp8: bool):
+  """(refs without the fp8 ones, the Q K^T scale, v_scale, (k16, v16) or None).
+
+  fp8 pages hold K / k_scale and V / v_scale: k_scale folds into the score
+  scale and v_scale into the output's normalization, both exact (the scores
+  and the output are linear in K and V)."""
+  if not fp8:
+    return refs, scale, None, None
+  scales_ref, *refs = refs
+  *refs, cvt, bars = refs
+  li = dsl.layer_index(layer_ref, scales_ref.shape[0])
+  return (*refs, bars), scale * scales_ref[li, 0], scales_ref[li, 1], cvt
 
 
 # The clamps below run on scalars inside the kernel: as XLA ops in front of it
@@ -229,16 +261,25 @@ def _ids(block_kv, r):
 
 
 def _attend_step(carry, ids, slot, start, length, q_smem, k_smem, v_smem, p_smem, k_bars,
-                 v_bars, *, tq, group, scale):
-  """One key block (ring slot ``slot``, first key position ``start``)."""
+                 v_bars, *, tq, group, scale, cvt=None):
+  """One key block (ring slot ``slot``, first key position ``start``).
+
+  ``cvt``: (k16, v16) SMEM buffers; the slot's fp8 K and V are converted into
+  them for the tensor cores (the previous step's wgmmas, which read them,
+  have completed: their results were read)."""
   acc, m_i, l_i = carry
   row_ids, col_ids = ids
   rows, block_kv = row_ids.shape
   head_dim = acc.shape[-1]
   plgpu.barrier_wait(k_bars.at[slot])
+  k_tile = k_smem.at[slot]
+  if cvt is not None:
+    cvt[0][...] = k_tile[...].astype(cvt[0].dtype)
+    plgpu.commit_smem()  # read by the tensor cores next
+    k_tile = cvt[0]
 
   def qk_scope(acc_ref):
-    plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+    plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_tile, (1, 0)))
     return acc_ref[...]
 
   qk = pl.run_scoped(qk_scope, plgpu.ACC((rows, block_kv), jnp.float32))
@@ -251,11 +292,15 @@ def _attend_step(carry, ids, slot, start, length, q_smem, k_smem, v_smem, p_smem
   p = jnp.exp2(qk - lax.broadcast_in_dim(m_new, qk.shape, [0]))
   l_i = l_i * alpha + p.sum(axis=1)
   p_smem[...] = p.astype(p_smem.dtype)
-  plgpu.commit_smem()  # P is read by the tensor cores next
   plgpu.barrier_wait(v_bars.at[slot])
+  v_tile = v_smem.at[slot]
+  if cvt is not None:
+    cvt[1][...] = v_tile[...].astype(cvt[1].dtype)
+    v_tile = cvt[1]
+  plgpu.commit_smem()  # P (and V) are read by the tensor cores next
 
   def pv_scope(acc_ref):
-    plgpu.wgmma(acc_ref, p_smem, v_smem.at[slot])
+    plgpu.wgmma(acc_ref, p_smem, v_tile)
     return acc_ref[...]
 
   pv = pl.run_scoped(pv_scope, plgpu.ACC((rows, head_dim), jnp.float32))
@@ -263,10 +308,13 @@ def _attend_step(carry, ids, slot, start, length, q_smem, k_smem, v_smem, p_smem
   return acc, m_new, l_i
 
 
-def _store_output(acc, m_i, l_i, o_smem, lse_smem):
-  """Normalized output (0 for rows that saw no key) and log2-sum-exp into SMEM."""
+def _store_output(acc, m_i, l_i, o_smem, lse_smem, v_scale=None):
+  """Normalized output (0 for rows that saw no key; times ``v_scale`` for fp8
+  pages) and log2-sum-exp into SMEM."""
   seen = l_i > 0.0
   inv = jnp.where(seen, 1.0 / jnp.where(seen, l_i, 1.0), 0.0)
+  if v_scale is not None:
+    inv = inv * v_scale
   o_smem[...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(o_smem.dtype)
   if lse_smem is not None:
     lse_smem[...] = jnp.where(seen, m_i + jnp.log2(jnp.where(seen, l_i, 1.0)), -jnp.inf)
@@ -277,7 +325,7 @@ def _persistent_kernel(lengths_ref, table_ref, layer_ref, q_ref, k_ref, v_ref, *
                        group: int,
                        page: int, pages_per_step: int, stages: int,
                        scale: float, split_out: bool, io_rows: int, store_rows: int,
-                       dims: tuple[int, ...], grid_size: int):
+                       dims: tuple[int, ...], grid_size: int, fp8: bool):
   """A persistent block: work items c, c + grid, c + 2 grid, ... of (b, h, s, r).
 
   The K/V ring runs across item boundaries: while the last steps of one
@@ -287,6 +335,7 @@ def _persistent_kernel(lengths_ref, table_ref, layer_ref, q_ref, k_ref, v_ref, *
   item's output leaves through the Q buffer it came in (bf16 output) or a
   float32 staging buffer (split partials) while the next item computes.
   """
+  refs, scale, v_scale, cvt = _fp8_refs(refs, layer_ref, scale, fp8)
   if split_out:
     o_ref, lse_ref, q_smem, k_smem, v_smem, p_smem, o_smem, lse_smem, bars = refs
   else:
@@ -374,7 +423,7 @@ def _persistent_kernel(lengths_ref, table_ref, layer_ref, q_ref, k_ref, v_ref, *
       slot = lax.rem(gstep, jnp.int32(stages))
       state = _attend_step(state, ids, slot, (first + i) * block_kv, length, qb,
                            k_smem, v_smem, p_smem, k_bars, v_bars, tq=tq, group=group,
-                           scale=scale)
+                           scale=scale, cvt=cvt)
       valid = cursor[0] < n_local
 
       @pl.when(valid)
@@ -388,12 +437,12 @@ def _persistent_kernel(lengths_ref, table_ref, layer_ref, q_ref, k_ref, v_ref, *
     io = pl.ds(r * ROWS, io_rows)
     if split_out:
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # item j-1's partials have left
-      _store_output(*state, o_smem, lse_smem)
+      _store_output(*state, o_smem, lse_smem, v_scale)
       out = pl.ds(r * ROWS, store_rows)  # untiled float32 staging: exact rows
       plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, store_rows)], o_ref.at[s, b, h, out])
       plgpu.copy_smem_to_gmem(lse_smem.at[pl.ds(0, store_rows)], lse_ref.at[s, b, h, out])
     else:
-      _store_output(*state, qb, None)
+      _store_output(*state, qb, None, v_scale)
       plgpu.copy_smem_to_gmem(qb.at[pl.ds(0, io_rows)], o_ref.at[b, h, io])
     return cursor, gstep
 
@@ -409,10 +458,16 @@ def _num_sms() -> int:
   return target_lib.current().ceilings.sms if target_lib.on_gpu() else 132
 
 
-def _smem_bytes(cfg: Config, page: int, head_dim: int, dtype, split: bool) -> int:
+def _smem_bytes(cfg: Config, page: int, head_dim: int, dtype, split: bool,
+                kv_dtype=None) -> int:
+  """``dtype``: the tensor cores' (Q, P, output); ``kv_dtype``: the pages' (if
+  other: fp8, converted a step at a time into two buffers of ``dtype``)."""
   isz = jnp.dtype(dtype).itemsize
   block_kv = cfg.pages_per_step * page
-  b = 2 * cfg.stages * block_kv * head_dim * isz  # K and V rings
+  kv_isz = isz if kv_dtype is None else jnp.dtype(kv_dtype).itemsize
+  b = 2 * cfg.stages * block_kv * head_dim * kv_isz  # K and V rings
+  if kv_isz != isz:
+    b += 2 * block_kv * head_dim * isz  # the step's converted K and V
   b += ROWS * head_dim * isz + ROWS * block_kv * isz  # Q (and bf16 output), P
   if split:
     b += ROWS * head_dim * 4 + ROWS * 4  # float32 partial output and lse
@@ -425,9 +480,13 @@ SMEM_BUDGET = 220 * 1024  # what the heuristic plans for
 SMEM_LIMIT = 226 * 1024  # what a block may use on Hopper (227 KB), less barriers
 
 
-def _pick_config(batch, hkv, tiles, max_pages, page, head_dim, dtype) -> Config:
-  key = tuning.shape_key(page=page, head_dim=head_dim, dtype=jnp.dtype(dtype).name,
+def _pick_config(batch, hkv, tiles, max_pages, page, head_dim, dtype, kv_dtype=None) -> Config:
+  """``dtype``: the tensor cores'; ``kv_dtype``: the pages' if other (fp8),
+  which keys the table (fp8 pages have entries of their own)."""
+  kv_dtype = dtype if kv_dtype is None else kv_dtype
+  key = tuning.shape_key(page=page, head_dim=head_dim, dtype=jnp.dtype(kv_dtype).name,
                          batch=tuning.bucket(batch), pages=tuning.bucket(max_pages))
+  smem = lambda cfg, split: _smem_bytes(cfg, page, head_dim, dtype, split, kv_dtype)
 
   def heuristic():
     # Measured on H200 (bench/results/attention_decode.md): two stages win
@@ -439,9 +498,9 @@ def _pick_config(batch, hkv, tiles, max_pages, page, head_dim, dtype) -> Config:
     while pps & (pps - 1):
       pps -= 1
     cfg = Config(pages_per_step=pps, stages=2, splits=0)
-    while _smem_bytes(cfg, page, head_dim, dtype, True) > SMEM_BUDGET and cfg.pages_per_step > 1:
+    while smem(cfg, True) > SMEM_BUDGET and cfg.pages_per_step > 1:
       cfg = dataclasses.replace(cfg, pages_per_step=cfg.pages_per_step // 2)
-    if _smem_bytes(cfg, page, head_dim, dtype, True) > SMEM_BUDGET:
+    if smem(cfg, True) > SMEM_BUDGET:
       cfg = dataclasses.replace(cfg, stages=1)  # D=256 with 64-token pages: no room for 2
     if (cfg.pages_per_step * page) % 16:  # page is a multiple of 8: two pages make 16
       cfg = dataclasses.replace(cfg, pages_per_step=min(16, 2 * cfg.pages_per_step))
@@ -458,14 +517,15 @@ def _auto_splits(batch, hkv, tiles, n_steps) -> int:
   return max(1, min(s, n_steps // 2 if n_steps >= 4 else 1))
 
 
-def _stage_out(cfg: Config, rows: int, split_out: bool, page: int, head_dim: int, dtype) -> bool:
+def _stage_out(cfg: Config, rows: int, split_out: bool, page: int, head_dim: int, dtype,
+               kv_dtype=None) -> bool:
   """Whether a bf16 output of ``rows`` packed rows leaves through its own
   untiled buffer, exactly those rows. Fewer than 8 rows only (else the tiled
   Q buffer serves); split partials already have such a buffer; the persistent
   kernel's output leaves through its Q buffer and stays padded; and a config
   that fits in SMEM only without the extra buffer keeps the padded output."""
   return (rows < 8 and not split_out and cfg.blocks_per_sm == 0
-          and _smem_bytes(cfg, page, head_dim, dtype, False) <= SMEM_LIMIT)
+          and _smem_bytes(cfg, page, head_dim, dtype, False, kv_dtype) <= SMEM_LIMIT)
 
 
 def _hbm_rows(tq, g, exact: bool = True) -> int:
@@ -504,7 +564,13 @@ def _unpack_o(o, tq, hq):
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "config"))
 def _attention_decode_mosaic(q, k_pages, v_pages, lengths, page_table, layer=None,
-                             sm_scale: float = 1.0, config: Config | None = None):
+                             kv_scales=None, sm_scale: float = 1.0,
+                             config: Config | None = None):
+  """``kv_scales``: float32 [L or 1, 2] (k_scale, v_scale) with fp8 pages, else None."""
+  out_dtype = q.dtype
+  fp8 = kv_scales is not None
+  if fp8:
+    q = q.astype(FP8_COMPUTE)
   b, tq, hq, d = q.shape
   hkv, _, page, _ = k_pages.shape[-4:]
   # A whole layer stack is read in place: [L, Hkv, ...] viewed as [L * Hkv,
@@ -516,7 +582,8 @@ def _attention_decode_mosaic(q, k_pages, v_pages, lengths, page_table, layer=Non
   max_pages = page_table.shape[1]
   g = hq // hkv
   tiles = dsl.cdiv(tq * g, ROWS)
-  cfg = config or _pick_config(b, hkv, tiles, max_pages, page, d, q.dtype)
+  kv_dtype = k_pages.dtype
+  cfg = config or _pick_config(b, hkv, tiles, max_pages, page, d, q.dtype, kv_dtype)
   pps = cfg.pages_per_step
   if (pps * page) % 16 or pps * page > 256:
     raise ValueError(f"{cfg.pages_per_step=} x {page=} must be a multiple of 16 tokens and "
@@ -531,14 +598,16 @@ def _attention_decode_mosaic(q, k_pages, v_pages, lengths, page_table, layer=Non
   block_kv = pps * page
   dt = q.dtype
   persistent = cfg.blocks_per_sm > 0
-  stage_out = _stage_out(cfg, tq * g, split_out, page, d, dt)
+  stage_out = _stage_out(cfg, tq * g, split_out, page, d, dt, kv_dtype)
   rows = _hbm_rows(tq, g, exact=split_out or stage_out)  # of the output
   n_items = b * hkv * splits * tiles
   q_shape = (2, ROWS, d) if persistent else (ROWS, d)  # persistent: prefetch next item's Q
   scratch = [
       plgpu.SMEM(q_shape, dt, transforms=dsl.smem_transforms((ROWS, d), dt)),
-      plgpu.SMEM((cfg.stages, block_kv, d), dt, transforms=dsl.smem_transforms((block_kv, d), dt)),
-      plgpu.SMEM((cfg.stages, block_kv, d), dt, transforms=dsl.smem_transforms((block_kv, d), dt)),
+      plgpu.SMEM((cfg.stages, block_kv, d), kv_dtype,
+                 transforms=dsl.smem_transforms((block_kv, d), kv_dtype)),
+      plgpu.SMEM((cfg.stages, block_kv, d), kv_dtype,
+                 transforms=dsl.smem_transforms((block_kv, d), kv_dtype)),
       plgpu.SMEM((ROWS, block_kv), dt, transforms=dsl.smem_transforms((ROWS, block_kv), dt)),
   ]
   if split_out:
@@ -549,13 +618,16 @@ def _attention_decode_mosaic(q, k_pages, v_pages, lengths, page_table, layer=Non
     out_type = jax.ShapeDtypeStruct((b, hkv, rows, d), dt)
     if stage_out:
       scratch.append(plgpu.SMEM((ROWS, d), dt))
+  if fp8:
+    tile = plgpu.SMEM((block_kv, d), dt, transforms=dsl.smem_transforms((block_kv, d), dt))
+    scratch.append((tile, tile))
   scratch.append((
       plgpu.Barrier(num_barriers=2 if persistent else 1),
       plgpu.Barrier(num_arrivals=pps, num_barriers=cfg.stages),
       plgpu.Barrier(num_arrivals=pps, num_barriers=cfg.stages),
   ))
   common = dict(tq=tq, group=g, page=page, pages_per_step=pps, stages=cfg.stages,
-                scale=sm_scale, split_out=split_out,
+                scale=sm_scale, split_out=split_out, fp8=fp8,
                 io_rows=_io_rows(tq, g), store_rows=min(rows, _io_rows(tq, g)))
   if persistent:
     grid_size = min(n_items, _num_sms() * cfg.blocks_per_sm)
@@ -572,13 +644,13 @@ def _attention_decode_mosaic(q, k_pages, v_pages, lengths, page_table, layer=Non
       grid_names=names,
       scratch_types=scratch,
       compiler_params=plgpu.CompilerParams(approx_math=True),
-  )(lengths, page_table, layer_arr, qp, k_pages, v_pages)
+  )(lengths, page_table, layer_arr, qp, k_pages, v_pages, *([kv_scales] if fp8 else []))
   if split_out:
     o_parts, lse = out
     o = _combine(o_parts, lse, exp2=True)
   else:
     o = out
-  return _unpack_o(o, tq, hq).astype(dt)
+  return _unpack_o(o, tq, hq).astype(out_dtype)
 
 
 def _combine(o_parts, lse, exp2: bool):
@@ -595,7 +667,7 @@ def _combine(o_parts, lse, exp2: bool):
 # Public wrappers, validation
 
 
-def _check(q, k_pages, v_pages, lengths, page_table, layer=None):
+def _check(q, k_pages, v_pages, lengths, page_table, layer=None, kv_scales=None):
   for name, x in (("q", q), ("k_pages", k_pages), ("v_pages", v_pages), ("lengths", lengths),
                   ("page_table", page_table)):
     if not hasattr(x, "shape") or not hasattr(x, "dtype"):
@@ -627,34 +699,78 @@ def _check(q, k_pages, v_pages, lengths, page_table, layer=None):
                      f"{page_table.shape=} {page_table.dtype=}")
   if page_table.shape[1] == 0 or page == 0:
     raise ValueError(f"need at least one page: {page_table.shape=}, {k_pages.shape=}")
-  for name, x in (("q", q), ("k_pages", k_pages), ("v_pages", v_pages)):
-    if jnp.dtype(x.dtype).name not in DTYPES:
-      raise ValueError(f"{name}.dtype={jnp.dtype(x.dtype).name} is not supported; "
-                       f"supported: {DTYPES}")
-  if k_pages.dtype != q.dtype or v_pages.dtype != q.dtype:
-    raise ValueError(f"q, k_pages, v_pages must share a dtype: {q.dtype=}, "
-                     f"{k_pages.dtype=}, {v_pages.dtype=}")
+  if jnp.dtype(q.dtype).name not in DTYPES:
+    raise ValueError(f"q.dtype={jnp.dtype(q.dtype).name} is not supported; supported: {DTYPES}")
+  fp8 = jnp.dtype(k_pages.dtype).name in FP8_DTYPES
+  if k_pages.dtype != v_pages.dtype or not (fp8 or k_pages.dtype == q.dtype):
+    raise ValueError(f"q, k_pages, v_pages must share a dtype (or the pages both be one of "
+                     f"{FP8_DTYPES}): {q.dtype=}, {k_pages.dtype=}, {v_pages.dtype=}")
+  if kv_scales is not None:
+    if not fp8:
+      raise ValueError(f"kv_scales apply to fp8 pages ({FP8_DTYPES}) only; the pages are "
+                       f"{jnp.dtype(k_pages.dtype).name}")
+    if not hasattr(kv_scales, "shape"):
+      raise ValueError(f"kv_scales must be a float32 array, got {type(kv_scales).__name__}")
+    ok = [(2,)] + ([(k_pages.shape[0], 2)] if layer is not None else [])
+    if tuple(kv_scales.shape) not in ok or jnp.dtype(kv_scales.dtype) != jnp.float32:
+      raise ValueError(f"kv_scales must be float32 (k_scale, v_scale) of shape "
+                       f"{' or '.join(map(str, ok))}, got {kv_scales.shape} {kv_scales.dtype}")
 
 
 def _scale(sm_scale, d) -> float:
   return float(d ** -0.5 if sm_scale is None else sm_scale)
 
 
+def _scales_2d(k_pages, kv_scales):
+  """float32 [L or 1, 2] (k_scale, v_scale) for fp8 pages (1.0 if not given), else None."""
+  if jnp.dtype(k_pages.dtype).name not in FP8_DTYPES:
+    return None
+  if kv_scales is None:
+    return jnp.ones((1, 2), jnp.float32)
+  return jnp.asarray(kv_scales, jnp.float32).reshape(-1, 2)
+
+
+def _dequantize(pages, scales, which: int, layer):
+  """fp8 pages as float32 values times their scale (layer's row of [L, 2])."""
+  x = pages.astype(jnp.float32)
+  if scales is None:
+    return x
+  row = scales[0] if scales.shape[0] == 1 else dsl.take_layer(scales, layer)
+  return x * row[which]
+
+
+def quantize_pages(x, scale, dtype=FP8_DTYPES[0]):
+  """x / scale as fp8 (saturating at +-FP8_MAX): what an fp8 cache stores; read
+  back with ``kv_scales`` holding ``scale``."""
+  if jnp.dtype(dtype).name not in FP8_DTYPES:
+    raise ValueError(f"{dtype=} is not one of {FP8_DTYPES}")
+  y = jnp.asarray(x, jnp.float32) / jnp.asarray(scale, jnp.float32)
+  return jnp.clip(y, -FP8_MAX, FP8_MAX).astype(dtype)
+
+
+def fp8_scale(x) -> jax.Array:
+  """The per-tensor scale that maps max|x| to the fp8 maximum (1 for all zeros)."""
+  amax = jnp.max(jnp.abs(jnp.asarray(x, jnp.float32)))
+  return jnp.where(amax > 0, amax / FP8_MAX, 1.0).astype(jnp.float32)
+
+
 def attention_decode_mosaic(q, k_pages, v_pages, lengths, page_table, *, sm_scale=None,
-                            layer=None, config: Config | None = None):
-  _check(q, k_pages, v_pages, lengths, page_table, layer)
-  why = _mosaic_supports(q, k_pages, v_pages, lengths, page_table, layer=layer)
+                            layer=None, kv_scales=None, config: Config | None = None):
+  _check(q, k_pages, v_pages, lengths, page_table, layer, kv_scales)
+  why = _mosaic_supports(q, k_pages, v_pages, lengths, page_table, layer=layer,
+                         kv_scales=kv_scales)
   if why:
     raise ValueError(f"attention_decode mosaic: {why}")
   return _attention_decode_mosaic(q, k_pages, v_pages, lengths, page_table, layer,
+                                  _scales_2d(k_pages, kv_scales),
                                   sm_scale=_scale(sm_scale, q.shape[-1]), config=config)
 
 
-def _mosaic_supports(q, k_pages, v_pages, lengths, page_table, *, layer=None,
+def _mosaic_supports(q, k_pages, v_pages, lengths, page_table, *, layer=None, kv_scales=None,
                      **kwargs) -> str | None:
   del kwargs
   try:
-    _check(q, k_pages, v_pages, lengths, page_table, layer)
+    _check(q, k_pages, v_pages, lengths, page_table, layer, kv_scales)
   except ValueError as e:
     return str(e)
   t = target_lib.current()
@@ -783,12 +899,13 @@ def _attention_decode_triton(q, k_pages, v_pages, lengths, page_table, sm_scale:
 
 
 def attention_decode_triton(q, k_pages, v_pages, lengths, page_table, *, sm_scale=None,
-                            layer=None, splits: int = 0, pages_per_block: int = 0):
+                            layer=None, kv_scales=None, splits: int = 0, pages_per_block: int = 0):
   """Pallas Triton paged attention. With ``layer=``, the layer's pages are
   sliced out of the stack first (a copy: Triton block specs cannot take a
   run-time layer index)."""
-  _check(q, k_pages, v_pages, lengths, page_table, layer)
-  why = _triton_supports(q, k_pages, v_pages, lengths, page_table, layer=layer)
+  _check(q, k_pages, v_pages, lengths, page_table, layer, kv_scales)
+  why = _triton_supports(q, k_pages, v_pages, lengths, page_table, layer=layer,
+                         kv_scales=kv_scales)
   if why:
     raise ValueError(f"attention_decode triton: {why}")
   return _attention_decode_triton(q, dsl.take_layer(k_pages, layer), dsl.take_layer(v_pages, layer), lengths,
@@ -796,13 +913,15 @@ def attention_decode_triton(q, k_pages, v_pages, lengths, page_table, *, sm_scal
                                   pages_per_block)
 
 
-def _triton_supports(q, k_pages, v_pages, lengths, page_table, *, layer=None,
+def _triton_supports(q, k_pages, v_pages, lengths, page_table, *, layer=None, kv_scales=None,
                      **kwargs) -> str | None:
   del kwargs
   try:
-    _check(q, k_pages, v_pages, lengths, page_table, layer)
+    _check(q, k_pages, v_pages, lengths, page_table, layer, kv_scales)
   except ValueError as e:
     return str(e)
+  if jnp.dtype(k_pages.dtype).name in FP8_DTYPES:
+    return "fp8 pages are read by the mosaic, xla and reference backends, not this baseline"
   t = target_lib.current()
   if t.kind == "cpu" and not dsl.interpreting():
     return "Pallas Triton needs a CUDA GPU"
@@ -851,32 +970,39 @@ def _attend(q, k, v, lengths, scale, compute_dtype):
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale",))
-def _attention_decode_xla(q, k_pages, v_pages, lengths, page_table, sm_scale: float):
+def _attention_decode_xla(q, k_pages, v_pages, lengths, page_table, scales, layer,
+                          sm_scale: float):
   cap = page_table.shape[1] * k_pages.shape[2]
   lengths = jnp.minimum(lengths, cap)
   k = _gather(k_pages, page_table)
   v = _gather(v_pages, page_table)
+  if scales is not None:  # fp8: dequantized in the gathered copy
+    k = _dequantize(k, scales, 0, layer).astype(q.dtype)
+    v = _dequantize(v, scales, 1, layer).astype(q.dtype)
   return _attend(q, k, v, lengths, sm_scale, q.dtype).astype(q.dtype)
 
 
 def attention_decode_xla(q, k_pages, v_pages, lengths, page_table, *, sm_scale=None,
-                         layer=None):
-  _check(q, k_pages, v_pages, lengths, page_table, layer)
-  return _attention_decode_xla(q, dsl.take_layer(k_pages, layer), dsl.take_layer(v_pages, layer), lengths,
-                               page_table, _scale(sm_scale, q.shape[-1]))
+                         layer=None, kv_scales=None):
+  _check(q, k_pages, v_pages, lengths, page_table, layer, kv_scales)
+  return _attention_decode_xla(q, dsl.take_layer(k_pages, layer), dsl.take_layer(v_pages, layer),
+                               lengths, page_table, _scales_2d(k_pages, kv_scales), layer,
+                               _scale(sm_scale, q.shape[-1]))
 
 
 def attention_decode_reference(q, k_pages, v_pages, lengths, page_table, *, sm_scale=None,
-                               layer=None):
-  """The meaning of the op, in float32 (the result stays float32)."""
-  _check(q, k_pages, v_pages, lengths, page_table, layer)
-  f32 = lambda x: jnp.asarray(x, jnp.float32)
+                               layer=None, kv_scales=None):
+  """The meaning of the op, in float32 (the result stays float32); fp8 pages
+  mean their values times kv_scales."""
+  _check(q, k_pages, v_pages, lengths, page_table, layer, kv_scales)
+  scales = _scales_2d(k_pages, kv_scales)
   k_pages, v_pages = dsl.take_layer(k_pages, layer), dsl.take_layer(v_pages, layer)
   cap = page_table.shape[1] * k_pages.shape[2]
   lengths = jnp.minimum(jnp.asarray(lengths), cap)
-  k = _gather(f32(k_pages), page_table)
-  v = _gather(f32(v_pages), page_table)
-  return _attend(f32(q), k, v, lengths, _scale(sm_scale, q.shape[-1]), jnp.float32)
+  k = _gather(_dequantize(k_pages, scales, 0, layer), page_table)
+  v = _gather(_dequantize(v_pages, scales, 1, layer), page_table)
+  return _attend(jnp.asarray(q, jnp.float32), k, v, lengths, _scale(sm_scale, q.shape[-1]),
+                 jnp.float32)
 
 
 def contiguous_to_paged(k, page_size: int = DEFAULT_PAGE_SIZE, num_pages: int | None = None,
@@ -918,21 +1044,23 @@ op.set_defaults(hopper=("mosaic", "triton", "xla"), blackwell=("triton", "xla"),
                 cuda=("triton", "xla"), default=("xla",))
 
 
-def _try_check(*args, layer=None, **kwargs) -> str | None:
+def _try_check(*args, layer=None, kv_scales=None, **kwargs) -> str | None:
   del kwargs
   try:
-    _check(*args[:5], layer=layer)
+    _check(*args[:5], layer=layer, kv_scales=kv_scales)
   except (ValueError, TypeError) as e:
     return str(e)
   return None
 
 
 def attention_decode(q, k_pages, v_pages, lengths, page_table, *, sm_scale=None, layer=None,
-                     backend: str | None = None):
+                     kv_scales=None, backend: str | None = None):
   """See the module docstring. ``layer``: when given, k_pages/v_pages are the
   whole cache stack [layers, Hkv, pages, page_size, D] and this layer's pages
-  are attended (the Mosaic kernel reads them in place, no slice copy)."""
-  if layer is None:
-    return op(q, k_pages, v_pages, lengths, page_table, sm_scale=sm_scale, backend=backend)
-  return op(q, k_pages, v_pages, lengths, page_table, sm_scale=sm_scale, layer=layer,
-            backend=backend)
+  are attended (the Mosaic kernel reads them in place, no slice copy).
+  ``kv_scales``: with fp8 pages, float32 (k_scale, v_scale), [2] or per layer
+  [layers, 2]; the pages hold K / k_scale and V / v_scale (1.0 if not given)."""
+  kw = {} if layer is None else {"layer": layer}
+  if kv_scales is not None:
+    kw["kv_scales"] = kv_scales
+  return op(q, k_pages, v_pages, lengths, page_table, sm_scale=sm_scale, backend=backend, **kw)

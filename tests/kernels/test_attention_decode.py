@@ -298,3 +298,123 @@ def test_padded_output_fallback_is_correct(limit, monkeypatch):
   args = _case(3, 1, 8, 2, 64, 16, lengths=[1, 30, 47])
   out = ad.attention_decode_mosaic(*args, config=ad.Config(pages_per_step=1, stages=2, splits=1))
   testing.assert_close(out, ad.attention_decode_reference(*args), jnp.bfloat16)
+
+
+# --------------------------------------------------------------------------
+# fp8 pages: the cache holds K / k_scale and V / v_scale (float8_e4m3fn)
+
+
+F8 = jnp.float8_e4m3fn
+
+
+def _fp8_case(*shape_args, **kw):
+  """_case with its pages quantized at per-tensor scales: (args, kv_scales, f32 pages)."""
+  q, kp, vp, lengths, table = _case(*shape_args, **kw)
+  scales = jnp.stack([ad.fp8_scale(kp), ad.fp8_scale(vp)])
+  k8, v8 = ad.quantize_pages(kp, scales[0]), ad.quantize_pages(vp, scales[1])
+  deq = (k8.astype(jnp.float32) * scales[0], v8.astype(jnp.float32) * scales[1])
+  return (q, k8, v8, lengths, table), scales, deq
+
+
+def test_fp8_reference_means_the_scaled_values():
+  (q, k8, v8, lengths, table), scales, (kd, vd) = _fp8_case(3, 2, 8, 2, 64, 16,
+                                                           lengths=[1, 40, 0])
+  out = ad.attention_decode_reference(q, k8, v8, lengths, table, kv_scales=scales)
+  want = ad.attention_decode_reference(q.astype(jnp.float32), kd, vd, lengths, table)
+  testing.assert_close(out, want, tol=1e-6)
+  # Without scales the pages are read at scale 1.
+  one = ad.attention_decode_reference(q, k8, v8, lengths, table)
+  want1 = ad.attention_decode_reference(q.astype(jnp.float32), k8.astype(jnp.float32),
+                                        v8.astype(jnp.float32), lengths, table)
+  testing.assert_close(one, want1, tol=1e-6)
+
+
+def test_quantize_pages_round_trip_and_saturation():
+  x = testing.random_inputs([(4, 64, 16)], jnp.float32, scale=3.0)[0]
+  s = ad.fp8_scale(x)
+  x8 = ad.quantize_pages(x, s)
+  assert x8.dtype == F8
+  assert float(jnp.max(jnp.abs(x8.astype(jnp.float32)))) == ad.FP8_MAX  # max|x| maps to the top
+  # e4m3 keeps 3 mantissa bits: each value within 2^-4 relative, plus the
+  # subnormal step near 0.
+  back = x8.astype(jnp.float32) * s
+  assert float(jnp.max(jnp.abs(back - x) - (2.0**-4 * jnp.abs(x) + 2.0**-9 * s))) <= 0
+  big = ad.quantize_pages(jnp.array([1e6, -1e6, 3.0]), 1.0)
+  np.testing.assert_array_equal(np.asarray(big.astype(jnp.float32)), [448.0, -448.0, 3.0])
+  assert float(ad.fp8_scale(jnp.zeros((3,)))) == 1.0
+  with pytest.raises(ValueError, match="float8_e4m3fn"):
+    ad.quantize_pages(x, s, dtype=jnp.int8)
+
+
+@pytest.mark.parametrize("backend", ["xla", "mosaic"])
+@pytest.mark.parametrize("case", ["tq1_gqa4", "tq4_short"])
+def test_fp8_pages_match_reference(backend, case):
+  b, tq, hq, hkv, d, page, lengths = CASES[case]
+  args, scales, _ = _fp8_case(b, tq, hq, hkv, d, page, lengths=lengths)
+  out = ad.attention_decode(*args, kv_scales=scales, backend=backend)
+  assert out.shape == args[0].shape and out.dtype == args[0].dtype
+  testing.assert_close(out, ad.attention_decode_reference(*args, kv_scales=scales),
+                       jnp.bfloat16)
+
+
+@pytest.mark.parametrize("config", [
+    ad.Config(pages_per_step=2, stages=2, splits=3),  # f32 partials: v_scale before the merge
+    ad.Config(pages_per_step=1, stages=2, blocks_per_sm=2),  # persistent, f16 output
+])
+def test_fp8_mosaic_configs(config):
+  args, scales, _ = _fp8_case(3, 2, 8, 2, 64, 16, max_len=150)
+  out = ad.attention_decode_mosaic(*args, kv_scales=scales, config=config)
+  testing.assert_close(out, ad.attention_decode_reference(*args, kv_scales=scales),
+                       jnp.bfloat16)
+  if dsl.interpreting():
+    assert not dsl.races_found()
+
+
+@pytest.mark.parametrize("backend", ["xla", "mosaic"])
+def test_fp8_layer_stack_with_per_layer_scales(backend):
+  # Each layer of the stack has its own (k_scale, v_scale); a traced layer
+  # reads its row.
+  args, scales, _ = _fp8_case(2, 1, 8, 2, 64, 16, lengths=[3, 45])
+  q, k8, v8, lengths, table = args
+  other = ad.quantize_pages(testing.random_inputs([k8.shape], jnp.float32)[0], 0.01)
+  k_stack, v_stack = jnp.stack([other, k8]), jnp.stack([other, v8])
+  per_layer = jnp.stack([jnp.array([5.0, 7.0], jnp.float32), scales])
+  want = ad.attention_decode_reference(*args, kv_scales=scales)
+  f = jax.jit(lambda lyr, *a: ad.attention_decode(*a, layer=lyr, kv_scales=per_layer,
+                                                  backend=backend))
+  out = f(jnp.int32(1), q, k_stack, v_stack, lengths, table)
+  testing.assert_close(out, want, jnp.bfloat16)
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(kv_scales=jnp.ones((3,), jnp.float32)), "kv_scales must be float32"),
+    (dict(kv_scales=jnp.ones((2,), jnp.bfloat16)), "kv_scales must be float32"),
+    (dict(kv_scales=jnp.ones((2,), jnp.float32), fp8=False), "fp8 pages"),
+    (dict(v_bf16=True), "share a dtype"),
+])
+def test_fp8_bad_inputs_are_rejected(bad, match):
+  args, scales, _ = _fp8_case(1, 1, 4, 2, 64, 16, lengths=[5])
+  q, k8, v8, lengths, table = args
+  if not bad.pop("fp8", True):
+    k8, v8 = (x.astype(jnp.bfloat16) for x in (k8, v8))
+  if bad.pop("v_bf16", False):
+    v8 = v8.astype(jnp.bfloat16)
+  for backend in ("xla", "reference", "mosaic"):
+    with pytest.raises(ValueError, match=match):
+      ad.attention_decode(q, k8, v8, lengths, table, backend=backend, **bad)
+
+
+def test_fp8_triton_says_why_not():
+  args, scales, _ = _fp8_case(1, 1, 4, 2, 64, 16, lengths=[5])
+  with pytest.raises(registry.BackendError, match="fp8 pages"):
+    ad.attention_decode(*args, kv_scales=scales, backend="triton")
+
+
+@pytest.mark.gpu
+def test_gpu_fp8_full_size():
+  args, scales, _ = _fp8_case(8, 1, 32, 8, 128, 64, lengths=[1, 63, 64, 65, 700, 2000, 4096, 0])
+  want = ad.attention_decode_reference(*args, kv_scales=scales)
+  for cfg in (None, ad.Config(pages_per_step=2, stages=2, splits=4),
+              ad.Config(pages_per_step=1, stages=2, blocks_per_sm=2)):
+    out = ad.attention_decode_mosaic(*args, kv_scales=scales, config=cfg)
+    testing.assert_close(out, want, jnp.bfloat16, what=f"mosaic fp8 {cfg}")

@@ -204,6 +204,19 @@ def test_attention_decode_lowers_for_h200(name):
          S((8, pages, page, 128), BF16), S((b,), I32), S((b, -(-length // page)), I32))
 
 
+@pytest.mark.parametrize("name", DECODES)
+def test_attention_decode_fp8_pages_lower_for_h200(name):
+  # fp8 pages: converted to f16 in SMEM a step at a time (Hopper converts fp8
+  # to f16 only), scales read in the kernel.
+  b, tq, length, pages, cfg = DECODES[name]
+  page = ad.DEFAULT_PAGE_SIZE
+  kw = {} if cfg is None else {"config": cfg}
+  f8 = S((8, pages, page, 128), jnp.float8_e4m3fn)
+  _lower(lambda q, k, v, n, t, sc: ad.attention_decode_mosaic(q, k, v, n, t, kv_scales=sc, **kw),
+         S((b, tq, 32, 128), BF16), f8, f8, S((b,), I32), S((b, -(-length // page)), I32),
+         S((2,), F32))
+
+
 def test_attention_decode_layer_stack_lowers_for_h200():
   page = ad.DEFAULT_PAGE_SIZE
   _lower(lambda q, k, v, n, t, layer: ad.attention_decode_mosaic(q, k, v, n, t, layer=layer),
