@@ -8,7 +8,11 @@ the paged cache. Effective bandwidth = K and V bytes read once / time.
 Every implementation is checked against the float32 reference at full size
 before it is timed. ``--tune`` sweeps the Mosaic kernel's configs (each one
 checked first) and saves the winners in the tuning table; ``--edges`` also
-checks ragged lengths, Tq > 1 and split-K at small shapes.
+checks ragged lengths, Tq > 1 and split-K at small shapes. ``--fp8`` adds
+the Mosaic kernel on the same cache quantized to fp8 (per-tensor scales):
+checked against the fp8 reference, its GB/s counts the fp8 bytes, its
+``vs_cudnn`` is against cuDNN on the bf16 cache (the speedup a user sees), and
+``quant_err`` is its distance from the bf16 reference.
 
   PYTHONPATH=. python3 bench/attention_decode.py --out bench/results [--tune] [--edges]
 """
@@ -98,6 +102,7 @@ def main():
   ap.add_argument("--shapes", default="", help="e.g. 64x4096,1x131072 (default: all)")
   ap.add_argument("--impls", default=",".join(IMPLS), help=f"subset of {IMPLS}")
   ap.add_argument("--edge-cases", default="", help="indices of the edge cases to run")
+  ap.add_argument("--fp8", action="store_true", help="also the mosaic kernel on fp8 pages")
   ap.add_argument("--configs", default="",
                   help="tuning candidates 'pps,stages,splits,blocks_per_sm;...' "
                        "(splits 'a' = automatic); default: the full sweep")
@@ -183,6 +188,24 @@ def main():
       except Exception as e:  # noqa: BLE001
         print(f"{name} {shape}: FAILED {_err(e)}")
         traceback.print_exc(limit=3)
+    if args.fp8:
+      try:
+        scales = jnp.stack([ad.fp8_scale(kp), ad.fp8_scale(vp)])
+        paged8 = (q, ad.quantize_pages(kp, scales[0]), ad.quantize_pages(vp, scales[1]),
+                  lengths, table)
+        ref8 = ad.attention_decode_reference(*paged8, kv_scales=scales)
+        f = jax.jit(lambda *a: ad.attention_decode_mosaic(*a[:5], kv_scales=a[5]))
+        out8 = f(*paged8, scales)
+        err = testing.assert_close(out8, ref8, jnp.bfloat16, what=f"mosaic fp8 {shape}")
+        t = bench.time_jax(f, [paged8 + (scales,)], iters=20)
+        rows.append({"shape": shape, "impl": "mosaic fp8", "cache": "paged fp8",
+                     "us": t.median_s * 1e6, "GB/s": kv_bytes / 2 / t.median_s / 1e9,
+                     "rel_err": err, "quant_err": testing.rel_error(out8, ref),
+                     "timer": t.timer})
+        del paged8, ref8, out8
+      except Exception as e:  # noqa: BLE001
+        print(f"mosaic fp8 {shape}: FAILED {_err(e)}")
+        traceback.print_exc(limit=3)
     # cuDNN on the contiguous cache.
     cud = jax.jit(functools.partial(jax.nn.dot_product_attention, implementation="cudnn"))
     try:
@@ -221,7 +244,7 @@ def main():
   print(bench.table(rows, COLS))
 
 
-COLS = ["shape", "impl", "cache", "us", "GB/s", "hbm_frac", "vs_cudnn", "rel_err"]
+COLS = ["shape", "impl", "cache", "us", "GB/s", "hbm_frac", "vs_cudnn", "rel_err", "quant_err"]
 
 
 def _write(out, rows, tuned, sweep):

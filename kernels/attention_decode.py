@@ -970,8 +970,8 @@ def _attend(q, k, v, lengths, scale, compute_dtype):
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale",))
-def _attention_decode_xla(q, k_pages, v_pages, lengths, page_table, scales, layer,
-                          sm_scale: float):
+def _attention_decode_xla(q, k_pages, v_pages, lengths, page_table, scales=None, layer=None,
+                          sm_scale: float = 1.0):
   cap = page_table.shape[1] * k_pages.shape[2]
   lengths = jnp.minimum(lengths, cap)
   k = _gather(k_pages, page_table)
