@@ -132,7 +132,8 @@ def build_engine(a):
   print(f"model {model!r} ready in {time.perf_counter() - t0:.1f} s", flush=True)
   page = a.page_size or E.default_page_size()
   runner = E.ModelRunner(model, num_pages=a.num_pages, page_size=page, attention=a.attention,
-                         decode_attention=a.decode_attention, matmul=a.matmul)
+                         decode_attention=a.decode_attention, matmul=a.matmul,
+                         kv_cache_dtype=a.kv_cache_dtype)
   cmax, chunk = a.concurrency, a.ttft_len
   cfg = E.EngineConfig(max_batch=cmax, max_waiting=512, max_seq_len=a.max_seq_len,
                        prefill_chunk=chunk, min_chunk=min(a.min_chunk or a.input_len, chunk),
@@ -155,6 +156,8 @@ def model_flags(ap: argparse.ArgumentParser) -> None:
   ap.add_argument("--dtype", default="bfloat16")
   ap.add_argument("--decode-steps", type=int, default=1, help="EngineConfig.decode_steps")
   ap.add_argument("--num-pages", type=int, default=1400)
+  ap.add_argument("--kv-cache-dtype", default=None, choices=(None, "float8_e4m3fn"),
+                  help="the KV cache's dtype (default the model's)")
   ap.add_argument("--stream-interval", type=int, default=1, help="EngineConfig.stream_interval")
   ap.add_argument("--mixed-steps", action="store_true", help="EngineConfig.mixed_steps")
   ap.add_argument("--decode-prefill-budget", type=int,

@@ -74,7 +74,7 @@ def main():
   model = random_model(a.config, a.dtype)
   page = E.default_page_size()
   runner = E.ModelRunner(model, num_pages=a.num_pages, page_size=page, attention=a.attention,
-                         matmul=a.matmul)
+                         matmul=a.matmul, kv_cache_dtype=a.kv_cache_dtype)
   max_pages = -(-4096 // page)
   if a.max_batch * -(-600 // page) >= a.num_pages:
     raise SystemExit(f"--num-pages {a.num_pages} is too few for {a.max_batch} rows of 600 tokens")

@@ -30,7 +30,11 @@ w_down, the vocabulary all-gathered), so every kernel sees local shapes.
 
 The KV cache: ``KVCache(k, v)``, each ``[num_layers, Hkv, num_pages, page_size,
 hd]``; token t of a sequence lives in page ``page_table[t // page_size]``, slot
-``t % page_size``. Page 0 is scratch: padding tokens write there.
+``t % page_size``. Page 0 is scratch: padding tokens write there. The cache is
+in the model's dtype or in fp8 (``float8_e4m3fn``: half the bytes, values
+stored as they are, saturating at +-448, i.e. kv scales of 1): decode attention
+reads fp8 pages itself; chunks that attend a cached prefix gather the pages
+and widen them to the model's dtype first.
 
 Weights are stored [in_features, out_features]; stacked layer weights carry a
 leading [num_layers] axis.
@@ -104,8 +108,14 @@ class KVCache(NamedTuple):
     return self.k.shape[2]
 
 
+KV_DTYPES = ("bfloat16", "float16", "float32", "float8_e4m3fn")
+
+
 def init_cache(cfg: ModelConfig, num_pages: int, page_size: int = DEFAULT_PAGE_SIZE,
                dtype="bfloat16", sharding=None) -> KVCache:
+  if jnp.dtype(dtype).name not in KV_DTYPES:
+    raise ValueError(f"KV cache dtype {jnp.dtype(dtype).name} is not supported; "
+                     f"supported: {KV_DTYPES}")
   if num_pages < 2:
     raise ValueError(f"{num_pages=} must be >= 2 (page 0 is the scratch page)")
   if page_size <= 0:
@@ -393,7 +403,7 @@ class Llama(nnx.Module):
     kv_seg = (kv_pos < total[:, None]).astype(jnp.int32)
 
     def attend(q, k, v, kc, vc, layer):
-      kg, vg = _gather_pages(kc, vc, layer, page_table)  # [B, Skv, Hkv, hd]
+      kg, vg = _gather_pages(kc, vc, layer, page_table, q.dtype)  # [B, Skv, Hkv, hd]
       return ops()["attention_prefill"](
           q, kg, vg, causal=True, q_positions=tpos, kv_positions=kv_pos, q_segment_ids=q_seg,
           kv_segment_ids=kv_seg, sliding_window=cfg.sliding_window)
@@ -479,7 +489,7 @@ class Llama(nnx.Module):
           # (slicing kc[layer] would copy the layer's whole cache every step).
           o = ops()["attention_decode"](q, kc, vc, lengths, page_table, layer=layer)
       else:
-        kg, vg = _gather_pages(kc, vc, layer, page_table)
+        kg, vg = _gather_pages(kc, vc, layer, page_table, q.dtype)
         o = ops()["attention_prefill"](
             q, kg, vg, causal=True, q_positions=tpos, kv_positions=kv_pos,
             q_segment_ids=q_seg, kv_segment_ids=kv_seg, sliding_window=cfg.sliding_window)
@@ -499,11 +509,20 @@ def _chunk_slots(positions, lengths, t, page_table, page_size):
   return (tpos, valid) + _page_slot(tpos, valid, page_table, page_size)
 
 
+def _to_cache(x, dtype):
+  """x in the cache's dtype; into fp8 saturating (a plain cast would make NaN)."""
+  if jnp.dtype(dtype).name == "float8_e4m3fn":
+    from kernels.attention_decode import FP8_MAX
+
+    x = jnp.clip(x.astype(jnp.float32), -FP8_MAX, FP8_MAX)
+  return x.astype(dtype)
+
+
 def _write_kv(kc, vc, layer, page, slot, k, v):
   """k/v [B, T, Hkv, hd] into the layer's cache at each token's (page, slot) [B, T]."""
   with jax.named_scope("kv_write"):
-    return (kc.at[layer, :, page, slot].set(k.astype(kc.dtype)),
-            vc.at[layer, :, page, slot].set(v.astype(vc.dtype)))
+    return (kc.at[layer, :, page, slot].set(_to_cache(k, kc.dtype)),
+            vc.at[layer, :, page, slot].set(_to_cache(v, vc.dtype)))
 
 
 def _page_slot(tpos, valid, page_table, page_size):
@@ -515,14 +534,14 @@ def _page_slot(tpos, valid, page_table, page_size):
   return page, slot
 
 
-def _gather_pages(kc, vc, layer, page_table):
-  """cache[layer] pages of each row -> [B, max_pages * page_size, Hkv, hd]."""
+def _gather_pages(kc, vc, layer, page_table, dtype):
+  """cache[layer] pages of each row -> [B, max_pages * page_size, Hkv, hd] in ``dtype``."""
   b, mp = page_table.shape
 
   def one(c):
     g = c[layer][:, page_table]  # [Hkv, B, max_pages, page_size, hd]
     g = jnp.moveaxis(g, 0, 3)  # [B, max_pages, page_size, Hkv, hd]
-    return g.reshape(b, mp * g.shape[2], g.shape[3], g.shape[4])
+    return g.reshape(b, mp * g.shape[2], g.shape[3], g.shape[4]).astype(dtype)
 
   return one(kc), one(vc)
 

@@ -58,9 +58,11 @@ class Model:
   def module(self) -> llama.Llama:
     return nnx.merge(self.graphdef, self.params)
 
-  def init_cache(self, num_pages: int, page_size: int = llama.DEFAULT_PAGE_SIZE) -> llama.KVCache:
+  def init_cache(self, num_pages: int, page_size: int = llama.DEFAULT_PAGE_SIZE,
+                 dtype: str | None = None) -> llama.KVCache:
+    """``dtype``: the cache's (default the model's; "float8_e4m3fn" halves it)."""
     sharding = llama.cache_sharding(self.mesh) if self.mesh is not None else None
-    return llama.init_cache(self.config, num_pages, page_size, self.dtype, sharding)
+    return llama.init_cache(self.config, num_pages, page_size, dtype or self.dtype, sharding)
 
   def prefill(self, cache, tokens, positions, lengths, page_table, *, attention=None,
               matmul=None, norm=None, all_logits=False):

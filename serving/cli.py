@@ -55,8 +55,9 @@ def build_engine(a):
   cfg = _engine_config(a)
   spec = None if a.model in (None, "default") else a.model
   extra = {"step_delay": a.step_delay} if a.step_delay else {}
+  kv = {"auto": None, "fp8": "float8_e4m3fn"}[a.kv_cache_dtype]
   return E.model_engine(spec, dtype=a.dtype, num_pages=a.num_pages, page_size=a.page_size,
-                        attention=a.attention_backend,
+                        kv_cache_dtype=kv, attention=a.attention_backend,
                         decode_attention=a.decode_attention_backend, matmul=a.matmul_backend,
                         **extra, **cfg)
 
@@ -166,6 +167,9 @@ def parser() -> argparse.ArgumentParser:
   s.add_argument("--max-waiting", type=int, default=256)
   s.add_argument("--num-pages", type=int, default=1024, help="KV pages (page 0 reserved)")
   s.add_argument("--page-size", type=int, help="tokens per KV page (default: the kernel's)")
+  s.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"),
+                 help="KV cache dtype: auto = the model's; fp8 = float8_e4m3fn, half the "
+                      "bytes a page (values stored at scale 1, saturating at +-448)")
   s.add_argument("--max-seq-len", type=int, help="context limit (default: the model's)")
   s.add_argument("--prefill-chunk", type=int, default=512)
   s.add_argument("--prefill-rows", type=int, default=4)

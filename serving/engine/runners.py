@@ -39,7 +39,10 @@ def _has_backend(op: str, name: str) -> bool:
 class ModelRunner:
 
   def __init__(self, model, *, num_pages: int, page_size: int, attention: str | None = None,
-               decode_attention: str | None = None, matmul: str | None = None):
+               decode_attention: str | None = None, matmul: str | None = None,
+               kv_cache_dtype: str | None = None):
+    """``kv_cache_dtype``: the KV cache's dtype (default the model's;
+    "float8_e4m3fn" halves its bytes, models.Model only)."""
     self.model = model
     cfg = model.config
     self.name = getattr(cfg, "name", type(model).__name__)
@@ -48,8 +51,17 @@ class ModelRunner:
     self.tokenizer = model.tokenizer
     self.page_size = page_size
     self.num_pages = num_pages
-    self.cache = model.init_cache(num_pages, page_size=page_size)
-    self.dtype = str(self.cache.k.dtype)
+    if kv_cache_dtype is None:
+      self.cache = model.init_cache(num_pages, page_size=page_size)
+    else:
+      try:
+        self.cache = model.init_cache(num_pages, page_size=page_size, dtype=kv_cache_dtype)
+      except TypeError:
+        raise ValueError(f"{type(model).__name__} has no KV cache dtype option "
+                         f"(asked for {kv_cache_dtype})") from None
+    self.kv_cache_dtype = str(self.cache.k.dtype)
+    self.dtype = str(jnp.dtype(getattr(model, "dtype", self.cache.k.dtype)))  # the weights'
+
     # Backend names of models.Model: prefill's ``attention`` is attention_prefill,
     # decode's is attention_decode. A prefill-only name (cudnn) leaves decode on
     # its default order unless decode_attention says otherwise.

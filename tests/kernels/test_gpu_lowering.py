@@ -231,7 +231,7 @@ def test_rms_norm_lowers_for_h200(rows):
          S((rows, 4096), BF16), S((32, 4096), BF16), S((), I32))
 
 
-def _llama_8b():
+def _llama_8b(cache_dtype="bfloat16"):
   from flax import nnx
 
   from models import config as config_lib
@@ -241,13 +241,15 @@ def _llama_8b():
   abstract = nnx.eval_shape(lambda: llama.Llama(cfg, dtype=BF16, rngs=nnx.Rngs(0)))
   graphdef, params = nnx.split(abstract)
   params = jax.tree.map(lambda x: S(x.shape, x.dtype), params)
-  cache = jax.eval_shape(lambda: llama.init_cache(cfg, 1400, ad.DEFAULT_PAGE_SIZE))
+  cache = jax.eval_shape(lambda: llama.init_cache(cfg, 1400, ad.DEFAULT_PAGE_SIZE,
+                                                  dtype=cache_dtype))
   return llama, graphdef, params, cache
 
 
-@pytest.mark.parametrize("step", ["decode", "prefill"])
-def test_llama_8b_steps_lower_for_h200_on_mosaic_kernels(step):
-  llama, graphdef, params, cache = _llama_8b()
+@pytest.mark.parametrize("step, cache_dtype", [
+    ("decode", "bfloat16"), ("prefill", "bfloat16"), ("decode", "float8_e4m3fn")])
+def test_llama_8b_steps_lower_for_h200_on_mosaic_kernels(step, cache_dtype):
+  llama, graphdef, params, cache = _llama_8b(cache_dtype)
   names = llama.backends(attention_prefill="mosaic", attention_decode="mosaic",
                          matmul="mosaic", rms_norm="mosaic")
   b, t, width = (64, 1, 64) if step == "decode" else (1, 2048, 32)

@@ -15,7 +15,7 @@ from models import config as config_lib, model as model_lib, tokenizer as tok_li
 from mosaic import testing
 
 
-def _run(m, prompts, page_size, *, prefill, decode, chunked=True):
+def _run(m, prompts, page_size, *, prefill, decode, chunked=True, cache_dtype=None):
   """Batched prefill of ``prompts`` in two chunks (the first fresh, the second
   on top of the cached first; one fresh chunk unless ``chunked``), then two
   decode steps (the second with Tq=2); returns every logit row, float32."""
@@ -23,7 +23,8 @@ def _run(m, prompts, page_size, *, prefill, decode, chunked=True):
   longest = max(len(p) for p in prompts) + 3
   per = -(-longest // page_size)
   table = 1 + np.arange(b * per).reshape(b, per)
-  cache = m.init_cache(1 + b * per, page_size)
+  cache = m.init_cache(1 + b * per, page_size, dtype=cache_dtype)
+  assert cache.k.dtype == jnp.dtype(cache_dtype or m.dtype)
   lens = np.array([len(p) for p in prompts])
   # A 1-token prompt is a padding row (length 0) in the second chunk.
   first = lens // 2 + 1 if chunked else lens
@@ -76,6 +77,31 @@ def test_backend_matches_reference(case, tiny_bf16, tiny_reference, prompts):
   prefill, decode = CPU_CASES[case]
   out = _run(tiny_bf16, prompts, 16, prefill=prefill, decode=decode)
   testing.assert_close(out, tiny_reference, dtype=jnp.bfloat16, what=f"{case} logits")
+
+
+def test_fp8_kv_cache(tiny_bf16, tiny_reference, prompts):
+  # An fp8 cache: the mosaic kernels (interpreted) read the same quantized
+  # pages as xla to bf16 tolerance, through chunked prefill (a gathered, widened
+  # prefix) and decode (fp8 pages in the kernel). Against the bf16 cache's
+  # reference the difference is fp8's rounding: visible, and bounded.
+  f8 = "float8_e4m3fn"
+  xla = dict(attention="xla", matmul="xla", norm="xla")
+  mos = dict(attention="mosaic", matmul="mosaic", norm="mosaic")
+  out_xla = _run(tiny_bf16, prompts, 16, prefill=xla, decode=xla, cache_dtype=f8)
+  out_mos = _run(tiny_bf16, prompts, 16, prefill=mos, decode=mos, cache_dtype=f8)
+  testing.assert_close(out_mos, out_xla, dtype=jnp.bfloat16, what="mosaic vs xla, fp8 cache")
+  err = testing.rel_error(out_xla, tiny_reference)
+  assert 1e-3 < err < 0.1, err
+
+
+def test_fp8_cache_writes_saturate():
+  from models import llama
+
+  x = jnp.array([1e6, -1e6, 3.0, 0.0], jnp.bfloat16)
+  np.testing.assert_array_equal(np.asarray(llama._to_cache(x, jnp.float8_e4m3fn), np.float32),
+                                [448.0, -448.0, 3.0, 0.0])
+  with pytest.raises(ValueError, match="KV cache dtype int8"):
+    llama.init_cache(config_lib.get("tiny"), 4, 16, dtype="int8")
 
 
 # ---------------------------------------------------------------- GPU

@@ -119,3 +119,16 @@ def test_serve_refuses_bad_engine_flags_with_a_message(flag, value, field):
   with pytest.raises(SystemExit) as e:
     cli.main(["serve", "--model", "counting", "--no-warmup", flag, value])
   assert str(e.value).startswith("serve: ") and field in str(e.value)
+
+
+def test_serve_kv_cache_dtype_flag():
+  from serving import cli
+
+  a = cli.parser().parse_args(["serve", "--model", "tiny", "--no-warmup", "--num-pages", "16",
+                               "--page-size", "8", "--kv-cache-dtype", "fp8"])
+  assert cli.build_engine(a).runner.cache.k.dtype.name == "float8_e4m3fn"
+  a = cli.parser().parse_args(["serve", "--model", "tiny", "--no-warmup", "--num-pages", "16",
+                               "--page-size", "8"])
+  assert cli.build_engine(a).runner.cache.k.dtype.name == "bfloat16"
+  with pytest.raises(SystemExit):
+    cli.parser().parse_args(["serve", "--kv-cache-dtype", "int4"])
