@@ -96,16 +96,22 @@ class Config(tuning.KernelConfig):
   def __post_init__(self):
     if self.tile_m not in (64, 128, 192, 256):
       raise ValueError(f"{self.tile_m=} must be one of 64, 128, 192, 256 (wgmma rows)")
-    if self.tile_n % 8 or not 8 <= self.tile_n <= 256:
-      raise ValueError(f"{self.tile_n=} must be a multiple of 8 in [8, 256]")
-    if self.tile_k not in (32, 64, 128):
-      raise ValueError(f"{self.tile_k=} must be 32, 64 or 128")
+    if self.tile_n not in (64, 128, 192, 256):
+      # Narrower B tiles have rows under 128 bytes, whose swizzle Mosaic GPU
+      # cannot lower for wgmma (interpret mode runs them; the GPU does not).
+      raise ValueError(f"{self.tile_n=} must be one of 64, 128, 192, 256 (narrower B tiles "
+                       "do not lower for Hopper wgmma)")
+    if self.tile_k not in (64, 128):
+      # 32 (64-byte rows of bf16) runs in interpret mode, but Mosaic GPU finds
+      # no register layout for its wgmma operands (tests/kernels/test_gpu_lowering.py).
+      raise ValueError(f"{self.tile_k=} must be 64 or 128 (32 does not lower for Hopper wgmma)")
     if self.stages < 2:
       raise ValueError(f"{self.stages=} must be >= 2")
     if self.epi_m % 64 or self.tile_m % self.epi_m:
       raise ValueError(f"{self.epi_m=} must be a multiple of 64 dividing {self.tile_m=}")
-    if self.epi_n % 8 or self.tile_n % self.epi_n:
-      raise ValueError(f"{self.epi_n=} must be a multiple of 8 dividing {self.tile_n=}")
+    if self.epi_n % 16 or self.tile_n % self.epi_n:
+      # 8 columns of bf16 would need a 16-byte swizzle, which TMA lacks.
+      raise ValueError(f"{self.epi_n=} must be a multiple of 16 dividing {self.tile_n=}")
     if self.wg_dim not in ("m", "n"):
       raise ValueError(f"{self.wg_dim=} must be 'm' or 'n'")
     if self.grid_minor not in ("m", "n"):

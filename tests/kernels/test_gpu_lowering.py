@@ -10,10 +10,10 @@ A layout, transform, barrier or MMA-shape error in any of them fails here.
 No test runs a kernel; ptxas is not reached (it needs the GPU toolchain).
 """
 
-import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from kernels import attention_decode as ad
@@ -21,6 +21,7 @@ from kernels import attention_prefill as ap
 from kernels import matmul as mm
 from kernels import rms_norm as rn
 from mosaic import dsl, target as target_lib, testing, tuning
+from mosaic.dsl import plgpu
 
 S = jax.ShapeDtypeStruct
 BF16, F16, F32, I32 = jnp.bfloat16, jnp.float16, jnp.float32, jnp.int32
@@ -49,13 +50,41 @@ def test_override_is_scoped_and_restores_the_machine(monkeypatch):
     testing.lower_for_gpu(lambda x: x, S((1,), F32), device="h300")
 
 
-def test_a_config_interpret_mode_runs_fails_to_lower():
-  # 32-element K blocks run in interpret mode, but Mosaic GPU finds no
-  # register layout for them: only the lowering shows it.
-  cfg = mm.Config(tile_m=64, tile_n=128, tile_k=32)
-  with pytest.raises(ValueError, match="layout"):
-    testing.lower_for_gpu(lambda a, b: mm.matmul_mosaic(a, b, config=cfg),
-                          S((128, 512), BF16), S((512, 512), BF16))
+def _fp8_tile_to(dtype):
+  """A kernel that TMA-copies an fp8 [128, 128] tile to SMEM and converts it."""
+  f8 = jnp.float8_e4m3fn
+
+  def body(x_gmem, o_gmem, x8, x16, bar):
+    plgpu.copy_gmem_to_smem(x_gmem, x8, bar.at[0])
+    plgpu.barrier_wait(bar.at[0])
+    x16[...] = x8[...].astype(dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(x16, o_gmem)
+    plgpu.wait_smem_to_gmem(0)
+
+  return dsl.kernel(body, out_type=S((128, 128), dtype), grid=(1,), grid_names=("g",),
+                    scratch_types=[
+                        plgpu.SMEM((128, 128), f8, transforms=dsl.smem_transforms((128, 128), f8)),
+                        plgpu.SMEM((128, 128), dtype,
+                                   transforms=dsl.smem_transforms((128, 128), dtype)),
+                        plgpu.Barrier(num_barriers=1)])
+
+
+def test_what_interpret_mode_runs_but_the_gpu_cannot():
+  # Hopper converts fp8 to f16 only: the interpreter converts to bf16 exactly,
+  # the lowering refuses (why fp8 decode attention runs its MMAs in f16).
+  x = (jax.random.normal(jax.random.key(0), (128, 128)) * 8).astype(jnp.float8_e4m3fn)
+  for dtype in (BF16, F16):
+    np.testing.assert_array_equal(np.asarray(_fp8_tile_to(dtype)(x), np.float32),
+                                  np.asarray(x, np.float32))
+  _lower(lambda x: _fp8_tile_to(F16)(x), S((128, 128), jnp.float8_e4m3fn))
+  with pytest.raises(Exception, match="converting from f8E4M3FN to bf16"):
+    testing.lower_for_gpu(lambda x: _fp8_tile_to(BF16)(x), S((128, 128), jnp.float8_e4m3fn))
+  # Likewise matmul tiles narrower than 128-byte rows, or 64-byte K blocks: the
+  # interpreter ran them, the lowering does not, so Config refuses them.
+  for bad in (dict(tile_n=32), dict(tile_k=32)):
+    with pytest.raises(ValueError, match="not lower"):
+      mm.Config(**bad)
 
 
 def _table(op):
