@@ -17,8 +17,9 @@ target is Blackwell. How data flows:
   accumulators let the MMAs of tile i+1 run while tile i is stored.
 - Ragged M, N, K: TMA fills out-of-bounds loads with zeros and clips stores.
 
-Status: checked in Mosaic GPU interpret mode only (the interpreter runs
-tcgen05); no Blackwell card was available to compile or time it.
+Status: checked in Mosaic GPU interpret mode (the interpreter runs tcgen05)
+and lowered for the B200 (sm_100a) on CPU in CI (tests/kernels/test_gpu_lowering.py);
+no Blackwell card was available to run ptxas on it or time it.
 """
 
 from __future__ import annotations
