@@ -65,20 +65,22 @@ def test_fp8_kv_cache_through_the_server():
   model = models.load("tiny", dtype="bfloat16")
   prompt = [5, 17, 99, 3, 42, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19]
 
-  def engine(kv):
+  def engine(kv, warmup=False):
     runner = E.ModelRunner(model, num_pages=32, page_size=8, kv_cache_dtype=kv)
     return runner, E.BatchingEngine(runner, E.EngineConfig(
         max_batch=4, batch_buckets=(4,), prefill_rows=1, min_chunk=16, prefill_chunk=16,
-        max_seq_len=128, warmup=False, decode_steps=3))
+        max_seq_len=128, warmup=warmup, decode_steps=3))
 
-  runner, eng = engine("float8_e4m3fn")
+  runner, eng = engine("float8_e4m3fn", warmup=True)
   assert runner.cache.k.dtype.name == "float8_e4m3fn" and runner.dtype == "bfloat16"
   assert runner.cache.k.nbytes * 2 == model.init_cache(32, 8).k.nbytes
   with running(eng) as (_, c):
+    compiled = eng.counters()["compiled_shapes"]
     a = c.generate(prompt, max_tokens=6, ignore_eos=True, logprobs=True)
     b = c.generate(prompt, max_tokens=6, ignore_eos=True, logprobs=True)
     assert list(a.token_ids) == list(b.token_ids) and len(a.token_ids) == 6
     assert eng.stats().pages_in_use == 0
+    assert eng.counters()["compiled_shapes"] == compiled  # warm-up covered the fp8 cache
   _, ref = engine(None)
   with running(ref) as (_, c):
     r = c.generate(prompt, max_tokens=1, ignore_eos=True, logprobs=True)
