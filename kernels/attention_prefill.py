@@ -14,7 +14,10 @@ kv_pos, kv_seg) plus, per query block, the range of kv blocks that can hold a
 visible key (``_block_ranges``). The tiled kernels only visit that range,
 which is how causal block skipping, sliding windows and packed ragged batches
 (B = 1, one segment per sequence) cost only the visible blocks. Padding added
-to reach a block multiple gets segment 0 (never visible).
+to reach a block multiple gets segment 0 (never visible). The mosaic backend's
+ranges and padded vectors are its plan (``MosaicPlan``): ``op.plan(q, k, v,
+**masks)`` builds it from shapes and positions, and calls that pass
+``plan=`` skip that work, so a model builds it once per step, not per layer.
 
 Data flow of the Mosaic GPU kernel (``_mosaic_kernel``), FlashAttention-3
 style: one CTA owns 2 * block_q query rows of one head. Warpgroup 2 is the
@@ -34,6 +37,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import NamedTuple
 
 import numpy as np
 
@@ -537,17 +541,33 @@ def _mosaic_kernel(meta_ref, q_ref, k_ref, v_ref, qp_ref, qs_ref, kp_ref, ks_ref
   pl.run_scoped(lambda *refs: body(*refs), *scratch, *barriers, collective_axes="wg")
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "causal", "scale", "window", "has_lse"))
-def _attention_mosaic(q, k, v, qp, qs, kp, ks, *, cfg: Config, causal: bool, scale: float,
-                      window: int | None, has_lse: bool):
-  B, Sq, Hq, D = q.shape
-  _, Skv, Hkv, _ = k.shape
+class MosaicPlan(NamedTuple):
+  """The mosaic kernel's per-call metadata (``op.plan``): the position and
+  segment vectors padded to its blocks, and each CTA's kv block ranges. It
+  depends on the positions, not on q, k, v: a model builds it once per step,
+  not once per layer."""
+
+  meta: jax.Array  # int32 [B, Sq_p / (2 block_q), 3, 4]
+  qp: jax.Array  # int32 [B, Sq_p]
+  qs: jax.Array
+  kp: jax.Array  # int32 [B, Skv_p]
+  ks: jax.Array
+
+
+def _plan_shapes(B, Sq, Skv, cfg: Config):
+  bq2 = 2 * cfg.block_q
+  Sq_p, Skv_p = dsl.round_up(Sq, bq2), dsl.round_up(Skv, cfg.block_kv)
+  return {"meta": (B, Sq_p // bq2, 3, 4), "qp": (B, Sq_p), "qs": (B, Sq_p), "kp": (B, Skv_p),
+          "ks": (B, Skv_p)}
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "causal", "window"))
+def _mosaic_plan(qp, qs, kp, ks, *, cfg: Config, causal: bool, window: int | None):
+  B, Sq = qp.shape
+  Skv = kp.shape[1]
   bq2 = 2 * cfg.block_q
   Sq_p = dsl.round_up(Sq, bq2)
   Skv_p = dsl.round_up(Skv, cfg.block_kv)
-  q = _pad_to(q, 1, Sq_p)
-  k = _pad_to(k, 1, Skv_p)
-  v = _pad_to(v, 1, Skv_p)
   qp = _pad_to(qp, 1, Sq_p)
   kp = _pad_to(kp, 1, Skv_p)
   # Padding queries get segment -1 and padding keys 0: never equal, and a
@@ -572,6 +592,22 @@ def _attention_mosaic(q, k, v, qp, qs, kp, ks, *, cfg: Config, causal: bool, sca
                               jnp.clip(per_tile[..., 2:], per_tile[..., :1], per_tile[..., 1:2])], -1)
   cta = jnp.stack([lo_c, hi_c, lo_c, hi_c], -1)[:, :, None]
   meta = jnp.concatenate([per_tile, cta], axis=2).astype(jnp.int32)
+  return MosaicPlan(meta, qp, qs, kp, ks)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "causal", "scale", "window", "has_lse"))
+def _attention_mosaic(q, k, v, plan: MosaicPlan, *, cfg: Config, causal: bool, scale: float,
+                      window: int | None, has_lse: bool):
+  B, Sq, Hq, D = q.shape
+  _, Skv, Hkv, _ = k.shape
+  bq2 = 2 * cfg.block_q
+  Sq_p = dsl.round_up(Sq, bq2)
+  Skv_p = dsl.round_up(Skv, cfg.block_kv)
+  nt = Sq_p // bq2
+  q = _pad_to(q, 1, Sq_p)
+  k = _pad_to(k, 1, Skv_p)
+  v = _pad_to(v, 1, Skv_p)
+  meta, qp, qs, kp, ks = plan
   out_type = [jax.ShapeDtypeStruct((B, Sq_p, Hq, D), q.dtype)]
   out_type.append(jax.ShapeDtypeStruct((B, Hq, Sq_p), jnp.float32) if has_lse else None)
 
@@ -605,9 +641,9 @@ def _pick_config(D, dtype, causal) -> Config:
   return tuning.lookup("attention_prefill", key, Config, heuristic)
 
 
-def attention_prefill_mosaic(q, k, v, *, causal=True, sm_scale=None, q_positions=None,
-                             kv_positions=None, q_segment_ids=None, kv_segment_ids=None,
-                             sliding_window=None, return_lse=False, config: Config | None = None):
+def _mosaic_setup(q, k, v, causal, sm_scale, q_positions, kv_positions, q_segment_ids,
+                  kv_segment_ids, sliding_window, config):
+  """(shapes, config, position/segment vectors, scale) of a mosaic call."""
   B, Sq, Hq, D, Skv, Hkv = _check(q, k, v, causal, sm_scale, q_positions, kv_positions,
                                   q_segment_ids, kv_segment_ids, sliding_window, DTYPES)
   why = _mosaic_why_not(q, k, v)
@@ -622,8 +658,40 @@ def attention_prefill_mosaic(q, k, v, *, causal=True, sm_scale=None, q_positions
     cfg = dataclasses.replace(cfg, pingpong=False)
   vecs = _vectors(B, Sq, Skv, q_positions, kv_positions, q_segment_ids, kv_segment_ids)
   scale = float(D ** -0.5 if sm_scale is None else sm_scale)
-  return _attention_mosaic(q, k, v, *vecs, cfg=cfg, causal=bool(causal), scale=scale,
+  return (B, Sq, Skv), cfg, vecs, scale
+
+
+def attention_prefill_mosaic(q, k, v, *, causal=True, sm_scale=None, q_positions=None,
+                             kv_positions=None, q_segment_ids=None, kv_segment_ids=None,
+                             sliding_window=None, return_lse=False, config: Config | None = None,
+                             plan: MosaicPlan | None = None):
+  """``plan``: from ``attention_prefill_mosaic_plan`` (or ``op.plan``) with the
+  same arguments but q, k, v, which need only their shapes there."""
+  (B, Sq, Skv), cfg, vecs, scale = _mosaic_setup(
+      q, k, v, causal, sm_scale, q_positions, kv_positions, q_segment_ids, kv_segment_ids,
+      sliding_window, config)
+  if plan is None:
+    plan = _mosaic_plan(*vecs, cfg=cfg, causal=bool(causal), window=sliding_window)
+  else:
+    want = _plan_shapes(B, Sq, Skv, cfg)
+    got = {f: tuple(getattr(plan, f).shape) for f in MosaicPlan._fields} if isinstance(
+        plan, MosaicPlan) else None
+    if got != want:
+      raise ValueError(f"the plan was made for other shapes or another config: {got} "
+                       f"(this call needs {want})")
+  return _attention_mosaic(q, k, v, plan, cfg=cfg, causal=bool(causal), scale=scale,
                            window=sliding_window, has_lse=bool(return_lse))
+
+
+def attention_prefill_mosaic_plan(q, k, v, *, causal=True, sm_scale=None, q_positions=None,
+                                  kv_positions=None, q_segment_ids=None, kv_segment_ids=None,
+                                  sliding_window=None, return_lse=False,
+                                  config: Config | None = None) -> MosaicPlan:
+  """The mosaic call's metadata (block ranges, padded vectors), computed once."""
+  del return_lse
+  _, cfg, vecs, _ = _mosaic_setup(q, k, v, causal, sm_scale, q_positions, kv_positions,
+                                  q_segment_ids, kv_segment_ids, sliding_window, config)
+  return _mosaic_plan(*vecs, cfg=cfg, causal=bool(causal), window=sliding_window)
 
 
 def _mosaic_why_not(q, k, v) -> str | None:
@@ -894,6 +962,7 @@ def attention_prefill_xla(q, k, v, *, causal=True, sm_scale=None, q_positions=No
 op = registry.op("attention_prefill", "softmax(q k^T * scale + mask) v with GQA, causal, "
                  "segments, positions, sliding window")
 op.register("mosaic", attention_prefill_mosaic, supports=_mosaic_supports,
+            plan=attention_prefill_mosaic_plan,
             doc="Mosaic GPU FA3: TMA K/V ring, 2 consumer warpgroups, ping-pong, exp2")
 op.register("cudnn", attention_prefill_cudnn, supports=_cudnn_why_not,
             doc="cuDNN via jax.nn.dot_product_attention")

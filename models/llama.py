@@ -387,26 +387,39 @@ class Llama(nnx.Module):
       x = jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]  # [B, D]
     return self._logits(x), cache
 
+  def _attention_shapes(self, b, t, skv):
+    """q [B, T, Hq, hd] and k/v [B, Skv, Hkv, hd] as shapes (for op.plan)."""
+    cfg, dt = self.cfg, self.embed[...].dtype
+    return (jax.ShapeDtypeStruct((b, t, cfg.num_heads, cfg.head_dim), dt),
+            jax.ShapeDtypeStruct((b, skv, cfg.num_kv_heads, cfg.head_dim), dt))
+
+  def _prefill_attention(self, b, t, skv, **kw):
+    """attention(q, k, v) over [B, Skv] keys with the masks in ``kw``. Its plan
+    (the kernel's block ranges, from positions alone) is built here, once per
+    step: built inside the layer scan, XLA's GPU pipeline keeps it there."""
+    qa, ka = self._attention_shapes(b, t, skv)
+    kw = dict(causal=True, sliding_window=self.cfg.sliding_window, **kw)
+    plan = ops()["attention_prefill"].plan(qa, ka, ka, **kw)
+    return lambda q, k, v: ops()["attention_prefill"](q, k, v, plan=plan, **kw)
+
   def _chunk_attention(self, tpos, valid, total, page_table, page_size: int, fresh: bool):
     """attention(q, k, v, kc, vc, layer) of prefill chunks (tpos/valid [B, T],
     total [B] kv tokens after the chunk; k/v: the chunk's own, already written
     into kc/vc): within the chunk when ``fresh``, else over the row's gathered
     pages, masked by position and segment ids."""
-    cfg = self.cfg
+    b, t = tpos.shape
     if fresh:
-      return lambda q, k, v, kc, vc, layer: ops()["attention_prefill"](
-          q, k, v, causal=True, sliding_window=cfg.sliding_window)
-    b = tpos.shape[0]
+      attention = self._prefill_attention(b, t, t)
+      return lambda q, k, v, kc, vc, layer: attention(q, k, v)
     skv = page_table.shape[1] * page_size
     kv_pos = jnp.broadcast_to(jnp.arange(skv, dtype=jnp.int32), (b, skv))
-    q_seg = valid.astype(jnp.int32)
-    kv_seg = (kv_pos < total[:, None]).astype(jnp.int32)
+    attention = self._prefill_attention(
+        b, t, skv, q_positions=tpos, kv_positions=kv_pos, q_segment_ids=valid.astype(jnp.int32),
+        kv_segment_ids=(kv_pos < total[:, None]).astype(jnp.int32))
 
     def attend(q, k, v, kc, vc, layer):
       kg, vg = _gather_pages(kc, vc, layer, page_table, q.dtype)  # [B, Skv, Hkv, hd]
-      return ops()["attention_prefill"](
-          q, kg, vg, causal=True, q_positions=tpos, kv_positions=kv_pos, q_segment_ids=q_seg,
-          kv_segment_ids=kv_seg, sliding_window=cfg.sliding_window)
+      return attention(q, kg, vg)
 
     return attend
 
@@ -477,8 +490,9 @@ class Llama(nnx.Module):
       # prefill attention instead (same positions rule).
       skv = page_table.shape[1] * ps
       kv_pos = jnp.broadcast_to(jnp.arange(skv, dtype=jnp.int32), (b, skv))
-      q_seg = valid.astype(jnp.int32)
-      kv_seg = (kv_pos < lengths[:, None]).astype(jnp.int32)
+      windowed = self._prefill_attention(
+          b, tq, skv, q_positions=tpos, kv_positions=kv_pos, q_segment_ids=valid.astype(jnp.int32),
+          kv_segment_ids=(kv_pos < lengths[:, None]).astype(jnp.int32))
 
     def attend(block, h, kc, vc, layer):
       q, k, v = block.attn.qkv(h, rope)
@@ -489,10 +503,7 @@ class Llama(nnx.Module):
           # (slicing kc[layer] would copy the layer's whole cache every step).
           o = ops()["attention_decode"](q, kc, vc, lengths, page_table, layer=layer)
       else:
-        kg, vg = _gather_pages(kc, vc, layer, page_table, q.dtype)
-        o = ops()["attention_prefill"](
-            q, kg, vg, causal=True, q_positions=tpos, kv_positions=kv_pos,
-            q_segment_ids=q_seg, kv_segment_ids=kv_seg, sliding_window=cfg.sliding_window)
+        o = windowed(q, *_gather_pages(kc, vc, layer, page_table, q.dtype))
       return o.reshape(b, tq, -1).astype(h.dtype), kc, vc
 
     with jax.named_scope("embed"):

@@ -17,6 +17,15 @@ logged once per (op, implementation, reason).
 
 Each implementation carries ``supports(*args, **kwargs) -> str | None``:
 ``None`` when it can run the call, otherwise a sentence saying why not.
+
+An implementation may also carry a planner: ``op.plan(*args, **kwargs)``
+resolves the implementation as a call would and returns a ``Plan`` of what it
+can compute once for calls of that shape (the arrays may be
+jax.ShapeDtypeStruct; only what the plan needs must be real). A call inside a
+loop then takes ``plan=`` and skips that work: FlashInfer's plan / run, so
+that per-step metadata is not rebuilt in every layer. A plan made for another
+implementation is refused; one made for an implementation without a planner
+is ignored.
 """
 
 from __future__ import annotations
@@ -28,6 +37,8 @@ import logging
 import os
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
+
+import jax
 
 from mosaic import target as target_lib
 
@@ -47,9 +58,21 @@ class Impl:
   fn: Callable[..., Any]
   supports: SupportsFn
   doc: str = ""
+  planner: Callable[..., Any] | None = None  # (*args, **kwargs) -> plan data (a pytree)
 
   def why_not(self, *args, **kwargs) -> str | None:
     return self.supports(*args, **kwargs)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """What ``Op.plan`` precomputed, for one op's implementation (a pytree:
+  ``data`` is its arrays, or None)."""
+
+  op: str = dataclasses.field(metadata=dict(static=True))
+  backend: str = dataclasses.field(metadata=dict(static=True))
+  data: Any = None
 
 
 def _always(*args, **kwargs) -> None:
@@ -73,13 +96,15 @@ class Op:
       *,
       supports: SupportsFn | None = None,
       doc: str = "",
+      plan: Callable[..., Any] | None = None,
   ):
-    """Registers ``fn`` under ``name``; usable as a decorator."""
+    """Registers ``fn`` under ``name``; usable as a decorator. ``plan``: the
+    implementation's planner (see ``Op.plan``); ``fn`` then takes ``plan=``."""
 
     def add(f: Callable[..., Any]):
       if name in self.impls:
         raise BackendError(f"{self.name}: backend {name!r} is registered twice")
-      self.impls[name] = Impl(self.name, name, f, supports or _always, doc)
+      self.impls[name] = Impl(self.name, name, f, supports or _always, doc, plan)
       return f
 
     return add(fn) if fn is not None else add
@@ -143,8 +168,24 @@ class Op:
         + ("; ".join(rejected) or f"no defaults; valid: {', '.join(self.names)}")
     )
 
-  def __call__(self, *args, backend: str | None = None, **kwargs):
-    return self.select(*args, backend=backend, **kwargs).fn(*args, **kwargs)
+  def plan(self, *args, backend: str | None = None, **kwargs) -> Plan:
+    """The plan of the implementation this call would run (see module docstring)."""
+    impl = self.select(*args, backend=backend, **kwargs)
+    data = impl.planner(*args, **kwargs) if impl.planner is not None else None
+    return Plan(self.name, impl.name, data)
+
+  def __call__(self, *args, backend: str | None = None, plan: Plan | None = None, **kwargs):
+    impl = self.select(*args, backend=backend, **kwargs)
+    if plan is not None:
+      if not isinstance(plan, Plan) or plan.op != self.name:
+        raise BackendError(f"{self.name}: plan= must be a Plan of this op (from "
+                           f"{self.name}.plan), got {plan!r:.80}")
+      if plan.backend != impl.name:
+        raise BackendError(f"{self.name}: the plan was made for backend {plan.backend!r}, "
+                           f"but this call runs {impl.name!r}")
+      if impl.planner is not None:
+        kwargs["plan"] = plan.data
+    return impl.fn(*args, **kwargs)
 
   def __repr__(self) -> str:
     return f"Op({self.name!r}, backends={self.names})"

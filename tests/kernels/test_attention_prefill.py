@@ -134,6 +134,33 @@ def test_mosaic_matches_reference(name, overlap):
   assert not dsl.races_found()
 
 
+def test_a_plan_gives_the_same_output_and_must_fit_the_call():
+  # op.plan computes the mosaic kernel's block ranges from shapes and positions
+  # alone; a call with it is the call without it, exactly.
+  shape, kw, cfg = _case("model_chunk")
+  q, k, v = _qkv(**shape, dtype=jnp.bfloat16)
+  op = registry.get_op("attention_prefill")
+  shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v)]
+  plan = op.plan(*shapes, backend="mosaic", **kw)
+  assert plan.backend == "mosaic" and isinstance(plan.data, ap.MosaicPlan)
+  want = ap.attention_prefill_mosaic(q, k, v, **kw)
+  got = jax.jit(lambda q, k, v, plan: op(q, k, v, backend="mosaic", plan=plan, **kw))(
+      q, k, v, plan)
+  np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+  # A backend without a planner ignores its (empty) plan; another's is refused.
+  xla_plan = op.plan(*shapes, backend="xla", **kw)
+  assert xla_plan.data is None
+  testing.assert_close(op(q, k, v, backend="xla", plan=xla_plan, **kw),
+                       ap.attention_prefill_reference(q, k, v, **kw), jnp.bfloat16)
+  with pytest.raises(registry.BackendError, match="made for backend 'xla'"):
+    op(q, k, v, backend="mosaic", plan=xla_plan, **kw)
+  # A plan for other shapes (here, a shorter key sequence) is refused.
+  short = op.plan(shapes[0], *[jax.ShapeDtypeStruct((3, 64, 1, 128), jnp.bfloat16)] * 2,
+                  backend="mosaic", causal=True)
+  with pytest.raises(ValueError, match="other shapes or another config"):
+    ap.attention_prefill_mosaic(q, k, v, plan=short.data, **kw)
+
+
 @pytest.mark.parametrize("backend", ["xla", "triton"])
 @pytest.mark.parametrize("name", ["prefix_gqa_pad", "packed", "d128_window"])
 def test_portable_backends_match_reference(backend, name):

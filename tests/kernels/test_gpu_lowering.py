@@ -296,3 +296,54 @@ def test_llama_8b_steps_lower_for_h200_on_mosaic_kernels(step, cache_dtype):
   outs = " ".join(lowered.kernel_results)
   for want in (f"{rows}x6144xbf16", f"{rows}x14336xbf16", f"{b}x128256xf32"):
     assert want in outs, (want, lowered.kernel_results)
+
+
+KERNEL_CALLS = ("mpmd_map", "pallas_call")  # how a Mosaic GPU kernel shows in a jaxpr
+
+
+def _primitives(jaxpr) -> list[str]:
+  """Primitive names of a jaxpr and every jaxpr nested in its equations, but
+  not inside kernels."""
+  out = []
+  for eqn in jaxpr.eqns:
+    out.append(eqn.primitive.name)
+    if eqn.primitive.name in KERNEL_CALLS:
+      continue
+    for p in eqn.params.values():
+      for sub in (p if isinstance(p, (list, tuple)) else [p]):
+        inner = getattr(sub, "jaxpr", sub)
+        if hasattr(inner, "eqns"):
+          out += _primitives(inner)
+  return out
+
+
+@pytest.mark.parametrize("step", ["prefill_continued", "mixed"])
+def test_fa3_block_ranges_are_planned_once_per_step_not_per_layer(step):
+  # The FA3 kernel's kv block ranges depend on positions only. Built inside
+  # the layer scan, XLA's GPU pipeline left them there (5 small kernels a
+  # layer, profile run 11); the model plans them once, outside it.
+  llama, graphdef, params, cache = _llama_8b()
+  names = llama.backends(attention_prefill="mosaic", attention_decode="mosaic",
+                         matmul="mosaic", rms_norm="mosaic")
+  if step == "mixed":
+    fn = lambda p, c, dt, dl, dtab, tok, pos, n, tab: llama.mixed_step(
+        graphdef, p, c, dt, dl, dtab, tok, pos, n, tab, backends=names)
+    args = (S((64,), I32), S((64,), I32), S((64, 64), I32), S((1, 128), I32), S((1,), I32),
+            S((1,), I32), S((1, 16), I32))
+  else:
+    fn = lambda p, c, tok, pos, n, tab: llama.prefill_step(graphdef, p, c, tok, pos, n, tab,
+                                                          backends=names)
+    args = (S((1, 512), I32), S((1,), I32), S((1,), I32), S((1, 32), I32))
+  h200 = target_lib.make("gpu", "NVIDIA H200", "9.0", 132)
+  with target_lib.override(h200):
+    closed = jax.make_jaxpr(fn)(params, cache, *args)
+  outer = _primitives(closed.jaxpr)
+  scans = [e for e in closed.jaxpr.eqns if e.primitive.name == "scan"]
+  inner = [n for e in scans for n in _primitives(e.params["jaxpr"].jaxpr)]
+  if not scans:  # the step is one jitted call: look inside it
+    (call,) = [e for e in closed.jaxpr.eqns if "jaxpr" in e.params]
+    scans = [e for e in call.params["jaxpr"].jaxpr.eqns if e.primitive.name == "scan"]
+    inner = [n for e in scans for n in _primitives(e.params["jaxpr"].jaxpr)]
+  assert len(scans) == 1, [e.primitive.name for e in closed.jaxpr.eqns]
+  assert "reduce_min" in outer and "reduce_min" not in inner  # _block_ranges' mins
+  assert sum(inner.count(k) for k in KERNEL_CALLS) >= 7  # the layer's kernels are in it

@@ -72,3 +72,30 @@ def test_describe_lists_real_ops():
   kernels.load_all()
   text = registry.describe()
   assert "rms_norm: backends mosaic, reference, xla; default on cpu: xla" in text
+
+
+def test_plan_goes_to_the_backend_it_was_made_for():
+  name = "toy_planned_op_for_tests"
+  registry._OPS.pop(name, None)
+  o = registry.op(name)
+  calls = []
+  o.register("planned", lambda x, plan=None: ("planned", x, plan),
+             plan=lambda x: calls.append(x) or f"plan of {x}")
+  o.register("plain", lambda x: ("plain", x))
+  o.set_defaults(default=("planned", "plain"))
+  try:
+    p = o.plan(3)
+    assert (p.op, p.backend, p.data) == (name, "planned", "plan of 3") and calls == [3]
+    assert o(5, plan=p) == ("planned", 5, "plan of 3")  # the planned work is not redone
+    assert o(5) == ("planned", 5, None)
+    plain = o.plan(3, backend="plain")
+    assert plain.data is None and o(5, backend="plain", plan=plain) == ("plain", 5)
+    with pytest.raises(registry.BackendError, match="made for backend 'plain'.*runs 'planned'"):
+      o(5, plan=plain)
+    with pytest.raises(registry.BackendError, match="must be a Plan of this op"):
+      o(5, plan="plan of 3")
+    import jax
+
+    assert jax.tree.leaves(p) == ["plan of 3"]  # a pytree: plans cross jit boundaries
+  finally:
+    registry._OPS.pop(name, None)
