@@ -525,6 +525,8 @@ def matmul_mosaic(a, b, *, bias=None, residual=None, out_dtype=None, activation=
       return _epilogue(y, None, residual, out_dtype, activation)
     return bw.run(a, b, bias, residual, cfg=config or bw.heuristic(m, n, k),
                   out_dtype=out_dtype, num_sms=_num_sms())
+  if config is not None and not isinstance(config, Config):
+    raise ValueError(f"on Hopper config must be a matmul.Config; got {config=}")
   isz = (a.dtype.itemsize, out_dtype.itemsize)
   # A picked config (heuristic or table, chosen for bf16 out) is fitted to
   # this call's output dtype; an explicit one is the caller's to fix.

@@ -53,12 +53,15 @@ class Config(tuning.KernelConfig):
       raise ValueError(f"{self.tile_m=} must be 128 (one CTA's tcgen05 M)")
     if self.tile_n % 16 or not 16 <= self.tile_n <= 256:
       raise ValueError(f"{self.tile_n=} must be a multiple of 16 in [16, 256]")
-    if self.tile_k not in (32, 64, 128):
-      raise ValueError(f"{self.tile_k=} must be 32, 64 or 128")
+    if self.tile_k not in (64, 128) and not (self.tile_k == 32 and self.tile_n < 64):
+      # Mosaic GPU lowers 32-element K blocks for tcgen05 only with narrow N tiles.
+      raise ValueError(f"{self.tile_k=} must be 64 or 128 (32 does not lower for tcgen05 "
+                       f"with {self.tile_n=} >= 64)")
     if self.stages < 2:
       raise ValueError(f"{self.stages=} must be >= 2")
-    if self.epi_n % 8 or self.tile_n % self.epi_n:
-      raise ValueError(f"{self.epi_n=} must be a multiple of 8 dividing {self.tile_n=}")
+    if self.epi_n % 16 or self.tile_n % self.epi_n:
+      # 8 columns of bf16 would need a 16-byte swizzle, which TMA lacks.
+      raise ValueError(f"{self.epi_n=} must be a multiple of 16 dividing {self.tile_n=}")
     if self.grid_minor not in ("m", "n"):
       raise ValueError(f"{self.grid_minor=} must be 'm' or 'n'")
     if self.grid_width < 1:

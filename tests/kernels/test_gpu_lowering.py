@@ -82,9 +82,15 @@ def test_what_interpret_mode_runs_but_the_gpu_cannot():
     testing.lower_for_gpu(lambda x: _fp8_tile_to(BF16)(x), S((128, 128), jnp.float8_e4m3fn))
   # Likewise matmul tiles narrower than 128-byte rows, or 64-byte K blocks: the
   # interpreter ran them, the lowering does not, so Config refuses them.
-  for bad in (dict(tile_n=32), dict(tile_k=32)):
+  from kernels import matmul_blackwell as bw
+
+  for cls, bad in ((mm.Config, dict(tile_n=32)), (mm.Config, dict(tile_k=32)),
+                   (bw.Config, dict(tile_n=128, tile_k=32))):
     with pytest.raises(ValueError, match="not lower"):
-      mm.Config(**bad)
+      cls(**bad)
+  with pytest.raises(ValueError, match="on Hopper config must be a matmul.Config"):
+    testing.lower_for_gpu(lambda a, b: mm.matmul_mosaic(a, b, config=bw.Config()),
+                          S((128, 512), BF16), S((512, 512), BF16))
 
 
 def _table(op):
@@ -162,6 +168,32 @@ def test_matmul_lowers_for_h200(name):
     return mm.matmul_mosaic(a, b, **dict(zip(names, rest)), **kw)
 
   _lower(f, *args)
+
+
+# The edges of what Config accepts (each found to lower by a sweep of the whole
+# space on CPU); what it refuses is in test_what_interpret_mode_runs_but_the_gpu_cannot.
+HOPPER_EDGES = [
+    dict(tile_m=64, tile_n=64, epi_n=16), dict(tile_m=256, tile_n=64, tile_k=128, stages=2),
+    dict(tile_m=192, tile_n=192, stages=2), dict(tile_n=256, stages=2, wg_dim="m"),
+    dict(tile_m=64, tile_n=128, tile_k=128, stages=2, split_k=2, persistent=False),
+]
+
+
+@pytest.mark.parametrize("edge", range(len(HOPPER_EDGES)))
+def test_matmul_config_edges_lower_for_h200(edge):
+  cfg = mm.Config(**HOPPER_EDGES[edge])
+  _lower(lambda a, b: mm.matmul_mosaic(a, b, config=cfg), S((512, 1024), BF16),
+         S((1024, 1536), BF16))
+
+
+@pytest.mark.parametrize("edge", [dict(tile_n=16, tile_k=32, epi_n=16), dict(tile_n=256, epi_n=16),
+                                  dict(tile_n=128, tile_k=128, stages=2)])
+def test_blackwell_config_edges_lower_for_b200(edge):
+  from kernels import matmul_blackwell as bw
+
+  cfg = bw.Config(**edge)
+  _lower(lambda a, b: mm.matmul_mosaic(a, b, config=cfg), S((256, 1024), BF16),
+         S((1024, 1536), BF16), device="b200")
 
 
 def test_matmul_layer_stack_lowers_for_h200():
