@@ -520,7 +520,7 @@ def _chunk_slots(positions, lengths, t, page_table, page_size):
   return (tpos, valid) + _page_slot(tpos, valid, page_table, page_size)
 
 
-def _to_cache(x, dtype):
+def to_cache_dtype(x, dtype):
   """x in the cache's dtype; into fp8 saturating (a plain cast would make NaN)."""
   if jnp.dtype(dtype).name == "float8_e4m3fn":
     from kernels.attention_decode import FP8_MAX
@@ -532,8 +532,8 @@ def _to_cache(x, dtype):
 def _write_kv(kc, vc, layer, page, slot, k, v):
   """k/v [B, T, Hkv, hd] into the layer's cache at each token's (page, slot) [B, T]."""
   with jax.named_scope("kv_write"):
-    return (kc.at[layer, :, page, slot].set(_to_cache(k, kc.dtype)),
-            vc.at[layer, :, page, slot].set(_to_cache(v, vc.dtype)))
+    return (kc.at[layer, :, page, slot].set(to_cache_dtype(k, kc.dtype)),
+            vc.at[layer, :, page, slot].set(to_cache_dtype(v, vc.dtype)))
 
 
 def _page_slot(tpos, valid, page_table, page_size):

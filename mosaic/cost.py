@@ -40,8 +40,10 @@ def matmul(m: int, n: int, k: int, in_dtype="bfloat16", out_dtype="bfloat16",
 
 
 def attention(batch: int, heads_q: int, heads_kv: int, q_len: int, kv_len: int, head_dim: int,
-              causal: bool = False, dtype="bfloat16") -> Cost:
+              causal: bool = False, dtype="bfloat16", kv_dtype=None) -> Cost:
   """Prefill/decode attention: QK^T and PV (4*B*H*Sq*Skv*D), halved if causal.
+  Bytes: Q read and O written in ``dtype``, K and V read once in ``kv_dtype``
+  (default ``dtype``; an fp8 cache halves them).
 
   For causal with q_len == kv_len the visible fraction is (S+1)/(2S); with a
   cached prefix (q_len < kv_len) queries see prefix + their own causal part.
@@ -52,8 +54,8 @@ def attention(batch: int, heads_q: int, heads_kv: int, q_len: int, kv_len: int, 
   else:
     visible = q_len * kv_len
   flops = 4.0 * batch * heads_q * visible * head_dim
-  b = _isz(dtype)
-  io = batch * head_dim * b * (2 * heads_q * q_len + 2 * heads_kv * kv_len)
+  b, kvb = _isz(dtype), _isz(kv_dtype or dtype)
+  io = batch * head_dim * (b * 2 * heads_q * q_len + kvb * 2 * heads_kv * kv_len)
   return Cost(flops, io)
 
 

@@ -79,7 +79,7 @@ _PNG_DPI = 100
 
 
 def op_costs(cfg, phase: str, batch: int, length: int, *, dtype="bfloat16",
-             decode_tokens: int = 1, chunk: int = 0) -> dict[str, cost_lib.Cost]:
+             decode_tokens: int = 1, chunk: int = 0, kv_dtype=None) -> dict[str, cost_lib.Cost]:
   """FLOPs and minimum bytes of each op of ONE layer (LAYER_OPS) and of the
   ops outside the layers (TOP_OPS), for a step of ``phase``.
 
@@ -90,7 +90,9 @@ def op_costs(cfg, phase: str, batch: int, length: int, *, dtype="bfloat16",
   ``chunk`` tokens in one pass: batch + chunk rows through the matmuls, logits
   for the decode rows and the chunk's last token.
   Elementwise ops (rope, kv_write, embed) count bytes only. gate_up includes the
-  SwiGLU gate fused into it: it writes F features per row, not 2F.
+  SwiGLU gate fused into it: it writes F features per row, not 2F. ``kv_dtype``:
+  the KV cache's (default ``dtype``), for the bytes decode attention reads and
+  the cache write writes.
   """
   if phase not in PHASES:
     raise ValueError(f"{phase=} is not one of {PHASES}")
@@ -103,27 +105,29 @@ def op_costs(cfg, phase: str, batch: int, length: int, *, dtype="bfloat16",
   import numpy as np
 
   isz = np.dtype(dtype).itemsize
+  kv_isz = np.dtype(kv_dtype or dtype).itemsize
   d, hd, f, v = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size, cfg.vocab_size
   hq, hkv = cfg.num_heads, cfg.num_kv_heads
   mm = lambda rows, n, k, **kw: cost_lib.matmul(rows, n, k, dtype, dtype, **kw)
-  attention = lambda b, tq, tkv: cost_lib.attention(b, hq, hkv, tq, tkv, hd, causal=True,
-                                                    dtype=dtype)
-  if phase == "prefill":
+  attention = lambda b, tq, tkv, kv=None: cost_lib.attention(b, hq, hkv, tq, tkv, hd,
+                                                             causal=True, dtype=dtype, kv_dtype=kv)
+  cache = kv_dtype or dtype
+  if phase == "prefill":  # fresh prompts attend their own K/V, not the cache
     m, m_out = batch * length, batch  # rows through the matmuls / final norm and lm_head
     attn = attention(batch, length, length)
   elif phase == "decode":
     m = m_out = batch * decode_tokens
-    attn = attention(batch, decode_tokens, length)
+    attn = attention(batch, decode_tokens, length, cache)
   else:
     m, m_out = batch + chunk, batch + 1
-    attn = attention(batch, 1, length) + attention(1, chunk, chunk)
+    attn = attention(batch, 1, length, cache) + attention(1, chunk, chunk)
   bytes_only = lambda n: cost_lib.Cost(0.0, float(n))
   return {
       "embed": bytes_only(2 * m * d * isz),
       "attn_norm": cost_lib.rms_norm(m, d, dtype),
       "qkv": mm(m, hq * hd, d) + mm(m, hkv * hd, d) + mm(m, hkv * hd, d),
       "rope": bytes_only(2 * m * (hq + hkv) * hd * isz),
-      "kv_write": bytes_only(4 * m * hkv * hd * isz),
+      "kv_write": bytes_only(2 * m * hkv * hd * (isz + kv_isz)),  # read k, v; write them
       "attention": attn,
       "o_proj": mm(m, d, hq * hd) + bytes_only(m * d * isz),  # + residual read
       "mlp_norm": cost_lib.rms_norm(m, d, dtype),
@@ -406,7 +410,8 @@ class _Step:
   """Inputs and the compiled step of one (phase, backends) configuration."""
 
   def __init__(self, model, phase: str, batch: int, length: int, backends: dict[str, str | None],
-               *, page_size: int | None = None, seed: int = 0, chunk: int = 0):
+               *, page_size: int | None = None, seed: int = 0, chunk: int = 0,
+               kv_dtype=None):
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -430,7 +435,8 @@ class _Step:
     shape = (cfg.num_layers, cfg.num_kv_heads, num_pages, ps, cfg.head_dim)
     kk, kv = jax.random.split(key)
     # Random cache contents so that decode attention reads real numbers.
-    mk = jax.jit(lambda k: jax.random.normal(k, shape, jnp.float32).astype(model.dtype))
+    mk = jax.jit(lambda k: llama.to_cache_dtype(jax.random.normal(k, shape, jnp.float32),
+                                           jnp.dtype(kv_dtype or model.dtype)))
     self.cache = llama.KVCache(mk(kk), mk(kv))
     self.backends = llama.backends(**backends)
     if phase == "prefill":
@@ -784,14 +790,16 @@ def profile(model, *, batch: int = 1, prefill_len: int = 128, decode_context: in
             matmul: str | Sequence[str] | None = None, steps: int = 3, iters: int = 10,
             page_size: int | None = None, trace_dir: str | os.PathLike | None = None,
             log=None, measure_deadline: float | None = None,
-            deadline: float | None = None, mixed_chunk: int = 128) -> Report:
+            deadline: float | None = None, mixed_chunk: int = 128,
+            kv_cache_dtype: str | None = None) -> Report:
   """Profiles ``model``'s prefill (batch x prefill_len), decode (batch at
   context decode_context; decode_batch rows if given) and, among ``phases``,
   mixed (that decode batch plus a fresh chunk of mixed_chunk prompt tokens)
   for every backend configuration. See the module
   docstring; backends are registry names ('default' = the op's default).
   ``measure_deadline`` / ``deadline`` (time.monotonic() values) stop starting
-  new configurations in the measuring / tracing pass; skipped ones say so."""
+  new configurations in the measuring / tracing pass; skipped ones say so.
+  ``kv_cache_dtype``: the KV cache's dtype (default the model's, or fp8)."""
   import jax
 
   from models import llama
@@ -825,7 +833,8 @@ def profile(model, *, batch: int = 1, prefill_len: int = 128, decode_context: in
       built.append((prof, None))
       continue
     try:
-      step = _Step(model, ph, rows, length, backends, page_size=page_size, chunk=chunk)
+      step = _Step(model, ph, rows, length, backends, page_size=page_size, chunk=chunk,
+                   kv_dtype=kv_cache_dtype)
       prof.step.update(step.measure(iters))
       log(f"measured {prof.label}: " + ", ".join(f"{k} {v * 1e6:.1f} us"
                                                  for k, v in prof.step.items()))
@@ -864,7 +873,7 @@ def profile(model, *, batch: int = 1, prefill_len: int = 128, decode_context: in
       if not any(s.times for s in per_step):
         raise RuntimeError(f"the trace ({tr.path}) holds no kernel of the step")
       costs = op_costs(cfg, prof.phase, prof.batch, prof.length, dtype=model.dtype,
-                       chunk=prof.chunk)
+                       chunk=prof.chunk, kv_dtype=kv_cache_dtype)
       summarize(prof, per_step, costs, cfg.num_layers, tgt)
       prof.step["trace_device"] = tr.device
       prof.step["trace_info"] = tr.info
@@ -1043,6 +1052,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
   p.add_argument("--steps", type=int, default=3, help="steps traced per configuration")
   p.add_argument("--iters", type=int, default=10, help="steps timed per configuration")
   p.add_argument("--page-size", type=int)
+  p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"),
+                 help="KV cache dtype: auto = the model's; fp8 = float8_e4m3fn")
   p.add_argument("--per-layer", action="store_true", help="print every (layer, op) row")
   p.add_argument("--out", type=pathlib.Path, help="write profile.json, .png, _trace.json here")
   p.add_argument("--keep-trace", action="store_true",
@@ -1064,7 +1075,8 @@ def run_cli(a) -> int:
                 phases=[s.strip() for s in a.phases.split(",") if s.strip()],
                 attention=a.attention_backend, decode_attention=a.decode_attention_backend,
                 matmul=a.matmul_backend, steps=a.steps, iters=a.iters, page_size=a.page_size,
-                trace_dir=trace_dir, mixed_chunk=a.mixed_chunk)
+                trace_dir=trace_dir, mixed_chunk=a.mixed_chunk,
+                kv_cache_dtype={"auto": None, "fp8": "float8_e4m3fn"}[a.kv_cache_dtype])
   print(rep.table(per_layer=a.per_layer))
   if a.out is not None:
     paths = rep.write_all(a.out)

@@ -45,6 +45,32 @@ def test_op_costs_match_hand_computed_decode():
   assert c["lm_head"].flops == 2 * b * 4096 * 128256
 
 
+def test_op_costs_with_an_fp8_cache():
+  # Decode reads K and V at 1 byte each; the write stores them at 1 byte; a
+  # fresh prefill attends its own bf16 K/V.
+  cfg = config_lib.get("llama3.1-8b")
+  b, l = 16, 2048
+  c = P.op_costs(cfg, "decode", b, l, dtype="bfloat16", kv_dtype="float8_e4m3fn")
+  assert c["attention"].bytes == b * 128 * (2 * 2 * 32 * 1 + 1 * 2 * 8 * l)
+  assert c["kv_write"].bytes == 2 * b * 8 * 128 * (2 + 1)
+  bf = P.op_costs(cfg, "prefill", 1, 512, dtype="bfloat16")
+  f8 = P.op_costs(cfg, "prefill", 1, 512, dtype="bfloat16", kv_dtype="float8_e4m3fn")
+  assert f8["attention"].bytes == bf["attention"].bytes
+
+
+def test_profile_an_fp8_cache_on_cpu():
+  from models import load
+
+  model = load("tiny", dtype="float32")
+  rep = P.profile(model, batch=2, decode_context=40, phases=["decode"], attention="xla",
+                  steps=1, iters=1, page_size=16, kv_cache_dtype="float8_e4m3fn",
+                  log=lambda m: None)
+  (p,) = rep.profiles
+  assert p.error is None
+  att = [r for r in p.rows if r["op"] == "attention"]
+  assert att and all(r["time_us"] > 0 for r in att)
+
+
 def test_op_costs_match_hand_computed_mixed():
   # 16 decode rows at L=2048 and a fresh 128-token chunk in one pass.
   cfg = config_lib.get("llama3.1-8b")
