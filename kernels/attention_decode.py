@@ -292,12 +292,14 @@ def _attend_step(carry, ids, slot, start, length, q_smem, k_smem, v_smem, p_smem
   p = jnp.exp2(qk - lax.broadcast_in_dim(m_new, qk.shape, [0]))
   l_i = l_i * alpha + p.sum(axis=1)
   p_smem[...] = p.astype(p_smem.dtype)
+  if cvt is None:
+    plgpu.commit_smem()  # P is read by the tensor cores next
   plgpu.barrier_wait(v_bars.at[slot])
   v_tile = v_smem.at[slot]
   if cvt is not None:
     cvt[1][...] = v_tile[...].astype(cvt[1].dtype)
+    plgpu.commit_smem()  # P and V are read by the tensor cores next
     v_tile = cvt[1]
-  plgpu.commit_smem()  # P (and V) are read by the tensor cores next
 
   def pv_scope(acc_ref):
     plgpu.wgmma(acc_ref, p_smem, v_tile)
