@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 
 import kernels
-from mosaic import bench, registry
+from mosaic import bench, registry, testing
 
 # (name, M, K, N, residual): the decode shapes the profiler reads low, and a
 # weight over 2x the L2 as the control (two sets already evict it).
@@ -88,8 +88,7 @@ def main(argv=None) -> int:
       x, w, r = sets[0]
       w_kn = w.T if backend == "xla_nk" else w
       ref = x.astype(jnp.float32) @ w_kn.astype(jnp.float32) + (0 if r is None else r.astype(jnp.float32))
-      got = jax.jit(f)(x, w, r).astype(jnp.float32)
-      err = float(jnp.linalg.norm(got - ref) / jnp.linalg.norm(ref))
+      err = testing.rel_error(jax.jit(f)(x, w, r), ref)
       if not err < 2e-2:
         raise SystemExit(f"{name} {backend}: rel. error {err}")
       row = {"shape": name, "M": m, "K": k, "N": n, "backend": backend, "rel_err": err,

@@ -554,13 +554,6 @@ class MosaicPlan(NamedTuple):
   ks: jax.Array
 
 
-def _plan_shapes(B, Sq, Skv, cfg: Config):
-  bq2 = 2 * cfg.block_q
-  Sq_p, Skv_p = dsl.round_up(Sq, bq2), dsl.round_up(Skv, cfg.block_kv)
-  return {"meta": (B, Sq_p // bq2, 3, 4), "qp": (B, Sq_p), "qs": (B, Sq_p), "kp": (B, Skv_p),
-          "ks": (B, Skv_p)}
-
-
 @functools.partial(jax.jit, static_argnames=("cfg", "causal", "window"))
 def _mosaic_plan(qp, qs, kp, ks, *, cfg: Config, causal: bool, window: int | None):
   B, Sq = qp.shape
@@ -643,7 +636,7 @@ def _pick_config(D, dtype, causal) -> Config:
 
 def _mosaic_setup(q, k, v, causal, sm_scale, q_positions, kv_positions, q_segment_ids,
                   kv_segment_ids, sliding_window, config):
-  """(shapes, config, position/segment vectors, scale) of a mosaic call."""
+  """(config, position/segment vectors, scale) of a mosaic call."""
   B, Sq, Hq, D, Skv, Hkv = _check(q, k, v, causal, sm_scale, q_positions, kv_positions,
                                   q_segment_ids, kv_segment_ids, sliding_window, DTYPES)
   why = _mosaic_why_not(q, k, v)
@@ -658,7 +651,7 @@ def _mosaic_setup(q, k, v, causal, sm_scale, q_positions, kv_positions, q_segmen
     cfg = dataclasses.replace(cfg, pingpong=False)
   vecs = _vectors(B, Sq, Skv, q_positions, kv_positions, q_segment_ids, kv_segment_ids)
   scale = float(D ** -0.5 if sm_scale is None else sm_scale)
-  return (B, Sq, Skv), cfg, vecs, scale
+  return cfg, vecs, scale
 
 
 def attention_prefill_mosaic(q, k, v, *, causal=True, sm_scale=None, q_positions=None,
@@ -667,15 +660,17 @@ def attention_prefill_mosaic(q, k, v, *, causal=True, sm_scale=None, q_positions
                              plan: MosaicPlan | None = None):
   """``plan``: from ``attention_prefill_mosaic_plan`` (or ``op.plan``) with the
   same arguments but q, k, v, which need only their shapes there."""
-  (B, Sq, Skv), cfg, vecs, scale = _mosaic_setup(
+  cfg, vecs, scale = _mosaic_setup(
       q, k, v, causal, sm_scale, q_positions, kv_positions, q_segment_ids, kv_segment_ids,
       sliding_window, config)
+  make_plan = functools.partial(_mosaic_plan, cfg=cfg, causal=bool(causal),
+                                window=sliding_window)
   if plan is None:
-    plan = _mosaic_plan(*vecs, cfg=cfg, causal=bool(causal), window=sliding_window)
+    plan = make_plan(*vecs)
   else:
-    want = _plan_shapes(B, Sq, Skv, cfg)
-    got = {f: tuple(getattr(plan, f).shape) for f in MosaicPlan._fields} if isinstance(
-        plan, MosaicPlan) else None
+    shapes = lambda p: [tuple(x.shape) for x in p]
+    want = shapes(jax.eval_shape(make_plan, *vecs))
+    got = shapes(plan) if isinstance(plan, MosaicPlan) else None
     if got != want:
       raise ValueError(f"the plan was made for other shapes or another config: {got} "
                        f"(this call needs {want})")
@@ -689,8 +684,8 @@ def attention_prefill_mosaic_plan(q, k, v, *, causal=True, sm_scale=None, q_posi
                                   config: Config | None = None) -> MosaicPlan:
   """The mosaic call's metadata (block ranges, padded vectors), computed once."""
   del return_lse
-  _, cfg, vecs, _ = _mosaic_setup(q, k, v, causal, sm_scale, q_positions, kv_positions,
-                                  q_segment_ids, kv_segment_ids, sliding_window, config)
+  cfg, vecs, _ = _mosaic_setup(q, k, v, causal, sm_scale, q_positions, kv_positions,
+                               q_segment_ids, kv_segment_ids, sliding_window, config)
   return _mosaic_plan(*vecs, cfg=cfg, causal=bool(causal), window=sliding_window)
 
 

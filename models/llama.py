@@ -521,11 +521,12 @@ def _chunk_slots(positions, lengths, t, page_table, page_size):
 
 
 def to_cache_dtype(x, dtype):
-  """x in the cache's dtype; into fp8 saturating (a plain cast would make NaN)."""
-  if jnp.dtype(dtype).name == "float8_e4m3fn":
-    from kernels.attention_decode import FP8_MAX
+  """x in the cache's dtype; into fp8 at scale 1, saturating (a plain cast
+  would make NaN)."""
+  from kernels.attention_decode import FP8_DTYPES, quantize_pages
 
-    x = jnp.clip(x.astype(jnp.float32), -FP8_MAX, FP8_MAX)
+  if jnp.dtype(dtype).name in FP8_DTYPES:
+    return quantize_pages(x, 1.0, dtype)
   return x.astype(dtype)
 
 

@@ -10,6 +10,8 @@ import pathlib
 import sys
 import time
 
+# --kv-cache-dtype (serve, and the profiler's flags): flag -> cache dtype (None = the model's).
+KV_CACHE_DTYPES = {"auto": None, "fp8": "float8_e4m3fn"}
 _SAMPLING_FLAGS = (("temperature", float), ("top_k", int), ("top_p", float), ("min_p", float),
                    ("repetition_penalty", float), ("presence_penalty", float),
                    ("frequency_penalty", float), ("seed", int), ("max_tokens", int),
@@ -55,9 +57,9 @@ def build_engine(a):
   cfg = _engine_config(a)
   spec = None if a.model in (None, "default") else a.model
   extra = {"step_delay": a.step_delay} if a.step_delay else {}
-  kv = {"auto": None, "fp8": "float8_e4m3fn"}[a.kv_cache_dtype]
   return E.model_engine(spec, dtype=a.dtype, num_pages=a.num_pages, page_size=a.page_size,
-                        kv_cache_dtype=kv, attention=a.attention_backend,
+                        kv_cache_dtype=KV_CACHE_DTYPES[a.kv_cache_dtype],
+                        attention=a.attention_backend,
                         decode_attention=a.decode_attention_backend, matmul=a.matmul_backend,
                         **extra, **cfg)
 
@@ -167,7 +169,7 @@ def parser() -> argparse.ArgumentParser:
   s.add_argument("--max-waiting", type=int, default=256)
   s.add_argument("--num-pages", type=int, default=1024, help="KV pages (page 0 reserved)")
   s.add_argument("--page-size", type=int, help="tokens per KV page (default: the kernel's)")
-  s.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"),
+  s.add_argument("--kv-cache-dtype", default="auto", choices=tuple(KV_CACHE_DTYPES),
                  help="KV cache dtype: auto = the model's; fp8 = float8_e4m3fn, half the "
                       "bytes a page (values stored at scale 1, saturating at +-448)")
   s.add_argument("--max-seq-len", type=int, help="context limit (default: the model's)")

@@ -64,6 +64,7 @@ import time
 from typing import Any, Sequence
 
 from mosaic import cost as cost_lib
+from serving.cli import KV_CACHE_DTYPES  # the serve flag's table (cli imports only the stdlib)
 
 # Scopes the model emits (models/llama.py), in execution order within a layer.
 LAYER_OPS = ("attn_norm", "qkv", "rope", "kv_write", "attention", "o_proj", "mlp_norm",
@@ -1052,7 +1053,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
   p.add_argument("--steps", type=int, default=3, help="steps traced per configuration")
   p.add_argument("--iters", type=int, default=10, help="steps timed per configuration")
   p.add_argument("--page-size", type=int)
-  p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"),
+  p.add_argument("--kv-cache-dtype", default="auto", choices=tuple(KV_CACHE_DTYPES),
                  help="KV cache dtype: auto = the model's; fp8 = float8_e4m3fn")
   p.add_argument("--per-layer", action="store_true", help="print every (layer, op) row")
   p.add_argument("--out", type=pathlib.Path, help="write profile.json, .png, _trace.json here")
@@ -1076,7 +1077,7 @@ def run_cli(a) -> int:
                 attention=a.attention_backend, decode_attention=a.decode_attention_backend,
                 matmul=a.matmul_backend, steps=a.steps, iters=a.iters, page_size=a.page_size,
                 trace_dir=trace_dir, mixed_chunk=a.mixed_chunk,
-                kv_cache_dtype={"auto": None, "fp8": "float8_e4m3fn"}[a.kv_cache_dtype])
+                kv_cache_dtype=KV_CACHE_DTYPES[a.kv_cache_dtype])
   print(rep.table(per_layer=a.per_layer))
   if a.out is not None:
     paths = rep.write_all(a.out)

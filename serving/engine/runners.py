@@ -16,6 +16,7 @@ next token is the previous token + 1, so the service's output is known.
 from __future__ import annotations
 
 import functools
+import inspect
 import time
 
 import jax
@@ -53,12 +54,11 @@ class ModelRunner:
     self.num_pages = num_pages
     if kv_cache_dtype is None:
       self.cache = model.init_cache(num_pages, page_size=page_size)
+    elif "dtype" not in inspect.signature(model.init_cache).parameters:
+      raise ValueError(f"{type(model).__name__} has no KV cache dtype option "
+                       f"(asked for {kv_cache_dtype})")
     else:
-      try:
-        self.cache = model.init_cache(num_pages, page_size=page_size, dtype=kv_cache_dtype)
-      except TypeError:
-        raise ValueError(f"{type(model).__name__} has no KV cache dtype option "
-                         f"(asked for {kv_cache_dtype})") from None
+      self.cache = model.init_cache(num_pages, page_size=page_size, dtype=kv_cache_dtype)
     self.kv_cache_dtype = str(self.cache.k.dtype)
     self.dtype = str(jnp.dtype(getattr(model, "dtype", self.cache.k.dtype)))  # the weights'
 
@@ -84,8 +84,6 @@ class ModelRunner:
     its jitted steps directly. Anything else goes through the documented API.
     """
     try:
-      import inspect
-
       from models import llama
       from models.model import Model
     except ImportError:

@@ -333,20 +333,21 @@ def test_llama_8b_steps_lower_for_h200_on_mosaic_kernels(step, cache_dtype):
 KERNEL_CALLS = ("mpmd_map", "pallas_call")  # how a Mosaic GPU kernel shows in a jaxpr
 
 
-def _primitives(jaxpr) -> list[str]:
-  """Primitive names of a jaxpr and every jaxpr nested in its equations, but
-  not inside kernels."""
-  out = []
+def _eqns(jaxpr):
+  """Every equation of a jaxpr and of the jaxprs nested in it, but not inside kernels."""
   for eqn in jaxpr.eqns:
-    out.append(eqn.primitive.name)
+    yield eqn
     if eqn.primitive.name in KERNEL_CALLS:
       continue
     for p in eqn.params.values():
       for sub in (p if isinstance(p, (list, tuple)) else [p]):
         inner = getattr(sub, "jaxpr", sub)
         if hasattr(inner, "eqns"):
-          out += _primitives(inner)
-  return out
+          yield from _eqns(inner)
+
+
+def _primitives(jaxpr) -> list[str]:
+  return [e.primitive.name for e in _eqns(jaxpr)]
 
 
 @pytest.mark.parametrize("step", ["prefill_continued", "mixed"])
@@ -370,12 +371,8 @@ def test_fa3_block_ranges_are_planned_once_per_step_not_per_layer(step):
   with target_lib.override(h200):
     closed = jax.make_jaxpr(fn)(params, cache, *args)
   outer = _primitives(closed.jaxpr)
-  scans = [e for e in closed.jaxpr.eqns if e.primitive.name == "scan"]
-  inner = [n for e in scans for n in _primitives(e.params["jaxpr"].jaxpr)]
-  if not scans:  # the step is one jitted call: look inside it
-    (call,) = [e for e in closed.jaxpr.eqns if "jaxpr" in e.params]
-    scans = [e for e in call.params["jaxpr"].jaxpr.eqns if e.primitive.name == "scan"]
-    inner = [n for e in scans for n in _primitives(e.params["jaxpr"].jaxpr)]
-  assert len(scans) == 1, [e.primitive.name for e in closed.jaxpr.eqns]
+  scans = [e for e in _eqns(closed.jaxpr) if e.primitive.name == "scan"]
+  assert len(scans) == 1, [e.primitive.name for e in scans]  # the layer scan
+  inner = _primitives(scans[0].params["jaxpr"].jaxpr)
   assert "reduce_min" in outer and "reduce_min" not in inner  # _block_ranges' mins
   assert sum(inner.count(k) for k in KERNEL_CALLS) >= 7  # the layer's kernels are in it
