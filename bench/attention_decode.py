@@ -10,7 +10,8 @@ before it is timed. ``--tune`` sweeps the Mosaic kernel's configs (each one
 checked first) and saves the winners in the tuning table; ``--edges`` also
 checks ragged lengths, Tq > 1 and split-K at small shapes. ``--fp8`` adds
 the Mosaic kernel on the same cache quantized to fp8 (per-tensor scales):
-checked against the fp8 reference, its GB/s counts the fp8 bytes, its
+checked against the fp8 reference (``--tune-fp8``: its configs swept, bf16
+left as tabled), its GB/s counts the fp8 bytes, its
 ``vs_cudnn`` is against cuDNN on the bf16 cache (the speedup a user sees), and
 ``quant_err`` is its distance from the bf16 reference.
 
@@ -103,6 +104,7 @@ def main():
   ap.add_argument("--impls", default=",".join(IMPLS), help=f"subset of {IMPLS}")
   ap.add_argument("--edge-cases", default="", help="indices of the edge cases to run")
   ap.add_argument("--fp8", action="store_true", help="also the mosaic kernel on fp8 pages")
+  ap.add_argument("--tune-fp8", action="store_true", help="with --fp8: tune the fp8 kernel only")
   ap.add_argument("--configs", default="",
                   help="tuning candidates 'pps,stages,splits,blocks_per_sm;...' "
                        "(splits 'a' = automatic); default: the full sweep")
@@ -132,45 +134,16 @@ def main():
     c = cost.Cost(4.0 * b * HQ * length * D, kv_bytes)
     scale = D ** -0.5
     impls = {}
+    mp = table.shape[1]
+    auto = ad._auto_splits(b, HKV, 1, mp)
     if args.tune:
-      mp = table.shape[1]
-      auto = ad._auto_splits(b, HKV, 1, mp)
-      if args.configs:
-        space = []
-        for cand in args.configs.split(";"):
-          p, st, sp, bps = cand.split(",")
-          space.append(ad.Config(pages_per_step=int(p), stages=int(st),
-                                 splits=auto if sp == "a" else int(sp), blocks_per_sm=int(bps)))
-      else:
-        space = [ad.Config(pages_per_step=p, stages=s, splits=sp, blocks_per_sm=bps)
-                 for p, s in [(1, 2), (1, 3), (1, 4), (2, 2), (2, 3)]
-                 for sp in sorted({auto, 2 * auto} if auto > 1 else {1})
-                 for bps in (0, 1, 2)]
-      try:
-        results = []  # (config, seconds or None, error); wrong configs are never timed
-        for cfg in space:
-          f = functools.partial(ad._attention_decode_mosaic, sm_scale=scale, config=cfg)
-          try:
-            testing.assert_close(f(*paged), ref, jnp.bfloat16)
-            s = bench.time_jax(f, [paged], iters=10).median_s
-            results.append((cfg, s, None))
-          except Exception as e:  # noqa: BLE001 -- a bad candidate is data
-            results.append((cfg, None, _err(e)))
-        for cfg, s, e in results:
-          gbs = f"{kv_bytes / s / 1e9:.0f} GB/s" if s else "failed"
-          sweep.append({"shape": shape, "config": cfg.to_dict(),
-                        "us": s * 1e6 if s else None, "error": e})
-          print(f"  tune {shape} {cfg}: {gbs} {e or ''}")
-        ok = [(s, cfg) for cfg, s, e in results if s]
-        if ok:
-          best = min(ok, key=lambda x: x[0])[1]
-          key = tuning.shape_key(page=page, head_dim=D, dtype="bfloat16",
-                                 batch=tuning.bucket(b), pages=tuning.bucket(mp))
-          tuned[key] = dataclasses.replace(best, splits=0) if best.splits == auto else best
-          impls["mosaic"] = functools.partial(ad._attention_decode_mosaic, sm_scale=scale,
-                                              config=best)
-      except Exception as e:  # noqa: BLE001
-        print(f"  tune {shape}: FAILED {_err(e)}")
+      f = lambda cfg: functools.partial(ad._attention_decode_mosaic, sm_scale=scale, config=cfg)
+      best = _sweep(shape, f, paged, ref, _space(args.configs, auto), kv_bytes, sweep)
+      if best is not None:
+        key = tuning.shape_key(page=page, head_dim=D, dtype="bfloat16",
+                               batch=tuning.bucket(b), pages=tuning.bucket(mp))
+        tuned[key] = dataclasses.replace(best, splits=0) if best.splits == auto else best
+        impls["mosaic"] = f(best)
       print(f"[{time.time() - t0:.0f}s] tuned {shape}")
     impls.setdefault("mosaic", functools.partial(ad._attention_decode_mosaic, sm_scale=scale))
     impls["triton"] = functools.partial(ad._attention_decode_triton, sm_scale=scale)
@@ -195,6 +168,16 @@ def main():
                   lengths, table)
         ref8 = ad.attention_decode_reference(*paged8, kv_scales=scales)
         f = jax.jit(lambda *a: ad.attention_decode_mosaic(*a[:5], kv_scales=a[5]))
+        if args.tune or args.tune_fp8:  # fp8 pages have table entries of their own
+          f8 = lambda cfg: jax.jit(lambda *a: ad.attention_decode_mosaic(
+              *a[:5], kv_scales=a[5], config=cfg))
+          best = _sweep(shape + " fp8", f8, paged8 + (scales,), ref8,
+                        _space(args.configs, auto, fp8=True), kv_bytes // 2, sweep)
+          if best is not None:
+            key = tuning.shape_key(page=page, head_dim=D, dtype="float8_e4m3fn",
+                                   batch=tuning.bucket(b), pages=tuning.bucket(mp))
+            tuned[key] = dataclasses.replace(best, splits=0) if best.splits == auto else best
+            f = f8(best)
         out8 = f(*paged8, scales)
         err = testing.assert_close(out8, ref8, jnp.bfloat16, what=f"mosaic fp8 {shape}")
         t = bench.time_jax(f, [paged8 + (scales,)], iters=20)
@@ -242,6 +225,48 @@ def main():
     del k, v, kp, vp, ref, paged
     _write(args.out, rows, tuned, sweep)  # after every shape: a cut-off run keeps its data
   print(bench.table(rows, COLS))
+
+
+def _space(configs: str, auto: int, fp8: bool = False):
+  """Tuning candidates: ``configs`` ('pps,stages,splits,blocks_per_sm;...',
+  splits 'a' = automatic) or the full sweep. fp8 pages are half the bytes, so
+  their sweep also tries deeper rings and more splits (more blocks in flight
+  to hide each step's conversion)."""
+  if configs:
+    space = []
+    for cand in configs.split(";"):
+      p, st, sp, bps = cand.split(",")
+      space.append(ad.Config(pages_per_step=int(p), stages=int(st),
+                             splits=auto if sp == "a" else int(sp), blocks_per_sm=int(bps)))
+    return space
+  if fp8:
+    steps, per_sm = [(1, 2), (1, 4), (2, 2), (2, 4), (4, 2)], (0, 2)
+    splits = sorted({auto, 2 * auto, 4 * auto} if auto > 1 else {1})
+  else:
+    steps, per_sm = [(1, 2), (1, 3), (1, 4), (2, 2), (2, 3)], (0, 1, 2)
+    splits = sorted({auto, 2 * auto} if auto > 1 else {1})
+  return [ad.Config(pages_per_step=p, stages=s, splits=sp, blocks_per_sm=bps)
+          for p, s in steps for sp in splits for bps in per_sm]
+
+
+def _sweep(shape, make, args, ref, space, kv_bytes, sweep):
+  """Each candidate ``make(cfg)(*args)`` checked against ``ref``, then timed
+  (a wrong one is never timed) -> the fastest config, or None."""
+  results = []  # (config, seconds or None, error)
+  for cfg in space:
+    try:
+      f = make(cfg)
+      testing.assert_close(f(*args), ref, jnp.bfloat16)
+      results.append((cfg, bench.time_jax(f, [args], iters=10).median_s, None))
+    except Exception as e:  # noqa: BLE001 -- a bad candidate is data
+      results.append((cfg, None, _err(e)))
+  for cfg, s, e in results:
+    gbs = f"{kv_bytes / s / 1e9:.0f} GB/s" if s else "failed"
+    sweep.append({"shape": shape, "config": cfg.to_dict(), "us": s * 1e6 if s else None,
+                  "error": e})
+    print(f"  tune {shape} {cfg}: {gbs} {e or ''}")
+  ok = [(s, cfg) for cfg, s, e in results if s]
+  return min(ok, key=lambda x: x[0])[1] if ok else None
 
 
 COLS = ["shape", "impl", "cache", "us", "GB/s", "hbm_frac", "vs_cudnn", "rel_err", "quant_err"]
