@@ -125,8 +125,12 @@ def test_every_h200_attention_decode_table_entry_lowers(key):
   width = int(d["pages"])  # pages per sequence
   cfg = ad.Config.from_dict(_table("attention_decode")[key])
   cache = S((8, b * width + 1, page, dh), dt)
-  _lower(lambda q, k, v, n, t: ad.attention_decode_mosaic(q, k, v, n, t, config=cfg),
-         S((b, 1, 32, dh), dt), cache, cache, S((b,), I32), S((b, width), I32))
+  fp8 = d["dtype"] in ad.FP8_DTYPES  # fp8 pages: bf16 queries, (k_scale, v_scale)
+  scales = (S((2,), F32),) if fp8 else ()
+  _lower(lambda q, k, v, n, t, *s: ad.attention_decode_mosaic(
+      q, k, v, n, t, config=cfg, kv_scales=s[0] if s else None),
+         S((b, 1, 32, dh), BF16 if fp8 else dt), cache, cache, S((b,), I32), S((b, width), I32),
+         *scales)
 
 
 @pytest.mark.parametrize("key", list(_table("rms_norm")))
