@@ -39,6 +39,9 @@ def main(argv=None) -> int:
   p.add_argument("--pages", type=int, default=1400, help="pages in the cache (the server's)")
   p.add_argument("--iters", type=int, default=20)
   p.add_argument("--backend", default="mosaic", help="for both ops (xla: a CPU smoke run)")
+  p.add_argument("--stack", type=int, default=0,
+                 help="read o_proj's weight from a [STACK, 4096, 4096] layer stack with layer=, "
+                      "as the model's scan does (each input set another layer)")
   p.add_argument("--sweep", action="store_true",
                  help="also time each o_proj tuning candidate alone and after the read")
   a = p.parse_args(argv)
@@ -58,25 +61,29 @@ def main(argv=None) -> int:
             jnp.full((B,), L, jnp.int32), jnp.asarray(table))
 
   kv_bytes = 2 * B * L * hkv * d * 2
-  o_sets = [(rnd(B, dm), rnd(dm, dm), rnd(B, dm))
-            for _ in range(bench.cold_sets(2 * dm * dm))]
+  n_o = bench.cold_sets(2 * dm * dm)
+  if a.stack:  # one stack, each set a different layer of it (L2-cold all the same)
+    w_stack = rnd(a.stack, dm, dm)
+    o_sets = [(rnd(B, dm), w_stack, rnd(B, dm), jnp.int32(i % a.stack)) for i in range(n_o)]
+  else:
+    o_sets = [(rnd(B, dm), rnd(dm, dm), rnd(B, dm)) for _ in range(n_o)]
   a_sets = [attn_set() for _ in range(2)]
   s_sets = [(rnd(kv_bytes // 2),) for _ in range(2)]
 
-  def o_proj(x, w, r, config=None):
+  def o_proj(x, w, r, layer=None, config=None):
     if config is not None:  # a tuning candidate (--sweep)
-      return mm_k.matmul_mosaic(x, w, residual=r, config=config)
-    return mm(x, w, residual=r, backend=a.backend)
+      return mm_k.matmul_mosaic(x, w, residual=r, config=config, layer=layer)
+    return mm(x, w, residual=r, backend=a.backend, layer=layer)
 
   def attention(q, kc, vc, n, t):
     return attn(q, kc, vc, n, t, backend=a.backend)
 
-  def chain(q, kc, vc, n, t, w, r):
-    return o_proj(attention(q, kc, vc, n, t).reshape(B, hq * d), w, r)
+  def chain(q, kc, vc, n, t, w, r, layer=None):
+    return o_proj(attention(q, kc, vc, n, t).reshape(B, hq * d), w, r, layer)
 
-  def stream(big, x, w, r, config=None):
+  def stream(big, x, w, r, layer=None, config=None):
     # The sum feeds o_proj's input so the read cannot be reordered after it.
-    return o_proj(x + jnp.sum(big).astype(x.dtype) * 0, w, r, config)
+    return o_proj(x + jnp.sum(big).astype(x.dtype) * 0, w, r, layer, config)
 
   def read(big):
     return jnp.sum(big)
@@ -93,7 +100,7 @@ def main(argv=None) -> int:
   res = {
       "card": jax.devices()[0].device_kind, "jax": jax.__version__,
       "command": "PYTHONPATH=. python3 bench/o_proj_context.py " + " ".join(argv or sys.argv[1:]),
-      "batch": B, "context": L, "kv_bytes": kv_bytes, "us": us,
+      "batch": B, "context": L, "stack": a.stack, "kv_bytes": kv_bytes, "us": us,
       "o_alone_us": us["o"], "o_after_attention_us": us["chain"] - us["attn"],
       "o_after_contiguous_read_us": us["stream"] - us["read"],
   }
