@@ -263,12 +263,6 @@ def _ids(block_kv, r):
   return row_ids, col_ids
 
 
-def _load_fp8(tile):
-  """An fp8 SMEM tile into registers, four bytes a load (the default layout
-  loads two at a time, with the swizzle's address math for every pair)."""
-  return plgpu.load(tile, layout=plgpu.Layout.WGMMA_UPCAST_4X)
-
-
 def _attend_step(carry, ids, slot, start, length, q_smem, k_smem, v_smem, p_smem, k_bars,
                  v_bars, *, tq, group, scale, cvt=None):
   """One key block (ring slot ``slot``, first key position ``start``).
@@ -283,7 +277,7 @@ def _attend_step(carry, ids, slot, start, length, q_smem, k_smem, v_smem, p_smem
   plgpu.barrier_wait(k_bars.at[slot])
   k_tile = k_smem.at[slot]
   if cvt is not None:
-    cvt[0][...] = _load_fp8(k_tile).astype(cvt[0].dtype)
+    cvt[0][...] = k_tile[...].astype(cvt[0].dtype)
     plgpu.commit_smem()  # read by the tensor cores next
     k_tile = cvt[0]
 
@@ -306,7 +300,7 @@ def _attend_step(carry, ids, slot, start, length, q_smem, k_smem, v_smem, p_smem
   plgpu.barrier_wait(v_bars.at[slot])
   v_tile = v_smem.at[slot]
   if cvt is not None:
-    cvt[1][...] = _load_fp8(v_tile).astype(cvt[1].dtype)
+    cvt[1][...] = v_tile[...].astype(cvt[1].dtype)
     plgpu.commit_smem()  # P and V are read by the tensor cores next
     v_tile = cvt[1]
 
