@@ -34,10 +34,10 @@ or one per layer): the ring holds the fp8 pages, half the HBM bytes; each
 step converts its K and V tiles into two f16 SMEM tiles for the wgmmas
 (Hopper converts fp8 to f16 only, so Q and P run in f16 too); k_scale folds
 into the score scale and v_scale into the output's normalization, both exact.
-``quantize_pages`` and ``fp8_scale`` make such pages. The conversion runs in
-the warpgroup that does the softmax, so it adds to every step: on the H200
-fp8 pages decode no faster than bf16 ones (slower with one block per SM),
-they only take half the memory (bench/results/attention_decode_h200_fp8/).
+``quantize_pages`` and ``fp8_scale`` make such pages. On the H200 fp8 pages
+decode no faster than bf16 ones (slower with one block per SM): they take
+half the memory, not less time. The conversion runs in the warpgroup that
+does the softmax, the likely reason (bench/results/attention_decode_h200_fp8/).
 
 ``Config.blocks_per_sm > 0`` selects ``_persistent_kernel`` instead: a grid of
 k blocks per SM, each looping over work items with its copy ring running
