@@ -108,6 +108,7 @@ def candidates(m: int, n: int, k: int, sms: int) -> list[mm.Config]:
           if split == 1:  # one CTA per tile: the hardware balances the stream
             cs.append(rep(base, stages=fits[-1], persistent=False))
             cs.append(rep(base, stages=2, persistent=False))  # two CTAs per SM
+    cs += stream_candidates(m, n, k, sms)
   elif m <= 256:
     cs = [h, rep(h, split_k=max(1, h.split_k * 2))]
     # A CTA as tall as M reads each weight block once: 192 rows cover the
@@ -137,10 +138,23 @@ def candidates(m: int, n: int, k: int, sms: int) -> list[mm.Config]:
   return out
 
 
+def stream_candidates(m: int, n: int, k: int, sms: int) -> list[mm.Config]:
+  """Stream-K configs (M <= 64) for each tile, with the deepest ring that fits
+  and a run short enough for the consumers' accumulators."""
+  out = []
+  for tile_n, tile_k in ((128, 64), (64, 64), (64, 128), (128, 128)):
+    base = mm.Config(tile_m=64, tile_n=tile_n, tile_k=tile_k, wg_dim="n", stream_k=True)
+    fits = [st for st in range(2, 9)
+            if dataclasses.replace(base, stages=st).smem_bytes() <= mm.SMEM_LIMIT]
+    if fits and mm._stream_k_error(base, m, n, k, sms) is None:
+      out.append(dataclasses.replace(base, stages=fits[-1]))
+  return out
+
+
 def cfg_str(c: mm.Config) -> str:
   return (f"{c.tile_m}x{c.tile_n}x{c.tile_k}/{c.wg_dim} s{c.stages} w{c.grid_width}"
           f"{c.grid_minor}" + (f" sk{c.split_k}" if c.split_k > 1 else "")
-          + ("" if c.persistent else " np"))
+          + ("" if c.persistent else " np") + (" stream" if c.stream_k else ""))
 
 
 def main(argv=None):
@@ -154,6 +168,8 @@ def main(argv=None):
   p.add_argument("--only", default="", help="shapes to run, e.g. qkv,o:256 (name or name:M)")
   p.add_argument("--tune-only", default="", help="shapes to tune (default: those run)")
   p.add_argument("--iters", type=int, default=20)
+  p.add_argument("--stream-only", action="store_true",
+                 help="--tune tries only the table's config and the stream-K candidates")
   p.add_argument("--no-torch", action="store_true")
   args = p.parse_args(argv)
   t_start = time.time()
@@ -272,9 +288,13 @@ def main(argv=None):
         if not err <= tol:
           raise AssertionError(f"relative error {err:.3e}")
 
+      cands = candidates(m, n, k, sms)
+      if args.stream_only:
+        cands = [mm.fit_smem(mm.pick_config(m, n, k, jnp.bfloat16))] + stream_candidates(
+            m, n, k, sms)
       try:
         best, results = tuning.autotune(
-            candidates(m, n, k, sms),
+            cands,
             lambda cfg: mm.matmul_mosaic(a, b, config=cfg),
             check,
             lambda cfg: bench.time_jax(
