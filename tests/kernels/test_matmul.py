@@ -3,7 +3,7 @@
 On CPU the mosaic kernel runs in Mosaic GPU interpret mode (race detection
 on, see conftest) at the smallest shapes that reach each code path: ragged
 M / N / K (TMA zero fill and clipped stores), bias and residual epilogues,
-split-K partials, both warpgroup splits, several tiles per persistent CTA,
+split-K and stream-K partials, both warpgroup splits, several tiles per persistent CTA,
 and fp16 / fp32 outputs.
 """
 
