@@ -100,15 +100,17 @@ def candidates(m: int, n: int, k: int, sms: int) -> list[mm.Config]:
       base = C(tile_m=64, tile_n=tile_n, tile_k=tile_k, wg_dim="n")
       tiles = -(-n // base.cta_n)
       one_wave = max(1, min(-(-k // tile_k) // 2, sms // tiles))
-      for split in sorted({one_wave, max(1, one_wave // 2)}):
+      # Twice one wave's splits, one CTA each with a short ring: two CTAs per
+      # SM, as XLA's Triton GEMMs run these shapes (4-warp CTAs, 2-3 per SM).
+      two_waves = min(-(-k // tile_k) // 2, 2 * one_wave)
+      for split in sorted({one_wave, max(1, one_wave // 2), max(1, two_waves)}):
         fits = [st for st in range(2, 9)
                 if rep(base, split_k=split, stages=st).smem_bytes() <= mm.SMEM_LIMIT]
         if fits:  # the deepest ring that fits: the most weight bytes in flight
           cs.append(rep(base, split_k=split, stages=fits[-1]))
-          if split == 1:  # one CTA per tile: the hardware balances the stream
-            cs.append(rep(base, stages=fits[-1], persistent=False))
-            cs.append(rep(base, stages=2, persistent=False))  # two CTAs per SM
-    cs += stream_candidates(m, n, k, sms)
+          # One CTA per (tile, split): the hardware balances the stream.
+          cs.append(rep(base, split_k=split, stages=fits[-1], persistent=False))
+          cs.append(rep(base, split_k=split, stages=2, persistent=False))  # two CTAs per SM
   elif m <= 256:
     cs = [h, rep(h, split_k=max(1, h.split_k * 2))]
     # A CTA as tall as M reads each weight block once: 192 rows cover the
@@ -138,23 +140,10 @@ def candidates(m: int, n: int, k: int, sms: int) -> list[mm.Config]:
   return out
 
 
-def stream_candidates(m: int, n: int, k: int, sms: int) -> list[mm.Config]:
-  """Stream-K configs (M <= 64) for each tile, with the deepest ring that fits
-  and a run short enough for the consumers' accumulators."""
-  out = []
-  for tile_n, tile_k in ((128, 64), (64, 64), (64, 128), (128, 128)):
-    base = mm.Config(tile_m=64, tile_n=tile_n, tile_k=tile_k, wg_dim="n", stream_k=True)
-    fits = [st for st in range(2, 9)
-            if dataclasses.replace(base, stages=st).smem_bytes() <= mm.SMEM_LIMIT]
-    if fits and mm._stream_k_error(base, m, n, k, sms) is None:
-      out.append(dataclasses.replace(base, stages=fits[-1]))
-  return out
-
-
 def cfg_str(c: mm.Config) -> str:
   return (f"{c.tile_m}x{c.tile_n}x{c.tile_k}/{c.wg_dim} s{c.stages} w{c.grid_width}"
           f"{c.grid_minor}" + (f" sk{c.split_k}" if c.split_k > 1 else "")
-          + ("" if c.persistent else " np") + (" stream" if c.stream_k else ""))
+          + ("" if c.persistent else " np"))
 
 
 def main(argv=None):
@@ -168,8 +157,9 @@ def main(argv=None):
   p.add_argument("--only", default="", help="shapes to run, e.g. qkv,o:256 (name or name:M)")
   p.add_argument("--tune-only", default="", help="shapes to tune (default: those run)")
   p.add_argument("--iters", type=int, default=20)
-  p.add_argument("--stream-only", action="store_true",
-                 help="--tune tries only the table's config and the stream-K candidates")
+  p.add_argument("--match", default="",
+                 help="--tune tries only the table's config and the candidates whose name "
+                      "contains one of these comma-separated strings (e.g. 'np,sk4')")
   p.add_argument("--no-torch", action="store_true")
   args = p.parse_args(argv)
   t_start = time.time()
@@ -289,9 +279,10 @@ def main(argv=None):
           raise AssertionError(f"relative error {err:.3e}")
 
       cands = candidates(m, n, k, sms)
-      if args.stream_only:
-        cands = [mm.fit_smem(mm.pick_config(m, n, k, jnp.bfloat16))] + stream_candidates(
-            m, n, k, sms)
+      if args.match:
+        keep = args.match.split(",")
+        cands = [mm.fit_smem(mm.pick_config(m, n, k, jnp.bfloat16))] + [
+            c for c in cands if any(s_ in cfg_str(c) for s_ in keep)]
       try:
         best, results = tuning.autotune(
             cands,

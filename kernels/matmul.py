@@ -39,19 +39,12 @@ Hopper kernel (``mosaic`` backend), how data flows:
   CTAs so that every SM streams its share of the weights. Each split writes
   fp32 partial sums; one fused XLA reduction adds them up with the bias,
   the activation and the residual, and casts.
-- Stream-K (``stream_k``, small M): the K loops of all tiles form one stream
-  of (tile, K block) units cut into equal runs, one per CTA, each fed by one
-  pipeline; a run's parts of up to two tiles leave as fp32 partials, which
-  the same kind of XLA reduction gathers and sums. Split-K evens the SMs'
-  work only when tiles x splits fills the grid; gate/up's 112 tiles of 256
-  columns leave 20 of 132 SMs idle, a stream leaves none.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -86,13 +79,6 @@ class Config(tuning.KernelConfig):
   weight stream whose tile count is not a multiple of the SM count (decode
   shapes), where a persistent CTA with one tile more than its neighbours
   would finish last.
-  ``stream_k=True`` (one row tile, M <= cta_m) cuts the K loops of all tiles
-  into one stream of (tile, K block) units and gives each CTA of a persistent
-  grid an equal run of it, through one pipeline: every SM streams the same
-  weight bytes, whatever the tile count, and starts its stream once. Each run
-  crosses a tile's end at most ``segments - 1`` times; it keeps one
-  accumulator per tile it touches and writes them as fp32 partials, summed
-  outside the kernel like split-K's.
   """
 
   tile_m: int = 128
@@ -106,7 +92,6 @@ class Config(tuning.KernelConfig):
   grid_width: int = 8
   split_k: int = 1
   persistent: bool = True
-  stream_k: bool = False
 
   def __post_init__(self):
     if self.tile_m not in (64, 128, 192, 256):
@@ -135,10 +120,6 @@ class Config(tuning.KernelConfig):
       raise ValueError(f"{self.grid_width=} must be >= 1")
     if self.split_k < 1:
       raise ValueError(f"{self.split_k=} must be >= 1")
-    if self.stream_k and (self.split_k > 1 or not self.persistent or self.tile_m != 64):
-      raise ValueError("stream_k splits the K loop itself: it needs split_k=1, "
-                       f"persistent=True and tile_m=64; got {self.split_k=}, "
-                       f"{self.persistent=}, {self.tile_m=}")
 
   @property
   def cta_m(self) -> int:
@@ -150,7 +131,7 @@ class Config(tuning.KernelConfig):
 
   def smem_bytes(self, in_itemsize: int = 2, out_itemsize: int = 2) -> int:
     ring = self.stages * (self.cta_m + self.cta_n) * self.tile_k * in_itemsize
-    out_isz = 4 if self.split_k > 1 or self.stream_k else out_itemsize
+    out_isz = 4 if self.split_k > 1 else out_itemsize
     epi = 2 * 2 * self.epi_m * self.epi_n * out_isz
     return ring + epi + 2 * self.tile_n * 4 + 1024
 
@@ -255,10 +236,24 @@ def _kernel(layer_gmem, a_gmem, b_gmem, bias_gmem, res_gmem, out_gmem, *, cfg: C
           if swiglu:
             gate, up = acc[:, :out_tn], acc[:, out_tn:]
             acc = gate / (1.0 + jnp.exp(-gate)) * up
-          residual = None if res_gmem is None else (
-              res_gmem.at[cta_ms, out_cta_ns].at[wg_ms, out_wg_ns])
-          _store_tile(acc, out_tile, out_smem.at[wg], epi_m=epi_m, epi_n=epi_n,
-                      residual=residual, res_bar=res_bar)
+          # The previous tile's stores must have read their staging buffers.
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+          for emi in range(tm // epi_m):
+            for eni in range(out_tn // epi_n):
+              ems = slice(emi * epi_m, (emi + 1) * epi_m)
+              ens = slice(eni * epi_n, (eni + 1) * epi_n)
+              slot = (emi * (out_tn // epi_n) + eni) % slots
+              plgpu.wait_smem_to_gmem(slots - 1, wait_read_only=True)
+              piece = acc[ems, ens]
+              if res_gmem is not None:
+                plgpu.copy_gmem_to_smem(
+                    res_gmem.at[cta_ms, out_cta_ns].at[wg_ms, out_wg_ns].at[ems, ens],
+                    out_smem.at[wg, slot], res_bar(slot))
+                plgpu.barrier_wait(res_bar(slot))
+                piece = piece + out_smem[wg, slot].astype(jnp.float32)
+              out_smem[wg, slot] = piece.astype(acc_out_dtype)
+              plgpu.commit_smem()
+              plgpu.copy_smem_to_gmem(out_smem.at[wg, slot], out_tile.at[ems, ens])
 
       def mma(_, a_smem, b_smem, acc_ref):
         plgpu.wgmma(acc_ref, a_smem.at[wg_ms], b_smem.at[:, wg_ns])
@@ -273,155 +268,6 @@ def _kernel(layer_gmem, a_gmem, b_gmem, bias_gmem, res_gmem, out_gmem, *, cfg: C
       )
 
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
-
-def _store_tile(acc, dst, staging, *, epi_m: int, epi_n: int, residual=None, res_bar=None):
-  """Stores a consumer's float32 tile ``acc`` (+ the ``residual`` tile) into
-  ``dst`` in [epi_m, epi_n] pieces through ``staging`` [slots, epi_m, epi_n]:
-  each piece's TMA store overlaps the next piece's conversion."""
-  slots = staging.shape[0]
-  per_row = acc.shape[1] // epi_n
-  # The previous tile's stores must have read their staging buffers.
-  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-  for emi in range(acc.shape[0] // epi_m):
-    for eni in range(per_row):
-      ems = slice(emi * epi_m, (emi + 1) * epi_m)
-      ens = slice(eni * epi_n, (eni + 1) * epi_n)
-      slot = (emi * per_row + eni) % slots
-      plgpu.wait_smem_to_gmem(slots - 1, wait_read_only=True)
-      piece = acc[ems, ens]
-      if residual is not None:
-        plgpu.copy_gmem_to_smem(residual.at[ems, ens], staging.at[slot], res_bar(slot))
-        plgpu.barrier_wait(res_bar(slot))
-        piece = piece + staging[slot].astype(jnp.float32)
-      staging[slot] = piece.astype(staging.dtype)
-      plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(staging.at[slot], dst.at[ems, ens])
-
-
-class StreamSchedule(NamedTuple):
-  """How ``stream_k`` splits tiles x k_iters (tile, K block) units over CTAs."""
-  units: int  # per CTA; the last CTA's run may be shorter (its extra steps idle)
-  ctas: int
-  segments: int  # accumulators per CTA: the most tiles one run touches
-  k_iters: int
-  # Per output tile: the partials (cta * segments + j) that hold its parts.
-  sources: tuple[tuple[int, ...], ...]
-
-
-def stream_schedule(tiles: int, k_iters: int, sms: int) -> StreamSchedule:
-  total = tiles * k_iters
-  units = dsl.cdiv(total, sms)
-  ctas = dsl.cdiv(total, units)
-  first = [c * units // k_iters for c in range(ctas)]
-  last = [(min(total, (c + 1) * units) - 1) // k_iters for c in range(ctas)]
-  segments = max(l - f + 1 for f, l in zip(first, last))
-  sources = [[] for _ in range(tiles)]
-  for c in range(ctas):
-    for t in range(first[c], last[c] + 1):
-      sources[t].append(c * segments + t - first[c])
-  return StreamSchedule(units, ctas, segments, k_iters, tuple(map(tuple, sources)))
-
-
-def _stream_kernel(layer_gmem, a_gmem, b_gmem, out_gmem, *, cfg: Config,
-                   sched: StreamSchedule):
-  """Stream-K body: CTA c runs units [c * units, (c + 1) * units) of the
-  (tile, K block) stream in one pipeline, so its producer never stops between
-  tiles; the j-th tile it touches accumulates in accumulator j. out_gmem is
-  [ctas, segments, M, cta_n] float32 partials (one row tile: M <= cta_m)."""
-  layer = dsl.layer_index(layer_gmem, b_gmem.shape[0])
-  b_gmem = b_gmem.at[layer]
-  tm, tn, tk = cfg.tile_m, cfg.tile_n, cfg.tile_k
-  cta_m, cta_n = cfg.cta_m, cfg.cta_n
-  k_iters, units, segments = sched.k_iters, sched.units, sched.segments
-  total = len(sched.sources) * k_iters
-  dtype = a_gmem.dtype
-  epi_m, epi_n = cfg.epi_m, cfg.epi_n
-  slots = min(2, (tm // epi_m) * (tn // epi_n))
-  start = lax.axis_index("sm") * units
-  first_tile = start // k_iters
-  last_tile = (jnp.minimum(start + units, total) - 1) // k_iters
-
-  def unit(i):
-    """(tile, K block) of pipeline step i; steps past the stream repeat its last unit."""
-    w = jnp.minimum(start + i, total - 1)
-    return w // k_iters, w % k_iters
-
-  def make_pipeline(body, compute_context):
-    return dsl.warp_specialized_pipeline(
-        body,
-        grid=(units,),
-        in_specs=[
-            plgpu.BlockSpec((cta_m, tk), lambda i: (0, unit(i)[1]),
-                            transforms=dsl.smem_transforms((cta_m, tk), dtype)),
-            plgpu.BlockSpec((tk, cta_n), lambda i: (unit(i)[1], unit(i)[0]),
-                            transforms=dsl.smem_transforms((tk, cta_n), dtype)),
-        ],
-        stages=min(cfg.stages, units) if units > 1 else 2,
-        num_compute_wgs=2,
-        wg_axis="wg",
-        compute_context=compute_context,
-    )
-
-  ignore = lambda *_, **__: None
-  scratch = dict(
-      pipeline_allocs=make_pipeline(ignore, ignore).get_allocations(a_gmem, b_gmem),
-      out_smem=plgpu.SMEM((2, slots, epi_m, epi_n), jnp.float32,
-                          transforms=dsl.smem_transforms((epi_m, epi_n), jnp.float32)),
-  )
-
-  @functools.partial(pl.run_scoped, **scratch, collective_axes="wg")
-  def _scope(pipeline_allocs, out_smem):
-    wg = lax.axis_index("wg")
-    if cfg.wg_dim == "m":
-      wg_ms, wg_ns = pl.ds(wg * tm, tm), slice(None)
-    else:
-      wg_ms, wg_ns = slice(None), pl.ds(wg * tn, tn)
-    # One row tile, sliced with a traced start: TMA clips its rows past M
-    # (a static slice must lie within the array).
-    rows = pl.ds(start * 0, cta_m)
-    cta_out = out_gmem.at[lax.axis_index("sm")]
-
-    def compute_context(run_pipeline):
-      @functools.partial(pl.run_scoped, accs=[plgpu.ACC((tm, tn), jnp.float32)] * segments)
-      def _accs(accs):
-        accs = run_pipeline(tuple(accs))
-        for j, acc in enumerate(accs):
-          @pl.when(first_tile + j <= last_tile)
-          def _store():
-            _store_tile(acc[...], cta_out.at[j].at[rows].at[wg_ms, wg_ns], out_smem.at[wg],
-                        epi_m=epi_m, epi_n=epi_n)
-
-    def mma(idx, a_smem, b_smem, accs):
-      (i,) = idx
-      tile, _ = unit(i)
-      live = start + i < total
-      for j, acc in enumerate(accs):
-        @pl.when(live & (tile - first_tile == j))
-        def _mma():
-          plgpu.wgmma(acc, a_smem.at[wg_ms], b_smem.at[:, wg_ns])
-      plgpu.wgmma_wait(0)
-      return accs
-
-    make_pipeline(mma, compute_context)(a_gmem, b_gmem, allocations=pipeline_allocs)
-
-  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
-
-# Accumulators a stream-K consumer may hold: 2 x [64, 128] float32 is 128
-# registers a thread, which leaves room for the wgmma operands' addresses.
-STREAM_ACC_COLUMNS = 256
-
-
-def _stream_k_error(cfg: Config, m: int, n: int, k: int, sms: int) -> str | None:
-  """Why ``cfg``'s stream_k cannot run this shape (None if it can)."""
-  if m > cfg.cta_m:
-    return f"stream_k needs one row tile: M={m} > cta_m={cfg.cta_m}"
-  sched = stream_schedule(dsl.cdiv(n, cfg.cta_n), dsl.cdiv(k, cfg.tile_k), sms)
-  if sched.segments * cfg.tile_n > STREAM_ACC_COLUMNS:
-    return (f"stream_k: a CTA's run touches {sched.segments} tiles, and {sched.segments} "
-            f"accumulators of {cfg.tile_m} x {cfg.tile_n} do not fit in registers")
-  return None
 
 
 def _num_sms() -> int:
@@ -440,17 +286,13 @@ def _run(a, b, bias, residual, layer=None, *, cfg: Config, out_dtype, activation
   n = b.shape[-1]
   k_iters = dsl.cdiv(k, cfg.tile_k)
   cfg = dataclasses.replace(cfg, split_k=_splits(cfg, k))
-  split_out = cfg.split_k > 1 or cfg.stream_k
+  split_out = cfg.split_k > 1
   tiles = dsl.cdiv(m, cfg.cta_m) * dsl.cdiv(n, cfg.cta_n) * cfg.split_k
   grid = tiles if not cfg.persistent else max(1, min(_num_sms(), tiles))
   out_n = n // 2 if activation == "swiglu" else n
   out_shape = (cfg.split_k, m, n) if split_out else (m, out_n)
   body = functools.partial(
       _kernel, cfg=cfg, k_iters=k_iters, out_dtype=jnp.dtype(out_dtype), activation=activation)
-  if cfg.stream_k:
-    sched = stream_schedule(tiles, k_iters, _num_sms())
-    grid, out_shape = sched.ctas, (sched.ctas, sched.segments, m, cfg.cta_n)
-    body = functools.partial(_stream_kernel, cfg=cfg, sched=sched)
   operands = [layer_arr, a, b]
   names = ["layer", "a", "b"]
   if not split_out:  # split partials get bias/residual in the reduction
@@ -461,10 +303,7 @@ def _run(a, b, bias, residual, layer=None, *, cfg: Config, out_dtype, activation
   def entry(*refs):
     *ins, out_ref = refs
     r = dict(zip(names, ins))
-    if cfg.stream_k:
-      body(r["layer"], r["a"], r["b"], out_ref)
-    else:
-      body(r["layer"], r["a"], r["b"], r.get("bias"), r.get("residual"), out_ref)
+    body(r["layer"], r["a"], r["b"], r.get("bias"), r.get("residual"), out_ref)
 
   call = dsl.kernel(
       entry,
@@ -477,28 +316,10 @@ def _run(a, b, bias, residual, layer=None, *, cfg: Config, out_dtype, activation
           lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
   )
   out = call(*operands)
-  if cfg.stream_k:
-    out = _stream_sum(out, sched, n)
-  elif split_out:
-    out = out.sum(axis=0)
   if split_out:
     bias = None if bias is None else dsl.take_layer(bias, layer_arr[0])
-    out = _epilogue(out, bias, residual, out_dtype, activation)
+    out = _epilogue(out.sum(axis=0), bias, residual, out_dtype, activation)
   return out
-
-
-def _stream_sum(partials, sched: StreamSchedule, n: int):
-  """[ctas, segments, M, cta_n] stream-K partials -> their float32 sum [M, N]:
-  tile t adds up the partials ``sched.sources[t]`` (a static gather, padded
-  with an index past the end, which reads as zero)."""
-  ctas, segments, m, cta_n = partials.shape
-  flat = partials.reshape(ctas * segments, m, cta_n)
-  width = max(map(len, sched.sources))
-  idx = np.full((len(sched.sources), width), ctas * segments, np.int32)
-  for t, src in enumerate(sched.sources):
-    idx[t, :len(src)] = src
-  tiles = jnp.take(flat, idx, axis=0, mode="fill", fill_value=0).sum(axis=1)  # [T, M, cta_n]
-  return tiles.transpose(1, 0, 2).reshape(m, -1)[:, :n]
 
 
 def _splits(cfg: Config, k: int) -> int:
@@ -513,7 +334,7 @@ def _splits(cfg: Config, k: int) -> int:
 def _swiglu_tile_error(cfg: Config, k: int) -> str | None:
   """Why ``cfg`` cannot fuse the SwiGLU gate (None if it can): without split-K
   each consumer's tile must be one [gate | up] block pair."""
-  if _splits(cfg, k) > 1 or cfg.stream_k:
+  if _splits(cfg, k) > 1:
     return None  # the gate runs after the partial sums, outside the kernel
   if cfg.tile_n != 2 * SWIGLU_BLOCK or SWIGLU_BLOCK % cfg.epi_n:
     return (f"swiglu needs tile_n = 2 x SWIGLU_BLOCK = {2 * SWIGLU_BLOCK} and epi_n dividing "
@@ -631,9 +452,6 @@ def _mosaic_why_not(a, b, *, bias=None, residual=None, out_dtype=None, activatio
     return f"{bias.dtype=} must be one of {IN_DTYPES + ('float32',)}"
   if residual is not None and residual.dtype != out_dtype:
     return f"{residual.dtype=} must equal the output dtype {out_dtype}"
-  if isinstance(config, Config) and config.stream_k:
-    if why := _stream_k_error(config, m, n, k, _num_sms()):
-      return why
   if activation == "swiglu" and isinstance(config, Config):
     return _swiglu_tile_error(config, k)
   return None
@@ -713,10 +531,6 @@ def matmul_mosaic(a, b, *, bias=None, residual=None, out_dtype=None, activation=
   # A picked config (heuristic or table, chosen for bf16 out) is fitted to
   # this call's output dtype; an explicit one is the caller's to fix.
   cfg = config or fit_smem(pick_config(m, n, k, a.dtype, activation), *isz)
-  if config is None and cfg.stream_k and _stream_k_error(cfg, m, n, k, _num_sms()):
-    # The table's tile, streamed by whole tiles: this M or SM count needs
-    # more accumulators than a consumer holds.
-    cfg = fit_smem(dataclasses.replace(cfg, stream_k=False), *isz)
   if cfg.smem_bytes(*isz) > SMEM_LIMIT:
     raise ValueError(f"{cfg=} needs {cfg.smem_bytes(*isz)} bytes of SMEM > {SMEM_LIMIT}")
   if activation == "swiglu" and (why := _swiglu_tile_error(cfg, k)):

@@ -146,12 +146,6 @@ MATMULS = {
     "decode_split_k_residual": (16, 4096, 4096, dict(residual=True)),
     "decode_m1_qkv": (1, 6144, 4096, {}),
     "decode_swiglu": (1, 28672, 4096, dict(activation="swiglu")),
-    # Stream-K: 131 runs of 55 units, two accumulators per consumer.
-    "decode_stream_k_swiglu": (1, 28672, 4096, dict(
-        activation="swiglu", config=mm.Config(tile_m=64, tile_n=128, stages=4, stream_k=True))),
-    "decode_stream_k_residual": (16, 4096, 14336, dict(
-        residual=True, config=mm.Config(tile_m=64, tile_n=64, tile_k=128, stages=3,
-                                        stream_k=True))),
     "mixed_192_rows": (192, 4096, 4096, dict(residual=True)),
     "mixed_lm_head_72": (72, 128256, 4096, dict(out_dtype=F32)),
     "prefill_bias_residual": (2048, 4096, 4096, dict(bias=True, residual=True)),

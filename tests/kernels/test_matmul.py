@@ -3,7 +3,7 @@
 On CPU the mosaic kernel runs in Mosaic GPU interpret mode (race detection
 on, see conftest) at the smallest shapes that reach each code path: ragged
 M / N / K (TMA zero fill and clipped stores), bias and residual epilogues,
-split-K and stream-K partials, both warpgroup splits, several tiles per persistent CTA,
+split-K partials, both warpgroup splits, several tiles per persistent CTA,
 and fp16 / fp32 outputs.
 """
 
@@ -68,13 +68,6 @@ MOSAIC_CASES = [
                  id="multi-epilogue-pieces"),
     pytest.param(16, 320, 128, C(tile_m=64, tile_n=64, stages=2, persistent=False), True, True,
                  None, jnp.bfloat16, id="one-cta-per-tile-partial-n"),
-    # Stream-K over the interpreter's 4 SMs: 3 tiles x 5 K blocks in runs of 4,
-    # so runs cross tile ends, one tile has parts in 2 runs, and the last run
-    # is short (its fourth step idles); ragged N.
-    pytest.param(8, 320, 320, C(tile_m=64, tile_n=64, stages=2, stream_k=True), True, True,
-                 None, jnp.bfloat16, id="stream-k-ragged-n-bias-residual"),
-    pytest.param(1, 256, 256, C(tile_m=64, tile_n=64, tile_k=128, stages=2, stream_k=True),
-                 False, False, jnp.float32, jnp.bfloat16, id="stream-k-one-unit-runs-f32-out"),
     # The mixed step's rows (decode batch + prompt chunk) in one 192-row tile.
     pytest.param(136, 128, 128, C(tile_m=192, tile_n=64, stages=2), False, True, None,
                  jnp.bfloat16, id="192-row-tile"),
@@ -101,8 +94,6 @@ LAYER_CASES = [
     pytest.param(72, 128, 128, C(tile_m=64, tile_n=64, stages=2), True, True, id="plain"),
     pytest.param(1, 128, 256, C(tile_m=64, tile_n=64, stages=2, split_k=2), True, False,
                  id="split-k"),
-    pytest.param(1, 256, 256, C(tile_m=64, tile_n=64, stages=2, stream_k=True), True, True,
-                 id="stream-k"),
 ]
 
 
@@ -161,8 +152,6 @@ SWIGLU_CASES = [
                  id="wg-split-m"),
     pytest.param(1, 256, 512, C(tile_m=64, tile_n=64, stages=3, split_k=3), True, True,
                  id="decode-split-k"),
-    pytest.param(1, 384, 320, C(tile_m=64, tile_n=64, stages=2, stream_k=True), True, False,
-                 id="decode-stream-k"),
 ]
 
 
@@ -220,42 +209,6 @@ def test_swiglu_bad_inputs():
     op(a, b, activation="swiglu", config=C(tile_m=64, tile_n=64), backend="mosaic")
   with pytest.raises(ValueError, match="multiple of 64"):
     mm.swiglu_columns(b[:, :96], b[:, :96])
-
-
-@pytest.mark.parametrize("tiles,k_iters,sms", [(3, 5, 4), (112, 64, 132), (24, 64, 132),
-                                                (16, 224, 132), (7, 3, 4), (1, 9, 4)])
-def test_stream_schedule_covers_every_unit_once(tiles, k_iters, sms):
-  # Built unit by unit, independently of stream_schedule's per-run bounds.
-  sched = mm.stream_schedule(tiles, k_iters, sms)
-  assert sched.ctas <= sms and sched.ctas * sched.units >= tiles * k_iters
-  assert (sched.ctas - 1) * sched.units < tiles * k_iters  # no empty run
-  parts = [set() for _ in range(tiles)]
-  for w in range(tiles * k_iters):
-    cta, tile = w // sched.units, w // k_iters
-    j = tile - cta * sched.units // k_iters
-    assert 0 <= j < sched.segments
-    parts[tile].add(cta * sched.segments + j)
-  assert [sorted(p) for p in parts] == [list(s) for s in sched.sources]
-
-
-def test_stream_k_refuses_what_it_cannot_hold(monkeypatch):
-  op = registry.get_op("matmul")
-  stream = C(tile_m=64, tile_n=128, stages=2, stream_k=True)
-  a, b, _, _ = _inputs(72, 256, 128)
-  with pytest.raises(registry.BackendError, match="one row tile"):
-    op(a, b, config=stream, backend="mosaic")
-  # 16 tiles of 256 columns, one K block each, over 4 SMs: every run touches
-  # 4 tiles, more accumulators than a consumer holds.
-  a, b, _, res = _inputs(8, 4096, 64)
-  with pytest.raises(registry.BackendError, match="accumulators"):
-    op(a, b, config=stream, backend="mosaic")
-  # The same config from the tuning table streams by whole tiles instead.
-  monkeypatch.setattr(mm.tuning, "lookup", lambda *a, **k: stream)
-  out = op(a, b, residual=res, backend="mosaic")
-  testing.assert_close(out, mm.matmul_reference(a, b, residual=res), jnp.bfloat16)
-  for bad in (dict(split_k=2), dict(persistent=False), dict(tile_m=128)):
-    with pytest.raises(ValueError, match="stream_k"):
-      C(stream_k=True, **{"tile_m": 64, **bad})
 
 
 def test_mosaic_heuristic_config():
@@ -322,22 +275,6 @@ def test_swiglu_gpu_full_size(m, n, k):
   a, b, _, _ = _inputs(m, n, k)
   out = registry.get_op("matmul")(a, b, activation="swiglu", backend="mosaic")
   testing.assert_close(out, mm.matmul_reference(a, b, activation="swiglu"), jnp.bfloat16)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("m,n,k,cfg,act", [
-    (1, 28672, 4096, C(tile_m=64, tile_n=128, stages=4, stream_k=True), "swiglu"),
-    (16, 6144, 4096, C(tile_m=64, tile_n=64, stages=6, stream_k=True), None),
-    (64, 4096, 14336, C(tile_m=64, tile_n=64, tile_k=128, stages=3, stream_k=True), None),
-    (1, 4096, 4096, C(tile_m=64, tile_n=128, tile_k=128, stages=2, stream_k=True), None),
-])
-def test_stream_k_gpu_full_size(m, n, k, cfg, act):
-  a, b, _, res = _inputs(m, n, k)
-  res = None if act else res
-  out = registry.get_op("matmul")(a, b, residual=res, activation=act, config=cfg,
-                                  backend="mosaic")
-  testing.assert_close(out, mm.matmul_reference(a, b, residual=res, activation=act),
-                       jnp.bfloat16)
 
 
 @pytest.mark.parametrize("m,n,k,cfg,use_bias,use_res", [
