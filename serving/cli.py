@@ -51,10 +51,26 @@ def _engine_config(a) -> dict:
   return cfg
 
 
+def use_compilation_cache(path: pathlib.Path) -> None:
+  """jax's persistent compilation cache in ``path``: a restarted server loads
+  the steps its warm-up compiled before instead of compiling them again, and
+  gets the same executables, whose kernel choices XLA's autotuner would
+  otherwise make afresh in each process. Every compiled function is kept,
+  however fast it compiled."""
+  import jax
+
+  path.mkdir(parents=True, exist_ok=True)
+  jax.config.update("jax_compilation_cache_dir", str(path))
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
 def build_engine(a):
   from serving import engine as E
 
   cfg = _engine_config(a)
+  if a.compilation_cache:  # here, so an --engine-process child uses it too
+    use_compilation_cache(a.compilation_cache)
   spec = None if a.model in (None, "default") else a.model
   extra = {"step_delay": a.step_delay} if a.step_delay else {}
   return E.model_engine(spec, dtype=a.dtype, num_pages=a.num_pages, page_size=a.page_size,
@@ -195,6 +211,10 @@ def parser() -> argparse.ArgumentParser:
                       "threads do not share its interpreter (serving.engine.process)")
   s.add_argument("--no-prefix-cache", action="store_true")
   s.add_argument("--no-warmup", action="store_true")
+  s.add_argument("--compilation-cache", type=pathlib.Path,
+                 default=os.environ.get("MOSAIC_COMPILATION_CACHE") or None,
+                 help="directory of jax's persistent compilation cache: a restart loads the "
+                      "compiled steps (and their autotuned kernel choices) instead of compiling")
   s.add_argument("--auth-token", default=os.environ.get("MOSAIC_SERVING_TOKEN"),
                  help="require this bearer token (default $MOSAIC_SERVING_TOKEN)")
   s.add_argument("--tls-cert", type=pathlib.Path)

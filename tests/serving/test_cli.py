@@ -132,3 +132,25 @@ def test_serve_kv_cache_dtype_flag():
   assert cli.build_engine(a).runner.cache.k.dtype.name == "bfloat16"
   with pytest.raises(SystemExit):
     cli.parser().parse_args(["serve", "--kv-cache-dtype", "int4"])
+
+
+_BUILD = """
+import sys
+from serving import cli
+a = cli.parser().parse_args(["serve", "--model", "tiny", "--num-pages", "16", "--max-batch", "2",
+                             "--compilation-cache", sys.argv[1]])
+engine = cli.build_engine(a)  # warms up: compiles every step shape
+"""
+
+
+def test_compilation_cache_keeps_the_warmup_for_a_restart(tmp_path):
+  # In child processes: the cache setting is process-wide in jax.
+  cache = tmp_path / "cache"
+  build = lambda: subprocess.run([sys.executable, "-c", _BUILD, str(cache)], cwd=ROOT,
+                                 env={**os.environ, "PYTHONPATH": str(ROOT)}, check=True,
+                                 capture_output=True, text=True, timeout=300)
+  build()
+  first = {p.name: p.stat().st_mtime_ns for p in cache.iterdir()}
+  assert len(first) >= 3, "the warm-up's steps were not cached"
+  build()  # the restart finds every step it compiles in the cache: nothing is written
+  assert {p.name: p.stat().st_mtime_ns for p in cache.iterdir()} == first
