@@ -126,6 +126,7 @@ def build_engine(a):
   that an engine process can build it from ``a``."""
   from serving import engine as E
 
+  apply_model_flags(a)  # again: an engine process starts without the parent's settings
   t0 = time.perf_counter()
   model = random_model(a.config, a.dtype)
   jax.block_until_ready(model.params)
@@ -162,6 +163,16 @@ def model_flags(ap: argparse.ArgumentParser) -> None:
   ap.add_argument("--mixed-steps", action="store_true", help="EngineConfig.mixed_steps")
   ap.add_argument("--decode-prefill-budget", type=int,
                   help="EngineConfig.decode_prefill_budget (prompt tokens per decoding step)")
+  ap.add_argument("--compilation-cache", type=pathlib.Path,
+                  help="jax's persistent compilation cache directory (as serve's flag)")
+
+
+def apply_model_flags(a) -> None:
+  """What the shared flags change in this process (call before compiling)."""
+  if a.compilation_cache:
+    from serving import cli
+
+    cli.use_compilation_cache(a.compilation_cache)
 
 
 def main():
@@ -186,6 +197,7 @@ def main():
   ap.add_argument("--engine-process", action="store_true",
                   help="the engine in a process of its own (serving.engine.process)")
   a = ap.parse_args()
+  apply_model_flags(a)
   if a.requests_per_stream < 1:
     ap.error(f"--requests-per-stream must be >= 1, got {a.requests_per_stream}")
   out = pathlib.Path(a.out)

@@ -34,7 +34,7 @@ import jax
 import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from serving_gpu import host_share, model_flags, random_model  # noqa: E402
+from serving_gpu import apply_model_flags, host_share, model_flags, random_model  # noqa: E402
 
 
 def _timed_calls(f, n):
@@ -64,6 +64,7 @@ def main():
   ap.add_argument("--decode-only", action="store_true",
                   help="time the decode step alone; skip the engine")
   a = ap.parse_args()
+  apply_model_flags(a)
   out = pathlib.Path(a.out)
   out.mkdir(parents=True, exist_ok=True)
   from serving import engine as E
