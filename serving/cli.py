@@ -56,10 +56,14 @@ def use_compilation_cache(path: pathlib.Path) -> None:
   the steps its warm-up compiled before instead of compiling them again, and
   gets the same executables, whose kernel choices XLA's autotuner would
   otherwise make afresh in each process. Every compiled function is kept,
-  however fast it compiled."""
+  however fast it compiled. jax decides at its first compile whether a cache
+  is in use, so this must run before anything is compiled."""
   import jax
 
-  path.mkdir(parents=True, exist_ok=True)
+  try:
+    path.mkdir(parents=True, exist_ok=True)
+  except OSError as e:
+    raise SystemExit(f"serve: --compilation-cache {path}: {e}") from None
   jax.config.update("jax_compilation_cache_dir", str(path))
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
   jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)

@@ -154,3 +154,11 @@ def test_compilation_cache_keeps_the_warmup_for_a_restart(tmp_path):
   assert len(first) >= 3, "the warm-up's steps were not cached"
   build()  # the restart finds every step it compiles in the cache: nothing is written
   assert {p.name: p.stat().st_mtime_ns for p in cache.iterdir()} == first
+
+
+def test_compilation_cache_that_is_not_a_directory_is_refused(tmp_path):
+  from serving import cli
+
+  (tmp_path / "file").write_text("")
+  with pytest.raises(SystemExit, match="serve: --compilation-cache"):
+    cli.use_compilation_cache(tmp_path / "file" / "cache")
