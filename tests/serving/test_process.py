@@ -104,3 +104,19 @@ def _exit_while_building():
 def test_an_engine_process_that_dies_while_building_is_reported():
   with pytest.raises(api.EngineFailed, match="exited with code 3"):
     ProcessEngine(_exit_while_building)
+
+
+def test_compilation_cache_flag_reaches_the_engine_process(tmp_path):
+  # serve --engine-process builds the engine from the CLI's flags in the child,
+  # so the child must set the cache up itself (jax's settings do not cross).
+  from serving import cli
+
+  cache = tmp_path / "cache"
+  a = cli.parser().parse_args(["serve", "--model", "tiny", "--num-pages", "16", "--max-batch", "2",
+                               "--compilation-cache", str(cache)])
+  engine = ProcessEngine(cli.build_engine, a)
+  try:
+    engine.start()  # the warm-up compiles every step shape, in the child
+  finally:
+    engine.stop()
+  assert len(list(cache.iterdir())) >= 3
