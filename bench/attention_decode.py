@@ -136,13 +136,15 @@ def main():
     impls = {}
     mp = table.shape[1]
     auto = ad._auto_splits(b, HKV, 1, mp)
+    entry_key = lambda dtype: tuning.shape_key(page=page, head_dim=D, dtype=dtype,
+                                               batch=tuning.bucket(b), pages=tuning.bucket(mp))
+    # The table stores the automatic split count as 0, so it follows the shape.
+    as_entry = lambda cfg: dataclasses.replace(cfg, splits=0) if cfg.splits == auto else cfg
     if args.tune:
       f = lambda cfg: functools.partial(ad._attention_decode_mosaic, sm_scale=scale, config=cfg)
       best = _sweep(shape, f, paged, ref, _space(args.configs, auto), kv_bytes, sweep)
       if best is not None:
-        key = tuning.shape_key(page=page, head_dim=D, dtype="bfloat16",
-                               batch=tuning.bucket(b), pages=tuning.bucket(mp))
-        tuned[key] = dataclasses.replace(best, splits=0) if best.splits == auto else best
+        tuned[entry_key("bfloat16")] = as_entry(best)
         impls["mosaic"] = f(best)
       print(f"[{time.time() - t0:.0f}s] tuned {shape}")
     impls.setdefault("mosaic", functools.partial(ad._attention_decode_mosaic, sm_scale=scale))
@@ -174,9 +176,7 @@ def main():
           best = _sweep(shape + " fp8", f8, paged8 + (scales,), ref8,
                         _space(args.configs, auto, fp8=True), kv_bytes // 2, sweep)
           if best is not None:
-            key = tuning.shape_key(page=page, head_dim=D, dtype="float8_e4m3fn",
-                                   batch=tuning.bucket(b), pages=tuning.bucket(mp))
-            tuned[key] = dataclasses.replace(best, splits=0) if best.splits == auto else best
+            tuned[entry_key("float8_e4m3fn")] = as_entry(best)
             f = f8(best)
         out8 = f(*paged8, scales)
         err = testing.assert_close(out8, ref8, jnp.bfloat16, what=f"mosaic fp8 {shape}")
