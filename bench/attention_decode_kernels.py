@@ -34,7 +34,6 @@ def main(argv=None) -> int:
   p.add_argument("--out", required=True)
   p.add_argument("--iters", type=int, default=30)
   a = p.parse_args(argv)
-  from jax.experimental.mosaic.gpu import profiler  # GPU only (CUPTI)
 
   page = ad.DEFAULT_PAGE_SIZE
   f = jax.jit(ad.attention_decode_mosaic)
@@ -54,12 +53,10 @@ def main(argv=None) -> int:
     testing.assert_close(f(*sets[0]), ad.attention_decode_reference(*sets[0]), jnp.bfloat16)
     for s in sets:  # compiled and warm before anything is timed
       jax.block_until_ready(f(*s))
-    measure = profiler.measure(f, aggregate=False)
     times = collections.defaultdict(list)
     for i in range(a.iters):
-      _, kernels = measure(*sets[i % count])
-      for name, ms in kernels:
-        times[name].append(ms * 1e3)
+      for name, sec in bench.cupti_kernels(f, sets[i % count]):  # GPU only (CUPTI)
+        times[name].append(sec * 1e6)
     out[f"B={b} L={length}"] = {k: float(np.median(v)) for k, v in times.items()}
     print(f"B={b} L={length}", json.dumps(out[f"B={b} L={length}"]), flush=True)
   path = pathlib.Path(a.out)

@@ -221,39 +221,45 @@ def _kernel(layer_gmem, a_gmem, b_gmem, bias_gmem, res_gmem, out_gmem, *, cfg: C
       out_tile = (out_gmem.at[split] if split_out else out_gmem).at[cta_ms, out_cta_ns].at[
           wg_ms, out_wg_ns]
 
+      def store_tile(acc):
+        if bias_gmem is not None:
+          plgpu.barrier_wait(bias_bar)
+          bias = plgpu.load(bias_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(0))
+          acc = acc + lax.broadcast_in_dim(bias.astype(jnp.float32), (tm, tn), [1])
+        if swiglu:
+          gate, up = acc[:, :out_tn], acc[:, out_tn:]
+          acc = gate / (1.0 + jnp.exp(-gate)) * up
+        # The previous tile's stores must have read their staging buffers.
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        for emi in range(tm // epi_m):
+          for eni in range(out_tn // epi_n):
+            ems = slice(emi * epi_m, (emi + 1) * epi_m)
+            ens = slice(eni * epi_n, (eni + 1) * epi_n)
+            slot = (emi * (out_tn // epi_n) + eni) % slots
+            plgpu.wait_smem_to_gmem(slots - 1, wait_read_only=True)
+            piece = acc[ems, ens]
+            if res_gmem is not None:
+              plgpu.copy_gmem_to_smem(
+                  res_gmem.at[cta_ms, out_cta_ns].at[wg_ms, out_wg_ns].at[ems, ens],
+                  out_smem.at[wg, slot], res_bar(slot))
+              plgpu.barrier_wait(res_bar(slot))
+              piece = piece + out_smem[wg, slot].astype(jnp.float32)
+            out_smem[wg, slot] = piece.astype(acc_out_dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(out_smem.at[wg, slot], out_tile.at[ems, ens])
+
       def compute_context(run_pipeline):
         @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tm, tn), jnp.float32))
         def _acc(acc_ref):
           if bias_gmem is not None:
             # Issued before the K loop so the copy hides behind it.
             plgpu.copy_gmem_to_smem(bias_gmem.at[pl.ds(wg_n0, tn)], bias_smem.at[wg], bias_bar)
-          run_pipeline(acc_ref)
-          acc = acc_ref[...]
-          if bias_gmem is not None:
-            plgpu.barrier_wait(bias_bar)
-            bias = plgpu.load(bias_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(0))
-            acc = acc + lax.broadcast_in_dim(bias.astype(jnp.float32), (tm, tn), [1])
-          if swiglu:
-            gate, up = acc[:, :out_tn], acc[:, out_tn:]
-            acc = gate / (1.0 + jnp.exp(-gate)) * up
-          # The previous tile's stores must have read their staging buffers.
-          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-          for emi in range(tm // epi_m):
-            for eni in range(out_tn // epi_n):
-              ems = slice(emi * epi_m, (emi + 1) * epi_m)
-              ens = slice(eni * epi_n, (eni + 1) * epi_n)
-              slot = (emi * (out_tn // epi_n) + eni) % slots
-              plgpu.wait_smem_to_gmem(slots - 1, wait_read_only=True)
-              piece = acc[ems, ens]
-              if res_gmem is not None:
-                plgpu.copy_gmem_to_smem(
-                    res_gmem.at[cta_ms, out_cta_ns].at[wg_ms, out_wg_ns].at[ems, ens],
-                    out_smem.at[wg, slot], res_bar(slot))
-                plgpu.barrier_wait(res_bar(slot))
-                piece = piece + out_smem[wg, slot].astype(jnp.float32)
-              out_smem[wg, slot] = piece.astype(acc_out_dtype)
-              plgpu.commit_smem()
-              plgpu.copy_smem_to_gmem(out_smem.at[wg, slot], out_tile.at[ems, ens])
+          # The named scopes are the regions of the in-kernel timeline
+          # (dsl.kernel_timeline); they cost nothing otherwise.
+          with jax.named_scope("k_loop"):
+            run_pipeline(acc_ref)
+          with jax.named_scope("epilogue"):
+            store_tile(acc_ref[...])
 
       def mma(_, a_smem, b_smem, acc_ref):
         plgpu.wgmma(acc_ref, a_smem.at[wg_ms], b_smem.at[:, wg_ns])

@@ -1,11 +1,17 @@
 """Device timing done right, and side-by-side tables.
 
 ``time_jax(f, input_sets)`` jits ``f``, warms it up on every input set, then
-times it with the device's own timers (CUPTI through Mosaic GPU's profiler:
-the sum of the kernels' device durations, no host gaps) cycling through the
-input sets so that no run finds its inputs hot in L2. It returns a
-``Timing`` with the median and spread. On CPU, where there are no device
-timers, it falls back to wall clock around ``block_until_ready``.
+times it with the device's own timers (CUPTI: the sum of the kernels' device
+durations, no host gaps) cycling through the input sets so that no run finds
+its inputs hot in L2. It returns a ``Timing`` with the median and spread. On
+CPU, where there are no device timers, it falls back to wall clock around
+``block_until_ready``. ``time_jax_kernels`` gives each kernel's median instead
+of the call's, and ``cupti_kernels(f, inputs)`` one call's kernels.
+
+Each timed call is the only call on its inputs since the previous set's:
+Mosaic GPU's ``profiler.measure`` runs ``f`` once more on the same inputs
+just before the call it times, which leaves up to an L2 (50 MB) of them hot
+and makes a decode weight stream look faster than it runs in the model.
 
 ``time_torch(fn, input_sets)`` does the same for torch with CUDA events.
 
@@ -59,25 +65,28 @@ def cold_sets(bytes_per_set: int, *, min_sets: int = 2, max_sets: int = 16) -> i
   return max(min_sets, min(max_sets, -(-2 * L2_BYTES // bytes_per_set)))
 
 
-def time_jax(f: Callable[..., Any], input_sets: Sequence[Sequence[Any]], *, iters: int = 20,
-             warmup: int = 2) -> Timing:
-  """Median device time of ``f(*inputs)`` over ``iters`` runs on rotated inputs."""
+def _warm(f, input_sets, warmup):
   if not input_sets:
-    raise ValueError("time_jax needs at least one input set")
+    raise ValueError("timing needs at least one input set")
   jf = f if hasattr(f, "lower") else jax.jit(f)
   for inputs in input_sets:
     for _ in range(warmup):
       jax.block_until_ready(jf(*inputs))
-  if target_lib.on_gpu():
-    from jax.experimental.mosaic.gpu import profiler
+  return jf
 
-    timed = profiler.measure(jf)
+
+def time_jax(f: Callable[..., Any], input_sets: Sequence[Sequence[Any]], *, iters: int = 20,
+             warmup: int = 2) -> Timing:
+  """Median device time of ``f(*inputs)`` over ``iters`` runs on rotated inputs.
+
+  Each run comes right after one on the previous input set (with a single
+  set, after one on the same inputs: give two or more to time a cold call)."""
+  jf = _warm(f, input_sets, warmup)
+  if target_lib.on_gpu():
     samples = []
     for i in range(iters):
-      _, ms = timed(*input_sets[i % len(input_sets)])
-      if ms is None:
-        raise RuntimeError("CUPTI recorded no kernel: was the work optimized away?")
-      samples.append(ms * 1e-3)
+      kernels = cupti_kernels(jf, input_sets[i % len(input_sets)])
+      samples.append(sum(s for _, s in kernels))
     return _summ(samples, "cupti")
   samples = []
   for i in range(iters):
@@ -86,6 +95,37 @@ def time_jax(f: Callable[..., Any], input_sets: Sequence[Sequence[Any]], *, iter
     jax.block_until_ready(jf(*inputs))
     samples.append(time.perf_counter() - t0)
   return _summ(samples, "wall")
+
+
+def time_jax_kernels(f: Callable[..., Any], input_sets: Sequence[Sequence[Any]], *,
+                     iters: int = 20, warmup: int = 2) -> list[tuple[str, float]]:
+  """(kernel name, median device seconds) of each kernel that ``f`` runs, in
+  launch order, timed as ``time_jax`` times the whole call (GPU only)."""
+  if not target_lib.on_gpu():
+    raise RuntimeError("per-kernel device times need a GPU (CUPTI)")
+  jf = _warm(f, input_sets, warmup)
+  runs = [cupti_kernels(jf, input_sets[i % len(input_sets)]) for i in range(iters)]
+  names = [n for n, _ in runs[0]]
+  if any([n for n, _ in r] != names for r in runs):
+    raise RuntimeError(f"the calls ran different kernels: {[[n for n, _ in r] for r in runs[:2]]}")
+  return [(n, statistics.median(r[i][1] for r in runs)) for i, n in enumerate(names)]
+
+
+def cupti_kernels(f: Callable[..., Any], inputs: Sequence[Any]) -> list[tuple[str, float]]:
+  """(kernel name, device seconds) of the kernels that one call ``f(*inputs)``
+  runs, from CUPTI (GPU only). Unlike ``profiler.measure`` it calls ``f`` only
+  once: whatever ran last on the device is what this call finds in L2."""
+  from jax._src.lib import mosaic_gpu as mosaic_gpu_lib
+
+  ext = mosaic_gpu_lib._mosaic_gpu_ext
+  ext._cupti_init()
+  try:
+    jax.block_until_ready(f(*inputs))
+  finally:
+    timings = ext._cupti_get_timings(True)
+  if not timings:
+    raise RuntimeError("CUPTI recorded no kernel: was the work optimized away?")
+  return [(name, ms * 1e-3) for name, ms in timings]
 
 
 def time_torch(fn: Callable[..., Any], input_sets: Sequence[Sequence[Any]], *, iters: int = 20,

@@ -469,26 +469,12 @@ class _Step:
     return logits
 
   def _cupti(self, iters: int) -> float:
-    """Median over steps of the sum of the step's kernel durations (CUPTI).
+    """Median over steps of the sum of the step's kernel durations (CUPTI),
+    with the cache threaded from step to step (a step donates its cache, so
+    it cannot be called twice on the same inputs)."""
+    from mosaic import bench
 
-    mosaic.bench.time_jax / profiler.measure call f twice on the same inputs,
-    which a step that donates its cache cannot do; this is the same CUPTI
-    collection with the cache threaded from step to step.
-    """
-    import jax
-    from jax._src.lib import mosaic_gpu as mosaic_gpu_lib
-
-    ext = mosaic_gpu_lib._mosaic_gpu_ext
-    samples = []
-    for _ in range(iters):
-      ext._cupti_init()
-      try:
-        jax.block_until_ready(self())
-      finally:
-        timings = ext._cupti_get_timings(True)
-      if not timings:
-        raise RuntimeError("CUPTI recorded no kernel for the step")
-      samples.append(sum(ms for _, ms in timings) * 1e-3)
+    samples = [sum(s for _, s in bench.cupti_kernels(self, ())) for _ in range(iters)]
     return statistics.median(samples)
 
   def measure(self, iters: int) -> dict[str, Any]:

@@ -41,6 +41,59 @@ def test_time_and_write(tmp_path):
   assert "| impl | ms |" in m.read_text()
 
 
+def test_time_jax_on_gpu_never_times_a_call_right_after_one_on_the_same_inputs(monkeypatch):
+  """A timed call must find the previous set's data in L2, not its own: the
+  decode weights stream from HBM in the model."""
+  from mosaic import target as target_lib
+
+  runs, timing = [], []  # runs: (input set, whether the run was being timed)
+
+  class F:  # has .lower, so time_jax uses it as it is (no jit)
+    lower = None
+
+    def __call__(self, x):
+      runs.append((x, bool(timing)))
+      return x
+
+  def fake_cupti(f, inputs):
+    timing.append(True)
+    f(*inputs)
+    timing.clear()
+    return [("kernel", 1e-6)]
+
+  monkeypatch.setattr(target_lib, "on_gpu", lambda: True)
+  monkeypatch.setattr(bench, "cupti_kernels", fake_cupti)
+  t = bench.time_jax(F(), [(0,), (1,), (2,)], iters=7, warmup=2)
+  assert t.n == 7 and t.timer == "cupti" and t.median_s == 1e-6
+  timed = [j for j, (_, is_timed) in enumerate(runs) if is_timed]
+  assert len(timed) == 7
+  for j in timed:
+    assert runs[j][0] != runs[j - 1][0], f"run {j} on set {runs[j][0]} right after one on it"
+
+
+def test_time_jax_kernels_gives_each_kernels_median(monkeypatch):
+  from mosaic import target as target_lib
+
+  with pytest.raises(RuntimeError, match="GPU"):
+    bench.time_jax_kernels(lambda x: x, [(1,)])
+  runs = [[("gemm", 3.0), ("sum", 1.0)], [("gemm", 5.0), ("sum", 2.0)],
+          [("gemm", 4.0), ("sum", 9.0)]]
+
+  class F:
+    lower = None
+
+    def __call__(self, x):
+      return x
+
+  monkeypatch.setattr(target_lib, "on_gpu", lambda: True)
+  times = iter(runs)
+  monkeypatch.setattr(bench, "cupti_kernels", lambda f, inputs: next(times))
+  assert bench.time_jax_kernels(F(), [(0,), (1,)], iters=3) == [("gemm", 4.0), ("sum", 2.0)]
+  times = iter([runs[0], [("gemm", 1.0)]])  # the second call ran no sum
+  with pytest.raises(RuntimeError, match="different kernels"):
+    bench.time_jax_kernels(F(), [(0,), (1,)], iters=2)
+
+
 def test_smem_transforms():
   assert dsl.swizzle_bytes(64, jnp.bfloat16) == 128
   assert dsl.swizzle_bytes(16, jnp.bfloat16) == 32
