@@ -23,7 +23,10 @@ Data flow, for each configuration (phase x attention backend x matmul backend):
 4. ``attribute`` turns each step's kernels into (layer, op) times: the op
    from the innermost named scope of the instruction, the layer from the
    kernel's occurrence index inside the scanned layer loop (the loop body's
-   instructions run once per layer, in order).
+   instructions run once per layer, in order). A fusion is one kernel with
+   one scope: where XLA fuses work of two ops (the sum of qkv's split-K
+   partials goes into the rope and cache-write fusions), its time counts
+   for the one op its metadata names (there, rope and kv_write).
 5. ``op_costs`` gives each op's FLOPs and minimum bytes (mosaic.cost);
    ``mosaic.cost.utilization`` turns (cost, time) into TFLOP/s, GB/s, the
    fractions of the target's ceilings (mosaic.target) and the roofline bound.
