@@ -6,7 +6,8 @@ out in random order. cuDNN runs on the same K/V laid out contiguously
 ([B, L, Hkv, D], jax.nn.dot_product_attention and torch SDPA), the rest on
 the paged cache. Effective bandwidth = K and V bytes read once / time.
 Every implementation is checked against the float32 reference at full size
-before it is timed. ``--tune`` sweeps the Mosaic kernel's configs (each one
+before it is timed, then timed on rotating K/V sets (fresh draws, the same
+page table) so that no call finds its cache in L2. ``--tune`` sweeps the Mosaic kernel's configs (each one
 checked first) and saves the winners in the tuning table; ``--edges`` also
 checks ragged lengths, Tq > 1 and split-K at small shapes. ``--fp8`` adds
 the Mosaic kernel on the same cache quantized to fp8 (per-tensor scales):
@@ -131,6 +132,15 @@ def main():
     paged = (q, kp, vp, lengths, table)
     ref = ad.attention_decode_reference(*paged)
     kv_bytes = 2 * b * length * HKV * D * 2
+    # More fresh K/V sets, the same page table: each timed call reads a cache
+    # that is not in L2 (the first set is the one checked against ``ref``).
+    contig_sets, paged_sets = [(q, k, v)], [paged]
+    for i in range(1, bench.cold_sets(kv_bytes)):
+      k_i, v_i, q_i = testing.random_inputs(
+          [(b, length, HKV, D), (b, length, HKV, D), (b, 1, HQ, D)], jnp.bfloat16)
+      contig_sets.append((q_i, k_i, v_i))
+      paged_sets.append((q_i, ad.contiguous_to_paged(k_i, page, seed=b)[0],
+                         ad.contiguous_to_paged(v_i, page, seed=b)[0], lengths, table))
     c = cost.Cost(4.0 * b * HQ * length * D, kv_bytes)
     scale = D ** -0.5
     impls = {}
@@ -142,7 +152,7 @@ def main():
     as_entry = lambda cfg: dataclasses.replace(cfg, splits=0) if cfg.splits == auto else cfg
     if args.tune:
       f = lambda cfg: functools.partial(ad._attention_decode_mosaic, sm_scale=scale, config=cfg)
-      best = _sweep(shape, f, paged, ref, _space(args.configs, auto), kv_bytes, sweep)
+      best = _sweep(shape, f, paged_sets, ref, _space(args.configs, auto), kv_bytes, sweep)
       if best is not None:
         tuned[entry_key("bfloat16")] = as_entry(best)
         impls["mosaic"] = f(best)
@@ -155,7 +165,7 @@ def main():
         continue
       try:
         err = testing.assert_close(f(*paged), ref, jnp.bfloat16, what=f"{name} {shape}")
-        t = bench.time_jax(f, [paged], iters=20)
+        t = bench.time_jax(f, paged_sets, iters=20)
         rows.append({"shape": shape, "impl": name, "cache": "paged", "us": t.median_s * 1e6,
                      "GB/s": kv_bytes / t.median_s / 1e9,
                      "hbm_frac": cost.utilization(c, t.median_s).hbm_fraction,
@@ -166,26 +176,27 @@ def main():
     if args.fp8:
       try:
         scales = jnp.stack([ad.fp8_scale(kp), ad.fp8_scale(vp)])
-        paged8 = (q, ad.quantize_pages(kp, scales[0]), ad.quantize_pages(vp, scales[1]),
-                  lengths, table)
+        fp8_sets = [(qs, ad.quantize_pages(kps, scales[0]), ad.quantize_pages(vps, scales[1]),
+                     lengths, table, scales) for qs, kps, vps, *_ in paged_sets]
+        paged8 = fp8_sets[0][:5]
         ref8 = ad.attention_decode_reference(*paged8, kv_scales=scales)
         f = jax.jit(lambda *a: ad.attention_decode_mosaic(*a[:5], kv_scales=a[5]))
         if args.tune or args.tune_fp8:  # fp8 pages have table entries of their own
           f8 = lambda cfg: jax.jit(lambda *a: ad.attention_decode_mosaic(
               *a[:5], kv_scales=a[5], config=cfg))
-          best = _sweep(shape + " fp8", f8, paged8 + (scales,), ref8,
+          best = _sweep(shape + " fp8", f8, fp8_sets, ref8,
                         _space(args.configs, auto, fp8=True), kv_bytes // 2, sweep)
           if best is not None:
             tuned[entry_key("float8_e4m3fn")] = as_entry(best)
             f = f8(best)
         out8 = f(*paged8, scales)
         err = testing.assert_close(out8, ref8, jnp.bfloat16, what=f"mosaic fp8 {shape}")
-        t = bench.time_jax(f, [paged8 + (scales,)], iters=20)
+        t = bench.time_jax(f, fp8_sets, iters=20)
         rows.append({"shape": shape, "impl": "mosaic fp8", "cache": "paged fp8",
                      "us": t.median_s * 1e6, "GB/s": kv_bytes / 2 / t.median_s / 1e9,
                      "rel_err": err, "quant_err": testing.rel_error(out8, ref),
                      "timer": t.timer})
-        del paged8, ref8, out8
+        del paged8, ref8, out8, fp8_sets
       except Exception as e:  # noqa: BLE001
         print(f"mosaic fp8 {shape}: FAILED {_err(e)}")
         traceback.print_exc(limit=3)
@@ -195,7 +206,7 @@ def main():
       if "cudnn" not in impl_names:
         raise RuntimeError("not asked for")
       err = testing.assert_close(cud(q, k, v), ref, jnp.bfloat16, what=f"cudnn {shape}")
-      t = bench.time_jax(cud, [(q, k, v)], iters=20)
+      t = bench.time_jax(cud, contig_sets, iters=20)
       rows.append({"shape": shape, "impl": "cudnn (jax)", "cache": "contiguous",
                    "us": t.median_s * 1e6, "GB/s": kv_bytes / t.median_s / 1e9,
                    "hbm_frac": cost.utilization(c, t.median_s).hbm_fraction,
@@ -212,7 +223,8 @@ def main():
       run, targs = _torch_sdpa(k, v, q)
       out = run(*targs).transpose(1, 2).contiguous()
       err = testing.assert_close(mt.to_jax(out), ref, jnp.bfloat16, what=f"torch {shape}")
-      t = bench.time_torch(run, [targs], iters=20)
+      t = bench.time_torch(run, [targs] + [_torch_sdpa(ks, vs, qs)[1]
+                                           for qs, ks, vs in contig_sets[1:]], iters=20)
       rows.append({"shape": shape, "impl": "cudnn (torch sdpa)", "cache": "contiguous",
                    "us": t.median_s * 1e6, "GB/s": kv_bytes / t.median_s / 1e9,
                    "hbm_frac": cost.utilization(c, t.median_s).hbm_fraction,
@@ -222,7 +234,7 @@ def main():
     except Exception as e:  # noqa: BLE001
       print(f"cudnn (torch sdpa) {shape}: FAILED {_err(e)}")
     print(f"[{time.time() - t0:.0f}s] timed {shape}")
-    del k, v, kp, vp, ref, paged
+    del k, v, kp, vp, ref, paged, contig_sets, paged_sets
     _write(args.out, rows, tuned, sweep)  # after every shape: a cut-off run keeps its data
   print(bench.table(rows, COLS))
 
@@ -249,15 +261,16 @@ def _space(configs: str, auto: int, fp8: bool = False):
           for p, s in steps for sp in splits for bps in per_sm]
 
 
-def _sweep(shape, make, args, ref, space, kv_bytes, sweep):
-  """Each candidate ``make(cfg)(*args)`` checked against ``ref``, then timed
-  (a wrong one is never timed) -> the fastest config, or None."""
+def _sweep(shape, make, sets, ref, space, kv_bytes, sweep):
+  """Each candidate ``make(cfg)(*sets[0])`` checked against ``ref``, then timed
+  on the rotating ``sets`` (a wrong one is never timed) -> the fastest config,
+  or None."""
   results = []  # (config, seconds or None, error)
   for cfg in space:
     try:
       f = make(cfg)
-      testing.assert_close(f(*args), ref, jnp.bfloat16)
-      results.append((cfg, bench.time_jax(f, [args], iters=10).median_s, None))
+      testing.assert_close(f(*sets[0]), ref, jnp.bfloat16)
+      results.append((cfg, bench.time_jax(f, sets, iters=10).median_s, None))
     except Exception as e:  # noqa: BLE001 -- a bad candidate is data
       results.append((cfg, None, _err(e)))
   for cfg, s, e in results:
