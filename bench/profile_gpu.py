@@ -78,9 +78,8 @@ def isolated(model, phase, batch, length, attn_names, page_size):
     in order  the op right after the kernel that precedes it in the model
               (qkv and gate_up after their norm, attention after qkv, o after
               the attention, down after gate_up, lm_head after the final norm):
-              the pair's time minus the first kernel's. A large read just
-              before a kernel slows it by a few microseconds
-              (bench/results/o_proj_context_h200/), which "alone" cannot show.
+              the pair's time minus the first kernel's: what the kernel
+              before leaves in L2 and in flight, which "alone" cannot show.
 
   Each time is split by kind of kernel ({"mosaic": s, "xla": s}, see
   ``kernel_kind``): a split-K matmul is our kernel plus XLA's sum of its
