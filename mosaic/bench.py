@@ -8,10 +8,11 @@ CPU, where there are no device timers, it falls back to wall clock around
 ``block_until_ready``. ``time_jax_kernels`` gives each kernel's median instead
 of the call's, and ``cupti_kernels(f, inputs)`` one call's kernels.
 
-Each timed call is the only call on its inputs since the previous set's:
-Mosaic GPU's ``profiler.measure`` runs ``f`` once more on the same inputs
-just before the call it times, which leaves up to an L2 (50 MB) of them hot
-and makes a decode weight stream look faster than it runs in the model.
+Each timed call runs once, right after a call on the previous input set.
+Mosaic GPU's ``profiler.measure`` is not used for this: it runs ``f`` once
+more on the same inputs just before the call it times, which leaves up to an
+L2 (50 MB) of them hot and makes a decode weight stream look faster than it
+runs in the model.
 
 ``time_torch(fn, input_sets)`` does the same for torch with CUDA events.
 
