@@ -123,24 +123,22 @@ def main():
   page = ad.DEFAULT_PAGE_SIZE
   for b, length in shapes:
     shape = f"B={b} L={length}"
-    k, v, q = testing.random_inputs([(b, length, HKV, D), (b, length, HKV, D), (b, 1, HQ, D)],
-                                    jnp.bfloat16)
-    kp, table = ad.contiguous_to_paged(k, page, seed=b)
-    vp, table_v = ad.contiguous_to_paged(v, page, seed=b)
-    assert np.array_equal(np.asarray(table), np.asarray(table_v))
     lengths = jnp.full((b,), length, jnp.int32)
-    paged = (q, kp, vp, lengths, table)
-    ref = ad.attention_decode_reference(*paged)
     kv_bytes = 2 * b * length * HKV * D * 2
-    # More fresh K/V sets, the same page table: each timed call reads a cache
-    # that is not in L2 (the first set is the one checked against ``ref``).
-    contig_sets, paged_sets = [(q, k, v)], [paged]
-    for i in range(1, bench.cold_sets(kv_bytes)):
-      k_i, v_i, q_i = testing.random_inputs(
-          [(b, length, HKV, D), (b, length, HKV, D), (b, 1, HQ, D)], jnp.bfloat16)
-      contig_sets.append((q_i, k_i, v_i))
-      paged_sets.append((q_i, ad.contiguous_to_paged(k_i, page, seed=b)[0],
-                         ad.contiguous_to_paged(v_i, page, seed=b)[0], lengths, table))
+    # Fresh K/V sets, all paged by the same table: each timed call reads a
+    # cache that is not in L2. The first set is the one checked against ``ref``.
+    contig_sets, paged_sets = [], []
+    for _ in range(bench.cold_sets(kv_bytes)):
+      k, v, q = testing.random_inputs([(b, length, HKV, D), (b, length, HKV, D), (b, 1, HQ, D)],
+                                      jnp.bfloat16)
+      kp, table = ad.contiguous_to_paged(k, page, seed=b)
+      vp, table_v = ad.contiguous_to_paged(v, page, seed=b)
+      assert np.array_equal(np.asarray(table), np.asarray(table_v))
+      contig_sets.append((q, k, v))
+      paged_sets.append((q, kp, vp, lengths, table))
+    (q, k, v), paged = contig_sets[0], paged_sets[0]
+    kp, vp = paged[1:3]
+    ref = ad.attention_decode_reference(*paged)
     c = cost.Cost(4.0 * b * HQ * length * D, kv_bytes)
     scale = D ** -0.5
     impls = {}

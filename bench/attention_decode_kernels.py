@@ -2,7 +2,7 @@
 
 One ``attention_decode`` call on the mosaic backend is our kernel plus, with
 split-K, the small XLA kernels that merge the splits' partials. This times
-each kernel alone with CUPTI (Mosaic GPU's profiler, not aggregated), on
+each kernel of the call with CUPTI (``mosaic.bench.time_jax_kernels``), on
 fresh random bf16 K/V pages in random order, at the issue's shapes (Hq 32,
 Hkv 8, D 128), after checking the output against the float32 reference:
 
@@ -14,13 +14,11 @@ writes ``attention_decode_kernels.json``: per shape, each kernel's median us.
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import pathlib
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from kernels import attention_decode as ad
 from mosaic import bench, testing
@@ -51,13 +49,10 @@ def main(argv=None) -> int:
       sets.append((q, kp, vp, lengths, table))
       del k, v
     testing.assert_close(f(*sets[0]), ad.attention_decode_reference(*sets[0]), jnp.bfloat16)
-    for s in sets:  # compiled and warm before anything is timed
-      jax.block_until_ready(f(*s))
-    times = collections.defaultdict(list)
-    for i in range(a.iters):
-      for name, sec in bench.cupti_kernels(f, sets[i % count]):  # GPU only (CUPTI)
-        times[name].append(sec * 1e6)
-    out[f"B={b} L={length}"] = {k: float(np.median(v)) for k, v in times.items()}
+    kernels = {}  # name -> median us; a name seen again gets its launch index
+    for i, (name, sec) in enumerate(bench.time_jax_kernels(f, sets, iters=a.iters, warmup=1)):
+      kernels[name if name not in kernels else f"{name}#{i}"] = sec * 1e6
+    out[f"B={b} L={length}"] = kernels
     print(f"B={b} L={length}", json.dumps(out[f"B={b} L={length}"]), flush=True)
   path = pathlib.Path(a.out)
   path.mkdir(parents=True, exist_ok=True)
