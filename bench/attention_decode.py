@@ -54,6 +54,11 @@ EDGE_CASES = [
     (300, 8, [0, 1, 300] * 100, ad.Config(pages_per_step=1, stages=2, blocks_per_sm=2)),
     (5, 1, [0, 1, 63, 65, 3001], ad.Config(pages_per_step=2, stages=2, splits=4,
                                             blocks_per_sm=1)),
+    # swap_ab: keys as the wgmmas' M rows, the packed query rows as N
+    (5, 1, [0, 1, 63, 65, 3001], ad.Config(pages_per_step=2, stages=3, splits=4, swap_ab=True)),
+    (4, 8, [1, 8, 200, 1500], ad.Config(pages_per_step=1, stages=4, splits=1, swap_ab=True)),
+    (300, 8, [0, 1, 300] * 100, ad.Config(pages_per_step=1, stages=2, blocks_per_sm=2,
+                                           swap_ab=True)),
 ]
 
 
@@ -107,8 +112,8 @@ def main():
   ap.add_argument("--fp8", action="store_true", help="also the mosaic kernel on fp8 pages")
   ap.add_argument("--tune-fp8", action="store_true", help="with --fp8: tune the fp8 kernel only")
   ap.add_argument("--configs", default="",
-                  help="tuning candidates 'pps,stages,splits,blocks_per_sm;...' "
-                       "(splits 'a' = automatic); default: the full sweep")
+                  help="tuning candidates 'pps,stages,splits,blocks_per_sm[,s];...' "
+                       "(splits 'a' = automatic, s = swap_ab); default: the full sweep")
   args = ap.parse_args()
   impl_names = args.impls.split(",")
   t0 = time.time()
@@ -238,16 +243,19 @@ def main():
 
 
 def _space(configs: str, auto: int, fp8: bool = False):
-  """Tuning candidates: ``configs`` ('pps,stages,splits,blocks_per_sm;...',
-  splits 'a' = automatic) or the full sweep. fp8 pages are half the bytes, so
-  their sweep also tries deeper rings and more splits (more blocks in flight
-  to hide each step's conversion)."""
+  """Tuning candidates: ``configs`` ('pps,stages,splits,blocks_per_sm[,s];...',
+  splits 'a' = automatic, a trailing 's' = swap_ab) or the full sweep. fp8
+  pages are half the bytes, so their sweep also tries deeper rings and more
+  splits (more blocks in flight to hide each step's conversion)."""
   if configs:
     space = []
     for cand in configs.split(";"):
-      p, st, sp, bps = cand.split(",")
+      p, st, sp, bps, *swap = cand.split(",")
+      if swap not in ([], ["s"]):
+        raise ValueError(f"bad candidate {cand!r}: 'pps,stages,splits,blocks_per_sm[,s]'")
       space.append(ad.Config(pages_per_step=int(p), stages=int(st),
-                             splits=auto if sp == "a" else int(sp), blocks_per_sm=int(bps)))
+                             splits=auto if sp == "a" else int(sp), blocks_per_sm=int(bps),
+                             swap_ab=bool(swap)))
     return space
   if fp8:
     steps, per_sm = [(1, 2), (1, 4), (2, 2), (2, 4), (4, 2)], (0, 2)
@@ -255,8 +263,8 @@ def _space(configs: str, auto: int, fp8: bool = False):
   else:
     steps, per_sm = [(1, 2), (1, 3), (1, 4), (2, 2), (2, 3)], (0, 1, 2)
     splits = sorted({auto, 2 * auto} if auto > 1 else {1})
-  return [ad.Config(pages_per_step=p, stages=s, splits=sp, blocks_per_sm=bps)
-          for p, s in steps for sp in splits for bps in per_sm]
+  return [ad.Config(pages_per_step=p, stages=s, splits=sp, blocks_per_sm=bps, swap_ab=swap)
+          for p, s in steps for sp in splits for bps in per_sm for swap in (False, True)]
 
 
 def _sweep(shape, make, sets, ref, space, kv_bytes, sweep):

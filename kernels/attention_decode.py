@@ -93,12 +93,18 @@ class Config(tuning.KernelConfig):
   blocks_per_sm: 0 = one block per work item (sequence, kv head, split, row
     tile); k > 0 = a persistent grid of k blocks per SM, each looping over
     work items with its copy ring running across item boundaries.
+  swap_ab: the wgmmas take the block's keys as their 64-row M side and the
+    packed query rows (rounded up to 8) as N: S^T = K Q^T, O^T += V^T P^T.
+    With few packed rows (GQA 4 at Tq = 1 packs 4) the tensor cores and the
+    softmax then do 8 rows' work a step instead of 64 rows'. The step's
+    keys (pages_per_step x page) must be a multiple of 64.
   """
 
   pages_per_step: int = 1
   stages: int = 2
   splits: int = 0
   blocks_per_sm: int = 0
+  swap_ab: bool = False
 
   def __post_init__(self):
     if self.pages_per_step not in (1, 2, 4, 8, 16):
@@ -109,6 +115,8 @@ class Config(tuning.KernelConfig):
       raise ValueError(f"{self.splits=} must be >= 0 (0 = automatic)")
     if not 0 <= self.blocks_per_sm <= 4:
       raise ValueError(f"{self.blocks_per_sm=} must be in [0, 4] (0 = not persistent)")
+    if not isinstance(self.swap_ab, bool):
+      raise ValueError(f"{self.swap_ab=} must be a bool")
 
 
 # --------------------------------------------------------------------------
@@ -119,7 +127,7 @@ def _mosaic_kernel(lengths_ref, table_ref, layer_ref, q_ref, k_ref, v_ref, *refs
                    group: int,
                    page: int, pages_per_step: int, stages: int, splits: int,
                    scale: float, split_out: bool, io_rows: int, store_rows: int,
-                   stage_out: bool, fp8: bool):
+                   stage_out: bool, fp8: bool, swap: bool):
   """One block: (sequence b, kv head h, split s, row tile r).
 
   Only the first ``io_rows`` rows of the tile (the packed rows rounded up to
@@ -171,14 +179,15 @@ def _mosaic_kernel(lengths_ref, table_ref, layer_ref, q_ref, k_ref, v_ref, *refs
 
   plgpu.barrier_wait(q_bar.at[0])
 
-  acc, m_i, l_i = _init_state(head_dim)
-  ids = _ids(block_kv, r)
+  n = q_smem.shape[0]  # the Q tile's rows
+  acc, m_i, l_i = _init_state(head_dim, n, swap)
+  ids = _ids(block_kv, r, n, swap)
 
   def body(i, carry):
     slot = lax.rem(i, jnp.int32(stages))
     carry = _attend_step(carry, ids, slot, (first_step + i) * block_kv, length, q_smem, k_smem,
                          v_smem, p_smem, k_bars, v_bars, tq=tq, group=group, scale=scale,
-                         cvt=cvt)
+                         cvt=cvt, swap=swap)
 
     # Both wgmmas of this step are complete (their results were read), so
     # the slot is free for the step `stages` ahead.
@@ -189,7 +198,7 @@ def _mosaic_kernel(lengths_ref, table_ref, layer_ref, q_ref, k_ref, v_ref, *refs
     return carry
 
   acc, m_i, l_i = lax.fori_loop(0, n_steps, body, (acc, m_i, l_i))
-  _store_output(acc, m_i, l_i, o_smem, lse_smem, v_scale)
+  _store_output(acc, m_i, l_i, o_smem, lse_smem, v_scale, swap)
   # store_rows < 8: exactly the packed rows leave, from an untiled buffer; a
   # wider box would spill into the next head's rows in HBM.
   out = pl.ds(r * ROWS, store_rows)
@@ -248,32 +257,41 @@ def _page(table_ref, b, idx):
   return table_ref[b, jnp.minimum(idx, table_ref.shape[1] - 1)]
 
 
-def _init_state(head_dim):
+def _init_state(head_dim, n, swap: bool):
+  """(acc, running max, running sum) of ``n`` packed query rows: acc is
+  [n, D], or [D, n] with ``swap`` (O^T); the row statistics are laid out as
+  a reduction of S (S^T) over its keys."""
   layout = plgpu.Layout.WGMMA
-  m_i = plgpu.layout_cast(jnp.full((ROWS,), _M_INIT, jnp.float32), layout.reduce(1))
-  l_i = plgpu.layout_cast(jnp.full((ROWS,), 0.0, jnp.float32), layout.reduce(1))
-  acc = plgpu.layout_cast(jnp.full((ROWS, head_dim), 0.0, jnp.float32), layout)
+  keys = 0 if swap else 1
+  m_i = plgpu.layout_cast(jnp.full((n,), _M_INIT, jnp.float32), layout.reduce(keys))
+  l_i = plgpu.layout_cast(jnp.full((n,), 0.0, jnp.float32), layout.reduce(keys))
+  shape = (head_dim, n) if swap else (n, head_dim)
+  acc = plgpu.layout_cast(jnp.full(shape, 0.0, jnp.float32), layout)
   return acc, m_i, l_i
 
 
-def _ids(block_kv, r):
+def _ids(block_kv, r, n, swap: bool):
+  """(packed row, key in block) of each element of S [n, block_kv] (S^T with ``swap``)."""
   layout = plgpu.Layout.WGMMA
-  row_ids = plgpu.broadcasted_iota(jnp.int32, (ROWS, block_kv), 0, layout=layout) + r * ROWS
-  col_ids = plgpu.broadcasted_iota(jnp.int32, (ROWS, block_kv), 1, layout=layout)
-  return row_ids, col_ids
+  shape, rows = ((block_kv, n), 1) if swap else ((n, block_kv), 0)
+  row_ids = plgpu.broadcasted_iota(jnp.int32, shape, rows, layout=layout) + r * ROWS
+  key_ids = plgpu.broadcasted_iota(jnp.int32, shape, 1 - rows, layout=layout)
+  return row_ids, key_ids
 
 
 def _attend_step(carry, ids, slot, start, length, q_smem, k_smem, v_smem, p_smem, k_bars,
-                 v_bars, *, tq, group, scale, cvt=None):
+                 v_bars, *, tq, group, scale, cvt=None, swap=False):
   """One key block (ring slot ``slot``, first key position ``start``).
 
   ``cvt``: (k16, v16) SMEM buffers; the slot's fp8 K and V are converted into
   them for the tensor cores (the previous step's wgmmas, which read them,
-  have completed: their results were read)."""
+  have completed: their results were read).
+  ``swap``: S^T = K Q^T [block_kv, n] and O^T += V^T P^T [D, n], so the
+  softmax reduces over axis 0 (across the warps, through SMEM) and P^T is
+  stored transposed, as P [n, block_kv], the K-major B of the P V wgmma."""
   acc, m_i, l_i = carry
-  row_ids, col_ids = ids
-  rows, block_kv = row_ids.shape
-  head_dim = acc.shape[-1]
+  row_ids, key_ids = ids
+  keys = 0 if swap else 1  # the axis of S that runs over the block's keys
   plgpu.barrier_wait(k_bars.at[slot])
   k_tile = k_smem.at[slot]
   if cvt is not None:
@@ -281,20 +299,24 @@ def _attend_step(carry, ids, slot, start, length, q_smem, k_smem, v_smem, p_smem
     plgpu.commit_smem()  # read by the tensor cores next
     k_tile = cvt[0]
 
-  def qk_scope(acc_ref):
-    plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_tile, (1, 0)))
-    return acc_ref[...]
-
-  qk = pl.run_scoped(qk_scope, plgpu.ACC((rows, block_kv), jnp.float32))
+  if swap:
+    qk = _mma(row_ids.shape, k_tile, dsl.transpose(q_smem))
+  else:
+    qk = _mma(row_ids.shape, q_smem, dsl.transpose(k_tile))
   # Row i holds token t = i // group; it sees key j iff j <= length - tq + t,
   # i.e. iff (j - length + tq) * group <= i (no vector division needed).
-  visible = (col_ids + (start - length + tq)) * group <= row_ids
+  visible = (key_ids + (start - length + tq)) * group <= row_ids
   qk = jnp.where(visible, qk * (scale * _LOG2E), -jnp.inf)
-  m_new = jnp.maximum(m_i, qk.max(axis=1))
+  per_row = lambda x: lax.broadcast_in_dim(x, qk.shape, [1 - keys])
+  m_new = jnp.maximum(m_i, qk.max(axis=keys))
   alpha = jnp.exp2(m_i - m_new)
-  p = jnp.exp2(qk - lax.broadcast_in_dim(m_new, qk.shape, [0]))
-  l_i = l_i * alpha + p.sum(axis=1)
-  p_smem[...] = p.astype(p_smem.dtype)
+  p = jnp.exp2(qk - per_row(m_new))
+  l_i = l_i * alpha + p.sum(axis=keys)
+  p = p.astype(p_smem.dtype)
+  if swap:
+    dsl.transpose(p_smem)[...] = plgpu.layout_cast(p, plgpu.Layout.WGMMA_TRANSPOSED)
+  else:
+    p_smem[...] = p
   if cvt is None:
     plgpu.commit_smem()  # P is read by the tensor cores next
   plgpu.barrier_wait(v_bars.at[slot])
@@ -304,23 +326,36 @@ def _attend_step(carry, ids, slot, start, length, q_smem, k_smem, v_smem, p_smem
     plgpu.commit_smem()  # P and V are read by the tensor cores next
     v_tile = cvt[1]
 
-  def pv_scope(acc_ref):
-    plgpu.wgmma(acc_ref, p_smem, v_tile)
-    return acc_ref[...]
-
-  pv = pl.run_scoped(pv_scope, plgpu.ACC((rows, head_dim), jnp.float32))
-  acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv
+  if swap:
+    pv = _mma(acc.shape, dsl.transpose(v_tile), dsl.transpose(p_smem))
+  else:
+    pv = _mma(acc.shape, p_smem, v_tile)
+  acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [1 - keys]) + pv
   return acc, m_new, l_i
 
 
-def _store_output(acc, m_i, l_i, o_smem, lse_smem, v_scale=None):
+def _mma(shape, a, b):
+  """a @ b on the tensor cores into a fresh float32 accumulator of ``shape``."""
+  def scope(acc_ref):
+    plgpu.wgmma(acc_ref, a, b)
+    return acc_ref[...]
+
+  return pl.run_scoped(scope, plgpu.ACC(shape, jnp.float32))
+
+
+def _store_output(acc, m_i, l_i, o_smem, lse_smem, v_scale=None, swap=False):
   """Normalized output (0 for rows that saw no key; times ``v_scale`` for fp8
-  pages) and log2-sum-exp into SMEM."""
+  pages) and log2-sum-exp into SMEM. With ``swap`` acc is O^T [D, n]: it is
+  stored transposed into the untiled [n, D] staging buffer."""
   seen = l_i > 0.0
   inv = jnp.where(seen, 1.0 / jnp.where(seen, l_i, 1.0), 0.0)
   if v_scale is not None:
     inv = inv * v_scale
-  o_smem[...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(o_smem.dtype)
+  o = (acc * lax.broadcast_in_dim(inv, acc.shape, [1 if swap else 0])).astype(o_smem.dtype)
+  if swap:
+    dsl.transpose(o_smem)[...] = plgpu.layout_cast(o, plgpu.Layout.WGMMA_TRANSPOSED)
+  else:
+    o_smem[...] = o
   if lse_smem is not None:
     lse_smem[...] = jnp.where(seen, m_i + jnp.log2(jnp.where(seen, l_i, 1.0)), -jnp.inf)
   plgpu.commit_smem()  # the TMA store reads what registers just wrote
@@ -330,19 +365,23 @@ def _persistent_kernel(lengths_ref, table_ref, layer_ref, q_ref, k_ref, v_ref, *
                        group: int,
                        page: int, pages_per_step: int, stages: int,
                        scale: float, split_out: bool, io_rows: int, store_rows: int,
-                       dims: tuple[int, ...], grid_size: int, fp8: bool):
+                       dims: tuple[int, ...], grid_size: int, fp8: bool, swap: bool):
   """A persistent block: work items c, c + grid, c + 2 grid, ... of (b, h, s, r).
 
   The K/V ring runs across item boundaries: while the last steps of one
   item compute, the first pages of the next are already in flight (an issue
   cursor runs ``stages`` steps ahead of the compute cursor, skipping items
   with no keys). Q is double-buffered and prefetched one item ahead; each
-  item's output leaves through the Q buffer it came in (bf16 output) or a
-  float32 staging buffer (split partials) while the next item computes.
+  item's output leaves through the Q buffer it came in (bf16 output), or
+  through a staging buffer (split partials; with ``swap`` every output),
+  while the next item computes.
   """
   refs, scale, v_scale, cvt = _fp8_refs(refs, layer_ref, scale, fp8)
   if split_out:
     o_ref, lse_ref, q_smem, k_smem, v_smem, p_smem, o_smem, lse_smem, bars = refs
+  elif swap:
+    o_ref, q_smem, k_smem, v_smem, p_smem, o_smem, bars = refs
+    lse_ref = lse_smem = None
   else:
     o_ref, q_smem, k_smem, v_smem, p_smem, bars = refs
     lse_ref = o_smem = lse_smem = None
@@ -421,14 +460,15 @@ def _persistent_kernel(lengths_ref, table_ref, layer_ref, q_ref, k_ref, v_ref, *
 
     plgpu.barrier_wait(q_bars.at[buf])
     qb = q_smem.at[buf]
-    ids = _ids(block_kv, r)
+    n_rows = q_smem.shape[1]
+    ids = _ids(block_kv, r, n_rows, swap)
 
     def step(i, carry):
       state, cursor, gstep = carry
       slot = lax.rem(gstep, jnp.int32(stages))
       state = _attend_step(state, ids, slot, (first + i) * block_kv, length, qb,
                            k_smem, v_smem, p_smem, k_bars, v_bars, tq=tq, group=group,
-                           scale=scale, cvt=cvt)
+                           scale=scale, cvt=cvt, swap=swap)
       valid = cursor[0] < n_local
 
       @pl.when(valid)
@@ -438,14 +478,18 @@ def _persistent_kernel(lengths_ref, table_ref, layer_ref, q_ref, k_ref, v_ref, *
       cursor = _select(valid, advance(cursor), cursor)
       return state, cursor, gstep + 1
 
-    state, cursor, gstep = lax.fori_loop(0, n, step, (_init_state(head_dim), cursor, gstep))
+    state, cursor, gstep = lax.fori_loop(
+        0, n, step, (_init_state(head_dim, n_rows, swap), cursor, gstep))
     io = pl.ds(r * ROWS, io_rows)
+    out = pl.ds(r * ROWS, store_rows)  # untiled staging: exact rows
+    if o_smem is not None:
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # item j-1's output has left
+      _store_output(*state, o_smem, lse_smem, v_scale, swap)
     if split_out:
-      plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # item j-1's partials have left
-      _store_output(*state, o_smem, lse_smem, v_scale)
-      out = pl.ds(r * ROWS, store_rows)  # untiled float32 staging: exact rows
       plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, store_rows)], o_ref.at[s, b, h, out])
       plgpu.copy_smem_to_gmem(lse_smem.at[pl.ds(0, store_rows)], lse_ref.at[s, b, h, out])
+    elif o_smem is not None:
+      plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, store_rows)], o_ref.at[b, h, out])
     else:
       _store_output(*state, qb, None, v_scale)
       plgpu.copy_smem_to_gmem(qb.at[pl.ds(0, io_rows)], o_ref.at[b, h, io])
@@ -464,21 +508,29 @@ def _num_sms() -> int:
 
 
 def _smem_bytes(cfg: Config, page: int, head_dim: int, dtype, split: bool,
-                kv_dtype=None) -> int:
+                kv_dtype=None, rows: int = ROWS) -> int:
   """``dtype``: the tensor cores' (Q, P, output); ``kv_dtype``: the pages' (if
-  other: fp8, converted a step at a time into two buffers of ``dtype``)."""
+  other: fp8, converted a step at a time into two buffers of ``dtype``);
+  ``rows``: the packed query rows (the Q tile's with ``swap_ab``, else 64)."""
   isz = jnp.dtype(dtype).itemsize
   block_kv = cfg.pages_per_step * page
+  n = _tile_rows(cfg, rows)
   kv_isz = isz if kv_dtype is None else jnp.dtype(kv_dtype).itemsize
   b = 2 * cfg.stages * block_kv * head_dim * kv_isz  # K and V rings
   if kv_isz != isz:
     b += 2 * block_kv * head_dim * isz  # the step's converted K and V
-  b += ROWS * head_dim * isz + ROWS * block_kv * isz  # Q (and bf16 output), P
+  b += n * head_dim * isz + n * block_kv * isz  # Q (and bf16 output), P
   if split:
-    b += ROWS * head_dim * 4 + ROWS * 4  # float32 partial output and lse
+    b += n * head_dim * 4 + n * 4  # float32 partial output and lse
   else:
-    b += ROWS * head_dim * isz  # untiled output staging (fewer than 8 packed rows)
+    b += n * head_dim * isz  # untiled output staging
   return b
+
+
+def _tile_rows(cfg: Config, rows: int) -> int:
+  """Rows of a block's Q, P and output tiles: the packed rows rounded up to 8
+  with ``swap_ab`` (they are the wgmmas' N), else the 64 of the wgmmas' M."""
+  return min(dsl.round_up(rows, 8), ROWS) if cfg.swap_ab else ROWS
 
 
 SMEM_BUDGET = 220 * 1024  # what the heuristic plans for
@@ -528,7 +580,10 @@ def _stage_out(cfg: Config, rows: int, split_out: bool, page: int, head_dim: int
   untiled buffer, exactly those rows. Fewer than 8 rows only (else the tiled
   Q buffer serves); split partials already have such a buffer; the persistent
   kernel's output leaves through its Q buffer and stays padded; and a config
-  that fits in SMEM only without the extra buffer keeps the padded output."""
+  that fits in SMEM only without the extra buffer keeps the padded output.
+  With ``swap_ab`` every output does: O^T is stored transposed into it."""
+  if cfg.swap_ab:
+    return not split_out
   return (rows < 8 and not split_out and cfg.blocks_per_sm == 0
           and _smem_bytes(cfg, page, head_dim, dtype, False, kv_dtype) <= SMEM_LIMIT)
 
@@ -593,6 +648,9 @@ def _attention_decode_mosaic(q, k_pages, v_pages, lengths, page_table, layer=Non
   if (pps * page) % 16 or pps * page > 256:
     raise ValueError(f"{cfg.pages_per_step=} x {page=} must be a multiple of 16 tokens and "
                      "at most 256 (the K dimension of the P V wgmma, the N of Q K^T)")
+  if cfg.swap_ab and (pps * page) % ROWS:
+    raise ValueError(f"swap_ab: {cfg.pages_per_step=} x {page=} must be a multiple of {ROWS} "
+                     "tokens (the M of K Q^T)")
   n_steps = dsl.cdiv(max_pages, pps)
   splits = cfg.splits or _auto_splits(b, hkv, tiles, n_steps)
   splits = min(splits, n_steps)
@@ -606,23 +664,24 @@ def _attention_decode_mosaic(q, k_pages, v_pages, lengths, page_table, layer=Non
   stage_out = _stage_out(cfg, tq * g, split_out, page, d, dt, kv_dtype)
   rows = _hbm_rows(tq, g, exact=split_out or stage_out)  # of the output
   n_items = b * hkv * splits * tiles
-  q_shape = (2, ROWS, d) if persistent else (ROWS, d)  # persistent: prefetch next item's Q
+  n = _tile_rows(cfg, tq * g)
+  q_shape = (2, n, d) if persistent else (n, d)  # persistent: prefetch next item's Q
   scratch = [
-      plgpu.SMEM(q_shape, dt, transforms=dsl.smem_transforms((ROWS, d), dt)),
+      plgpu.SMEM(q_shape, dt, transforms=dsl.smem_transforms((n, d), dt)),
       plgpu.SMEM((cfg.stages, block_kv, d), kv_dtype,
                  transforms=dsl.smem_transforms((block_kv, d), kv_dtype)),
       plgpu.SMEM((cfg.stages, block_kv, d), kv_dtype,
                  transforms=dsl.smem_transforms((block_kv, d), kv_dtype)),
-      plgpu.SMEM((ROWS, block_kv), dt, transforms=dsl.smem_transforms((ROWS, block_kv), dt)),
+      plgpu.SMEM((n, block_kv), dt, transforms=dsl.smem_transforms((n, block_kv), dt)),
   ]
   if split_out:
     out_type = (jax.ShapeDtypeStruct((splits, b, hkv, rows, d), jnp.float32),
                 jax.ShapeDtypeStruct((splits, b, hkv, rows), jnp.float32))
-    scratch += [plgpu.SMEM((ROWS, d), jnp.float32), plgpu.SMEM((ROWS,), jnp.float32)]
+    scratch += [plgpu.SMEM((n, d), jnp.float32), plgpu.SMEM((n,), jnp.float32)]
   else:
     out_type = jax.ShapeDtypeStruct((b, hkv, rows, d), dt)
     if stage_out:
-      scratch.append(plgpu.SMEM((ROWS, d), dt))
+      scratch.append(plgpu.SMEM((n, d), dt))
   if fp8:
     tile = plgpu.SMEM((block_kv, d), dt, transforms=dsl.smem_transforms((block_kv, d), dt))
     scratch.append((tile, tile))
@@ -632,7 +691,7 @@ def _attention_decode_mosaic(q, k_pages, v_pages, lengths, page_table, layer=Non
       plgpu.Barrier(num_arrivals=pps, num_barriers=cfg.stages),
   ))
   common = dict(tq=tq, group=g, page=page, pages_per_step=pps, stages=cfg.stages,
-                scale=sm_scale, split_out=split_out, fp8=fp8,
+                scale=sm_scale, split_out=split_out, fp8=fp8, swap=cfg.swap_ab,
                 io_rows=_io_rows(tq, g), store_rows=min(rows, _io_rows(tq, g)))
   if persistent:
     grid_size = min(n_items, _num_sms() * cfg.blocks_per_sm)

@@ -115,6 +115,30 @@ def test_mosaic_configs(config):
   testing.assert_close(out, ad.attention_decode_reference(*args), jnp.bfloat16)
 
 
+SWAP_CASES = {
+    # name: (b, tq, hq, hkv, d, page, lengths, config): S^T = K Q^T, O^T = V^T P^T
+    "rows4_split": (3, 1, 8, 2, 64, 16, [1, 70, 150],
+                    ad.Config(pages_per_step=4, stages=2, splits=3, swap_ab=True)),
+    "rows12_ring_wraps": (2, 3, 8, 2, 64, 32, [2, 200],
+                          ad.Config(pages_per_step=2, stages=3, splits=1, swap_ab=True)),
+    "rows128_two_tiles": (1, 8, 16, 1, 128, 64, [100],
+                          ad.Config(pages_per_step=1, stages=2, splits=2, swap_ab=True)),
+}
+
+
+@pytest.mark.parametrize("case", list(SWAP_CASES))
+def test_mosaic_swap_ab(case):
+  # Packed rows below 8 (TMA zero-fills Q, exactly 4 rows leave), not a
+  # multiple of 8, and two 64-row tiles; split partials and bf16 output, both
+  # stored transposed from O^T.
+  b, tq, hq, hkv, d, page, lengths, cfg = SWAP_CASES[case]
+  args = _case(b, tq, hq, hkv, d, page, lengths=lengths)
+  out = ad.attention_decode_mosaic(*args, config=cfg)
+  testing.assert_close(out, ad.attention_decode_reference(*args), jnp.bfloat16)
+  if dsl.interpreting():
+    assert not dsl.races_found()
+
+
 @pytest.mark.parametrize("persistent", [0, 1])
 def test_short_sequences_in_a_wide_table(persistent, monkeypatch):
   # The engine's table is as wide as the longest context it allows: splits
@@ -136,6 +160,7 @@ def test_short_sequences_in_a_wide_table(persistent, monkeypatch):
 @pytest.mark.parametrize("config", [
     ad.Config(pages_per_step=1, stages=2, blocks_per_sm=2),  # bf16 output via the Q buffers
     ad.Config(pages_per_step=2, stages=3, splits=2, blocks_per_sm=1),  # f32 partials
+    ad.Config(pages_per_step=4, stages=2, blocks_per_sm=2, swap_ab=True),  # via a staging buffer
 ])
 def test_mosaic_persistent(config, monkeypatch):
   # One SM: each block loops over several work items, some with no keys, and
@@ -249,6 +274,10 @@ def test_mosaic_says_why_not():
   args = _case(1, 1, 4, 2, 64, 8, lengths=[5])
   with pytest.raises(ValueError, match="multiple of 16 tokens"):
     ad.attention_decode_mosaic(*args, config=ad.Config(pages_per_step=1))
+  with pytest.raises(ValueError, match="swap_ab.*multiple of 64"):
+    ad.attention_decode_mosaic(*args, config=ad.Config(pages_per_step=4, swap_ab=True))
+  with pytest.raises(ValueError, match="swap_ab"):
+    ad.Config(swap_ab=1)
 
 
 @pytest.mark.gpu
@@ -273,7 +302,10 @@ def test_gpu_layer_stack_and_persistent():
   k_stack, v_stack = jnp.stack([vp, kp]), jnp.stack([kp, vp])
   want = ad.attention_decode_reference(q, kp, vp, lengths, table)
   for cfg in (None, ad.Config(pages_per_step=1, stages=2, blocks_per_sm=2),
-              ad.Config(pages_per_step=2, stages=2, splits=3, blocks_per_sm=1)):
+              ad.Config(pages_per_step=2, stages=2, splits=3, blocks_per_sm=1),
+              ad.Config(pages_per_step=1, stages=3, swap_ab=True),
+              ad.Config(pages_per_step=2, stages=2, splits=3, swap_ab=True),
+              ad.Config(pages_per_step=1, stages=2, blocks_per_sm=2, swap_ab=True)):
     out = ad.attention_decode_mosaic(q, k_stack, v_stack, lengths, table, layer=1, config=cfg)
     testing.assert_close(out, want, jnp.bfloat16, what=f"mosaic {cfg}")
 
@@ -287,6 +319,9 @@ def test_exact_output_rows_only_where_the_staging_buffer_fits():
   assert not stage(ad.Config(pages_per_step=1, stages=2), rows=8)  # tiled Q buffer serves
   assert not stage(ad.Config(pages_per_step=1, stages=2), split=True)  # float32 buffer exists
   assert not stage(ad.Config(pages_per_step=1, stages=2, blocks_per_sm=2))  # persistent
+  # swap_ab: O^T is stored transposed into it, whatever the rows (its own SMEM is small)
+  assert stage(ad.Config(pages_per_step=2, stages=3, blocks_per_sm=2, swap_ab=True), rows=32)
+  assert not stage(ad.Config(pages_per_step=1, stages=2, swap_ab=True), split=True)
 
 
 @pytest.mark.parametrize("limit", [None, 0])
@@ -360,6 +395,7 @@ def test_fp8_pages_match_reference(backend, case):
 @pytest.mark.parametrize("config", [
     ad.Config(pages_per_step=2, stages=2, splits=3),  # f32 partials: v_scale before the merge
     ad.Config(pages_per_step=1, stages=2, blocks_per_sm=2),  # persistent, f16 output
+    ad.Config(pages_per_step=4, stages=2, splits=2, swap_ab=True),
 ])
 def test_fp8_mosaic_configs(config):
   args, scales, _ = _fp8_case(3, 2, 8, 2, 64, 16, max_len=150)
@@ -415,6 +451,7 @@ def test_gpu_fp8_full_size():
   args, scales, _ = _fp8_case(8, 1, 32, 8, 128, 64, lengths=[1, 63, 64, 65, 700, 2000, 4096, 0])
   want = ad.attention_decode_reference(*args, kv_scales=scales)
   for cfg in (None, ad.Config(pages_per_step=2, stages=2, splits=4),
-              ad.Config(pages_per_step=1, stages=2, blocks_per_sm=2)):
+              ad.Config(pages_per_step=1, stages=2, blocks_per_sm=2),
+              ad.Config(pages_per_step=2, stages=2, splits=4, swap_ab=True)):
     out = ad.attention_decode_mosaic(*args, kv_scales=scales, config=cfg)
     testing.assert_close(out, want, jnp.bfloat16, what=f"mosaic fp8 {cfg}")

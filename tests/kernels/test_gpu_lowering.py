@@ -256,6 +256,15 @@ DECODES = {
     "b64_no_split": (64, 1, 4096, 4200, None),
     "speculative_tq4": (8, 4, 2048, 300, None),
     "persistent": (256, 1, 512, 2100, ad.Config(pages_per_step=1, stages=2, blocks_per_sm=2)),
+    # swap_ab: keys as the wgmmas' M, the packed rows (4, 16, 64) as their N
+    "swap_b1_splits": (1, 1, 131072, 2100, ad.Config(pages_per_step=2, stages=3, swap_ab=True)),
+    "swap_b64": (64, 1, 4096, 4200, ad.Config(pages_per_step=1, stages=4, swap_ab=True)),
+    "swap_tq4": (8, 4, 2048, 300, ad.Config(pages_per_step=2, stages=2, swap_ab=True)),
+    "swap_tq8": (4, 8, 1024, 300, ad.Config(pages_per_step=1, stages=2, swap_ab=True)),
+    "swap_persistent": (256, 1, 512, 2100,
+                        ad.Config(pages_per_step=1, stages=3, blocks_per_sm=2, swap_ab=True)),
+    "swap_persistent_split": (2, 1, 8192, 300, ad.Config(pages_per_step=1, stages=2, splits=4,
+                                                         blocks_per_sm=1, swap_ab=True)),
 }
 
 
