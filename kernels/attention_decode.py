@@ -711,20 +711,29 @@ def _attention_decode_mosaic(q, k_pages, v_pages, lengths, page_table, layer=Non
   )(lengths, page_table, layer_arr, qp, k_pages, v_pages, *([kv_scales] if fp8 else []))
   if split_out:
     o_parts, lse = out
-    o = _combine(o_parts, lse, exp2=True)
+    o = _combine(o_parts, lse)
   else:
     o = out
   return _unpack_o(o, tq, hq).astype(out_dtype)
 
 
-def _combine(o_parts, lse, exp2: bool):
-  """Merges split partials: o = sum_s w_s o_s / sum_s w_s, w_s = exp(lse_s - max)."""
-  mx = lse.max(axis=0)
-  safe = jnp.where(jnp.isfinite(mx), mx, 0.0)
-  w = (jnp.exp2 if exp2 else jnp.exp)(lse - safe[None])
-  den = w.sum(axis=0)
-  num = (w[..., None] * o_parts).sum(axis=0)
-  return jnp.where((den > 0)[..., None], num / jnp.where(den > 0, den, 1.0)[..., None], 0.0)
+def _combine(o_parts, lse):
+  """Merges split partials (o_s normalized, lse_s in log2 units) into
+  o = sum_s w_s o_s / sum_s w_s, w_s = 2^lse_s: one pass of a pairwise merge,
+  so that XLA emits it as one reduction kernel (the max-then-sum form was
+  three kernels, 3 us of a 125 us call at B=1 with 16 splits)."""
+  def merge(a, b):
+    (la, oa), (lb, ob) = a, b
+    m = jnp.maximum(la, lb)
+    m = jnp.where(m == -jnp.inf, 0.0, m)  # two empty partials: both weights 0
+    wa, wb = jnp.exp2(la - m), jnp.exp2(lb - m)
+    den = wa + wb
+    o = jnp.where(den > 0, (wa * oa + wb * ob) / jnp.where(den > 0, den, 1.0), 0.0)
+    return m + jnp.log2(den), o
+
+  lse = jnp.broadcast_to(lse[..., None], o_parts.shape)
+  init = (jnp.array(-jnp.inf, jnp.float32), jnp.array(0.0, jnp.float32))
+  return lax.reduce((lse, o_parts), init, merge, (0,))[1]
 
 
 # --------------------------------------------------------------------------

@@ -112,7 +112,10 @@ def save(op: str, results: Mapping[str, KernelConfig], device_name: str | None =
   path.parent.mkdir(parents=True, exist_ok=True)
   entries = dict(_load(path)) if path.is_file() else {}
   entries.update({k: v.to_dict() for k, v in results.items()})
-  data = {"op": op, "device": device_name, "entries": dict(sorted(entries.items()))}
+  # Keys beside the entries (a "note" on where they were measured) are kept.
+  kept = {k: v for k, v in json.loads(path.read_text()).items()
+          if k not in ("op", "device", "entries")} if path.is_file() else {}
+  data = {"op": op, "device": device_name, "entries": dict(sorted(entries.items())), **kept}
   if extra:
     data.update(extra)
   path.write_text(json.dumps(data, indent=1) + "\n")

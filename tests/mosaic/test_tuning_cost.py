@@ -35,6 +35,12 @@ def test_table_roundtrip_and_heuristic(tmp_path, monkeypatch):
   path = tuning.save("toy", {key: Cfg(128, 4)}, device_name="Dev")
   assert json.loads(path.read_text())["entries"][key] == {"block": 128, "stages": 4}
   assert tuning.lookup("toy", key, Cfg, lambda: Cfg(), device_key="dev") == Cfg(128, 4)
+  # A later save merges its entries and keeps the table's note.
+  data = json.loads(path.read_text())
+  path.write_text(json.dumps({**data, "note": "measured on Dev"}))
+  tuning.save("toy", {"m=1,n=4096": Cfg(64, 2)}, device_name="Dev")
+  data = json.loads(path.read_text())
+  assert data["note"] == "measured on Dev" and set(data["entries"]) == {key, "m=1,n=4096"}
 
 
 def test_autotune_checks_before_timing():
