@@ -110,6 +110,7 @@ def main():
   ap.add_argument("--impls", default=",".join(IMPLS), help=f"subset of {IMPLS}")
   ap.add_argument("--edge-cases", default="", help="indices of the edge cases to run")
   ap.add_argument("--fp8", action="store_true", help="also the mosaic kernel on fp8 pages")
+  ap.add_argument("--page", type=int, default=ad.DEFAULT_PAGE_SIZE, help="tokens per page")
   ap.add_argument("--tune-fp8", action="store_true", help="with --fp8: tune the fp8 kernel only")
   ap.add_argument("--configs", default="",
                   help="tuning candidates 'pps,stages,splits,blocks_per_sm[,s];...' "
@@ -125,7 +126,7 @@ def main():
   if args.shapes:
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
   rows, tuned, sweep = [], {}, []
-  page = ad.DEFAULT_PAGE_SIZE
+  page = args.page
   for b, length in shapes:
     shape = f"B={b} L={length}"
     lengths = jnp.full((b,), length, jnp.int32)

@@ -537,13 +537,15 @@ SMEM_BUDGET = 220 * 1024  # what the heuristic plans for
 SMEM_LIMIT = 226 * 1024  # what a block may use on Hopper (227 KB), less barriers
 
 
-def _pick_config(batch, hkv, tiles, max_pages, page, head_dim, dtype, kv_dtype=None) -> Config:
+def _pick_config(batch, hkv, tiles, max_pages, page, head_dim, dtype, kv_dtype=None,
+                 rows: int = ROWS) -> Config:
   """``dtype``: the tensor cores'; ``kv_dtype``: the pages' if other (fp8),
-  which keys the table (fp8 pages have entries of their own)."""
+  which keys the table (fp8 pages have entries of their own); ``rows``: the
+  packed query rows."""
   kv_dtype = dtype if kv_dtype is None else kv_dtype
   key = tuning.shape_key(page=page, head_dim=head_dim, dtype=jnp.dtype(kv_dtype).name,
                          batch=tuning.bucket(batch), pages=tuning.bucket(max_pages))
-  smem = lambda cfg, split: _smem_bytes(cfg, page, head_dim, dtype, split, kv_dtype)
+  smem = lambda cfg, split: _smem_bytes(cfg, page, head_dim, dtype, split, kv_dtype, rows)
 
   def heuristic():
     # Measured on H200 (bench/results/attention_decode.md): two stages win
@@ -561,6 +563,14 @@ def _pick_config(batch, hkv, tiles, max_pages, page, head_dim, dtype, kv_dtype=N
       cfg = dataclasses.replace(cfg, stages=1)  # D=256 with 64-token pages: no room for 2
     if (cfg.pages_per_step * page) % 16:  # page is a multiple of 8: two pages make 16
       cfg = dataclasses.replace(cfg, pages_per_step=min(16, 2 * cfg.pages_per_step))
+    # swap_ab won at every shape measured (bench/results/attention_decode_h200_swap_ab/),
+    # with a third stage when the grid fills the SMs: its Q, P and output
+    # tiles are small, so two such blocks still fit per SM.
+    if (cfg.pages_per_step * page) % ROWS == 0:
+      for stages in ((2,) if split else (3, 2)):
+        swapped = dataclasses.replace(cfg, stages=stages, swap_ab=True)
+        if smem(swapped, True) <= SMEM_BUDGET:
+          return swapped
     return cfg
 
   return tuning.lookup("attention_decode", key, Config, heuristic)
@@ -643,7 +653,7 @@ def _attention_decode_mosaic(q, k_pages, v_pages, lengths, page_table, layer=Non
   g = hq // hkv
   tiles = dsl.cdiv(tq * g, ROWS)
   kv_dtype = k_pages.dtype
-  cfg = config or _pick_config(b, hkv, tiles, max_pages, page, d, q.dtype, kv_dtype)
+  cfg = config or _pick_config(b, hkv, tiles, max_pages, page, d, q.dtype, kv_dtype, tq * g)
   pps = cfg.pages_per_step
   if (pps * page) % 16 or pps * page > 256:
     raise ValueError(f"{cfg.pages_per_step=} x {page=} must be a multiple of 16 tokens and "
@@ -718,22 +728,20 @@ def _attention_decode_mosaic(q, k_pages, v_pages, lengths, page_table, layer=Non
 
 
 def _combine(o_parts, lse):
-  """Merges split partials (o_s normalized, lse_s in log2 units) into
-  o = sum_s w_s o_s / sum_s w_s, w_s = 2^lse_s: one pass of a pairwise merge,
-  so that XLA emits it as one reduction kernel (the max-then-sum form was
-  three kernels, 3 us of a 125 us call at B=1 with 16 splits)."""
-  def merge(a, b):
-    (la, oa), (lb, ob) = a, b
-    m = jnp.maximum(la, lb)
-    m = jnp.where(m == -jnp.inf, 0.0, m)  # two empty partials: both weights 0
-    wa, wb = jnp.exp2(la - m), jnp.exp2(lb - m)
-    den = wa + wb
-    o = jnp.where(den > 0, (wa * oa + wb * ob) / jnp.where(den > 0, den, 1.0), 0.0)
-    return m + jnp.log2(den), o
+  """Merges split partials (o_s normalized, lse_s in log2 units):
+  o = sum_s w_s o_s / sum_s w_s, w_s = 2^(lse_s - max_s lse_s).
 
-  lse = jnp.broadcast_to(lse[..., None], o_parts.shape)
-  init = (jnp.array(-jnp.inf, jnp.float32), jnp.array(0.0, jnp.float32))
-  return lax.reduce((lse, o_parts), init, merge, (0,))[1]
+  Written as elementwise terms over the splits, not as reductions over their
+  axis, so that XLA emits one loop kernel whatever the split count (as
+  reductions, 16 splits took three kernels, 3.1 us against the call's 125 us;
+  as one pairwise-merge reduction, 4.9 us)."""
+  parts = range(lse.shape[0])
+  mx = functools.reduce(jnp.maximum, [lse[s] for s in parts])
+  safe = jnp.where(jnp.isfinite(mx), mx, 0.0)  # no key in any split: all weights 0
+  w = [jnp.exp2(lse[s] - safe) for s in parts]
+  den = functools.reduce(jnp.add, w)
+  num = functools.reduce(jnp.add, [w[s][..., None] * o_parts[s] for s in parts])
+  return jnp.where((den > 0)[..., None], num / jnp.where(den > 0, den, 1.0)[..., None], 0.0)
 
 
 # --------------------------------------------------------------------------
