@@ -35,16 +35,24 @@ step converts its K and V tiles into two f16 SMEM tiles for the wgmmas
 (Hopper converts fp8 to f16 only, so Q and P run in f16 too); k_scale folds
 into the score scale and v_scale into the output's normalization, both exact.
 ``quantize_pages`` and ``fp8_scale`` make such pages. On the H200 fp8 pages
-decode no faster than bf16 ones (slower with one block per SM): they take
-half the memory, not less time. The conversion runs in the warpgroup that
-does the softmax, the likely reason (bench/results/attention_decode_h200_fp8/).
+decode in 0.85-0.87x the bf16 time with several blocks per SM and in the
+same time with one: the conversion runs in the warpgroup that does the
+softmax (bench/results/attention_decode_h200_swap_ab/).
 
 ``Config.blocks_per_sm > 0`` selects ``_persistent_kernel`` instead: a grid of
 k blocks per SM, each looping over work items with its copy ring running
 across item boundaries (short sequences keep HBM busy between items).
 
-On H200 (bench/results/attention_decode.md) the kernel reaches 0.91-0.97x the
-speed of cuDNN on a contiguous cache, 3.9-4.4 TB/s of K/V read.
+``Config.swap_ab`` (the default where a step's keys are a multiple of 64)
+transposes both products, S^T = K Q^T and O^T += V^T P^T, so the block's
+keys are the wgmmas' 64-row M and the packed query rows (rounded up to 8)
+their N: with GQA 4 at Tq = 1 the tensor cores and the softmax do 8 rows'
+work a step instead of 64. The softmax then reduces over axis 0 (across the
+warps, through SMEM), and P and the output are stored transposed.
+
+On H200 (bench/results/attention_decode_h200_swap_ab/) the kernel reaches
+0.98-1.00x the speed of cuDNN on a contiguous cache with 64-token pages and
+1.00x with 128-token pages, 4.2-4.5 TB/s of K/V read.
 """
 
 from __future__ import annotations
