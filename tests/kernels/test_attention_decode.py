@@ -115,6 +115,30 @@ def test_mosaic_configs(config):
   testing.assert_close(out, ad.attention_decode_reference(*args), jnp.bfloat16)
 
 
+@pytest.mark.parametrize("splits", [1, 3, 70])  # 70: past the unrolled form's limit
+def test_split_merge_is_the_softmax_over_all_keys(splits):
+  # Partials of disjoint key ranges merge into the softmax over their union;
+  # a row no split saw (lse -inf everywhere) is 0, and an empty split weighs 0.
+  rng = np.random.default_rng(_seed())
+  rows, d, keys = 6, 8, 5
+  scores = rng.normal(size=(splits, rows, keys)) * 3
+  vals = rng.normal(size=(splits, keys, d))
+  scores[:, 0] = -np.inf
+  scores[0, 1] = -np.inf
+  with np.errstate(invalid="ignore", divide="ignore"):
+    m = scores.max(axis=-1, keepdims=True)
+    e = np.exp2(scores - m)
+    o_parts = np.nan_to_num(e @ vals / e.sum(-1, keepdims=True))
+    lse = np.where(np.isfinite(m[..., 0]), np.log2(e.sum(-1)) + m[..., 0], -np.inf)
+  flat_s = scores.transpose(1, 0, 2).reshape(rows, -1)
+  flat_v = vals.reshape(-1, d)
+  w = np.exp2(flat_s - flat_s.max(-1, keepdims=True))
+  want = np.nan_to_num((w @ flat_v) / w.sum(-1, keepdims=True))
+  got = jax.jit(ad._combine)(jnp.asarray(o_parts, jnp.float32), jnp.asarray(lse, jnp.float32))
+  np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-5)
+  assert np.all(np.asarray(got)[0] == 0)
+
+
 SWAP_CASES = {
     # name: (b, tq, hq, hkv, d, page, lengths, config): S^T = K Q^T, O^T = V^T P^T
     "rows4_split": (3, 1, 8, 2, 64, 16, [1, 70, 150],
