@@ -334,6 +334,15 @@ def test_gpu_layer_stack_and_persistent():
     testing.assert_close(out, want, jnp.bfloat16, what=f"mosaic {cfg}")
 
 
+def test_heuristic_swaps_where_a_steps_keys_allow():
+  # No table entry for these keys (D 64): the heuristic. 64 keys a step swap,
+  # with a third stage unless split; 2 x 24 = 48 keys cannot (the M of K Q^T).
+  pick = lambda batch, page: ad._pick_config(batch, 2, 1, 40, page, 64, jnp.bfloat16, rows=4)
+  assert pick(64, 16) == ad.Config(pages_per_step=4, stages=3, swap_ab=True)
+  assert pick(1, 16) == ad.Config(pages_per_step=8, stages=2, swap_ab=True)  # split-K
+  assert not pick(64, 24).swap_ab
+
+
 def test_exact_output_rows_only_where_the_staging_buffer_fits():
   """4 packed rows leave exactly through an untiled buffer, unless the config
   fills SMEM without it (then the output stays padded, as before)."""
