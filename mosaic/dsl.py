@@ -47,7 +47,8 @@ from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as _inter
 __all__ = [
     "pl", "plgpu", "jax", "jnp", "lax", "InterpretGPUParams", "kernel",
     "interpret_params", "interpreting", "reset_interpret_state", "races_found",
-    "smem_transforms", "swizzle_bytes", "transpose", "block_spec", "pipeline", "warp_specialized_pipeline",
+    "smem_transforms", "swizzle_bytes", "transpose", "block_spec", "pipeline",
+    "warp_specialized_pipeline",
     "WARPGROUP_THREADS", "IN_BOUNDS", "cdiv", "round_up", "kernel_timeline",
 ]
 
@@ -221,7 +222,8 @@ def smem_transforms(block_shape: Sequence[int], dtype: Any) -> tuple[Any, ...]:
 def transpose(ref):
   """The [N, M] view of a 2D SMEM ref [M, N] (a wgmma operand, or the target
   of a store in the ``WGMMA_TRANSPOSED`` layout). jax 0.11 deprecates
-  ``plgpu.transpose_ref`` for ``ref.transpose``, which 0.10 lacks."""
+  ``plgpu.transpose_ref`` in favour of ``ref.transpose``; a ref without the
+  method (older jax) takes the old call."""
   if hasattr(ref, "transpose"):
     return ref.transpose((1, 0))
   return plgpu.transpose_ref(ref, (1, 0))
