@@ -740,9 +740,10 @@ def _combine(o_parts, lse):
   o = sum_s w_s o_s / sum_s w_s, w_s = 2^(lse_s - max_s lse_s).
 
   Up to ``_UNROLLED_SPLITS`` splits it is written as elementwise terms, not
-  as reductions over the split axis, so that XLA emits one loop kernel (as
-  reductions, 16 splits took three kernels, 3.1 us of a 125 us call at B=1;
-  as one pairwise-merge reduction, 4.9 us)."""
+  as reductions over the split axis, so that XLA emits loop kernels: on the
+  H200 16 splits merge in 2.5 us (two kernels), against 3.1 us as
+  reductions (three) and 4.9 us as one pairwise-merge reduction; 2 splits
+  in 1.5 us against 1.2 (one kernel either way)."""
   if lse.shape[0] > _UNROLLED_SPLITS:  # a program the size of the split count is not worth it
     mx = lse.max(axis=0)
     safe = jnp.where(jnp.isfinite(mx), mx, 0.0)
