@@ -538,7 +538,7 @@ def _smem_bytes(cfg: Config, page: int, head_dim: int, dtype, split: bool,
 def _tile_rows(cfg: Config, rows: int) -> int:
   """Rows of a block's Q, P and output tiles: the packed rows rounded up to 8
   with ``swap_ab`` (they are the wgmmas' N), else the 64 of the wgmmas' M."""
-  return min(dsl.round_up(rows, 8), ROWS) if cfg.swap_ab else ROWS
+  return _io_rows(rows) if cfg.swap_ab else ROWS
 
 
 SMEM_BUDGET = 220 * 1024  # what the heuristic plans for
@@ -619,9 +619,9 @@ def _hbm_rows(tq, g, exact: bool = True) -> int:
   return dsl.round_up(n, 8) if n <= ROWS else dsl.round_up(n, ROWS)
 
 
-def _io_rows(tq, g) -> int:
+def _io_rows(rows) -> int:
   """Rows of the 8-row boxes a block moves between HBM and its SMEM tile."""
-  return min(dsl.round_up(tq * g, 8), ROWS)
+  return min(dsl.round_up(rows, 8), ROWS)
 
 
 def _pack_q(q, hkv):
@@ -710,7 +710,7 @@ def _attention_decode_mosaic(q, k_pages, v_pages, lengths, page_table, layer=Non
   ))
   common = dict(tq=tq, group=g, page=page, pages_per_step=pps, stages=cfg.stages,
                 scale=sm_scale, split_out=split_out, fp8=fp8, swap=cfg.swap_ab,
-                io_rows=_io_rows(tq, g), store_rows=min(rows, _io_rows(tq, g)))
+                io_rows=_io_rows(tq * g), store_rows=min(rows, _io_rows(tq * g)))
   if persistent:
     grid_size = min(n_items, _num_sms() * cfg.blocks_per_sm)
     body = functools.partial(_persistent_kernel, dims=(b, hkv, splits, tiles),
