@@ -117,8 +117,6 @@ def candidates(m: int, n: int, k: int, sms: int) -> list[mm.Config]:
           # One CTA per (tile, split): the hardware balances the stream.
           cs.append(rep(base, split_k=split, stages=fits[-1], persistent=False))
           cs.append(rep(base, split_k=split, stages=2, persistent=False))  # two CTAs per SM
-    # The same splits with their K blocks dealt round-robin.
-    cs += [rep(c, k_interleave=True) for c in cs if c.split_k > 1]
   elif m <= 256:
     cs = [h, rep(h, split_k=max(1, h.split_k * 2))]
     # A CTA as tall as M reads each weight block once: 192 rows cover the
@@ -151,7 +149,7 @@ def candidates(m: int, n: int, k: int, sms: int) -> list[mm.Config]:
 def cfg_str(c: mm.Config) -> str:
   return (f"{c.tile_m}x{c.tile_n}x{c.tile_k}/{c.wg_dim} s{c.stages} w{c.grid_width}"
           f"{c.grid_minor}" + (f" sk{c.split_k}" if c.split_k > 1 else "")
-          + ("" if c.persistent else " np") + (" il" if c.k_interleave else ""))
+          + ("" if c.persistent else " np"))
 
 
 def main(argv=None):

@@ -36,8 +36,7 @@ Hopper kernel (``mosaic`` backend), how data flows:
   is handled without padding copies.
 - Small M (decode): the tile is 64 rows (the wgmma minimum; the missing rows
   are TMA zero fill, never read from memory) and K is split over ``split_k``
-  CTAs so that every SM streams its share of the weights (``k_interleave``
-  deals the K blocks out round-robin instead of in runs). Each split writes
+  CTAs so that every SM streams its share of the weights. Each split writes
   fp32 partial sums; one fused XLA reduction adds them up with the bias,
   the activation and the residual, and casts.
 """
@@ -93,10 +92,6 @@ class Config(tuning.KernelConfig):
   grid_width: int = 8
   split_k: int = 1
   persistent: bool = True
-  # Split s reads K blocks s, s + split_k, s + 2 split_k, ... instead of one
-  # contiguous run: the CTAs of one output tile then read one band of
-  # adjacent weight rows at a time, which keeps DRAM pages open across them.
-  k_interleave: bool = False
 
   def __post_init__(self):
     if self.tile_m not in (64, 128, 192, 256):
@@ -125,8 +120,6 @@ class Config(tuning.KernelConfig):
       raise ValueError(f"{self.grid_width=} must be >= 1")
     if self.split_k < 1:
       raise ValueError(f"{self.split_k=} must be >= 1")
-    if self.k_interleave and self.split_k == 1:
-      raise ValueError("k_interleave needs split_k > 1 (it orders the splits' K blocks)")
 
   @property
   def cta_m(self) -> int:
@@ -181,13 +174,13 @@ def _kernel(layer_gmem, a_gmem, b_gmem, bias_gmem, res_gmem, out_gmem, *, cfg: C
   b_tr = dsl.smem_transforms((tk, cta_n), dtype)
   out_tr = dsl.smem_transforms((epi_m, epi_n), acc_out_dtype)
 
-  def make_pipeline(body, compute_context, k_block=lambda k: k):
+  def make_pipeline(body, compute_context):
     return dsl.warp_specialized_pipeline(
         body,
         grid=(kps,),
         in_specs=[
-            plgpu.BlockSpec((cta_m, tk), lambda k: (0, k_block(k)), transforms=a_tr),
-            plgpu.BlockSpec((tk, cta_n), lambda k: (k_block(k), 0), transforms=b_tr),
+            plgpu.BlockSpec((cta_m, tk), lambda k: (0, k), transforms=a_tr),
+            plgpu.BlockSpec((tk, cta_n), lambda k: (k, 0), transforms=b_tr),
         ],
         stages=min(cfg.stages, kps) if kps > 1 else 2,
         num_compute_wgs=2,
@@ -273,18 +266,12 @@ def _kernel(layer_gmem, a_gmem, b_gmem, bias_gmem, res_gmem, out_gmem, *, cfg: C
         plgpu.wgmma_wait(0)
         return acc_ref
 
-      if cfg.k_interleave and split_out:
-        # Blocks past K (when splits do not divide the K blocks) are TMA
-        # zero fill, read from nowhere.
-        make_pipeline(mma, compute_context, lambda k: split + k * splits)(
-            a_gmem.at[cta_ms], b_gmem.at[:, cta_ns], allocations=pipeline_allocs)
-      else:
-        k0 = split * (kps * tk)
-        make_pipeline(mma, compute_context)(
-            a_gmem.at[cta_ms, pl.ds(k0, kps * tk)],
-            b_gmem.at[pl.ds(k0, kps * tk), cta_ns],
-            allocations=pipeline_allocs,
-        )
+      k0 = split * (kps * tk)
+      make_pipeline(mma, compute_context)(
+          a_gmem.at[cta_ms, pl.ds(k0, kps * tk)],
+          b_gmem.at[pl.ds(k0, kps * tk), cta_ns],
+          allocations=pipeline_allocs,
+      )
 
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
@@ -304,8 +291,7 @@ def _run(a, b, bias, residual, layer=None, *, cfg: Config, out_dtype, activation
   m, k = a.shape
   n = b.shape[-1]
   k_iters = dsl.cdiv(k, cfg.tile_k)
-  splits = _splits(cfg, k)
-  cfg = dataclasses.replace(cfg, split_k=splits, k_interleave=cfg.k_interleave and splits > 1)
+  cfg = dataclasses.replace(cfg, split_k=_splits(cfg, k))
   split_out = cfg.split_k > 1
   tiles = dsl.cdiv(m, cfg.cta_m) * dsl.cdiv(n, cfg.cta_n) * cfg.split_k
   grid = tiles if not cfg.persistent else max(1, min(_num_sms(), tiles))

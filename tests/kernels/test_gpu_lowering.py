@@ -180,7 +180,6 @@ HOPPER_EDGES = [
     dict(tile_m=64, tile_n=64, epi_n=16), dict(tile_m=256, tile_n=64, tile_k=128, stages=2),
     dict(tile_m=192, tile_n=192, stages=2), dict(tile_n=256, stages=2, wg_dim="m"),
     dict(tile_m=64, tile_n=128, tile_k=128, stages=2, split_k=2, persistent=False),
-    dict(tile_m=64, tile_n=128, stages=4, split_k=3, k_interleave=True),
 ]
 
 

@@ -59,10 +59,6 @@ MOSAIC_CASES = [
                  jnp.bfloat16, id="partial-mn-tiles-bias-residual"),
     pytest.param(1, 256, 512, C(tile_m=64, tile_n=64, stages=3, split_k=3), True, True, None,
                  jnp.bfloat16, id="decode-split-k"),
-    # K blocks dealt round-robin: K = 448 is 7 blocks; over 3 splits of 3
-    # blocks, splits 1 and 2 each end on a block wholly past K (zero fill).
-    pytest.param(16, 128, 448, C(tile_m=64, tile_n=64, stages=2, split_k=3, k_interleave=True),
-                 True, True, None, jnp.bfloat16, id="split-k-interleaved"),
     pytest.param(72, 64, 64, C(tile_m=64, tile_n=64, epi_n=32, stages=2, wg_dim="m"), False,
                  True, jnp.float32, jnp.bfloat16, id="wg-split-m-f32-out"),
     pytest.param(64, 128, 256, C(tile_m=64, tile_n=64, stages=2), True, False,
@@ -252,7 +248,7 @@ def test_bad_inputs_are_rejected():
 
 @pytest.mark.parametrize("bad", [
     dict(tile_m=96), dict(tile_n=12), dict(tile_k=48), dict(stages=1), dict(epi_m=32),
-    dict(epi_n=48), dict(wg_dim="k"), dict(split_k=0), dict(k_interleave=True),
+    dict(epi_n=48), dict(wg_dim="k"), dict(split_k=0),
     # Accepted by the interpreter, but not lowered for the GPU (test_gpu_lowering).
     dict(tile_n=32), dict(tile_k=32), dict(tile_n=64, epi_n=8),
 ])
