@@ -136,7 +136,9 @@ def sweep(out_dir, rows, D, causal, S=4096, H=32):
             C(block_kv=128, stages=2, overlap=True, p_smem=True),
             C(block_kv=128, stages=2, overlap=True, p_smem=True, pingpong=False)],
       64: [C(block_kv=256, stages=2), C(block_kv=128, stages=3, overlap=True),
-           C(block_kv=256, stages=2, overlap=True), C(block_kv=128, stages=4, overlap=True)],
+           C(block_kv=256, stages=2, overlap=True), C(block_kv=128, stages=4, overlap=True),
+           C(block_kv=128, stages=4), C(block_kv=256, stages=2, overlap=True, pingpong=False),
+           C(block_kv=128, stages=4, overlap=True, pingpong=False)],
   }[D]
   sets = _inputs(1, S, H, H, D)
   names = [f"mosaic[{c.block_kv},{c.stages}" + "".join(
@@ -157,6 +159,12 @@ def main(argv=None):
   p.add_argument("--no-sweep", action="store_true")
   p.add_argument("--impls", default="mosaic,cudnn,torch_cudnn,torch_flash,triton")
   p.add_argument("--tiny", action="store_true", help="CPU smoke run: tiny shapes, no torch/cuDNN")
+  p.add_argument("--sweeps", default="128:0,128:1,64:1,64:0",
+                 help="head_dim:causal pairs whose configs are swept and tabled")
+  p.add_argument("--shapes", default="",
+                 help="S:Hq:Hkv:D shapes to compare (default: all; --quick: 4096:32:32:128)")
+  p.add_argument("--no-extras", action="store_true",
+                 help="skip the GQA 64/8 and packed-batch cases")
   args = p.parse_args(argv)
   out = pathlib.Path(args.out)
   out.mkdir(parents=True, exist_ok=True)
@@ -171,7 +179,8 @@ def main(argv=None):
 
   best = {}
   if not (args.no_sweep or args.tiny):
-    for D, causal in ((128, False), (128, True), (64, True)):
+    for D, causal in [tuple(map(int, x.split(":"))) for x in args.sweeps.split(",") if x]:
+      causal = bool(causal)
       cfg = sweep(out, rows, D, causal)
       if cfg is not None:
         best[(D, causal)] = cfg
@@ -190,6 +199,8 @@ def main(argv=None):
   if args.tiny:
     full = ["mosaic", "triton", "xla"]
     shapes = [(256, 2, 1, 64)]
+  elif args.shapes:
+    shapes = [tuple(map(int, x.split(":"))) for x in args.shapes.split(",")]
   elif args.quick:
     shapes = [(4096, 32, 32, 128)]
   else:
@@ -201,7 +212,7 @@ def main(argv=None):
       run_case(f"B1_S{S}_Hq{Hq}_Hkv{Hkv}_D{D}_c{int(causal)}", sets, dict(causal=causal),
                attn_flops(1, S, Hq, D, causal), full, rows, configs=cfgs(D, causal))
       flush()
-  if not (args.quick or args.tiny):
+  if not (args.quick or args.tiny or args.no_extras):
     # GQA 64/8 at the anchor's shape.
     sets = _inputs(4, 4096, 64, 8, 128)
     run_case("B4_S4096_Hq64_Hkv8_D128_c1", sets, dict(causal=True),

@@ -626,9 +626,11 @@ def _pick_config(D, dtype, causal) -> Config:
   key = tuning.shape_key(head_dim=D, dtype=jnp.dtype(dtype).name, causal=int(causal))
 
   def heuristic():
-    # SMEM: 2 Q tiles + stages x (K + V); D = 64 has room for a deeper ring.
+    # SMEM: 2 Q tiles + stages x (K + V). D = 64 fits 256-key blocks, which
+    # halve the softmax's per-row work per key; on the H200 they beat a
+    # 4-deep ring of 128-key blocks by 8% (bench/results/attention_prefill_h200_run4/).
     if D <= 64:
-      return Config(block_q=64, block_kv=128, stages=4)
+      return Config(block_q=64, block_kv=256, stages=2)
     return Config(block_q=64, block_kv=128, stages=2)
 
   return tuning.lookup("attention_prefill", key, Config, heuristic)
