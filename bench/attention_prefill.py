@@ -134,6 +134,14 @@ def sweep(out_dir, rows, D, causal, S=4096, H=32):
       128: [C(block_kv=128, stages=2), C(block_kv=128, stages=2, overlap=True),
             C(block_kv=128, stages=2, overlap=True, pingpong=False),
             C(block_kv=128, stages=2, overlap=True, p_smem=True),
+            C(block_kv=128, stages=2, overlap=True, p_smem=True, pingpong=False),
+            # These fit only without a mask (no position vectors in SMEM).
+            C(block_kv=128, stages=3, overlap=True, pingpong=False), C(block_kv=128, stages=3),
+            C(block_kv=192, stages=2, overlap=True, pingpong=False), C(block_kv=192, stages=2),
+            C(block_kv=192, stages=2, overlap=True)] if not causal else [
+            C(block_kv=128, stages=2), C(block_kv=128, stages=2, overlap=True),
+            C(block_kv=128, stages=2, overlap=True, pingpong=False),
+            C(block_kv=128, stages=2, overlap=True, p_smem=True),
             C(block_kv=128, stages=2, overlap=True, p_smem=True, pingpong=False)],
       64: [C(block_kv=256, stages=2), C(block_kv=128, stages=3, overlap=True),
            C(block_kv=256, stages=2, overlap=True), C(block_kv=128, stages=4, overlap=True),

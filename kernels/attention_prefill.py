@@ -29,7 +29,9 @@ from registers times V by wgmma; a ping-pong barrier lets one consumer's
 softmax overlap the other's wgmma. With ``overlap`` a consumer also overlaps
 itself: it issues QK^T of block j and P V of block j - 1 together and runs
 block j's softmax while the second wgmma is in flight. Blocks fully inside the visible region skip
-the mask; diagonal/boundary blocks apply it from the position vectors.
+the mask; diagonal/boundary blocks apply it from the position vectors. A call
+with no mask at all (not causal, no window, no segments) never loads those
+vectors: its only masked block is the last, partial one, masked by key index.
 """
 
 from __future__ import annotations
@@ -218,8 +220,12 @@ def _block_ranges(qp, qs, kp, ks, block_q, block_kv, causal, window):
 
 def _mosaic_kernel(meta_ref, q_ref, k_ref, v_ref, qp_ref, qs_ref, kp_ref, ks_ref,
                    o_ref, lse_ref, *, cfg: Config, groups: int, scale: float,
-                   causal: bool, window: int | None, has_lse: bool):
+                   causal: bool, window: int | None, has_lse: bool, dense_kv: int | None):
+  """``dense_kv``: no mask but the keys' count (non-causal, no window, no
+  segments): the kernel then masks padding keys by index and never reads the
+  position and segment vectors, which also frees their SMEM."""
   block_q, block_kv, stages = cfg.block_q, cfg.block_kv, cfg.stages
+  dense = dense_kv is not None
   D = q_ref.shape[-1]
   dtype = q_ref.dtype
   c = scale * LOG2E  # exp(s * scale) == exp2(s * c)
@@ -251,13 +257,17 @@ def _mosaic_kernel(meta_ref, q_ref, k_ref, v_ref, qp_ref, qs_ref, kp_ref, ks_ref
       q0 = (2 * t + wg) * block_q
       qo = q_smem.at[wg]
       plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q0, block_q), h], qo, q_bar.at[wg])
-      plgpu.copy_gmem_to_smem(qp_ref.at[b, pl.ds(q0, block_q)], qvec_smem.at[wg, 0], q_bar.at[wg])
-      plgpu.copy_gmem_to_smem(qs_ref.at[b, pl.ds(q0, block_q)], qvec_smem.at[wg, 1], q_bar.at[wg])
+      if not dense:
+        plgpu.copy_gmem_to_smem(qp_ref.at[b, pl.ds(q0, block_q)], qvec_smem.at[wg, 0],
+                                q_bar.at[wg])
+        plgpu.copy_gmem_to_smem(qs_ref.at[b, pl.ds(q0, block_q)], qvec_smem.at[wg, 1],
+                                q_bar.at[wg])
       plgpu.barrier_wait(q_bar.at[wg])
       row = plgpu.Layout.WGMMA.reduce(1)
       col = plgpu.Layout.WGMMA.reduce(0)
-      qpos = plgpu.load(qvec_smem.at[wg, 0], (), layout=row)
-      qseg = plgpu.load(qvec_smem.at[wg, 1], (), layout=row)
+      if not dense:
+        qpos = plgpu.load(qvec_smem.at[wg, 0], (), layout=row)
+        qseg = plgpu.load(qvec_smem.at[wg, 1], (), layout=row)
       s_shape = (block_q, block_kv)
 
       m_i = plgpu.layout_cast(jnp.full((block_q,), -jnp.inf, jnp.float32), row)
@@ -265,16 +275,20 @@ def _mosaic_kernel(meta_ref, q_ref, k_ref, v_ref, qp_ref, qs_ref, kp_ref, ks_ref
       acc = plgpu.layout_cast(jnp.full((block_q, D), 0.0, jnp.float32), plgpu.Layout.WGMMA)
       slot_of = lambda s: lax.rem(s - lo_cta, stages)
 
-      def softmax(sc, slot, m_i, l_i, masked: bool, cast: bool = True):
-        """Scores of kv block ``slot`` -> (P, m, l, alpha); releases the K slot.
+      def softmax(sc, s, m_i, l_i, masked: bool, cast: bool = True):
+        """Scores of kv block ``s`` -> (P, m, l, alpha); releases its K slot.
 
         P comes back in the input dtype, or float32 with ``cast=False``.
 
         The named scopes are the regions of the in-kernel timeline
         (dsl.kernel_timeline); they cost nothing otherwise.
         """
+        slot = slot_of(s)
         with jax.named_scope("softmax"):
-          if masked:
+          if masked and dense:
+            key = plgpu.broadcasted_iota(jnp.int32, s_shape, 1, layout=plgpu.Layout.WGMMA)
+            sc = jnp.where(key + s * block_kv < dense_kv, sc, -jnp.inf)
+          elif masked:
             kpos = plgpu.load(kvec_smem.at[slot, 0], (), layout=col)
             kseg = plgpu.load(kvec_smem.at[slot, 1], (), layout=col)
             qp2 = lax.broadcast_in_dim(qpos, s_shape, [0])
@@ -362,7 +376,7 @@ def _mosaic_kernel(meta_ref, q_ref, k_ref, v_ref, qp_ref, qs_ref, kp_ref, ks_ref
         with jax.named_scope("wait_k"):
           plgpu.barrier_wait(k_bar.at[slot])
         sc = qk(slot, sync_sched)
-        p16, m_new, l_i, alpha = softmax(sc, slot, m_i, l_i, masked)
+        p16, m_new, l_i, alpha = softmax(sc, s, m_i, l_i, masked)
         acc = rescale(acc, alpha)
         if not dsl.interpreting():
           # Keeps the softmax from being scheduled past the barriers below.
@@ -395,7 +409,7 @@ def _mosaic_kernel(meta_ref, q_ref, k_ref, v_ref, qp_ref, qs_ref, kp_ref, ks_ref
             take_turn()
         sc = qk(slot, pass_turn)
         # The first block of the range may be a boundary block: always mask.
-        p16, m_i, l_i, _ = softmax(sc, slot, m_i, l_i, masked=True)
+        p16, m_i, l_i, _ = softmax(sc, s, m_i, l_i, masked=True)
         return acc, m_i, l_i, p16
 
       def overlapped(s, carry, masked: bool):
@@ -423,7 +437,7 @@ def _mosaic_kernel(meta_ref, q_ref, k_ref, v_ref, qp_ref, qs_ref, kp_ref, ks_ref
           def body_(refs):
             s_ref, o_ref, out_refs = refs
             sc = issue(s_ref, o_ref)
-            for r, x in zip(out_refs, softmax(sc, slot, m_i, l_i, masked, cast=False)):
+            for r, x in zip(out_refs, softmax(sc, s, m_i, l_i, masked, cast=False)):
               r[...] = x
 
           zero_s = plgpu.layout_cast(jnp.zeros(s_shape, jnp.float32), plgpu.Layout.WGMMA)
@@ -432,7 +446,7 @@ def _mosaic_kernel(meta_ref, q_ref, k_ref, v_ref, qp_ref, qs_ref, kp_ref, ks_ref
         else:
           def body_(s_ref, o_ref):
             sc = issue(s_ref, o_ref)
-            out = softmax(sc, slot, m_i, l_i, masked, cast=False)
+            out = softmax(sc, s, m_i, l_i, masked, cast=False)
             return out, o_ref[...]
 
           (p, m_new, l_new, alpha), delta = pl.run_scoped(
@@ -503,8 +517,9 @@ def _mosaic_kernel(meta_ref, q_ref, k_ref, v_ref, qp_ref, qs_ref, kp_ref, ks_ref
           pl.when(refill)(lambda: plgpu.barrier_wait(k_free.at[slot]))
         with jax.named_scope("load_kv"):
           plgpu.copy_gmem_to_smem(k_ref.at[b, rows, hk], k_smem.at[slot], k_bar.at[slot])
-          plgpu.copy_gmem_to_smem(kp_ref.at[b, rows], kvec_smem.at[slot, 0], k_bar.at[slot])
-          plgpu.copy_gmem_to_smem(ks_ref.at[b, rows], kvec_smem.at[slot, 1], k_bar.at[slot])
+          if not dense:
+            plgpu.copy_gmem_to_smem(kp_ref.at[b, rows], kvec_smem.at[slot, 0], k_bar.at[slot])
+            plgpu.copy_gmem_to_smem(ks_ref.at[b, rows], kvec_smem.at[slot, 1], k_bar.at[slot])
         with jax.named_scope("wait_free"):
           pl.when(refill)(lambda: plgpu.barrier_wait(v_free.at[slot]))
         with jax.named_scope("load_kv"):
@@ -523,15 +538,16 @@ def _mosaic_kernel(meta_ref, q_ref, k_ref, v_ref, qp_ref, qs_ref, kp_ref, ks_ref
       plgpu.SMEM((2, block_q, D), dtype, transforms=tf_q),
       plgpu.SMEM((stages, block_kv, D), dtype, transforms=tf_kv),
       plgpu.SMEM((stages, block_kv, D), dtype, transforms=tf_kv),
-      plgpu.SMEM((2, 2, block_q), jnp.int32),
-      plgpu.SMEM((stages, 2, block_kv), jnp.int32),
+      None if dense else plgpu.SMEM((2, 2, block_q), jnp.int32),
+      None if dense else plgpu.SMEM((stages, 2, block_kv), jnp.int32),
       plgpu.SMEM((2, block_q), jnp.float32) if has_lse else None,
       plgpu.SMEM((2, block_q, block_kv), dtype, transforms=dsl.smem_transforms(
           (block_q, block_kv), dtype)) if cfg.p_smem else None,
   ]
   barriers = [
-      plgpu.Barrier(num_arrivals=3, num_barriers=2),
-      plgpu.Barrier(num_arrivals=3, num_barriers=stages),
+      # Q (K) and, unless dense, its position and segment vectors.
+      plgpu.Barrier(num_arrivals=1 if dense else 3, num_barriers=2),
+      plgpu.Barrier(num_arrivals=1 if dense else 3, num_barriers=stages),
       plgpu.Barrier(num_arrivals=1, num_barriers=stages),
       plgpu.Barrier(num_arrivals=2, num_barriers=stages),
       plgpu.Barrier(num_arrivals=2, num_barriers=stages),
@@ -588,9 +604,10 @@ def _mosaic_plan(qp, qs, kp, ks, *, cfg: Config, causal: bool, window: int | Non
   return MosaicPlan(meta, qp, qs, kp, ks)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "causal", "scale", "window", "has_lse"))
+@functools.partial(jax.jit, static_argnames=("cfg", "causal", "scale", "window", "has_lse",
+                                             "dense"))
 def _attention_mosaic(q, k, v, plan: MosaicPlan, *, cfg: Config, causal: bool, scale: float,
-                      window: int | None, has_lse: bool):
+                      window: int | None, has_lse: bool, dense: bool = False):
   B, Sq, Hq, D = q.shape
   _, Skv, Hkv, _ = k.shape
   bq2 = 2 * cfg.block_q
@@ -607,7 +624,7 @@ def _attention_mosaic(q, k, v, plan: MosaicPlan, *, cfg: Config, causal: bool, s
   def entry(meta_ref, q_ref, k_ref, v_ref, qp_ref, qs_ref, kp_ref, ks_ref, o_ref, lse_ref):
     _mosaic_kernel(meta_ref, q_ref, k_ref, v_ref, qp_ref, qs_ref, kp_ref, ks_ref, o_ref,
                    lse_ref, cfg=cfg, groups=Hq // Hkv, scale=scale, causal=causal,
-                   window=window, has_lse=has_lse)
+                   window=window, has_lse=has_lse, dense_kv=Skv if dense else None)
 
   o, lse = dsl.kernel(
       entry,
@@ -676,8 +693,11 @@ def attention_prefill_mosaic(q, k, v, *, causal=True, sm_scale=None, q_positions
     if got != want:
       raise ValueError(f"the plan was made for other shapes or another config: {got} "
                        f"(this call needs {want})")
+  # Without a causal mask, a window or segments every key is visible to every
+  # query: the kernel needs no position vectors, only the key count.
+  dense = not causal and sliding_window is None and q_segment_ids is None
   return _attention_mosaic(q, k, v, plan, cfg=cfg, causal=bool(causal), scale=scale,
-                           window=sliding_window, has_lse=bool(return_lse))
+                           window=sliding_window, has_lse=bool(return_lse), dense=dense)
 
 
 def attention_prefill_mosaic_plan(q, k, v, *, causal=True, sm_scale=None, q_positions=None,

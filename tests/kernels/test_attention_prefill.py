@@ -89,6 +89,12 @@ def _case(name):
                kv_segment_ids=jnp.asarray(np.arange(skv)[None] < (start + n)[:, None], jnp.int32))
   cases = {
       "noncausal": (dict(B=1, Sq=128, Skv=128, Hq=2, Hkv=2, D=64), dict(causal=False), None),
+      # No mask at all: no position vectors; the padding keys of the last of
+      # three blocks (and the padding query rows) are masked by index.
+      "noncausal_ragged": (dict(B=2, Sq=100, Skv=150, Hq=4, Hkv=2, D=64), dict(causal=False),
+                           ap.Config(block_kv=64, stages=2)),
+      "noncausal_d128_192": (dict(B=1, Sq=64, Skv=200, Hq=2, Hkv=1, D=128), dict(causal=False),
+                             ap.Config(block_kv=192, stages=2)),
       # block_kv=64: one consumer needs fewer kv blocks than the other (skip
       # steps), some blocks are fully visible (the unmasked loop).
       "causal_skip": (dict(B=1, Sq=256, Skv=256, Hq=2, Hkv=1, D=64), dict(causal=True),
@@ -108,7 +114,7 @@ def _case(name):
   return cases[name]
 
 
-CASES = ["noncausal", "causal_skip", "prefix_gqa_pad", "d128_window", "packed",
+CASES = ["noncausal", "noncausal_ragged", "noncausal_d128_192", "causal_skip", "prefix_gqa_pad", "d128_window", "packed",
          "packed_empty_tiles", "model_chunk"]
 
 
