@@ -88,6 +88,26 @@ class Config(tuning.KernelConfig):
       raise ValueError(f"{self.stages=} must be in [2, 6]")
 
 
+# Hopper's shared memory per block, and what a kernel needs beyond its buffers
+# (barriers, alignment, the runtime's scratch: 2.7 KB in the H200 lowering).
+SMEM_LIMIT = 227 * 1024
+_SMEM_RESERVE = 3 * 1024
+
+
+def smem_bytes(cfg: Config, head_dim: int, itemsize: int = 2, *, dense: bool = False,
+               has_lse: bool = False) -> int:
+  """SMEM a mosaic call with ``cfg`` needs: two Q tiles, the K/V ring and,
+  unless ``dense`` (no mask), the position and segment vectors."""
+  n = (2 * cfg.block_q + 2 * cfg.stages * cfg.block_kv) * head_dim * itemsize
+  if not dense:
+    n += 4 * 2 * (2 * cfg.block_q + cfg.stages * cfg.block_kv)
+  if has_lse:
+    n += 4 * 2 * cfg.block_q
+  if cfg.p_smem:
+    n += 2 * cfg.block_q * cfg.block_kv * itemsize
+  return n + _SMEM_RESERVE
+
+
 # --------------------------------------------------------------------------
 # Input checks and mask vectors shared by all backends
 
@@ -654,14 +674,26 @@ def _pick_config(D, dtype, causal) -> Config:
 
 
 def _mosaic_setup(q, k, v, causal, sm_scale, q_positions, kv_positions, q_segment_ids,
-                  kv_segment_ids, sliding_window, config):
-  """(config, position/segment vectors, scale) of a mosaic call."""
+                  kv_segment_ids, sliding_window, config, has_lse):
+  """(config, position/segment vectors, scale, dense) of a mosaic call."""
   B, Sq, Hq, D, Skv, Hkv = _check(q, k, v, causal, sm_scale, q_positions, kv_positions,
                                   q_segment_ids, kv_segment_ids, sliding_window, DTYPES)
   why = _mosaic_why_not(q, k, v)
   if why:
     raise ValueError(why)
+  # Without a causal mask, a window or segments every key is visible to every
+  # query: the kernel needs no position vectors, only the key count.
+  dense = not causal and sliding_window is None and q_segment_ids is None
   cfg = config or _pick_config(D, q.dtype, causal)
+  need = lambda c: smem_bytes(c, D, jnp.dtype(q.dtype).itemsize, dense=dense, has_lse=has_lse)
+  if not dsl.interpreting() and need(cfg) > SMEM_LIMIT:
+    if config is not None:
+      raise ValueError(f"{config} needs about {need(cfg)} bytes of SMEM for this call "
+                       f"(head dim {D}, {'no mask' if dense else 'masked'}, "
+                       f"lse {'on' if has_lse else 'off'}); the limit is {SMEM_LIMIT}")
+    # A tabled config tuned without the lse (or the vectors) may not fit
+    # with them: fall back to the heuristic's 128-key blocks, two stages.
+    cfg = dataclasses.replace(cfg, block_kv=128, stages=2, p_smem=False)
   if dsl.interpreting() and (not cfg.p_smem or cfg.acc_in_place):
     cfg = dataclasses.replace(cfg, p_smem=True, acc_in_place=False)
   if dsl.interpreting() and cfg.overlap and cfg.pingpong:
@@ -670,7 +702,7 @@ def _mosaic_setup(q, k, v, causal, sm_scale, q_positions, kv_positions, q_segmen
     cfg = dataclasses.replace(cfg, pingpong=False)
   vecs = _vectors(B, Sq, Skv, q_positions, kv_positions, q_segment_ids, kv_segment_ids)
   scale = float(D ** -0.5 if sm_scale is None else sm_scale)
-  return cfg, vecs, scale
+  return cfg, vecs, scale, dense
 
 
 def attention_prefill_mosaic(q, k, v, *, causal=True, sm_scale=None, q_positions=None,
@@ -679,9 +711,9 @@ def attention_prefill_mosaic(q, k, v, *, causal=True, sm_scale=None, q_positions
                              plan: MosaicPlan | None = None):
   """``plan``: from ``attention_prefill_mosaic_plan`` (or ``op.plan``) with the
   same arguments but q, k, v, which need only their shapes there."""
-  cfg, vecs, scale = _mosaic_setup(
+  cfg, vecs, scale, dense = _mosaic_setup(
       q, k, v, causal, sm_scale, q_positions, kv_positions, q_segment_ids, kv_segment_ids,
-      sliding_window, config)
+      sliding_window, config, bool(return_lse))
   make_plan = functools.partial(_mosaic_plan, cfg=cfg, causal=bool(causal),
                                 window=sliding_window)
   if plan is None:
@@ -693,9 +725,6 @@ def attention_prefill_mosaic(q, k, v, *, causal=True, sm_scale=None, q_positions
     if got != want:
       raise ValueError(f"the plan was made for other shapes or another config: {got} "
                        f"(this call needs {want})")
-  # Without a causal mask, a window or segments every key is visible to every
-  # query: the kernel needs no position vectors, only the key count.
-  dense = not causal and sliding_window is None and q_segment_ids is None
   return _attention_mosaic(q, k, v, plan, cfg=cfg, causal=bool(causal), scale=scale,
                            window=sliding_window, has_lse=bool(return_lse), dense=dense)
 
@@ -705,9 +734,9 @@ def attention_prefill_mosaic_plan(q, k, v, *, causal=True, sm_scale=None, q_posi
                                   sliding_window=None, return_lse=False,
                                   config: Config | None = None) -> MosaicPlan:
   """The mosaic call's metadata (block ranges, padded vectors), computed once."""
-  del return_lse
-  cfg, vecs, _ = _mosaic_setup(q, k, v, causal, sm_scale, q_positions, kv_positions,
-                               q_segment_ids, kv_segment_ids, sliding_window, config)
+  cfg, vecs, _, _ = _mosaic_setup(q, k, v, causal, sm_scale, q_positions, kv_positions,
+                                  q_segment_ids, kv_segment_ids, sliding_window, config,
+                                  bool(return_lse))
   return _mosaic_plan(*vecs, cfg=cfg, causal=bool(causal), window=sliding_window)
 
 
