@@ -117,14 +117,6 @@ def candidates(m: int, n: int, k: int, sms: int) -> list[mm.Config]:
           # One CTA per (tile, split): the hardware balances the stream.
           cs.append(rep(base, split_k=split, stages=fits[-1], persistent=False))
           cs.append(rep(base, split_k=split, stages=2, persistent=False))  # two CTAs per SM
-    # One 64-column tile per CTA (the consumers split M; with M <= 64 the
-    # second has only zero fill): N / 64 CTAs need no split, so no partial
-    # sums and no reduction kernel after the GEMM.
-    for tile_k in (64, 128):
-      for split in (1, 2):
-        base = C(tile_m=64, tile_n=64, tile_k=tile_k, wg_dim="m", split_k=split)
-        fits = [st for st in range(2, 9) if rep(base, stages=st).smem_bytes() <= mm.SMEM_LIMIT]
-        cs += [rep(base, stages=fits[-1]), rep(base, stages=fits[-1], persistent=False)]
   elif m <= 256:
     cs = [h, rep(h, split_k=max(1, h.split_k * 2))]
     # A CTA as tall as M reads each weight block once: 192 rows cover the
