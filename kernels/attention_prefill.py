@@ -88,10 +88,15 @@ class Config(tuning.KernelConfig):
       raise ValueError(f"{self.stages=} must be in [2, 6]")
 
 
-# Hopper's shared memory per block, and what a kernel needs beyond its buffers
-# (barriers, alignment, the runtime's scratch: 2.7 KB in the H200 lowering).
-SMEM_LIMIT = 227 * 1024
+# What a kernel needs beyond its buffers (barriers, alignment, the runtime's
+# scratch: 2.7 KB in the H200 lowering).
 _SMEM_RESERVE = 3 * 1024
+
+
+def unmasked(causal: bool, sliding_window, q_segment_ids) -> bool:
+  """Whether every key is visible to every query (no causal mask, window or
+  segments): the mosaic kernel then needs only the key count, no vectors."""
+  return not causal and sliding_window is None and q_segment_ids is None
 
 
 def smem_bytes(cfg: Config, head_dim: int, itemsize: int = 2, *, dense: bool = False,
@@ -681,18 +686,17 @@ def _mosaic_setup(q, k, v, causal, sm_scale, q_positions, kv_positions, q_segmen
   why = _mosaic_why_not(q, k, v)
   if why:
     raise ValueError(why)
-  # Without a causal mask, a window or segments every key is visible to every
-  # query: the kernel needs no position vectors, only the key count.
-  dense = not causal and sliding_window is None and q_segment_ids is None
+  dense = unmasked(causal, sliding_window, q_segment_ids)
   cfg = config or _pick_config(D, q.dtype, causal)
-  need = lambda c: smem_bytes(c, D, jnp.dtype(q.dtype).itemsize, dense=dense, has_lse=has_lse)
-  if not dsl.interpreting() and need(cfg) > SMEM_LIMIT:
+  need = smem_bytes(cfg, D, jnp.dtype(q.dtype).itemsize, dense=dense, has_lse=has_lse)
+  limit = target_lib.current().ceilings.smem_per_block
+  if not dsl.interpreting() and need > limit:
     if config is not None:
-      raise ValueError(f"{config} needs about {need(cfg)} bytes of SMEM for this call "
+      raise ValueError(f"{config} needs about {need} bytes of SMEM for this call "
                        f"(head dim {D}, {'no mask' if dense else 'masked'}, "
-                       f"lse {'on' if has_lse else 'off'}); the limit is {SMEM_LIMIT}")
+                       f"lse {'on' if has_lse else 'off'}); the limit is {limit}")
     # A tabled config tuned without the lse (or the vectors) may not fit
-    # with them: fall back to the heuristic's 128-key blocks, two stages.
+    # with them: fall back to 128-key blocks in two stages, which always fit.
     cfg = dataclasses.replace(cfg, block_kv=128, stages=2, p_smem=False)
   if dsl.interpreting() and (not cfg.p_smem or cfg.acc_in_place):
     cfg = dataclasses.replace(cfg, p_smem=True, acc_in_place=False)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from kernels import attention_prefill as ap
-from mosaic import dsl, registry, testing
+from mosaic import dsl, registry, target as target_lib, testing
 
 
 def _qkv(B, Sq, Skv, Hq, Hkv, D, dtype=jnp.bfloat16):
@@ -249,8 +249,8 @@ def test_mosaic_cases_on_gpu(name, variant):
   shape, kw, cfg = _case(name)
   cfg = dataclasses.replace(cfg or ap._pick_config(shape["D"], jnp.bfloat16, kw["causal"]),
                             **GPU_VARIANTS[variant])
-  dense = not kw["causal"] and "sliding_window" not in kw and "q_segment_ids" not in kw
-  if ap.smem_bytes(cfg, shape["D"], dense=dense) > ap.SMEM_LIMIT:
+  dense = ap.unmasked(kw["causal"], kw.get("sliding_window"), kw.get("q_segment_ids"))
+  if ap.smem_bytes(cfg, shape["D"], dense=dense) > target_lib.current().ceilings.smem_per_block:
     pytest.skip("does not fit in SMEM (refused before compiling: test_gpu_lowering)")
   q, k, v = _qkv(**shape)
   ref = ap.attention_prefill_reference(q, k, v, **kw)
