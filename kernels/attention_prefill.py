@@ -77,9 +77,8 @@ class Config(tuning.KernelConfig):
   # wgmma of P_{j-1} V_{j-1} is in flight (costs one more S accumulator of
   # registers).
   overlap: bool = False
-  # Launch the query tiles with the most kv blocks first (the plan sorts
-  # them), so the short ones fill the tail of the grid: the causal diagonal,
-  # and a packed batch's long sequences before its short ones.
+  # Causal: launch the query tiles with the most kv blocks first so the
+  # short ones fill the tail of the grid.
   heavy_first: bool = True
 
   def __post_init__(self):
@@ -272,7 +271,9 @@ def _mosaic_kernel(meta_ref, q_ref, k_ref, v_ref, qp_ref, qs_ref, kp_ref, ks_ref
            q_bar, k_bar, v_bar, k_free, v_free, sched):
     b = lax.axis_index("batch")
     h = lax.axis_index("heads")
-    t = meta_ref[b, lax.axis_index("q_seq"), 2, 2]  # the plan's launch order
+    t = lax.axis_index("q_seq")
+    if causal and cfg.heavy_first:
+      t = q_ref.shape[1] // (2 * block_q) - 1 - t
     wg = lax.axis_index("wg")
     # The CTA's kv range is the union of its two consumers' ranges.
     lo_cta = meta_ref[b, t, 2, 0]
@@ -605,8 +606,7 @@ def _mosaic_kernel(meta_ref, q_ref, k_ref, v_ref, qp_ref, qs_ref, kp_ref, ks_ref
 
 class MosaicPlan(NamedTuple):
   """The mosaic kernel's per-call metadata (``op.plan``): the position and
-  segment vectors padded to its blocks, each CTA's kv block ranges and the
-  order the query tiles launch in (heaviest first). It
+  segment vectors padded to its blocks, and each CTA's kv block ranges. It
   depends on the positions, not on q, k, v: a model builds it once per step,
   not once per layer."""
 
@@ -646,12 +646,7 @@ def _mosaic_plan(qp, qs, kp, ks, *, cfg: Config, causal: bool, window: int | Non
   per_tile = jnp.clip(per_tile, lo_c[..., None, None], hi_c[..., None, None])
   per_tile = jnp.concatenate([per_tile[..., :1], jnp.maximum(per_tile[..., 1:2], per_tile[..., :1]),
                               jnp.clip(per_tile[..., 2:], per_tile[..., :1], per_tile[..., 1:2])], -1)
-  # The CTA row holds its range and, in slot 2, the query tile that the
-  # CTA launched i-th runs: the heaviest first (a stable sort keeps ties, and
-  # every tile of a call without a mask, in order).
-  tiles = jnp.broadcast_to(jnp.arange(nt, dtype=jnp.int32), lo_c.shape)
-  order = jnp.argsort(lo_c - hi_c, axis=1, stable=True) if cfg.heavy_first else tiles
-  cta = jnp.stack([lo_c, hi_c, order.astype(jnp.int32), hi_c], -1)[:, :, None]
+  cta = jnp.stack([lo_c, hi_c, lo_c, hi_c], -1)[:, :, None]
   meta = jnp.concatenate([per_tile, cta], axis=2).astype(jnp.int32)
   return MosaicPlan(meta, qp, qs, kp, ks)
 

@@ -177,29 +177,6 @@ def test_a_plan_gives_the_same_output_and_must_fit_the_call():
     ap.attention_prefill_mosaic(q, k, v, plan=short.data, **kw)
 
 
-@pytest.mark.parametrize("heavy_first", [True, False])
-def test_the_plan_launches_the_heaviest_query_tiles_first(heavy_first):
-  # Packed sequences of 128, 512 and 256 tokens (128-row CTA tiles): the long
-  # one's last tiles have the most kv blocks and must launch first, ahead of
-  # the short ones, whatever their place in the row.
-  seg, pos = _packed([128, 512, 256], 896)
-  q, k, v = _qkv(1, 896, 896, 2, 1, 64)
-  kw = dict(causal=True, q_segment_ids=seg, kv_segment_ids=seg, q_positions=pos,
-            kv_positions=pos)
-  cfg = ap.Config(block_kv=64, heavy_first=heavy_first)
-  meta = np.asarray(ap.attention_prefill_mosaic_plan(q, k, v, config=cfg, **kw).meta)[0]
-  order = meta[:, 2, 2]
-  work = meta[:, 2, 1] - meta[:, 2, 0]  # kv blocks of each query tile
-  assert sorted(order) == list(range(7))
-  if heavy_first:
-    assert list(work[order]) == sorted(work, reverse=True)
-    assert order[0] == 4 and work[4] == 8  # the last 128 rows of the 512-token sequence
-  else:
-    assert list(order) == list(range(7))
-  out = ap.attention_prefill_mosaic(q, k, v, config=cfg, **kw)
-  testing.assert_close(out, ap.attention_prefill_reference(q, k, v, **kw), jnp.bfloat16)
-
-
 @pytest.mark.parametrize("backend", ["xla", "triton"])
 @pytest.mark.parametrize("name", ["prefix_gqa_pad", "packed", "d128_window"])
 def test_portable_backends_match_reference(backend, name):
