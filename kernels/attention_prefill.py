@@ -262,7 +262,7 @@ def _mosaic_kernel(meta_ref, q_ref, k_ref, v_ref, qp_ref, qs_ref, kp_ref, ks_ref
   the window) and the position and segment vectors are never read, which
   also frees their SMEM."""
   block_q, block_kv, stages = cfg.block_q, cfg.block_kv, cfg.stages
-  no_vecs = by_index is not None
+  vectors = by_index is None  # else the mask goes by index
   D = q_ref.shape[-1]
   dtype = q_ref.dtype
   c = scale * LOG2E  # exp(s * scale) == exp2(s * c)
@@ -294,7 +294,7 @@ def _mosaic_kernel(meta_ref, q_ref, k_ref, v_ref, qp_ref, qs_ref, kp_ref, ks_ref
       q0 = (2 * t + wg) * block_q
       qo = q_smem.at[wg]
       plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q0, block_q), h], qo, q_bar.at[wg])
-      if not no_vecs:
+      if vectors:
         plgpu.copy_gmem_to_smem(qp_ref.at[b, pl.ds(q0, block_q)], qvec_smem.at[wg, 0],
                                 q_bar.at[wg])
         plgpu.copy_gmem_to_smem(qs_ref.at[b, pl.ds(q0, block_q)], qvec_smem.at[wg, 1],
@@ -302,7 +302,7 @@ def _mosaic_kernel(meta_ref, q_ref, k_ref, v_ref, qp_ref, qs_ref, kp_ref, ks_ref
       plgpu.barrier_wait(q_bar.at[wg])
       row = plgpu.Layout.WGMMA.reduce(1)
       col = plgpu.Layout.WGMMA.reduce(0)
-      if not no_vecs:
+      if vectors:
         qpos = plgpu.load(qvec_smem.at[wg, 0], (), layout=row)
         qseg = plgpu.load(qvec_smem.at[wg, 1], (), layout=row)
       s_shape = (block_q, block_kv)
@@ -322,7 +322,7 @@ def _mosaic_kernel(meta_ref, q_ref, k_ref, v_ref, qp_ref, qs_ref, kp_ref, ks_ref
         """
         slot = slot_of(s)
         with jax.named_scope("softmax"):
-          if masked and no_vecs:
+          if masked and not vectors:
             n_kv, q_off = by_index
             key = plgpu.broadcasted_iota(jnp.int32, s_shape, 1, layout=plgpu.Layout.WGMMA)
             key = key + s * block_kv
@@ -564,7 +564,7 @@ def _mosaic_kernel(meta_ref, q_ref, k_ref, v_ref, qp_ref, qs_ref, kp_ref, ks_ref
           pl.when(refill)(lambda: plgpu.barrier_wait(k_free.at[slot]))
         with jax.named_scope("load_kv"):
           plgpu.copy_gmem_to_smem(k_ref.at[b, rows, hk], k_smem.at[slot], k_bar.at[slot])
-          if not no_vecs:
+          if vectors:
             plgpu.copy_gmem_to_smem(kp_ref.at[b, rows], kvec_smem.at[slot, 0], k_bar.at[slot])
             plgpu.copy_gmem_to_smem(ks_ref.at[b, rows], kvec_smem.at[slot, 1], k_bar.at[slot])
         with jax.named_scope("wait_free"):
@@ -585,16 +585,16 @@ def _mosaic_kernel(meta_ref, q_ref, k_ref, v_ref, qp_ref, qs_ref, kp_ref, ks_ref
       plgpu.SMEM((2, block_q, D), dtype, transforms=tf_q),
       plgpu.SMEM((stages, block_kv, D), dtype, transforms=tf_kv),
       plgpu.SMEM((stages, block_kv, D), dtype, transforms=tf_kv),
-      None if no_vecs else plgpu.SMEM((2, 2, block_q), jnp.int32),
-      None if no_vecs else plgpu.SMEM((stages, 2, block_kv), jnp.int32),
+      plgpu.SMEM((2, 2, block_q), jnp.int32) if vectors else None,
+      plgpu.SMEM((stages, 2, block_kv), jnp.int32) if vectors else None,
       plgpu.SMEM((2, block_q), jnp.float32) if has_lse else None,
       plgpu.SMEM((2, block_q, block_kv), dtype, transforms=dsl.smem_transforms(
           (block_q, block_kv), dtype)) if cfg.p_smem else None,
   ]
   barriers = [
       # Q (K) and, unless masked by index, its position and segment vectors.
-      plgpu.Barrier(num_arrivals=1 if no_vecs else 3, num_barriers=2),
-      plgpu.Barrier(num_arrivals=1 if no_vecs else 3, num_barriers=stages),
+      plgpu.Barrier(num_arrivals=3 if vectors else 1, num_barriers=2),
+      plgpu.Barrier(num_arrivals=3 if vectors else 1, num_barriers=stages),
       plgpu.Barrier(num_arrivals=1, num_barriers=stages),
       plgpu.Barrier(num_arrivals=2, num_barriers=stages),
       plgpu.Barrier(num_arrivals=2, num_barriers=stages),
