@@ -91,16 +91,9 @@ def run_case(name, sets, kw, flops, impls, rows, ref=None, configs=None):
         row["rel_err"] = testing.assert_close(out_j, ref, jnp.bfloat16)
         t = bench.time_torch(fn, tsets, iters=10)
       else:
-        cfg = (configs or {}).get(impl)  # mosaic_vectors: the table's config
+        cfg = (configs or {}).get(impl)
         backend = "mosaic" if impl.startswith("mosaic") else impl
         extra = {"config": cfg} if cfg is not None else {}
-        if impl == "mosaic_vectors":
-          # The default positions passed explicitly: the kernel loads the
-          # position and segment vectors instead of masking by index.
-          B, Sq, Skv = q.shape[0], q.shape[1], k.shape[1]
-          extra["q_positions"] = jnp.broadcast_to(
-              jnp.arange(Sq, dtype=jnp.int32) + (Skv - Sq), (B, Sq))
-          extra["kv_positions"] = jnp.broadcast_to(jnp.arange(Skv, dtype=jnp.int32), (B, Skv))
         f = jax.jit(lambda q, k, v, backend=backend, extra=extra: OP(
             q, k, v, backend=backend, **kw, **extra))
         out = f(q, k, v)
@@ -137,10 +130,9 @@ def attn_flops(B, S, Hq, D, causal):
 def sweep(out_dir, rows, D, causal, S=4096, H=32):
   """Times a few configs of the Mosaic kernel; returns the fastest correct one."""
   C = ap.Config
-  # The sweep's calls take the default positions, so the kernel masks by
-  # index and keeps no position vectors in SMEM: a third 128-key stage or
-  # 192-key blocks fit.
-  no_vectors = [C(block_kv=128, stages=3, overlap=True, pingpong=False), C(block_kv=128, stages=3),
+  # A non-causal sweep has no mask, so no position vectors in SMEM: a third
+  # 128-key stage or 192-key blocks fit there.
+  unmasked = [C(block_kv=128, stages=3, overlap=True, pingpong=False), C(block_kv=128, stages=3),
               C(block_kv=192, stages=2, overlap=True, pingpong=False), C(block_kv=192, stages=2),
               C(block_kv=192, stages=2, overlap=True)]
   cands = {
@@ -148,7 +140,7 @@ def sweep(out_dir, rows, D, causal, S=4096, H=32):
             C(block_kv=128, stages=2, overlap=True, pingpong=False),
             C(block_kv=128, stages=2, overlap=True, p_smem=True),
             C(block_kv=128, stages=2, overlap=True, p_smem=True, pingpong=False),
-            *no_vectors],
+            *([] if causal else unmasked)],
       64: [C(block_kv=256, stages=2), C(block_kv=128, stages=3, overlap=True),
            C(block_kv=256, stages=2, overlap=True), C(block_kv=128, stages=4, overlap=True),
            C(block_kv=128, stages=4), C(block_kv=256, stages=2, overlap=True, pingpong=False),
@@ -179,9 +171,6 @@ def main(argv=None):
                  help="S:Hq:Hkv:D shapes to compare (default: all; --quick: 4096:32:32:128)")
   p.add_argument("--no-extras", action="store_true",
                  help="skip the GQA 64/8 and packed-batch cases")
-  p.add_argument("--vectors", action="store_true",
-                 help="causal cases also run mosaic_vectors: the default positions passed "
-                      "explicitly, so the kernel masks from the position vectors, not by index")
   args = p.parse_args(argv)
   out = pathlib.Path(args.out)
   out.mkdir(parents=True, exist_ok=True)
@@ -226,9 +215,8 @@ def main(argv=None):
   for S, Hq, Hkv, D in shapes:
     for causal in (False, True):
       sets = _inputs(1, S, Hq, Hkv, D)
-      impls = full + (["mosaic_vectors"] if causal and args.vectors and "mosaic" in full else [])
       run_case(f"B1_S{S}_Hq{Hq}_Hkv{Hkv}_D{D}_c{int(causal)}", sets, dict(causal=causal),
-               attn_flops(1, S, Hq, D, causal), impls, rows, configs=cfgs(D, causal))
+               attn_flops(1, S, Hq, D, causal), full, rows, configs=cfgs(D, causal))
       flush()
   if not (args.quick or args.tiny or args.no_extras):
     # GQA 64/8 at the anchor's shape.
@@ -250,7 +238,8 @@ def main(argv=None):
     sets = _inputs(1, T, 32, 8, 128)
     fl = sum(cost.attention(1, 32, 32, n, n, 128, causal=True).flops for n in lengths)
     by_p = run_case(f"packed8_T{T}_Hq32_Hkv8_D128", sets, kw, fl,
-                    [i for i in ("mosaic", "triton") if i in full], rows)  # the table's entry
+                    [i for i in ("mosaic", "triton") if i in full], rows,
+                    configs=cfgs(128, True))
     sets = _inputs(4, 4096, 32, 8, 128)
     by_d = run_case("dense_B4_S4096_Hq32_Hkv8_D128_c1", sets, dict(causal=True),
                     attn_flops(4, 4096, 32, 128, True), ["mosaic"], rows, configs=cfgs(128, True))

@@ -28,12 +28,10 @@ online softmax in registers with exp2 and the scale folded in, P (bf16/fp16)
 from registers times V by wgmma; a ping-pong barrier lets one consumer's
 softmax overlap the other's wgmma. With ``overlap`` a consumer also overlaps
 itself: it issues QK^T of block j and P V of block j - 1 together and runs
-block j's softmax while the second wgmma is in flight. Blocks fully inside the
-visible region skip the mask; diagonal/boundary blocks apply it from the
-position vectors. A call whose mask follows from the indices alone (no
-segments and the default positions, ``index_masked``) never loads those
-vectors: it masks the padding keys, the causal diagonal and the window by
-query and key index.
+block j's softmax while the second wgmma is in flight. Blocks fully inside the visible region skip
+the mask; diagonal/boundary blocks apply it from the position vectors. A call
+with no mask at all (not causal, no window, no segments) never loads those
+vectors: its only masked block is the last, partial one, masked by key index.
 """
 
 from __future__ import annotations
@@ -95,25 +93,18 @@ class Config(tuning.KernelConfig):
 _SMEM_RESERVE = 3 * 1024
 
 
-def index_masked(causal: bool, sliding_window, q_positions, kv_positions,
-                 q_segment_ids) -> bool:
-  """Whether the mask follows from the query and key indices alone: no
-  segments, and the default positions (or positions that do not matter: not
-  causal and no window). The mosaic kernel then masks its boundary blocks by
-  index and never loads the position and segment vectors."""
-  if q_segment_ids is not None:
-    return False
-  defaults = q_positions is None and kv_positions is None
-  return defaults or (not causal and sliding_window is None)
+def unmasked(causal: bool, sliding_window, q_segment_ids) -> bool:
+  """Whether every key is visible to every query (no causal mask, window or
+  segments): the mosaic kernel then needs only the key count, no vectors."""
+  return not causal and sliding_window is None and q_segment_ids is None
 
 
-def smem_bytes(cfg: Config, head_dim: int, itemsize: int = 2, *, by_index: bool = False,
+def smem_bytes(cfg: Config, head_dim: int, itemsize: int = 2, *, dense: bool = False,
                has_lse: bool = False) -> int:
   """SMEM a mosaic call with ``cfg`` needs: two Q tiles, the K/V ring and,
-  unless the mask goes ``by_index`` (``index_masked``), the position and
-  segment vectors."""
+  unless ``dense`` (no mask), the position and segment vectors."""
   n = (2 * cfg.block_q + 2 * cfg.stages * cfg.block_kv) * head_dim * itemsize
-  if not by_index:
+  if not dense:
     n += 4 * 2 * (2 * cfg.block_q + cfg.stages * cfg.block_kv)
   if has_lse:
     n += 4 * 2 * cfg.block_q
@@ -254,15 +245,12 @@ def _block_ranges(qp, qs, kp, ks, block_q, block_kv, causal, window):
 
 def _mosaic_kernel(meta_ref, q_ref, k_ref, v_ref, qp_ref, qs_ref, kp_ref, ks_ref,
                    o_ref, lse_ref, *, cfg: Config, groups: int, scale: float,
-                   causal: bool, window: int | None, has_lse: bool,
-                   by_index: tuple[int, int] | None):
-  """``by_index``: (keys, Skv - Sq) when the mask follows from the indices
-  (``index_masked``): query i sits at position i + Skv - Sq and key j at j, so
-  the boundary blocks are masked by index (padding keys, the causal diagonal,
-  the window) and the position and segment vectors are never read, which
-  also frees their SMEM."""
+                   causal: bool, window: int | None, has_lse: bool, dense_kv: int | None):
+  """``dense_kv``: no mask but the keys' count (non-causal, no window, no
+  segments): the kernel then masks padding keys by index and never reads the
+  position and segment vectors, which also frees their SMEM."""
   block_q, block_kv, stages = cfg.block_q, cfg.block_kv, cfg.stages
-  vectors = by_index is None  # else the mask goes by index
+  dense = dense_kv is not None
   D = q_ref.shape[-1]
   dtype = q_ref.dtype
   c = scale * LOG2E  # exp(s * scale) == exp2(s * c)
@@ -294,7 +282,7 @@ def _mosaic_kernel(meta_ref, q_ref, k_ref, v_ref, qp_ref, qs_ref, kp_ref, ks_ref
       q0 = (2 * t + wg) * block_q
       qo = q_smem.at[wg]
       plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q0, block_q), h], qo, q_bar.at[wg])
-      if vectors:
+      if not dense:
         plgpu.copy_gmem_to_smem(qp_ref.at[b, pl.ds(q0, block_q)], qvec_smem.at[wg, 0],
                                 q_bar.at[wg])
         plgpu.copy_gmem_to_smem(qs_ref.at[b, pl.ds(q0, block_q)], qvec_smem.at[wg, 1],
@@ -302,7 +290,7 @@ def _mosaic_kernel(meta_ref, q_ref, k_ref, v_ref, qp_ref, qs_ref, kp_ref, ks_ref
       plgpu.barrier_wait(q_bar.at[wg])
       row = plgpu.Layout.WGMMA.reduce(1)
       col = plgpu.Layout.WGMMA.reduce(0)
-      if vectors:
+      if not dense:
         qpos = plgpu.load(qvec_smem.at[wg, 0], (), layout=row)
         qseg = plgpu.load(qvec_smem.at[wg, 1], (), layout=row)
       s_shape = (block_q, block_kv)
@@ -322,19 +310,9 @@ def _mosaic_kernel(meta_ref, q_ref, k_ref, v_ref, qp_ref, qs_ref, kp_ref, ks_ref
         """
         slot = slot_of(s)
         with jax.named_scope("softmax"):
-          if masked and not vectors:
-            n_kv, q_off = by_index
+          if masked and dense:
             key = plgpu.broadcasted_iota(jnp.int32, s_shape, 1, layout=plgpu.Layout.WGMMA)
-            key = key + s * block_kv
-            vis = key < n_kv
-            if causal or window is not None:
-              qpos_i = plgpu.broadcasted_iota(jnp.int32, s_shape, 0, layout=plgpu.Layout.WGMMA)
-              qpos_i = qpos_i + (q0 + q_off)
-              if causal:
-                vis = vis & (key <= qpos_i)
-              if window is not None:
-                vis = vis & ((qpos_i - key) < window)
-            sc = jnp.where(vis, sc, -jnp.inf)
+            sc = jnp.where(key + s * block_kv < dense_kv, sc, -jnp.inf)
           elif masked:
             kpos = plgpu.load(kvec_smem.at[slot, 0], (), layout=col)
             kseg = plgpu.load(kvec_smem.at[slot, 1], (), layout=col)
@@ -564,7 +542,7 @@ def _mosaic_kernel(meta_ref, q_ref, k_ref, v_ref, qp_ref, qs_ref, kp_ref, ks_ref
           pl.when(refill)(lambda: plgpu.barrier_wait(k_free.at[slot]))
         with jax.named_scope("load_kv"):
           plgpu.copy_gmem_to_smem(k_ref.at[b, rows, hk], k_smem.at[slot], k_bar.at[slot])
-          if vectors:
+          if not dense:
             plgpu.copy_gmem_to_smem(kp_ref.at[b, rows], kvec_smem.at[slot, 0], k_bar.at[slot])
             plgpu.copy_gmem_to_smem(ks_ref.at[b, rows], kvec_smem.at[slot, 1], k_bar.at[slot])
         with jax.named_scope("wait_free"):
@@ -585,16 +563,16 @@ def _mosaic_kernel(meta_ref, q_ref, k_ref, v_ref, qp_ref, qs_ref, kp_ref, ks_ref
       plgpu.SMEM((2, block_q, D), dtype, transforms=tf_q),
       plgpu.SMEM((stages, block_kv, D), dtype, transforms=tf_kv),
       plgpu.SMEM((stages, block_kv, D), dtype, transforms=tf_kv),
-      plgpu.SMEM((2, 2, block_q), jnp.int32) if vectors else None,
-      plgpu.SMEM((stages, 2, block_kv), jnp.int32) if vectors else None,
+      None if dense else plgpu.SMEM((2, 2, block_q), jnp.int32),
+      None if dense else plgpu.SMEM((stages, 2, block_kv), jnp.int32),
       plgpu.SMEM((2, block_q), jnp.float32) if has_lse else None,
       plgpu.SMEM((2, block_q, block_kv), dtype, transforms=dsl.smem_transforms(
           (block_q, block_kv), dtype)) if cfg.p_smem else None,
   ]
   barriers = [
-      # Q (K) and, unless masked by index, its position and segment vectors.
-      plgpu.Barrier(num_arrivals=3 if vectors else 1, num_barriers=2),
-      plgpu.Barrier(num_arrivals=3 if vectors else 1, num_barriers=stages),
+      # Q (K) and, unless dense, its position and segment vectors.
+      plgpu.Barrier(num_arrivals=1 if dense else 3, num_barriers=2),
+      plgpu.Barrier(num_arrivals=1 if dense else 3, num_barriers=stages),
       plgpu.Barrier(num_arrivals=1, num_barriers=stages),
       plgpu.Barrier(num_arrivals=2, num_barriers=stages),
       plgpu.Barrier(num_arrivals=2, num_barriers=stages),
@@ -652,9 +630,9 @@ def _mosaic_plan(qp, qs, kp, ks, *, cfg: Config, causal: bool, window: int | Non
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "causal", "scale", "window", "has_lse",
-                                             "by_index"))
+                                             "dense"))
 def _attention_mosaic(q, k, v, plan: MosaicPlan, *, cfg: Config, causal: bool, scale: float,
-                      window: int | None, has_lse: bool, by_index: bool = False):
+                      window: int | None, has_lse: bool, dense: bool = False):
   B, Sq, Hq, D = q.shape
   _, Skv, Hkv, _ = k.shape
   bq2 = 2 * cfg.block_q
@@ -671,8 +649,7 @@ def _attention_mosaic(q, k, v, plan: MosaicPlan, *, cfg: Config, causal: bool, s
   def entry(meta_ref, q_ref, k_ref, v_ref, qp_ref, qs_ref, kp_ref, ks_ref, o_ref, lse_ref):
     _mosaic_kernel(meta_ref, q_ref, k_ref, v_ref, qp_ref, qs_ref, kp_ref, ks_ref, o_ref,
                    lse_ref, cfg=cfg, groups=Hq // Hkv, scale=scale, causal=causal,
-                   window=window, has_lse=has_lse,
-                   by_index=(Skv, Skv - Sq) if by_index else None)
+                   window=window, has_lse=has_lse, dense_kv=Skv if dense else None)
 
   o, lse = dsl.kernel(
       entry,
@@ -687,15 +664,8 @@ def _attention_mosaic(q, k, v, plan: MosaicPlan, *, cfg: Config, causal: bool, s
   return (o, lse[:, :, :Sq]) if has_lse else o
 
 
-def _pick_config(D, dtype, causal, by_index: bool = True) -> Config:
-  """A call that loads the mask vectors (``by_index`` False) has less SMEM
-  for its ring, so it has table entries of its own (``vectors=1``); without
-  one it takes the entry of the calls masked by index."""
+def _pick_config(D, dtype, causal) -> Config:
   key = tuning.shape_key(head_dim=D, dtype=jnp.dtype(dtype).name, causal=int(causal))
-  if not by_index:
-    own = tuning.lookup("attention_prefill", key + ",vectors=1", Config, lambda: None)
-    if own is not None:
-      return own
 
   def heuristic():
     # SMEM: 2 Q tiles + stages x (K + V). D = 64 fits 256-key blocks, which
@@ -710,20 +680,20 @@ def _pick_config(D, dtype, causal, by_index: bool = True) -> Config:
 
 def _mosaic_setup(q, k, v, causal, sm_scale, q_positions, kv_positions, q_segment_ids,
                   kv_segment_ids, sliding_window, config, has_lse):
-  """(config, position/segment vectors, scale, by_index) of a mosaic call."""
+  """(config, position/segment vectors, scale, dense) of a mosaic call."""
   B, Sq, Hq, D, Skv, Hkv = _check(q, k, v, causal, sm_scale, q_positions, kv_positions,
                                   q_segment_ids, kv_segment_ids, sliding_window, DTYPES)
   why = _mosaic_why_not(q, k, v)
   if why:
     raise ValueError(why)
-  by_index = index_masked(causal, sliding_window, q_positions, kv_positions, q_segment_ids)
-  cfg = config or _pick_config(D, q.dtype, causal, by_index)
-  need = smem_bytes(cfg, D, jnp.dtype(q.dtype).itemsize, by_index=by_index, has_lse=has_lse)
+  dense = unmasked(causal, sliding_window, q_segment_ids)
+  cfg = config or _pick_config(D, q.dtype, causal)
+  need = smem_bytes(cfg, D, jnp.dtype(q.dtype).itemsize, dense=dense, has_lse=has_lse)
   limit = target_lib.current().ceilings.smem_per_block
   if not dsl.interpreting() and need > limit:
     if config is not None:
       raise ValueError(f"{config} needs about {need} bytes of SMEM for this call "
-                       f"(head dim {D}, {'mask by index' if by_index else 'mask vectors'}, "
+                       f"(head dim {D}, {'no mask' if dense else 'masked'}, "
                        f"lse {'on' if has_lse else 'off'}); the limit is {limit}")
     # A tabled config tuned without the lse (or the vectors) may not fit
     # with them: fall back to 128-key blocks in two stages, which always fit.
@@ -736,7 +706,7 @@ def _mosaic_setup(q, k, v, causal, sm_scale, q_positions, kv_positions, q_segmen
     cfg = dataclasses.replace(cfg, pingpong=False)
   vecs = _vectors(B, Sq, Skv, q_positions, kv_positions, q_segment_ids, kv_segment_ids)
   scale = float(D ** -0.5 if sm_scale is None else sm_scale)
-  return cfg, vecs, scale, by_index
+  return cfg, vecs, scale, dense
 
 
 def attention_prefill_mosaic(q, k, v, *, causal=True, sm_scale=None, q_positions=None,
@@ -745,7 +715,7 @@ def attention_prefill_mosaic(q, k, v, *, causal=True, sm_scale=None, q_positions
                              plan: MosaicPlan | None = None):
   """``plan``: from ``attention_prefill_mosaic_plan`` (or ``op.plan``) with the
   same arguments but q, k, v, which need only their shapes there."""
-  cfg, vecs, scale, by_index = _mosaic_setup(
+  cfg, vecs, scale, dense = _mosaic_setup(
       q, k, v, causal, sm_scale, q_positions, kv_positions, q_segment_ids, kv_segment_ids,
       sliding_window, config, bool(return_lse))
   make_plan = functools.partial(_mosaic_plan, cfg=cfg, causal=bool(causal),
@@ -760,7 +730,7 @@ def attention_prefill_mosaic(q, k, v, *, causal=True, sm_scale=None, q_positions
       raise ValueError(f"the plan was made for other shapes or another config: {got} "
                        f"(this call needs {want})")
   return _attention_mosaic(q, k, v, plan, cfg=cfg, causal=bool(causal), scale=scale,
-                           window=sliding_window, has_lse=bool(return_lse), by_index=by_index)
+                           window=sliding_window, has_lse=bool(return_lse), dense=dense)
 
 
 def attention_prefill_mosaic_plan(q, k, v, *, causal=True, sm_scale=None, q_positions=None,

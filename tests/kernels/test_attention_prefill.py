@@ -100,15 +100,6 @@ def _case(name):
       "causal_skip": (dict(B=1, Sq=256, Skv=256, Hq=2, Hkv=1, D=64), dict(causal=True),
                       ap.Config(block_kv=64, stages=3)),
       "prefix_gqa_pad": (dict(B=2, Sq=100, Skv=200, Hq=4, Hkv=1, D=64), dict(causal=True), None),
-      # More queries than keys, default positions: the first 60 rows sit before
-      # the first key and see nothing (output 0, lse -inf), masked by index.
-      "causal_more_queries": (dict(B=1, Sq=160, Skv=100, Hq=2, Hkv=1, D=64), dict(causal=True),
-                              ap.Config(block_kv=64, stages=2)),
-      # The same diagonal from explicit positions: the kernel loads the vectors.
-      "causal_positions": (dict(B=1, Sq=100, Skv=200, Hq=2, Hkv=1, D=64),
-                           dict(causal=True, q_positions=jnp.arange(100, 200, dtype=jnp.int32)[None],
-                                kv_positions=jnp.arange(200, dtype=jnp.int32)[None]),
-                           ap.Config(block_kv=64, stages=2)),
       "d128_window": (dict(B=1, Sq=128, Skv=256, Hq=2, Hkv=2, D=128),
                       dict(causal=True, sliding_window=70), ap.Config(block_kv=64)),
       "packed": (dict(B=1, Sq=256, Skv=256, Hq=2, Hkv=1, D=64),
@@ -123,9 +114,8 @@ def _case(name):
   return cases[name]
 
 
-CASES = ["noncausal", "noncausal_ragged", "noncausal_d128_192", "causal_skip", "prefix_gqa_pad",
-         "causal_more_queries", "causal_positions", "d128_window", "packed", "packed_empty_tiles",
-         "model_chunk"]
+CASES = ["noncausal", "noncausal_ragged", "noncausal_d128_192", "causal_skip", "prefix_gqa_pad", "d128_window", "packed",
+         "packed_empty_tiles", "model_chunk"]
 
 
 @pytest.mark.parametrize("overlap", [False, True])
@@ -259,9 +249,8 @@ def test_mosaic_cases_on_gpu(name, variant):
   shape, kw, cfg = _case(name)
   cfg = dataclasses.replace(cfg or ap._pick_config(shape["D"], jnp.bfloat16, kw["causal"]),
                             **GPU_VARIANTS[variant])
-  by_index = ap.index_masked(kw["causal"], kw.get("sliding_window"), kw.get("q_positions"),
-                             kw.get("kv_positions"), kw.get("q_segment_ids"))
-  if ap.smem_bytes(cfg, shape["D"], by_index=by_index) > target_lib.current().ceilings.smem_per_block:
+  dense = ap.unmasked(kw["causal"], kw.get("sliding_window"), kw.get("q_segment_ids"))
+  if ap.smem_bytes(cfg, shape["D"], dense=dense) > target_lib.current().ceilings.smem_per_block:
     pytest.skip("does not fit in SMEM (refused before compiling: test_gpu_lowering)")
   q, k, v = _qkv(**shape)
   ref = ap.attention_prefill_reference(q, k, v, **kw)

@@ -250,37 +250,30 @@ def test_attention_prefill_schedules_lower_for_h200(schedule):
       S((1, 2048), I32))
 
 
-# (config, masked by index, lse, causal): ap.smem_bytes says whether each
-# fits. Those it says fit must lower (the lowering checks the real SMEM); the
-# others must be refused with a clear error before Mosaic GPU is reached. The
-# first two sit either side of the limit (the lse adds 512 bytes). Calls
-# masked by index take the default positions; the others pass positions, so
-# the kernel loads the position and segment vectors.
+# (config, no mask, lse): ap.smem_bytes says whether each fits. Those it says
+# fit must lower (the lowering checks the real SMEM); the others must be
+# refused with a clear error before Mosaic GPU is reached. The first two sit
+# either side of the limit (the lse adds 512 bytes).
 SMEM_EDGES = [
-    (dict(block_kv=128, stages=3, overlap=True, pingpong=False), True, False, False),
-    (dict(block_kv=128, stages=3, overlap=True, pingpong=False), True, True, True),
-    (dict(block_kv=192, stages=2), True, False, True),
-    (dict(block_kv=192, stages=2), False, False, True),
-    (dict(block_kv=128, stages=2, overlap=True), False, True, True),
-    (dict(block_kv=128, stages=2, p_smem=True, acc_in_place=False), True, True, False),
+    (dict(block_kv=128, stages=3, overlap=True, pingpong=False), True, False),
+    (dict(block_kv=128, stages=3, overlap=True, pingpong=False), True, True),
+    (dict(block_kv=192, stages=2), True, False),
+    (dict(block_kv=192, stages=2), False, False),
+    (dict(block_kv=128, stages=2, overlap=True), False, True),
+    (dict(block_kv=128, stages=2, p_smem=True, acc_in_place=False), True, True),
 ]
 
 
 @pytest.mark.parametrize("edge", range(len(SMEM_EDGES)))
 def test_attention_prefill_smem_estimate_agrees_with_the_lowering(edge):
-  kw, by_index, lse, causal = SMEM_EDGES[edge]
+  kw, dense, lse = SMEM_EDGES[edge]
   cfg = ap.Config(**kw)
   h200 = target_lib.make("gpu", "NVIDIA H200", "9.0", 132)
-  fits = ap.smem_bytes(cfg, 128, by_index=by_index, has_lse=lse) <= h200.ceilings.smem_per_block
+  fits = ap.smem_bytes(cfg, 128, dense=dense, has_lse=lse) <= h200.ceilings.smem_per_block
   assert fits == (edge in (0, 2, 4, 5))  # the edges are what they say
+  call = lambda q, k, v: ap.attention_prefill_mosaic(q, k, v, causal=not dense, return_lse=lse,
+                                                     config=cfg)
   args = [S((1, 4096, 32, 128), BF16)] * 3
-  if by_index:
-    call = lambda q, k, v: ap.attention_prefill_mosaic(q, k, v, causal=causal, return_lse=lse,
-                                                       config=cfg)
-  else:
-    call = lambda q, k, v, p: ap.attention_prefill_mosaic(
-        q, k, v, causal=causal, q_positions=p, kv_positions=p, return_lse=lse, config=cfg)
-    args.append(S((1, 4096), I32))
   if fits:
     _lower(call, *args)
   else:
@@ -289,7 +282,7 @@ def test_attention_prefill_smem_estimate_agrees_with_the_lowering(edge):
 
 
 def test_attention_prefill_tabled_config_falls_back_when_the_lse_does_not_fit(monkeypatch):
-  # A 3-stage entry masked by index fits without the lse only: asked for the lse, the
+  # A dense 3-stage entry fits without the lse only: asked for the lse, the
   # call takes the heuristic's blocks instead of failing to compile.
   monkeypatch.setattr(ap, "_pick_config", lambda *a: ap.Config(
       block_kv=128, stages=3, overlap=True, pingpong=False))
