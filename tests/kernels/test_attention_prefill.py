@@ -114,8 +114,8 @@ def _case(name):
   return cases[name]
 
 
-CASES = ["noncausal", "noncausal_ragged", "noncausal_d128_192", "causal_skip", "prefix_gqa_pad", "d128_window", "packed",
-         "packed_empty_tiles", "model_chunk"]
+CASES = ["noncausal", "noncausal_ragged", "noncausal_d128_192", "causal_skip", "prefix_gqa_pad",
+         "d128_window", "packed", "packed_empty_tiles", "model_chunk"]
 
 
 @pytest.mark.parametrize("overlap", [False, True])
