@@ -114,7 +114,8 @@ def main():
   ap.add_argument("--tune-fp8", action="store_true", help="with --fp8: tune the fp8 kernel only")
   ap.add_argument("--configs", default="",
                   help="tuning candidates 'pps,stages,splits,blocks_per_sm[,s];...' "
-                       "(splits 'a' = automatic, s = swap_ab); default: the full sweep")
+                       "(pps '1/2' = half a page a step, splits 'a' = automatic, "
+                       "s = swap_ab); default: the full sweep")
   args = ap.parse_args()
   impl_names = args.impls.split(",")
   t0 = time.time()
@@ -156,7 +157,7 @@ def main():
     as_entry = lambda cfg: dataclasses.replace(cfg, splits=0) if cfg.splits == auto else cfg
     if args.tune:
       f = lambda cfg: functools.partial(ad._attention_decode_mosaic, sm_scale=scale, config=cfg)
-      best = _sweep(shape, f, paged_sets, ref, _space(args.configs, auto), kv_bytes, sweep)
+      best = _sweep(shape, f, paged_sets, ref, _space(args.configs, auto, page=page), kv_bytes, sweep)
       if best is not None:
         tuned[entry_key("bfloat16")] = as_entry(best)
         impls["mosaic"] = f(best)
@@ -189,7 +190,7 @@ def main():
           f8 = lambda cfg: jax.jit(lambda *a: ad.attention_decode_mosaic(
               *a[:5], kv_scales=a[5], config=cfg))
           best = _sweep(shape + " fp8", f8, fp8_sets, ref8,
-                        _space(args.configs, auto, fp8=True), kv_bytes // 2, sweep)
+                        _space(args.configs, auto, fp8=True, page=page), kv_bytes // 2, sweep)
           if best is not None:
             tuned[entry_key("float8_e4m3fn")] = as_entry(best)
             f = f8(best)
@@ -243,18 +244,21 @@ def main():
   print(bench.table(rows, COLS))
 
 
-def _space(configs: str, auto: int, fp8: bool = False):
+def _space(configs: str, auto: int, fp8: bool = False, page: int = ad.DEFAULT_PAGE_SIZE):
   """Tuning candidates: ``configs`` ('pps,stages,splits,blocks_per_sm[,s];...',
   splits 'a' = automatic, a trailing 's' = swap_ab) or the full sweep. fp8
   pages are half the bytes, so their sweep also tries deeper rings and more
-  splits (more blocks in flight to hide each step's conversion)."""
+  splits (more blocks in flight to hide each step's conversion). Pages of
+  128 tokens or more also try half a page a step."""
   if configs:
     space = []
     for cand in configs.split(";"):
       p, st, sp, bps, *swap = cand.split(",")
       if swap not in ([], ["s"]):
         raise ValueError(f"bad candidate {cand!r}: 'pps,stages,splits,blocks_per_sm[,s]'")
-      space.append(ad.Config(pages_per_step=int(p), stages=int(st),
+      p, _, parts = p.partition("/")  # '1/2': half a page a step
+      space.append(ad.Config(pages_per_step=int(p), steps_per_page=int(parts or 1),
+                             stages=int(st),
                              splits=auto if sp == "a" else int(sp), blocks_per_sm=int(bps),
                              swap_ab=bool(swap)))
     return space
@@ -264,8 +268,11 @@ def _space(configs: str, auto: int, fp8: bool = False):
   else:
     steps, per_sm = [(1, 2), (1, 3), (1, 4), (2, 2), (2, 3)], (0, 1, 2)
     splits = sorted({auto, 2 * auto} if auto > 1 else {1})
-  return [ad.Config(pages_per_step=p, stages=s, splits=sp, blocks_per_sm=bps, swap_ab=swap)
-          for p, s in steps for sp in splits for bps in per_sm for swap in (False, True)]
+  parts = [(1, 1)] + ([(1, 2)] if page >= 128 else [])  # (pages, steps) per page
+  return [ad.Config(pages_per_step=p * pp, steps_per_page=spp, stages=s, splits=sp,
+                    blocks_per_sm=bps, swap_ab=swap)
+          for p, s in steps for pp, spp in parts if p == 1 or spp == 1
+          for sp in splits for bps in per_sm for swap in (False, True)]
 
 
 def _sweep(shape, make, sets, ref, space, kv_bytes, sweep):

@@ -18,8 +18,8 @@ a sequence fills (by its length at run time, not the table's width) are
 divided into ``splits`` contiguous ranges, enough that batch x kv heads x
 splits fills the SMs when the batch is small (split-K).
 Each block reads its page indices from the page table, TMA-copies
-``pages_per_step`` pages of K and of V per step into a ring of ``stages``
-SMEM buffers (the copies of the next steps are in flight while this step
+``pages_per_step`` pages of K and of V per step (or one part of a page,
+``steps_per_page``) into a ring of ``stages`` SMEM buffers (the copies of the next steps are in flight while this step
 computes; a hand-written ring rather than ``dsl.pipeline`` because the source
 of each copy is a page index read from the table at run time), computes S = Q K^T with wgmma into registers, masks positions past
 each row's own, runs the online softmax in float32, writes P to SMEM and
@@ -96,6 +96,10 @@ class Config(tuning.KernelConfig):
 
   pages_per_step: pages whose K and V one loop step copies and multiplies;
     the step's key block is pages_per_step * page_size tokens.
+  steps_per_page: > 1 splits each page over that many steps instead (with
+    pages_per_step = 1): a step copies page_size / steps_per_page rows of one
+    page. Large pages then keep a short step where a short one wins (a short
+    sequence streams few steps; a smaller ring lets more blocks share an SM).
   stages: SMEM ring depth; stages - 1 steps of copies are in flight while one
     step computes.
   splits: contiguous page ranges per sequence (split-K); 0 = chosen from the
@@ -107,10 +111,11 @@ class Config(tuning.KernelConfig):
     packed query rows (rounded up to 8) as N: S^T = K Q^T, O^T += V^T P^T.
     With few packed rows (GQA 4 at Tq = 1 packs 4) the tensor cores and the
     softmax then do 8 rows' work a step instead of 64 rows'. The step's
-    keys (pages_per_step x page) must be a multiple of 64.
+    keys (``step_keys``) must be a multiple of 64.
   """
 
   pages_per_step: int = 1
+  steps_per_page: int = 1
   stages: int = 2
   splits: int = 0
   blocks_per_sm: int = 0
@@ -119,6 +124,11 @@ class Config(tuning.KernelConfig):
   def __post_init__(self):
     if self.pages_per_step not in (1, 2, 4, 8, 16):
       raise ValueError(f"{self.pages_per_step=} must be one of 1, 2, 4, 8, 16")
+    if self.steps_per_page not in (1, 2, 4):
+      raise ValueError(f"{self.steps_per_page=} must be one of 1, 2, 4")
+    if self.steps_per_page > 1 and self.pages_per_step != 1:
+      raise ValueError(f"{self.steps_per_page=} needs pages_per_step=1, got "
+                       f"{self.pages_per_step=}")
     if not 1 <= self.stages <= 8:
       raise ValueError(f"{self.stages=} must be in [1, 8]")
     if self.splits < 0:
@@ -128,6 +138,10 @@ class Config(tuning.KernelConfig):
     if not isinstance(self.swap_ab, bool):
       raise ValueError(f"{self.swap_ab=} must be a bool")
 
+  def step_keys(self, page: int) -> int:
+    """Keys one loop step copies and multiplies, with pages of ``page`` tokens."""
+    return self.pages_per_step * page // self.steps_per_page
+
 
 # --------------------------------------------------------------------------
 # Mosaic GPU kernel
@@ -135,8 +149,8 @@ class Config(tuning.KernelConfig):
 
 def _mosaic_kernel(lengths_ref, table_ref, layer_ref, q_ref, k_ref, v_ref, *refs, tq: int,
                    group: int,
-                   page: int, pages_per_step: int, stages: int, splits: int,
-                   scale: float, split_out: bool, io_rows: int, store_rows: int,
+                   page: int, pages_per_step: int, steps_per_page: int, stages: int,
+                   splits: int, scale: float, split_out: bool, io_rows: int, store_rows: int,
                    stage_out: bool, fp8: bool, swap: bool):
   """One block: (sequence b, kv head h, split s, row tile r).
 
@@ -169,16 +183,13 @@ def _mosaic_kernel(lengths_ref, table_ref, layer_ref, q_ref, k_ref, v_ref, *refs
   head_dim = q_smem.shape[-1]
 
   length = _length(lengths_ref, b, table_ref, page)
-  block_kv = pages_per_step * page
+  block_kv = pages_per_step * page // steps_per_page
   first_step, n_steps = _split_range(length, block_kv, s, splits)
 
   def issue(step, slot):
     """Starts the copies of step ``step``'s pages into ring slot ``slot``."""
-    for j in range(pages_per_step):
-      pg = _page(table_ref, b, (first_step + step) * pages_per_step + j)
-      rows = pl.ds(j * page, page)
-      plgpu.copy_gmem_to_smem(k_ref.at[kvh, pg], k_smem.at[slot, rows], k_bars.at[slot])
-      plgpu.copy_gmem_to_smem(v_ref.at[kvh, pg], v_smem.at[slot, rows], v_bars.at[slot])
+    _issue_step(table_ref, k_ref, v_ref, k_smem, v_smem, k_bars, v_bars, b, kvh,
+                first_step + step, slot, page, pages_per_step, steps_per_page)
 
   io = pl.ds(r * ROWS, io_rows)
   plgpu.copy_gmem_to_smem(q_ref.at[b, h, io], q_smem.at[pl.ds(0, io_rows)], q_bar.at[0])
@@ -236,6 +247,25 @@ def _fp8_refs(refs, layer_ref, scale, fp8: bool):
 
 # The clamps below run on scalars inside the kernel: as XLA ops in front of it
 # they were three more kernel launches per layer of a decode step.
+
+
+def _issue_step(table_ref, k_ref, v_ref, k_smem, v_smem, k_bars, v_bars, b, kvh, step, slot,
+                page: int, pages_per_step: int, steps_per_page: int):
+  """Starts the TMA copies of sequence b's step ``step`` (counted from its
+  first key) into ring slot ``slot``: ``pages_per_step`` whole pages, or one
+  part of a page when ``steps_per_page`` > 1."""
+  if steps_per_page == 1:
+    for j in range(pages_per_step):
+      pg = _page(table_ref, b, step * pages_per_step + j)
+      rows = pl.ds(j * page, page)
+      plgpu.copy_gmem_to_smem(k_ref.at[kvh, pg], k_smem.at[slot, rows], k_bars.at[slot])
+      plgpu.copy_gmem_to_smem(v_ref.at[kvh, pg], v_smem.at[slot, rows], v_bars.at[slot])
+    return
+  n = page // steps_per_page
+  pg = _page(table_ref, b, lax.div(step, jnp.int32(steps_per_page)))
+  rows = pl.ds(lax.rem(step, jnp.int32(steps_per_page)) * n, n)
+  plgpu.copy_gmem_to_smem(k_ref.at[kvh, pg, rows], k_smem.at[slot], k_bars.at[slot])
+  plgpu.copy_gmem_to_smem(v_ref.at[kvh, pg, rows], v_smem.at[slot], v_bars.at[slot])
 
 
 def _split_range(length, block_kv: int, s, splits: int):
@@ -373,7 +403,7 @@ def _store_output(acc, m_i, l_i, o_smem, lse_smem, v_scale=None, swap=False):
 
 def _persistent_kernel(lengths_ref, table_ref, layer_ref, q_ref, k_ref, v_ref, *refs, tq: int,
                        group: int,
-                       page: int, pages_per_step: int, stages: int,
+                       page: int, pages_per_step: int, steps_per_page: int, stages: int,
                        scale: float, split_out: bool, io_rows: int, store_rows: int,
                        dims: tuple[int, ...], grid_size: int, fp8: bool, swap: bool):
   """A persistent block: work items c, c + grid, c + 2 grid, ... of (b, h, s, r).
@@ -399,7 +429,7 @@ def _persistent_kernel(lengths_ref, table_ref, layer_ref, q_ref, k_ref, v_ref, *
   c = lax.axis_index("c")
   n_b, n_h, n_s, n_r = dims
   n_items = n_b * n_h * n_s * n_r
-  block_kv = pages_per_step * page
+  block_kv = pages_per_step * page // steps_per_page
   head_dim = q_smem.shape[-1]
   n_local = lax.div(n_items - c + (grid_size - 1), jnp.int32(grid_size))
   layer_off = _kv_head0(layer_ref, k_ref, n_h)
@@ -426,12 +456,8 @@ def _persistent_kernel(lengths_ref, table_ref, layer_ref, q_ref, k_ref, v_ref, *
   def issue(cursor, slot):
     j, i = cursor
     b, h, _, first, _, _, _ = item_info(j)
-    kvh = layer_off + h
-    for jj in range(pages_per_step):
-      pg = _page(table_ref, b, (first + i) * pages_per_step + jj)
-      rows = pl.ds(jj * page, page)
-      plgpu.copy_gmem_to_smem(k_ref.at[kvh, pg], k_smem.at[slot, rows], k_bars.at[slot])
-      plgpu.copy_gmem_to_smem(v_ref.at[kvh, pg], v_smem.at[slot, rows], v_bars.at[slot])
+    _issue_step(table_ref, k_ref, v_ref, k_smem, v_smem, k_bars, v_bars, b, layer_off + h,
+                first + i, slot, page, pages_per_step, steps_per_page)
 
   def advance(cursor):
     j, i = cursor
@@ -523,7 +549,7 @@ def _smem_bytes(cfg: Config, page: int, head_dim: int, dtype, split: bool,
   other: fp8, converted a step at a time into two buffers of ``dtype``);
   ``rows``: the packed query rows (the Q tile's with ``swap_ab``, else 64)."""
   isz = jnp.dtype(dtype).itemsize
-  block_kv = cfg.pages_per_step * page
+  block_kv = cfg.step_keys(page)
   n = _tile_rows(cfg, rows)
   kv_isz = isz if kv_dtype is None else jnp.dtype(kv_dtype).itemsize
   b = 2 * cfg.stages * block_kv * head_dim * kv_isz  # K and V rings
@@ -563,20 +589,24 @@ def _pick_config(batch, hkv, tiles, max_pages, page, head_dim, dtype, kv_dtype=N
     # other's latency); with split-K a longer step (128 tokens) wins.
     split = batch * hkv * tiles < _num_sms() // 2
     tokens = 128 if split else 64
-    pps = max(1, min(16, tokens // page))
-    while pps & (pps - 1):
-      pps -= 1
-    cfg = Config(pages_per_step=pps, stages=2, splits=0)
-    while smem(cfg, True) > SMEM_BUDGET and cfg.pages_per_step > 1:
-      cfg = dataclasses.replace(cfg, pages_per_step=cfg.pages_per_step // 2)
+    cfg = _step_config(tokens, page)
+
+    def shorter(cfg):  # the next shorter step, or None
+      if cfg.pages_per_step > 1:
+        return dataclasses.replace(cfg, pages_per_step=cfg.pages_per_step // 2)
+      spp = 2 * cfg.steps_per_page
+      if spp <= 4 and page % spp == 0 and (page // spp) % 16 == 0:
+        return dataclasses.replace(cfg, steps_per_page=spp)
+      return None
+
+    while smem(cfg, True) > SMEM_BUDGET and shorter(cfg) is not None:
+      cfg = shorter(cfg)
     if smem(cfg, True) > SMEM_BUDGET:
       cfg = dataclasses.replace(cfg, stages=1)  # D=256 with 64-token pages: no room for 2
-    if (cfg.pages_per_step * page) % 16:  # page is a multiple of 8: two pages make 16
-      cfg = dataclasses.replace(cfg, pages_per_step=min(16, 2 * cfg.pages_per_step))
     # swap_ab won at every shape measured (bench/results/attention_decode_h200_swap_ab/),
     # with a third stage when the grid fills the SMs: its Q, P and output
     # tiles are small, so two such blocks still fit per SM.
-    if (cfg.pages_per_step * page) % ROWS == 0:
+    if cfg.step_keys(page) % ROWS == 0:
       for stages in ((2,) if split else (3, 2)):
         swapped = dataclasses.replace(cfg, stages=stages, swap_ab=True)
         if smem(swapped, True) <= SMEM_BUDGET:
@@ -584,6 +614,21 @@ def _pick_config(batch, hkv, tiles, max_pages, page, head_dim, dtype, kv_dtype=N
     return cfg
 
   return tuning.lookup("attention_decode", key, Config, heuristic)
+
+
+def _step_config(tokens: int, page: int) -> Config:
+  """Two stages of steps of about ``tokens`` keys: whole pages, or parts of
+  one page when pages are longer. A step's keys are a multiple of 16 (the K
+  of the P V wgmma): pages of 8 tokens go two to a step at least."""
+  if tokens >= page or page % 32:
+    pps = max(1, min(16, tokens // page))
+    while pps & (pps - 1):
+      pps -= 1
+    if (pps * page) % 16:
+      pps = min(16, 2 * pps)
+    return Config(pages_per_step=pps, stages=2, splits=0)
+  spp = 4 if page >= 4 * tokens and (page // 4) % 16 == 0 else 2
+  return Config(pages_per_step=1, steps_per_page=spp, stages=2, splits=0)
 
 
 def _auto_splits(batch, hkv, tiles, n_steps) -> int:
@@ -664,21 +709,23 @@ def _attention_decode_mosaic(q, k_pages, v_pages, lengths, page_table, layer=Non
   tiles = dsl.cdiv(tq * g, ROWS)
   kv_dtype = k_pages.dtype
   cfg = config or _pick_config(b, hkv, tiles, max_pages, page, d, q.dtype, kv_dtype, tq * g)
-  pps = cfg.pages_per_step
-  if (pps * page) % 16 or pps * page > 256:
-    raise ValueError(f"{cfg.pages_per_step=} x {page=} must be a multiple of 16 tokens and "
-                     "at most 256 (the K dimension of the P V wgmma, the N of Q K^T)")
-  if cfg.swap_ab and (pps * page) % ROWS:
-    raise ValueError(f"swap_ab: {cfg.pages_per_step=} x {page=} must be a multiple of {ROWS} "
-                     "tokens (the M of K Q^T)")
-  n_steps = dsl.cdiv(max_pages, pps)
+  pps, spp = cfg.pages_per_step, cfg.steps_per_page
+  block_kv = cfg.step_keys(page)
+  what = f"{cfg.pages_per_step=} x {page=} / {cfg.steps_per_page=}"
+  if page % spp:
+    raise ValueError(f"{cfg.steps_per_page=} must divide {page=}")
+  if block_kv % 16 or block_kv > 256:
+    raise ValueError(f"{what} must be a multiple of 16 tokens and at most 256 (the K "
+                     "dimension of the P V wgmma, the N of Q K^T)")
+  if cfg.swap_ab and block_kv % ROWS:
+    raise ValueError(f"swap_ab: {what} must be a multiple of {ROWS} tokens (the M of K Q^T)")
+  n_steps = dsl.cdiv(max_pages * spp, pps)
   splits = cfg.splits or _auto_splits(b, hkv, tiles, n_steps)
   splits = min(splits, n_steps)
   # Steps past a sequence's last page are never run; the kernel clamps the
   # lengths to the table and the page indices of a partly used last step.
   qp = _pack_q(q, hkv)
   split_out = splits > 1
-  block_kv = pps * page
   dt = q.dtype
   persistent = cfg.blocks_per_sm > 0
   stage_out = _stage_out(cfg, tq * g, split_out, page, d, dt, kv_dtype)
@@ -710,7 +757,8 @@ def _attention_decode_mosaic(q, k_pages, v_pages, lengths, page_table, layer=Non
       plgpu.Barrier(num_arrivals=pps, num_barriers=cfg.stages),
       plgpu.Barrier(num_arrivals=pps, num_barriers=cfg.stages),
   ))
-  common = dict(tq=tq, group=g, page=page, pages_per_step=pps, stages=cfg.stages,
+  common = dict(tq=tq, group=g, page=page, pages_per_step=pps, steps_per_page=spp,
+                stages=cfg.stages,
                 scale=sm_scale, split_out=split_out, fp8=fp8, swap=cfg.swap_ab,
                 io_rows=_io_rows(tq * g), store_rows=min(rows, _io_rows(tq * g)))
   if persistent:

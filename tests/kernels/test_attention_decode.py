@@ -115,6 +115,22 @@ def test_mosaic_configs(config):
   testing.assert_close(out, ad.attention_decode_reference(*args), jnp.bfloat16)
 
 
+@pytest.mark.parametrize("config", [
+    ad.Config(steps_per_page=2, stages=2, splits=3),  # split ranges start mid-page
+    ad.Config(steps_per_page=4, stages=3, splits=1),  # ring wraps inside pages
+    ad.Config(steps_per_page=2, stages=2, splits=2, blocks_per_sm=1),  # persistent
+])
+def test_mosaic_parts_of_a_page_per_step(config, monkeypatch):
+  # 64-token pages copied 32 or 16 rows a step; lengths end inside a part,
+  # on a part boundary (32, 96) and at 1.
+  monkeypatch.setattr(ad, "_num_sms", lambda: 2)
+  args = _case(5, 2, 8, 2, 64, 64, lengths=[1, 32, 96, 150, 57])
+  out = ad.attention_decode_mosaic(*args, config=config)
+  testing.assert_close(out, ad.attention_decode_reference(*args), jnp.bfloat16)
+  if dsl.interpreting():
+    assert not dsl.races_found()
+
+
 @pytest.mark.parametrize("splits", [1, 3, 70])  # 70: past the unrolled form's limit
 def test_split_merge_is_the_softmax_over_all_keys(splits):
   # Partials of disjoint key ranges merge into the softmax over their union;
@@ -147,6 +163,8 @@ SWAP_CASES = {
                           ad.Config(pages_per_step=2, stages=3, splits=1, swap_ab=True)),
     "rows128_two_tiles": (1, 8, 16, 1, 128, 64, [100],
                           ad.Config(pages_per_step=1, stages=2, splits=2, swap_ab=True)),
+    "half_pages": (2, 1, 8, 2, 64, 128, [1, 300],
+                   ad.Config(steps_per_page=2, stages=3, splits=2, swap_ab=True)),
 }
 
 
@@ -302,6 +320,15 @@ def test_mosaic_says_why_not():
     ad.attention_decode_mosaic(*args, config=ad.Config(pages_per_step=4, swap_ab=True))
   with pytest.raises(ValueError, match="swap_ab"):
     ad.Config(swap_ab=1)
+  with pytest.raises(ValueError, match="steps_per_page"):
+    ad.Config(steps_per_page=3)
+  with pytest.raises(ValueError, match="needs pages_per_step=1"):
+    ad.Config(pages_per_step=2, steps_per_page=2)
+  args = _case(1, 1, 4, 2, 64, 32, lengths=[5])
+  with pytest.raises(ValueError, match="multiple of 16 tokens"):  # 32 / 4 = 8 keys
+    ad.attention_decode_mosaic(*args, config=ad.Config(steps_per_page=4))
+  with pytest.raises(ValueError, match="swap_ab.*multiple of 64"):
+    ad.attention_decode_mosaic(*args, config=ad.Config(steps_per_page=2, swap_ab=True))
 
 
 @pytest.mark.gpu
@@ -341,6 +368,10 @@ def test_heuristic_swaps_where_a_steps_keys_allow():
   assert pick(64, 16) == ad.Config(pages_per_step=4, stages=3, swap_ab=True)
   assert pick(1, 16) == ad.Config(pages_per_step=8, stages=2, swap_ab=True)  # split-K
   assert not pick(64, 24).swap_ab
+  # 128-token pages: half a page a step where 64 keys are wanted, whole pages
+  # under split-K.
+  assert pick(64, 128) == ad.Config(steps_per_page=2, stages=3, swap_ab=True)
+  assert pick(1, 128) == ad.Config(pages_per_step=1, stages=2, swap_ab=True)
 
 
 def test_exact_output_rows_only_where_the_staging_buffer_fits():

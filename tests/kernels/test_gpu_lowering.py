@@ -291,7 +291,7 @@ def test_attention_prefill_tabled_config_falls_back_when_the_lse_does_not_fit(mo
 
 
 DECODES = {
-    # name: (B, Tq, L, pages, config): one kernel, plus the split merge in XLA
+    # name: (B, Tq, L, pages, config[, page]): one kernel, plus the split merge in XLA
     "b1_long_splits": (1, 1, 131072, 2100, None),
     "b64_no_split": (64, 1, 4096, 4200, None),
     "speculative_tq4": (8, 4, 2048, 300, None),
@@ -305,13 +305,17 @@ DECODES = {
                         ad.Config(pages_per_step=1, stages=3, blocks_per_sm=2, swap_ab=True)),
     "swap_persistent_split": (2, 1, 8192, 300, ad.Config(pages_per_step=1, stages=2, splits=4,
                                                          blocks_per_sm=1, swap_ab=True)),
+    # 128-token pages copied half a page a step (64-row TMA boxes inside a page)
+    "half_pages": (256, 1, 512, 1100, ad.Config(steps_per_page=2, stages=3, swap_ab=True), 128),
+    "half_pages_persistent": (16, 1, 2048, 300, ad.Config(steps_per_page=2, stages=2, splits=2,
+                                                          blocks_per_sm=1, swap_ab=True), 128),
 }
 
 
 @pytest.mark.parametrize("name", DECODES)
 def test_attention_decode_lowers_for_h200(name):
-  b, tq, length, pages, cfg = DECODES[name]
-  page = ad.DEFAULT_PAGE_SIZE
+  b, tq, length, pages, cfg, *page = DECODES[name]
+  page = page[0] if page else ad.DEFAULT_PAGE_SIZE
   kw = {} if cfg is None else {"config": cfg}
   _lower(lambda q, k, v, n, t: ad.attention_decode_mosaic(q, k, v, n, t, **kw),
          S((b, tq, 32, 128), BF16), S((8, pages, page, 128), BF16),
@@ -322,8 +326,8 @@ def test_attention_decode_lowers_for_h200(name):
 def test_attention_decode_fp8_pages_lower_for_h200(name):
   # fp8 pages: converted to f16 in SMEM a step at a time (Hopper converts fp8
   # to f16 only), scales read in the kernel.
-  b, tq, length, pages, cfg = DECODES[name]
-  page = ad.DEFAULT_PAGE_SIZE
+  b, tq, length, pages, cfg, *page = DECODES[name]
+  page = page[0] if page else ad.DEFAULT_PAGE_SIZE
   kw = {} if cfg is None else {"config": cfg}
   f8 = S((8, pages, page, 128), jnp.float8_e4m3fn)
   _lower(lambda q, k, v, n, t, sc: ad.attention_decode_mosaic(q, k, v, n, t, kv_scales=sc, **kw),
