@@ -60,7 +60,7 @@ from mosaic import registry
 try:
   from kernels.attention_decode import DEFAULT_PAGE_SIZE
 except Exception:  # the decode kernel module may not import on every install
-  DEFAULT_PAGE_SIZE = 64
+  DEFAULT_PAGE_SIZE = 128
 
 # Bucket ladders: a call is padded up to the next entry so the jitted functions
 # see few distinct shapes. Beyond the last entry, the next power of two is used.
