@@ -63,6 +63,8 @@ def main():
   ap.add_argument("--iters", type=int, default=20)
   ap.add_argument("--decode-only", action="store_true",
                   help="time the decode step alone; skip the engine")
+  ap.add_argument("--page-size", type=int, default=0,
+                  help="tokens per KV page (default: the kernel's)")
   a = ap.parse_args()
   apply_model_flags(a)
   out = pathlib.Path(a.out)
@@ -73,7 +75,8 @@ def main():
   res = {"tag": a.tag, "xla_flags": os.environ.get("XLA_FLAGS", ""), "config": a.config,
          "attention": a.attention, "matmul": a.matmul}
   model = random_model(a.config, a.dtype)
-  page = E.default_page_size()
+  page = a.page_size or E.default_page_size()
+  res["page_size"] = page
   runner = E.ModelRunner(model, num_pages=a.num_pages, page_size=page, attention=a.attention,
                          matmul=a.matmul, kv_cache_dtype=a.kv_cache_dtype)
   max_pages = -(-4096 // page)
