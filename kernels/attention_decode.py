@@ -19,11 +19,12 @@ divided into ``splits`` contiguous ranges, enough that batch x kv heads x
 splits fills the SMs when the batch is small (split-K).
 Each block reads its page indices from the page table, TMA-copies
 ``pages_per_step`` pages of K and of V per step (or one part of a page,
-``steps_per_page``) into a ring of ``stages`` SMEM buffers (the copies of the next steps are in flight while this step
-computes; a hand-written ring rather than ``dsl.pipeline`` because the source
-of each copy is a page index read from the table at run time), computes S = Q K^T with wgmma into registers, masks positions past
-each row's own, runs the online softmax in float32, writes P to SMEM and
-accumulates P V with a second wgmma. A single split writes the normalized
+``steps_per_page``) into a ring of ``stages`` SMEM buffers (the copies of the
+next steps are in flight while this step computes; a hand-written ring rather
+than ``dsl.pipeline`` because the source of each copy is a page index read
+from the table at run time), computes S = Q K^T with wgmma into registers,
+masks positions past each row's own, runs the online softmax in float32,
+writes P to SMEM and accumulates P V with a second wgmma. A single split writes the normalized
 output directly; several splits write float32 partial outputs and their
 log-sum-exp, merged by a small jnp combine step. Only the packed rows of Q
 and of the output travel through HBM (rounded up to 8 rows; fewer than 8
@@ -595,7 +596,7 @@ def _pick_config(batch, hkv, tiles, max_pages, page, head_dim, dtype, kv_dtype=N
     cfg = _step_config(tokens, page)
 
     def shorter(cfg):  # the next shorter step, or None
-      if cfg.pages_per_step > 1:
+      if cfg.pages_per_step > 1 and (cfg.pages_per_step // 2 * page) % 16 == 0:
         return dataclasses.replace(cfg, pages_per_step=cfg.pages_per_step // 2)
       spp = 2 * cfg.steps_per_page
       if spp <= 4 and page % spp == 0 and (page // spp) % 16 == 0:
