@@ -157,7 +157,8 @@ def main():
     as_entry = lambda cfg: dataclasses.replace(cfg, splits=0) if cfg.splits == auto else cfg
     if args.tune:
       f = lambda cfg: functools.partial(ad._attention_decode_mosaic, sm_scale=scale, config=cfg)
-      best = _sweep(shape, f, paged_sets, ref, _space(args.configs, auto, page=page), kv_bytes, sweep)
+      best = _sweep(shape, f, paged_sets, ref, _space(args.configs, auto, page=page), kv_bytes,
+                    sweep)
       if best is not None:
         tuned[entry_key("bfloat16")] = as_entry(best)
         impls["mosaic"] = f(best)
@@ -268,10 +269,10 @@ def _space(configs: str, auto: int, fp8: bool = False, page: int = ad.DEFAULT_PA
   else:
     steps, per_sm = [(1, 2), (1, 3), (1, 4), (2, 2), (2, 3)], (0, 1, 2)
     splits = sorted({auto, 2 * auto} if auto > 1 else {1})
-  parts = [(1, 1)] + ([(1, 2)] if page >= 128 else [])  # (pages, steps) per page
-  return [ad.Config(pages_per_step=p * pp, steps_per_page=spp, stages=s, splits=sp,
+  parts = [1, 2] if page >= 128 else [1]  # steps per page (with one page a step)
+  return [ad.Config(pages_per_step=p, steps_per_page=spp, stages=s, splits=sp,
                     blocks_per_sm=bps, swap_ab=swap)
-          for p, s in steps for pp, spp in parts if p == 1 or spp == 1
+          for p, s in steps for spp in parts if p == 1 or spp == 1
           for sp in splits for bps in per_sm for swap in (False, True)]
 
 
