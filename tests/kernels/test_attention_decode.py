@@ -6,9 +6,6 @@ random and include 0, 1, non-multiples of the page size and lengths shorter
 than Tq. The Mosaic kernel runs in interpret mode on CPU (race detection on).
 """
 
-import json
-import pathlib
-
 import numpy as np
 import pytest
 
@@ -16,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from kernels import attention_decode as ad
-from mosaic import dsl, registry, testing
+from mosaic import dsl, registry, testing, tuning
 
 
 def _seed() -> int:
@@ -283,10 +280,8 @@ def test_default_backend_on_cpu_is_xla():
   args = _case(1, 1, 4, 2, 64, 16, lengths=[5])
   assert registry.get_op("attention_decode").select(*args).name == "xla"
   # The default page is one the H200 table was tuned for (bf16, D=128).
-  table = json.loads((pathlib.Path(ad.__file__).parent / "tuning" / "attention_decode"
-                      / "nvidia_h200.json").read_text())["entries"]
-  assert any(k.startswith(f"page={ad.DEFAULT_PAGE_SIZE},head_dim=128,dtype=bfloat16")
-             for k in table)
+  prefix = tuning.shape_key(page=ad.DEFAULT_PAGE_SIZE, head_dim=128, dtype="bfloat16")
+  assert any(k.startswith(prefix + ",") for k in tuning.entries("attention_decode", "nvidia_h200"))
 
 
 @pytest.mark.parametrize("bad, match", [
