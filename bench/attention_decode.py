@@ -5,6 +5,12 @@ sequence, every sequence at full length L, pages of DEFAULT_PAGE_SIZE handed
 out in random order. cuDNN runs on the same K/V laid out contiguously
 ([B, L, Hkv, D], jax.nn.dot_product_attention and torch SDPA), the rest on
 the paged cache. Effective bandwidth = K and V bytes read once / time.
+``triton_jax`` is jax's own Pallas Triton kernel
+(jax.experimental.pallas.ops.gpu.paged_attention, the anchors' "Triton
+paged"), on a cache of its own page size: a few of its page sizes, compute
+blocks and split counts are tried and the fastest correct one is reported
+(the sweep lands in ``attention_decode_sweep.json``), so the comparison is
+with its best, not its defaults.
 Every implementation is checked against the float32 reference at full size
 before it is timed, then timed on rotating K/V sets (fresh draws, the same
 page table) so that no call finds its cache in L2. ``--tune`` sweeps the Mosaic kernel's configs (each one
@@ -37,7 +43,7 @@ from kernels import attention_decode as ad
 from mosaic import bench, cost, testing, tuning
 
 HQ, HKV, D = 32, 8, 128
-IMPLS = ("mosaic", "triton", "xla", "cudnn", "torch")
+IMPLS = ("mosaic", "triton", "triton_jax", "xla", "cudnn", "torch")
 SHAPES = [(64, 4096), (8, 32768), (1, 131072), (256, 512)]  # (batch, kv length)
 
 
@@ -239,10 +245,65 @@ def main():
       torch.cuda.empty_cache()
     except Exception as e:  # noqa: BLE001
       print(f"cudnn (torch sdpa) {shape}: FAILED {_err(e)}")
+    if "triton_jax" in impl_names:
+      try:
+        row = _jax_triton(shape, contig_sets, lengths, ref, kv_bytes, sweep)
+        if row:
+          row["hbm_frac"] = cost.utilization(c, row["us"] * 1e-6).hbm_fraction
+          rows.append(row)
+      except Exception as e:  # noqa: BLE001
+        print(f"triton_jax {shape}: FAILED {_err(e)}")
+        traceback.print_exc(limit=3)
     print(f"[{time.time() - t0:.0f}s] timed {shape}")
     del k, v, kp, vp, ref, paged, contig_sets, paged_sets
     _write(args.out, rows, tuned, sweep)  # after every shape: a cut-off run keeps its data
   print(bench.table(rows, COLS))
+
+
+# jax's Pallas Triton paged kernel: (page size, pages per compute block,
+# k_splits). Its defaults are (any page, 8, 16); the keys per compute block
+# stay at 64-128, what a Triton dot of 16 query rows handles well.
+JAX_TRITON_CANDIDATES = [(16, 8, 16), (16, 8, 8), (16, 8, 32), (32, 4, 16), (64, 2, 16),
+                         (64, 1, 16), (64, 2, 8)]
+
+
+def _jax_triton(shape, contig_sets, lengths, ref, kv_bytes, sweep):
+  """jax.experimental.pallas.ops.gpu.paged_attention at its best candidate:
+  each checked against ``ref`` on its own paged copy of the same K/V, then
+  timed on rotating sets -> a result row, or None if none ran."""
+  from jax.experimental.pallas.ops.gpu import paged_attention as jpa
+
+  best = None
+  for page, ppcb, splits in JAX_TRITON_CANDIDATES:
+    n_pages = -(-contig_sets[0][1].shape[1] // page)
+    if n_pages % splits or (n_pages // splits) % min(ppcb, n_pages // splits):
+      continue  # the kernel asserts both
+    cand = {"page": page, "pages_per_compute_block": ppcb, "k_splits": splits}
+    try:
+      sets = []
+      for q, k, v in contig_sets:
+        kp, table = ad.contiguous_to_paged(k, page, seed=1)
+        vp, _ = ad.contiguous_to_paged(v, page, seed=1)
+        # It takes no softmax scale: q comes pre-scaled (outside the timed call).
+        sets.append(((q[:, 0] * D ** -0.5).astype(q.dtype), kp, vp, table, lengths))
+      f = jax.jit(functools.partial(jpa.paged_attention, pages_per_compute_block=ppcb,
+                                    k_splits=splits))
+      out = f(*sets[0])[:, None]
+      err = testing.assert_close(out, ref, jnp.bfloat16, what=f"triton_jax {shape} {cand}")
+      t = bench.time_jax(f, sets, iters=20)
+      us, error = t.median_s * 1e6, None
+      if best is None or us < best["us"]:
+        best = {"shape": shape, "impl": "triton_jax", "cache": f"paged {page}", "us": us,
+                "GB/s": kv_bytes / t.median_s / 1e9, "rel_err": err, "timer": t.timer,
+                "config": cand}
+    except Exception as e:  # noqa: BLE001 -- a bad candidate is data
+      us, error = None, _err(e)
+    finally:
+      sets = None
+    sweep.append({"shape": shape, "impl": "triton_jax", "config": cand, "us": us,
+                  "error": error})
+    print(f"  triton_jax {shape} {cand}: {f'{us:.1f} us' if us else 'failed'} {error or ''}")
+  return best
 
 
 def _space(configs: str, auto: int, fp8: bool = False, page: int = ad.DEFAULT_PAGE_SIZE):
@@ -297,7 +358,8 @@ def _sweep(shape, make, sets, ref, space, kv_bytes, sweep):
   return min(ok, key=lambda x: x[0])[1] if ok else None
 
 
-COLS = ["shape", "impl", "cache", "us", "GB/s", "hbm_frac", "vs_cudnn", "rel_err", "quant_err"]
+COLS = ["shape", "impl", "cache", "us", "GB/s", "hbm_frac", "vs_cudnn", "vs_triton",
+        "vs_triton_jax", "rel_err", "quant_err"]
 
 
 def _write(out, rows, tuned, sweep):
@@ -305,6 +367,9 @@ def _write(out, rows, tuned, sweep):
   for r in rows:
     base = by.get((r["shape"], "cudnn (jax)")) or by.get((r["shape"], "cudnn (torch sdpa)"))
     r["vs_cudnn"] = base["us"] / r["us"] if base else ""
+    for col, impl in (("vs_triton", "triton"), ("vs_triton_jax", "triton_jax")):
+      base = by.get((r["shape"], impl))
+      r[col] = base["us"] / r["us"] if base and r["impl"].startswith("mosaic") else ""
   out = pathlib.Path(out)
   out.mkdir(parents=True, exist_ok=True)
   if tuned:
