@@ -117,6 +117,15 @@ def candidates(m: int, n: int, k: int, sms: int) -> list[mm.Config]:
           # One CTA per (tile, split): the hardware balances the stream.
           cs.append(rep(base, split_k=split, stages=fits[-1], persistent=False))
           cs.append(rep(base, split_k=split, stages=2, persistent=False))  # two CTAs per SM
+    if n // 64 <= 2 * sms:
+      # Swapped operands, 64 weight columns a CTA: N / 64 CTAs (qkv 96, o and
+      # down 64) with no split and no partial sums, or twice that with two.
+      # (Wider N has tiles enough without; gate_up keeps its fused SwiGLU.)
+      tile_m = next(t for t in (8, 16, 32, 64) if t >= m)
+      for tile_k, split in ((64, 1), (128, 1), (256, 1), (128, 2), (256, 2)):
+        base = C(tile_m=tile_m, tile_n=64, tile_k=tile_k, split_k=split, swap_ab=True)
+        fits = [st for st in range(2, 16) if rep(base, stages=st).smem_bytes() <= mm.SMEM_LIMIT]
+        cs += [rep(base, stages=st) for st in {fits[-1], max(2, fits[-1] // 2)}]
   elif m <= 256:
     cs = [h, rep(h, split_k=max(1, h.split_k * 2))]
     # A CTA as tall as M reads each weight block once: 192 rows cover the
@@ -147,6 +156,9 @@ def candidates(m: int, n: int, k: int, sms: int) -> list[mm.Config]:
 
 
 def cfg_str(c: mm.Config) -> str:
+  if c.swap_ab:
+    return (f"{c.tile_m}x{c.tile_n}x{c.tile_k} swap s{c.stages}"
+            + (f" sk{c.split_k}" if c.split_k > 1 else ""))
   return (f"{c.tile_m}x{c.tile_n}x{c.tile_k}/{c.wg_dim} s{c.stages} w{c.grid_width}"
           f"{c.grid_minor}" + (f" sk{c.split_k}" if c.split_k > 1 else "")
           + ("" if c.persistent else " np"))

@@ -39,6 +39,14 @@ Hopper kernel (``mosaic`` backend), how data flows:
   CTAs so that every SM streams its share of the weights. Each split writes
   fp32 partial sums; one fused XLA reduction adds them up with the bias,
   the activation and the residual, and casts.
+- Small M, swapped operands (``Config.swap_ab``): each CTA owns 64 weight
+  columns and computes out^T = b^T a^T, the weight block as the wgmma's
+  64-row M side and the token rows as its N side (8 to 64), so no SMEM goes
+  to zero-filled rows and a [tile_k, 64] weight block is 8-32 KB a step. One
+  warpgroup keeps ``stages`` steps of copies in flight; N / 64 CTAs need no
+  split at the wide shapes, so no partial sums leave the kernel. The tile is
+  stored transposed through an untiled SMEM buffer, the bias and residual
+  added on the way.
 """
 
 from __future__ import annotations
@@ -92,8 +100,25 @@ class Config(tuning.KernelConfig):
   grid_width: int = 8
   split_k: int = 1
   persistent: bool = True
+  swap_ab: bool = False
 
   def __post_init__(self):
+    if not isinstance(self.swap_ab, bool):
+      raise ValueError(f"{self.swap_ab=} must be a bool")
+    if self.stages < 2:
+      raise ValueError(f"{self.stages=} must be >= 2")
+    if self.split_k < 1:
+      raise ValueError(f"{self.split_k=} must be >= 1")
+    if self.swap_ab:
+      # One warpgroup, one CTA per tile; wg_dim, grid_*, epi_* and
+      # persistent do not apply.
+      if self.tile_n != 64:
+        raise ValueError(f"swap_ab: {self.tile_n=} must be 64 (the wgmma's M rows)")
+      if self.tile_m not in (8, 16, 32, 64):
+        raise ValueError(f"swap_ab: {self.tile_m=} must be 8, 16, 32 or 64 (the wgmma's N)")
+      if self.tile_k not in (64, 128, 256):
+        raise ValueError(f"swap_ab: {self.tile_k=} must be 64, 128 or 256 (a TMA box)")
+      return
     if self.tile_m not in (64, 128, 192, 256):
       raise ValueError(f"{self.tile_m=} must be one of 64, 128, 192, 256 (wgmma rows)")
     if self.tile_n not in (64, 128, 192, 256):
@@ -105,8 +130,6 @@ class Config(tuning.KernelConfig):
       # 32 (64-byte rows of bf16) runs in interpret mode, but Mosaic GPU finds
       # no register layout for its wgmma operands (tests/kernels/test_gpu_lowering.py).
       raise ValueError(f"{self.tile_k=} must be 64 or 128 (32 does not lower for Hopper wgmma)")
-    if self.stages < 2:
-      raise ValueError(f"{self.stages=} must be >= 2")
     if self.epi_m % 64 or self.tile_m % self.epi_m:
       raise ValueError(f"{self.epi_m=} must be a multiple of 64 dividing {self.tile_m=}")
     if self.epi_n % 16 or self.tile_n % self.epi_n:
@@ -118,18 +141,19 @@ class Config(tuning.KernelConfig):
       raise ValueError(f"{self.grid_minor=} must be 'm' or 'n'")
     if self.grid_width < 1:
       raise ValueError(f"{self.grid_width=} must be >= 1")
-    if self.split_k < 1:
-      raise ValueError(f"{self.split_k=} must be >= 1")
 
   @property
   def cta_m(self) -> int:
-    return self.tile_m * (2 if self.wg_dim == "m" else 1)
+    return self.tile_m * (2 if self.wg_dim == "m" and not self.swap_ab else 1)
 
   @property
   def cta_n(self) -> int:
-    return self.tile_n * (2 if self.wg_dim == "n" else 1)
+    return self.tile_n * (2 if self.wg_dim == "n" and not self.swap_ab else 1)
 
   def smem_bytes(self, in_itemsize: int = 2, out_itemsize: int = 2) -> int:
+    if self.swap_ab:  # the ring, a float32 and an output-dtype staging tile, the bias
+      ring = self.stages * (self.tile_m + self.tile_n) * self.tile_k * in_itemsize
+      return ring + self.tile_m * self.tile_n * (4 + out_itemsize) + self.tile_n * 4 + 1024
     ring = self.stages * (self.cta_m + self.cta_n) * self.tile_k * in_itemsize
     out_isz = 4 if self.split_k > 1 else out_itemsize
     epi = 2 * 2 * self.epi_m * self.epi_n * out_isz
@@ -276,6 +300,112 @@ def _kernel(layer_gmem, a_gmem, b_gmem, bias_gmem, res_gmem, out_gmem, *, cfg: C
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
+def _swap_kernel(layer_gmem, a_gmem, b_gmem, *refs, cfg: Config, k_iters: int,
+                 has_bias: bool, has_res: bool, split_out: bool):
+  """One CTA per (64 weight columns n, tile_m rows m, split s) with swapped
+  operands: acc [64, tile_m] = b[ks, cols]^T a[rows, ks]^T summed over the
+  split's K blocks, i.e. the transposed output tile. A single warpgroup
+  issues the copies of a step ``stages`` ahead of its wgmma, so the weight
+  stream never waits on compute (M <= 64 is little compute)."""
+  refs = list(refs)
+  bias_gmem = refs.pop(0) if has_bias else None
+  res_gmem = refs.pop(0) if has_res else None
+  out_gmem, a_smem, b_smem, stage_smem, out_smem, bias_smem, (bars, epi_bars) = refs
+  layer = dsl.layer_index(layer_gmem, b_gmem.shape[0])
+  b_gmem = b_gmem.at[layer]
+  ni, mi, s = lax.axis_index("n"), lax.axis_index("m"), lax.axis_index("s")
+  tm, tn, tk, stages = cfg.tile_m, cfg.tile_n, cfg.tile_k, cfg.stages
+  kps = dsl.cdiv(k_iters, cfg.split_k)
+  first = s * kps
+  n_steps = jnp.minimum(kps, k_iters - first)  # >= 1 (see _splits)
+  rows, cols = pl.ds(mi * tm, tm), pl.ds(ni * tn, tn)
+
+  def issue(step, slot):
+    ks = pl.ds((first + step) * tk, tk)
+    plgpu.copy_gmem_to_smem(b_gmem.at[ks, cols], b_smem.at[slot], bars.at[slot])
+    plgpu.copy_gmem_to_smem(a_gmem.at[rows, ks], a_smem.at[slot], bars.at[slot])
+
+  for i in range(stages):
+    @pl.when(i < n_steps)
+    def _():
+      issue(i, i)
+
+  # The epilogue's operands, copied while the K loop runs.
+  if bias_gmem is not None:
+    plgpu.copy_gmem_to_smem(bias_gmem.at[layer, cols], bias_smem, epi_bars.at[0])
+  if res_gmem is not None:
+    plgpu.copy_gmem_to_smem(res_gmem.at[rows, cols], out_smem, epi_bars.at[1])
+
+  def k_loop(acc_ref):
+    def body(i, carry):
+      slot = lax.rem(i, jnp.int32(stages))
+      plgpu.barrier_wait(bars.at[slot])
+      plgpu.wgmma(acc_ref, dsl.transpose(b_smem.at[slot]), dsl.transpose(a_smem.at[slot]))
+      plgpu.wgmma_wait(0)  # the slot is read: free for the step `stages` ahead
+
+      @pl.when(i + stages < n_steps)
+      def _():
+        issue(i + stages, slot)
+
+      return carry
+
+    lax.fori_loop(0, n_steps, body, jnp.int32(0))
+    return acc_ref[...]
+
+  with jax.named_scope("k_loop"):
+    acc = pl.run_scoped(k_loop, plgpu.ACC((tn, tm), jnp.float32))
+  if bias_gmem is not None:
+    plgpu.barrier_wait(epi_bars.at[0])
+    bias = plgpu.load(bias_smem, (), layout=plgpu.Layout.WGMMA.reduce(1))
+    acc = acc + lax.broadcast_in_dim(bias.astype(jnp.float32), acc.shape, [0])
+  # The transposed store needs an untiled buffer; a residual is added after
+  # it, both read back in one plain layout.
+  staged = stage_smem if split_out or res_gmem is not None else out_smem
+  dsl.transpose(staged)[...] = plgpu.layout_cast(acc.astype(staged.dtype),
+                                                 plgpu.Layout.WGMMA_TRANSPOSED)
+  plgpu.commit_smem()
+  if res_gmem is not None:
+    plgpu.barrier_wait(epi_bars.at[1])
+    y = staged[...] + out_smem[...].astype(jnp.float32)
+    out_smem[...] = y.astype(out_smem.dtype)
+    plgpu.commit_smem()
+    staged = out_smem
+  out = out_gmem.at[s] if split_out else out_gmem
+  plgpu.copy_smem_to_gmem(staged, out.at[rows, cols])
+  plgpu.wait_smem_to_gmem(0)
+
+
+def _run_swap(layer_arr, a, b, bias, residual, *, cfg: Config, k_iters: int, out_dtype):
+  """The ``swap_ab`` launch: grid (N / 64, M tiles, splits); returns the
+  [M, N] output, or [splits, M, N] float32 partials."""
+  m, _ = a.shape
+  n = b.shape[-1]
+  split_out = cfg.split_k > 1
+  tm, tn, tk = cfg.tile_m, cfg.tile_n, cfg.tile_k
+  operands = [layer_arr, a, b] + [x for x in (bias, residual) if x is not None]
+  body = functools.partial(_swap_kernel, cfg=cfg, k_iters=k_iters, has_bias=bias is not None,
+                           has_res=residual is not None, split_out=split_out)
+  out_type = (jax.ShapeDtypeStruct((cfg.split_k, m, n), jnp.float32) if split_out
+              else jax.ShapeDtypeStruct((m, n), out_dtype))
+  ring = lambda shape: plgpu.SMEM((cfg.stages, *shape), a.dtype,
+                                  transforms=dsl.smem_transforms(shape, a.dtype))
+  scratch = [
+      ring((tm, tk)),
+      ring((tk, tn)),
+      plgpu.SMEM((tm, tn), jnp.float32),
+      plgpu.SMEM((tm, tn), out_dtype),
+      plgpu.SMEM((tn,), jnp.float32 if bias is None else bias.dtype),
+      (plgpu.Barrier(num_arrivals=2, num_barriers=cfg.stages), plgpu.Barrier(num_barriers=2)),
+  ]
+  return dsl.kernel(
+      body,
+      out_type=out_type,
+      grid=(n // tn, dsl.cdiv(m, tm), cfg.split_k),
+      grid_names=("n", "m", "s"),
+      scratch_types=scratch,
+  )(*operands)
+
+
 def _num_sms() -> int:
   if dsl.interpreting():
     return 4
@@ -293,6 +423,14 @@ def _run(a, b, bias, residual, layer=None, *, cfg: Config, out_dtype, activation
   k_iters = dsl.cdiv(k, cfg.tile_k)
   cfg = dataclasses.replace(cfg, split_k=_splits(cfg, k))
   split_out = cfg.split_k > 1
+  if cfg.swap_ab:
+    keep = not split_out  # else bias and residual join the partial sum below
+    out = _run_swap(layer_arr, a, b, bias if keep else None, residual if keep else None,
+                    cfg=cfg, k_iters=k_iters, out_dtype=jnp.dtype(out_dtype))
+    if not split_out:
+      return out
+    bias = None if bias is None else dsl.take_layer(bias, layer_arr[0])
+    return _epilogue(out.sum(axis=0), bias, residual, out_dtype, activation)
   tiles = dsl.cdiv(m, cfg.cta_m) * dsl.cdiv(n, cfg.cta_n) * cfg.split_k
   grid = tiles if not cfg.persistent else max(1, min(_num_sms(), tiles))
   out_n = n // 2 if activation == "swiglu" else n
@@ -342,6 +480,8 @@ def _swiglu_tile_error(cfg: Config, k: int) -> str | None:
   each consumer's tile must be one [gate | up] block pair."""
   if _splits(cfg, k) > 1:
     return None  # the gate runs after the partial sums, outside the kernel
+  if cfg.swap_ab:
+    return "swap_ab fuses no SwiGLU gate: it needs split_k > 1 (the gate after the sums)"
   if cfg.tile_n != 2 * SWIGLU_BLOCK or SWIGLU_BLOCK % cfg.epi_n:
     return (f"swiglu needs tile_n = 2 x SWIGLU_BLOCK = {2 * SWIGLU_BLOCK} and epi_n dividing "
             f"{SWIGLU_BLOCK}; got {cfg.tile_n=}, {cfg.epi_n=}")
@@ -504,6 +644,8 @@ def pick_config(m: int, n: int, k: int, dtype, activation=None) -> Config:
   sms = 132 if dsl.interpreting() else _num_sms()
   cfg = tuning.lookup(OP, tuning_key(m, n, k, dtype), Config, lambda: heuristic(m, n, k, sms))
   if activation == "swiglu" and _swiglu_tile_error(cfg, k):
+    if cfg.swap_ab:
+      cfg = heuristic(m, n, k, sms)
     cfg = dataclasses.replace(cfg, tile_n=2 * SWIGLU_BLOCK, epi_n=min(cfg.epi_n, SWIGLU_BLOCK))
   return cfg
 

@@ -71,6 +71,15 @@ MOSAIC_CASES = [
     # The mixed step's rows (decode batch + prompt chunk) in one 192-row tile.
     pytest.param(136, 128, 128, C(tile_m=192, tile_n=64, stages=2), False, True, None,
                  jnp.bfloat16, id="192-row-tile"),
+    # swap_ab: weight columns as the wgmma's M, token rows as its N.
+    pytest.param(1, 128, 320, C(tile_m=8, tile_n=64, tile_k=128, stages=2, swap_ab=True), True,
+                 True, None, jnp.bfloat16, id="swap-m1-partial-k-bias-residual"),
+    pytest.param(40, 192, 256, C(tile_m=32, tile_n=64, stages=3, split_k=2, swap_ab=True), True,
+                 True, None, jnp.bfloat16, id="swap-partial-m-tile-split-k"),
+    pytest.param(16, 64, 512, C(tile_m=16, tile_n=64, tile_k=256, stages=2, swap_ab=True), False,
+                 False, jnp.float32, jnp.float16, id="swap-fp16-f32-out-256-k"),
+    pytest.param(5, 128, 192, C(tile_m=8, tile_n=64, stages=4, swap_ab=True), False, True,
+                 jnp.float32, jnp.bfloat16, id="swap-ring-deeper-than-k-f32-residual"),
 ]
 
 
@@ -94,6 +103,8 @@ LAYER_CASES = [
     pytest.param(72, 128, 128, C(tile_m=64, tile_n=64, stages=2), True, True, id="plain"),
     pytest.param(1, 128, 256, C(tile_m=64, tile_n=64, stages=2, split_k=2), True, False,
                  id="split-k"),
+    pytest.param(8, 128, 128, C(tile_m=8, tile_n=64, stages=2, swap_ab=True), True, True,
+                 id="swap-ab"),
 ]
 
 
