@@ -4,7 +4,7 @@ On CPU the mosaic kernel runs in Mosaic GPU interpret mode (race detection
 on, see conftest) at the smallest shapes that reach each code path: ragged
 M / N / K (TMA zero fill and clipped stores), bias and residual epilogues,
 split-K partials, both warpgroup splits, several tiles per persistent CTA,
-and fp16 / fp32 outputs.
+fp16 / fp32 outputs, and the swapped-operand small-M path.
 """
 
 import dataclasses
@@ -262,6 +262,8 @@ def test_bad_inputs_are_rejected():
     dict(epi_n=48), dict(wg_dim="k"), dict(split_k=0),
     # Accepted by the interpreter, but not lowered for the GPU (test_gpu_lowering).
     dict(tile_n=32), dict(tile_k=32), dict(tile_n=64, epi_n=8),
+    dict(swap_ab=True, tile_m=8, tile_n=128), dict(swap_ab=True, tile_n=64, tile_m=12),
+    dict(swap_ab=True, tile_n=64, tile_m=8, tile_k=32), dict(swap_ab=1),
 ])
 def test_config_validation(bad):
   with pytest.raises(ValueError):
@@ -272,7 +274,9 @@ def test_config_validation(bad):
 @pytest.mark.parametrize("m,n,k", [(8192, 8192, 8192), (2048, 6144, 4096), (1, 28672, 4096),
                                    (64, 4096, 14336), (304, 1088, 1088), (7, 49152, 576),
                                    # the mixed step's 64 decode rows + a 128-token chunk
-                                   (192, 6144, 4096), (192, 4096, 14336), (136, 4096, 4096)])
+                                   (192, 6144, 4096), (192, 4096, 14336), (136, 4096, 4096),
+                                   # the H200 table's swap_ab entries, M=5 ragged in a 16-row tile
+                                   (1, 4096, 14336), (16, 6144, 4096), (5, 4096, 4096)])
 def test_mosaic_gpu_full_size(m, n, k):
   a, b, bias, res = _inputs(m, n, k)
   out = registry.get_op("matmul")(a, b, bias=bias, residual=res, backend="mosaic")
