@@ -93,8 +93,9 @@ def _ref(a, b, activation=None):
   return mm.matmul_reference(a, b, activation=activation)
 
 
-def candidates(m: int, n: int, k: int, sms: int) -> list[mm.Config]:
-  """A handful of configs around the heuristic's choice."""
+def candidates(m: int, n: int, k: int, sms: int, activation=None) -> list[mm.Config]:
+  """A handful of configs around the heuristic's choice (with a fused SwiGLU,
+  those whose tiles hold whole [gate | up] pairs)."""
   h = mm.heuristic(m, n, k, sms)
   C, rep = mm.Config, dataclasses.replace
   if m <= 64:
@@ -117,14 +118,19 @@ def candidates(m: int, n: int, k: int, sms: int) -> list[mm.Config]:
           # One CTA per (tile, split): the hardware balances the stream.
           cs.append(rep(base, split_k=split, stages=fits[-1], persistent=False))
           cs.append(rep(base, split_k=split, stages=2, persistent=False))  # two CTAs per SM
+    # Swapped operands, 64 weight columns a CTA: N / 64 CTAs (qkv 96, o and
+    # down 64) with no split and no partial sums, or twice that with two.
+    # Wide N (gate_up, lm_head) has CTAs enough: 64 or 128 columns, no split.
+    tile_m = next(t for t in (8, 16, 32, 64) if t >= m)
     if n // 64 <= 2 * sms:
-      # Swapped operands, 64 weight columns a CTA: N / 64 CTAs (qkv 96, o and
-      # down 64) with no split and no partial sums, or twice that with two.
-      # (Wider N has tiles enough without; gate_up keeps its fused SwiGLU.)
-      tile_m = next(t for t in (8, 16, 32, 64) if t >= m)
-      for tile_k, split in ((64, 1), (128, 1), (256, 1), (128, 2), (256, 2)):
-        base = C(tile_m=tile_m, tile_n=64, tile_k=tile_k, split_k=split, swap_ab=True)
-        fits = [st for st in range(2, 16) if rep(base, stages=st).smem_bytes() <= mm.SMEM_LIMIT]
+      shapes_ = [(64, tile_k, split) for tile_k, split in
+                 ((64, 1), (128, 1), (256, 1), (128, 2), (256, 2))]
+    else:
+      shapes_ = [(tile_n, tile_k, 1) for tile_n in (64, 128) for tile_k in (128, 256)]
+    for tile_n, tile_k, split in shapes_:
+      base = C(tile_m=tile_m, tile_n=tile_n, tile_k=tile_k, split_k=split, swap_ab=True)
+      fits = [st for st in range(2, 16) if rep(base, stages=st).smem_bytes() <= mm.SMEM_LIMIT]
+      if fits:
         cs += [rep(base, stages=st) for st in {fits[-1], max(2, fits[-1] // 2)}]
   elif m <= 256:
     cs = [h, rep(h, split_k=max(1, h.split_k * 2))]
@@ -147,6 +153,8 @@ def candidates(m: int, n: int, k: int, sms: int) -> list[mm.Config]:
   else:
     cs = [h, rep(h, wg_dim="m"), rep(h, grid_width=16), rep(h, grid_width=4),
           rep(h, grid_minor="m"), C(tile_m=64, tile_n=256, stages=4, wg_dim="m", epi_n=64)]
+  if activation == "swiglu":
+    cs = [c for c in cs if mm._swiglu_tile_error(c, k) is None]
   seen, out = set(), []
   for c in cs:
     if c not in seen and c.smem_bytes() <= mm.SMEM_LIMIT:
@@ -289,38 +297,38 @@ def main(argv=None):
 
   if args.tune:
     for name, m, n, k in tune_todo:
-      if name in ACTIVATION:  # runs with the plain shape's config
-        continue
+      act = ACTIVATION.get(name)  # a fused activation is tuned into entries of its own
       if time.time() - t_start > args.budget_s:
         tune_log.append({"shape": name, "M": m, "skipped": "budget"})
         continue
       tsets = _input_sets(jax.random.key(m + n + k), m, n, k, 1 if args.small else None)
       a, b = tsets[0]
-      ref = _ref(a, b)
+      ref = _ref(a, b, activation=act)
 
       def check(out):
         err = float(_rel_err(out, ref))
         if not err <= tol:
           raise AssertionError(f"relative error {err:.3e}")
 
-      cands = candidates(m, n, k, sms)
+      cands = candidates(m, n, k, sms, act)
       if args.match:
         keep = args.match.split(",")
-        cands = [mm.fit_smem(mm.pick_config(m, n, k, jnp.bfloat16))] + [
+        cands = [mm.fit_smem(mm.pick_config(m, n, k, jnp.bfloat16, act))] + [
             c for c in cands if any(s_ in cfg_str(c) for s_ in keep)]
       try:
         best, results = tuning.autotune(
             cands,
-            lambda cfg: mm.matmul_mosaic(a, b, config=cfg),
+            lambda cfg: mm.matmul_mosaic(a, b, config=cfg, activation=act),
             check,
             lambda cfg: bench.time_jax(
-                jax.jit(lambda a, b, cfg=cfg: mm.matmul_mosaic(a, b, config=cfg)),
+                jax.jit(lambda a, b, cfg=cfg: mm.matmul_mosaic(a, b, config=cfg,
+                                                              activation=act)),
                 tsets, iters=10, warmup=1).median_s,
         )
       except RuntimeError as e:
         tune_log.append({"shape": name, "M": m, "error": str(e)[:500]})
         continue
-      winners[mm.tuning_key(m, n, k, jnp.bfloat16)] = best
+      winners[mm.tuning_key(m, n, k, jnp.bfloat16, act)] = best
       for r in results:
         tune_log.append({"shape": name, "M": m, "N": n, "K": k, "config": cfg_str(r.config),
                          "us": None if r.seconds is None else r.seconds * 1e6,

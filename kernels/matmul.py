@@ -39,14 +39,16 @@ Hopper kernel (``mosaic`` backend), how data flows:
   CTAs so that every SM streams its share of the weights. Each split writes
   fp32 partial sums; one fused XLA reduction adds them up with the bias,
   the activation and the residual, and casts.
-- Small M, swapped operands (``Config.swap_ab``): each CTA owns 64 weight
-  columns and computes out^T = b^T a^T, the weight block as the wgmma's
-  64-row M side and the token rows as its N side (8 to 64), so no SMEM goes
-  to zero-filled rows and a [tile_k, 64] weight block is 8-32 KB a step. One
-  warpgroup keeps ``stages`` steps of copies in flight; N / 64 CTAs need no
-  split at the wide shapes, so no partial sums leave the kernel. The tile is
-  stored transposed through an untiled SMEM buffer, the bias and residual
-  added on the way.
+- Small M, swapped operands (``Config.swap_ab``): each CTA owns 64 or 128
+  weight columns and computes out^T = b^T a^T, the weight block as the
+  wgmma's M side and the token rows as its N side (8 to 64), so no SMEM goes
+  to zero-filled rows and a [tile_k, tile_n] weight block is 8-64 KB a step.
+  One warpgroup keeps ``stages`` steps of copies in flight; N / tile_n CTAs
+  need no split at the layer shapes, so no partial sums leave the kernel.
+  The tile is stored transposed through an untiled SMEM buffer, the bias,
+  the SwiGLU gate (128 columns: one [gate | up] block pair, so the gate's
+  rows and the up rows sit in the same thread) and the residual applied on
+  the way.
 """
 
 from __future__ import annotations
@@ -112,8 +114,8 @@ class Config(tuning.KernelConfig):
     if self.swap_ab:
       # One warpgroup, one CTA per tile; wg_dim, grid_*, epi_* and
       # persistent do not apply.
-      if self.tile_n != 64:
-        raise ValueError(f"swap_ab: {self.tile_n=} must be 64 (the wgmma's M rows)")
+      if self.tile_n not in (64, 128):
+        raise ValueError(f"swap_ab: {self.tile_n=} must be 64 or 128 (the wgmma's M rows)")
       if self.tile_m not in (8, 16, 32, 64):
         raise ValueError(f"swap_ab: {self.tile_m=} must be 8, 16, 32 or 64 (the wgmma's N)")
       if self.tile_k not in (64, 128, 256):
@@ -301,12 +303,14 @@ def _kernel(layer_gmem, a_gmem, b_gmem, bias_gmem, res_gmem, out_gmem, *, cfg: C
 
 
 def _swap_kernel(layer_gmem, a_gmem, b_gmem, *refs, cfg: Config, k_iters: int,
-                 has_bias: bool, has_res: bool, split_out: bool):
-  """One CTA per (64 weight columns n, tile_m rows m, split s) with swapped
-  operands: acc [64, tile_m] = b[ks, cols]^T a[rows, ks]^T summed over the
-  split's K blocks, i.e. the transposed output tile. A single warpgroup
-  issues the copies of a step ``stages`` ahead of its wgmma, so the weight
-  stream never waits on compute (M <= 64 is little compute)."""
+                 has_bias: bool, has_res: bool, split_out: bool, swiglu: bool):
+  """One CTA per (tile_n weight columns n, tile_m rows m, split s) with
+  swapped operands: acc [tile_n, tile_m] = b[ks, cols]^T a[rows, ks]^T summed
+  over the split's K blocks, i.e. the transposed output tile. A single
+  warpgroup issues the copies of a step ``stages`` ahead of its wgmma, so
+  the weight stream never waits on compute (M <= 64 is little compute).
+  With ``swiglu`` the tile is one [gate | up] block pair and the output
+  tile is [tile_m, tile_n / 2]."""
   refs = list(refs)
   bias_gmem = refs.pop(0) if has_bias else None
   res_gmem = refs.pop(0) if has_res else None
@@ -318,7 +322,9 @@ def _swap_kernel(layer_gmem, a_gmem, b_gmem, *refs, cfg: Config, k_iters: int,
   kps = dsl.cdiv(k_iters, cfg.split_k)
   first = s * kps
   n_steps = jnp.minimum(kps, k_iters - first)  # >= 1 (see _splits)
+  out_tn = tn // 2 if swiglu else tn
   rows, cols = pl.ds(mi * tm, tm), pl.ds(ni * tn, tn)
+  out_cols = pl.ds(ni * out_tn, out_tn)
 
   def issue(step, slot):
     ks = pl.ds((first + step) * tk, tk)
@@ -334,7 +340,7 @@ def _swap_kernel(layer_gmem, a_gmem, b_gmem, *refs, cfg: Config, k_iters: int,
   if bias_gmem is not None:
     plgpu.copy_gmem_to_smem(bias_gmem.at[layer, cols], bias_smem, epi_bars.at[0])
   if res_gmem is not None:
-    plgpu.copy_gmem_to_smem(res_gmem.at[rows, cols], out_smem, epi_bars.at[1])
+    plgpu.copy_gmem_to_smem(res_gmem.at[rows, out_cols], out_smem, epi_bars.at[1])
 
   def k_loop(acc_ref):
     def body(i, carry):
@@ -358,6 +364,9 @@ def _swap_kernel(layer_gmem, a_gmem, b_gmem, *refs, cfg: Config, k_iters: int,
     plgpu.barrier_wait(epi_bars.at[0])
     bias = plgpu.load(bias_smem, (), layout=plgpu.Layout.WGMMA.reduce(1))
     acc = acc + lax.broadcast_in_dim(bias.astype(jnp.float32), acc.shape, [0])
+  if swiglu:
+    gate, up = acc[:out_tn], acc[out_tn:]
+    acc = gate / (1.0 + jnp.exp(-gate)) * up
   # The transposed store needs an untiled buffer; a residual is added after
   # it, both read back in one plain layout.
   staged = stage_smem if split_out or res_gmem is not None else out_smem
@@ -371,29 +380,32 @@ def _swap_kernel(layer_gmem, a_gmem, b_gmem, *refs, cfg: Config, k_iters: int,
     plgpu.commit_smem()
     staged = out_smem
   out = out_gmem.at[s] if split_out else out_gmem
-  plgpu.copy_smem_to_gmem(staged, out.at[rows, cols])
+  plgpu.copy_smem_to_gmem(staged, out.at[rows, out_cols])
   plgpu.wait_smem_to_gmem(0)
 
 
-def _run_swap(layer_arr, a, b, bias, residual, *, cfg: Config, k_iters: int, out_dtype):
-  """The ``swap_ab`` launch: grid (N / 64, M tiles, splits); returns the
-  [M, N] output, or [splits, M, N] float32 partials."""
+def _run_swap(layer_arr, a, b, bias, residual, *, cfg: Config, k_iters: int, out_dtype,
+              activation=None):
+  """The ``swap_ab`` launch: grid (N / tile_n, M tiles, splits); returns the
+  [M, N] output ([M, N / 2] with swiglu), or [splits, M, N] float32 partials."""
   m, _ = a.shape
   n = b.shape[-1]
   split_out = cfg.split_k > 1
+  swiglu = activation == "swiglu" and not split_out
   tm, tn, tk = cfg.tile_m, cfg.tile_n, cfg.tile_k
+  out_tn = tn // 2 if swiglu else tn
   operands = [layer_arr, a, b] + [x for x in (bias, residual) if x is not None]
   body = functools.partial(_swap_kernel, cfg=cfg, k_iters=k_iters, has_bias=bias is not None,
-                           has_res=residual is not None, split_out=split_out)
+                           has_res=residual is not None, split_out=split_out, swiglu=swiglu)
   out_type = (jax.ShapeDtypeStruct((cfg.split_k, m, n), jnp.float32) if split_out
-              else jax.ShapeDtypeStruct((m, n), out_dtype))
+              else jax.ShapeDtypeStruct((m, n // 2 if swiglu else n), out_dtype))
   ring = lambda shape: plgpu.SMEM((cfg.stages, *shape), a.dtype,
                                   transforms=dsl.smem_transforms(shape, a.dtype))
   scratch = [
       ring((tm, tk)),
       ring((tk, tn)),
-      plgpu.SMEM((tm, tn), jnp.float32),
-      plgpu.SMEM((tm, tn), out_dtype),
+      plgpu.SMEM((tm, out_tn), jnp.float32),
+      plgpu.SMEM((tm, out_tn), out_dtype),
       plgpu.SMEM((tn,), jnp.float32 if bias is None else bias.dtype),
       (plgpu.Barrier(num_arrivals=2, num_barriers=cfg.stages), plgpu.Barrier(num_barriers=2)),
   ]
@@ -426,7 +438,8 @@ def _run(a, b, bias, residual, layer=None, *, cfg: Config, out_dtype, activation
   if cfg.swap_ab:
     keep = not split_out  # else bias and residual join the partial sum below
     out = _run_swap(layer_arr, a, b, bias if keep else None, residual if keep else None,
-                    cfg=cfg, k_iters=k_iters, out_dtype=jnp.dtype(out_dtype))
+                    cfg=cfg, k_iters=k_iters, out_dtype=jnp.dtype(out_dtype),
+                    activation=activation)
     if not split_out:
       return out
     bias = None if bias is None else dsl.take_layer(bias, layer_arr[0])
@@ -481,7 +494,10 @@ def _swiglu_tile_error(cfg: Config, k: int) -> str | None:
   if _splits(cfg, k) > 1:
     return None  # the gate runs after the partial sums, outside the kernel
   if cfg.swap_ab:
-    return "swap_ab fuses no SwiGLU gate: it needs split_k > 1 (the gate after the sums)"
+    if cfg.tile_n != 2 * SWIGLU_BLOCK:
+      return (f"swiglu with swap_ab needs tile_n = 2 x SWIGLU_BLOCK = {2 * SWIGLU_BLOCK} (one "
+              f"[gate | up] block pair); got {cfg.tile_n=}")
+    return None
   if cfg.tile_n != 2 * SWIGLU_BLOCK or SWIGLU_BLOCK % cfg.epi_n:
     return (f"swiglu needs tile_n = 2 x SWIGLU_BLOCK = {2 * SWIGLU_BLOCK} and epi_n dividing "
             f"{SWIGLU_BLOCK}; got {cfg.tile_n=}, {cfg.epi_n=}")
@@ -633,20 +649,30 @@ def fit_smem(cfg: Config, in_itemsize: int = 2, out_itemsize: int = 2) -> Config
 M_BUCKETS = (1, 16, 64, 128, 192, 256, 2048, 8192)
 
 
-def tuning_key(m: int, n: int, k: int, dtype) -> str:
-  return tuning.shape_key(m=tuning.bucket(m, M_BUCKETS), n=n, k=k, dtype=jnp.dtype(dtype).name)
+def tuning_key(m: int, n: int, k: int, dtype, activation=None) -> str:
+  """The table key of a shape; a fused activation has entries of its own
+  (``act=swiglu``), since its tile must hold whole [gate | up] pairs."""
+  dims = dict(m=tuning.bucket(m, M_BUCKETS), n=n, k=k, dtype=jnp.dtype(dtype).name)
+  if activation is not None:
+    dims["act"] = activation
+  return tuning.shape_key(**dims)
 
 
 def pick_config(m: int, n: int, k: int, dtype, activation=None) -> Config:
-  """The tuning table's config for the shape (else the heuristic's); with a
-  fused SwiGLU and no split-K, its tile is fitted to one [gate | up] block pair
-  per consumer, keeping the shape's schedule."""
+  """The tuning table's config for the shape (with a fused activation, its
+  own entry first, else the plain shape's, else the heuristic's). A SwiGLU
+  tile without split-K is fitted to one [gate | up] block pair per consumer,
+  keeping the shape's schedule."""
   sms = 132 if dsl.interpreting() else _num_sms()
-  cfg = tuning.lookup(OP, tuning_key(m, n, k, dtype), Config, lambda: heuristic(m, n, k, sms))
+  plain = lambda: tuning.lookup(OP, tuning_key(m, n, k, dtype), Config,
+                                lambda: heuristic(m, n, k, sms))
+  cfg = plain() if activation is None else tuning.lookup(
+      OP, tuning_key(m, n, k, dtype, activation), Config, plain)
   if activation == "swiglu" and _swiglu_tile_error(cfg, k):
     if cfg.swap_ab:
-      cfg = heuristic(m, n, k, sms)
-    cfg = dataclasses.replace(cfg, tile_n=2 * SWIGLU_BLOCK, epi_n=min(cfg.epi_n, SWIGLU_BLOCK))
+      cfg = dataclasses.replace(cfg, tile_n=2 * SWIGLU_BLOCK)
+    else:
+      cfg = dataclasses.replace(cfg, tile_n=2 * SWIGLU_BLOCK, epi_n=min(cfg.epi_n, SWIGLU_BLOCK))
   return cfg
 
 

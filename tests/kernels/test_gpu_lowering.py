@@ -183,25 +183,32 @@ HOPPER_EDGES = [
 ]
 
 
-# swap_ab (small M): every token tile and K block, deep rings, the split
-# partials, and the epilogue's bias and residual.
+# swap_ab (small M): every token tile and K block, both column tiles, deep
+# rings, the split partials, and the epilogue's bias, residual and SwiGLU gate.
 SWAP_EDGES = [
     (1, dict(tile_m=8, tile_k=256, stages=5), ("bias", "residual")),
     (16, dict(tile_m=16, tile_k=128, stages=10), ("residual",)),
     (40, dict(tile_m=32, tile_k=64, stages=6, split_k=2), ("bias", "residual")),
     (64, dict(tile_m=64, tile_k=128, stages=6), ()),
+    (16, dict(tile_m=16, tile_n=128, tile_k=128, stages=5), ("bias", "residual")),
+    (1, dict(tile_m=8, tile_n=128, tile_k=128, stages=6), ("swiglu", "bias", "residual")),
+    (64, dict(tile_m=64, tile_n=128, tile_k=64, stages=6), ("swiglu",)),
 ]
 
 
 @pytest.mark.parametrize("edge", range(len(SWAP_EDGES)))
 def test_matmul_swap_ab_lowers_for_h200(edge):
   m, kw, extras = SWAP_EDGES[edge]
-  cfg = mm.Config(tile_n=64, swap_ab=True, **kw)
-  n, k = 4096, 14336
-  args = [S((m, k), BF16), S((k, n), BF16)] + [S((n,) if e == "bias" else (m, n), BF16)
+  cfg = mm.Config(**{"tile_n": 64, **kw}, swap_ab=True)
+  swiglu = "swiglu" in extras
+  extras = tuple(e for e in extras if e != "swiglu")
+  n, k = (28672, 4096) if swiglu else (4096, 14336)
+  out_n = n // 2 if swiglu else n
+  args = [S((m, k), BF16), S((k, n), BF16)] + [S((n,) if e == "bias" else (m, out_n), BF16)
                                                for e in extras]
-  _lower(lambda a, b, *rest: mm.matmul_mosaic(a, b, config=cfg, **dict(zip(extras, rest))),
-         *args)
+  act = dict(activation="swiglu") if swiglu else {}
+  _lower(lambda a, b, *rest: mm.matmul_mosaic(a, b, config=cfg, **act,
+                                              **dict(zip(extras, rest))), *args)
 
 
 @pytest.mark.parametrize("edge", range(len(HOPPER_EDGES)))

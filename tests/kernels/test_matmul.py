@@ -80,6 +80,8 @@ MOSAIC_CASES = [
                  False, jnp.float32, jnp.float16, id="swap-fp16-f32-out-256-k"),
     pytest.param(5, 128, 192, C(tile_m=8, tile_n=64, stages=4, swap_ab=True), False, True,
                  jnp.float32, jnp.bfloat16, id="swap-ring-deeper-than-k-f32-residual"),
+    pytest.param(16, 256, 192, C(tile_m=16, tile_n=128, stages=2, swap_ab=True), True, True,
+                 None, jnp.bfloat16, id="swap-128-columns"),
 ]
 
 
@@ -163,6 +165,13 @@ SWIGLU_CASES = [
                  id="wg-split-m"),
     pytest.param(1, 256, 512, C(tile_m=64, tile_n=64, stages=3, split_k=3), True, True,
                  id="decode-split-k"),
+    # swap_ab: a 128-column tile is one [gate | up] pair, gated before the store.
+    pytest.param(1, 256, 320, C(tile_m=8, tile_n=128, tile_k=128, stages=2, swap_ab=True), True,
+                 True, id="swap-fused-gate-bias-residual"),
+    pytest.param(40, 384, 128, C(tile_m=32, tile_n=128, stages=2, swap_ab=True), False, True,
+                 id="swap-partial-m-tile"),
+    pytest.param(16, 256, 256, C(tile_m=16, tile_n=64, stages=2, split_k=2, swap_ab=True), True,
+                 False, id="swap-split-k"),
 ]
 
 
@@ -204,6 +213,25 @@ def test_swiglu_fits_a_picked_tile(monkeypatch):
   assert fused == dataclasses.replace(tuned, tile_n=2 * mm.SWIGLU_BLOCK)
   tuned = dataclasses.replace(tuned, split_k=4)
   assert mm.pick_config(64, 6144, 4096, jnp.bfloat16, "swiglu") == tuned
+
+
+def test_swiglu_entries_and_swapped_tiles(monkeypatch):
+  # The fused gate's own table entry (act=swiglu) comes before the plain
+  # shape's; a swap_ab entry of 64 columns becomes one [gate | up] pair.
+  plain = C(tile_m=16, tile_n=64, tile_k=256, stages=5, swap_ab=True)
+  fused = C(tile_m=64, tile_n=128, tile_k=128, stages=2, persistent=False)
+  entries = {mm.tuning_key(16, 28672, 4096, jnp.bfloat16): plain}
+  lookup = lambda op, key, cls, fallback, **_: entries[key] if key in entries else fallback()
+  monkeypatch.setattr(mm.tuning, "lookup", lookup)
+  assert mm.pick_config(16, 28672, 4096, jnp.bfloat16) == plain
+  assert (mm.pick_config(16, 28672, 4096, jnp.bfloat16, "swiglu")
+          == dataclasses.replace(plain, tile_n=2 * mm.SWIGLU_BLOCK))
+  entries[mm.tuning_key(16, 28672, 4096, jnp.bfloat16, "swiglu")] = fused
+  assert mm.pick_config(16, 28672, 4096, jnp.bfloat16, "swiglu") == fused
+  assert mm.tuning_key(16, 28672, 4096, jnp.bfloat16, "swiglu").endswith(",act=swiglu")
+  with pytest.raises(ValueError, match="gate"):
+    a, b, _, _ = _inputs(1, 256, 128)
+    mm.matmul_mosaic(a, b, activation="swiglu", config=plain)
 
 
 def test_swiglu_bad_inputs():
