@@ -290,7 +290,7 @@ def test_bad_inputs_are_rejected():
     dict(epi_n=48), dict(wg_dim="k"), dict(split_k=0),
     # Accepted by the interpreter, but not lowered for the GPU (test_gpu_lowering).
     dict(tile_n=32), dict(tile_k=32), dict(tile_n=64, epi_n=8),
-    dict(swap_ab=True, tile_m=8, tile_n=128), dict(swap_ab=True, tile_n=64, tile_m=12),
+    dict(swap_ab=True, tile_m=8, tile_n=256), dict(swap_ab=True, tile_n=64, tile_m=12),
     dict(swap_ab=True, tile_n=64, tile_m=8, tile_k=32), dict(swap_ab=1),
 ])
 def test_config_validation(bad):
