@@ -777,7 +777,8 @@ _op = registry.op(OP, "act(a[M,K] @ b[K,N] (+ bias[N])) (+ residual), fp32 accum
                       "act: none or swiglu (fused gate/up, output [M, N/2]); with layer=, "
                       "b is a [L, K, N] stack (bias [L, N]) and b[layer] is used")
 _op.register("mosaic", matmul_mosaic, supports=_mosaic_why_not,
-             doc="Hopper wgmma, warp-specialized, persistent; split-K for small M")
+             doc="Hopper wgmma, warp-specialized, persistent; swapped operands or split-K "
+                 "for small M")
 _op.register("xla", matmul_xla, supports=_valid, doc="jnp.dot (cuBLAS on GPU)")
 _op.register("reference", _reference_backend, supports=_valid, doc="float32 jnp")
 # Blackwell keeps cuBLAS first until the tcgen05 kernel has run on a card.
