@@ -72,8 +72,9 @@ MOSAIC_CASES = [
     pytest.param(136, 128, 128, C(tile_m=192, tile_n=64, stages=2), False, True, None,
                  jnp.bfloat16, id="192-row-tile"),
     # swap_ab: weight columns as the wgmma's M, token rows as its N.
-    pytest.param(1, 128, 320, C(tile_m=8, tile_n=64, tile_k=128, stages=2, swap_ab=True), True,
-                 True, None, jnp.bfloat16, id="swap-m1-partial-k-bias-residual"),
+    # 4.5 K blocks: the 2-slot ring wraps, the last block is half zero fill.
+    pytest.param(1, 128, 576, C(tile_m=8, tile_n=64, tile_k=128, stages=2, swap_ab=True), True,
+                 True, None, jnp.bfloat16, id="swap-m1-ring-wraps-partial-k-bias-residual"),
     pytest.param(40, 192, 256, C(tile_m=32, tile_n=64, stages=3, split_k=2, swap_ab=True), True,
                  True, None, jnp.bfloat16, id="swap-partial-m-tile-split-k"),
     pytest.param(16, 64, 512, C(tile_m=16, tile_n=64, tile_k=256, stages=2, swap_ab=True), False,
