@@ -430,39 +430,47 @@ def _run(a, b, bias, residual, layer=None, *, cfg: Config, out_dtype, activation
   if layer is None:  # one code path: a stack of one (free reshapes, a constant index)
     b, bias = b[None], None if bias is None else bias[None]
   layer_arr = dsl.layer_operand(layer)  # clamped in the kernel
-  m, k = a.shape
-  n = b.shape[-1]
+  k = a.shape[1]
   k_iters = dsl.cdiv(k, cfg.tile_k)
   cfg = dataclasses.replace(cfg, split_k=_splits(cfg, k))
   split_out = cfg.split_k > 1
-  if cfg.swap_ab:
-    keep = not split_out  # else bias and residual join the partial sum below
-    out = _run_swap(layer_arr, a, b, bias if keep else None, residual if keep else None,
-                    cfg=cfg, k_iters=k_iters, out_dtype=jnp.dtype(out_dtype),
-                    activation=activation)
-    if not split_out:
-      return out
+  # Split partials get the bias, residual and activation in the reduction below.
+  keep = lambda x: None if split_out else x
+  launch = _run_swap if cfg.swap_ab else _run_persistent
+  out = launch(layer_arr, a, b, keep(bias), keep(residual), cfg=cfg, k_iters=k_iters,
+               out_dtype=jnp.dtype(out_dtype), activation=activation)
+  if split_out:
     bias = None if bias is None else dsl.take_layer(bias, layer_arr[0])
-    return _epilogue(out.sum(axis=0), bias, residual, out_dtype, activation)
+    out = _epilogue(out.sum(axis=0), bias, residual, out_dtype, activation)
+  return out
+
+
+def _run_persistent(layer_arr, a, b, bias, residual, *, cfg: Config, k_iters: int, out_dtype,
+                    activation=None):
+  """The warp-specialized launch: one CTA per SM (or per tile); returns the
+  [M, N] output ([M, N / 2] with swiglu), or [splits, M, N] float32 partials."""
+  m = a.shape[0]
+  n = b.shape[-1]
+  split_out = cfg.split_k > 1
   tiles = dsl.cdiv(m, cfg.cta_m) * dsl.cdiv(n, cfg.cta_n) * cfg.split_k
   grid = tiles if not cfg.persistent else max(1, min(_num_sms(), tiles))
   out_n = n // 2 if activation == "swiglu" else n
   out_shape = (cfg.split_k, m, n) if split_out else (m, out_n)
-  body = functools.partial(
-      _kernel, cfg=cfg, k_iters=k_iters, out_dtype=jnp.dtype(out_dtype), activation=activation)
+  body = functools.partial(_kernel, cfg=cfg, k_iters=k_iters, out_dtype=out_dtype,
+                           activation=activation)
   operands = [layer_arr, a, b]
   names = ["layer", "a", "b"]
-  if not split_out:  # split partials get bias/residual in the reduction
-    for name, x in (("bias", bias), ("residual", residual)):
-      if x is not None:
-        operands.append(x)
-        names.append(name)
+  for name, x in (("bias", bias), ("residual", residual)):
+    if x is not None:
+      operands.append(x)
+      names.append(name)
+
   def entry(*refs):
     *ins, out_ref = refs
     r = dict(zip(names, ins))
     body(r["layer"], r["a"], r["b"], r.get("bias"), r.get("residual"), out_ref)
 
-  call = dsl.kernel(
+  return dsl.kernel(
       entry,
       out_type=jax.ShapeDtypeStruct(out_shape, jnp.float32 if split_out else out_dtype),
       grid=(grid,),
@@ -471,12 +479,7 @@ def _run(a, b, bias, residual, layer=None, *, cfg: Config, out_dtype, activation
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(
           lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-  )
-  out = call(*operands)
-  if split_out:
-    bias = None if bias is None else dsl.take_layer(bias, layer_arr[0])
-    out = _epilogue(out.sum(axis=0), bias, residual, out_dtype, activation)
-  return out
+  )(*operands)
 
 
 def _splits(cfg: Config, k: int) -> int:
@@ -669,10 +672,7 @@ def pick_config(m: int, n: int, k: int, dtype, activation=None) -> Config:
   cfg = plain() if activation is None else tuning.lookup(
       OP, tuning_key(m, n, k, dtype, activation), Config, plain)
   if activation == "swiglu" and _swiglu_tile_error(cfg, k):
-    if cfg.swap_ab:
-      cfg = dataclasses.replace(cfg, tile_n=2 * SWIGLU_BLOCK)
-    else:
-      cfg = dataclasses.replace(cfg, tile_n=2 * SWIGLU_BLOCK, epi_n=min(cfg.epi_n, SWIGLU_BLOCK))
+    cfg = dataclasses.replace(cfg, tile_n=2 * SWIGLU_BLOCK, epi_n=min(cfg.epi_n, SWIGLU_BLOCK))
   return cfg
 
 

@@ -230,8 +230,8 @@ def test_swiglu_entries_and_swapped_tiles(monkeypatch):
   entries[mm.tuning_key(16, 28672, 4096, jnp.bfloat16, "swiglu")] = fused
   assert mm.pick_config(16, 28672, 4096, jnp.bfloat16, "swiglu") == fused
   assert mm.tuning_key(16, 28672, 4096, jnp.bfloat16, "swiglu").endswith(",act=swiglu")
+  a, b, _, _ = _inputs(1, 256, 128)
   with pytest.raises(ValueError, match="gate"):
-    a, b, _, _ = _inputs(1, 256, 128)
     mm.matmul_mosaic(a, b, activation="swiglu", config=plain)
 
 
