@@ -165,13 +165,6 @@ class Config(tuning.KernelConfig):
 SMEM_LIMIT = 227 * 1024
 
 
-def to_panels(w, width: int):
-  """w [..., K, N] -> [..., N / width, K, width]: each stripe of ``width``
-  columns contiguous in memory."""
-  *lead, k, n = w.shape
-  return jnp.swapaxes(w.reshape(*lead, k, n // width, width), -3, -2)
-
-
 # --------------------------------------------------------------------------
 # Kernel body
 
@@ -310,8 +303,7 @@ def _kernel(layer_gmem, a_gmem, b_gmem, bias_gmem, res_gmem, out_gmem, *, cfg: C
 
 
 def _swap_kernel(layer_gmem, a_gmem, b_gmem, *refs, cfg: Config, k_iters: int,
-                 has_bias: bool, has_res: bool, split_out: bool, swiglu: bool,
-                 panels: bool = False):
+                 has_bias: bool, has_res: bool, split_out: bool, swiglu: bool):
   """One CTA per (tile_n weight columns n, tile_m rows m, split s) with
   swapped operands: acc [tile_n, tile_m] = b[ks, cols]^T a[rows, ks]^T summed
   over the split's K blocks, i.e. the transposed output tile. A single
@@ -336,10 +328,7 @@ def _swap_kernel(layer_gmem, a_gmem, b_gmem, *refs, cfg: Config, k_iters: int,
 
   def issue(step, slot):
     ks = pl.ds((first + step) * tk, tk)
-    if panels:  # b [N / tile_n, K, tile_n]: a CTA's columns are one contiguous run
-      plgpu.copy_gmem_to_smem(b_gmem.at[ni, ks], b_smem.at[slot], bars.at[slot])
-    else:
-      plgpu.copy_gmem_to_smem(b_gmem.at[ks, cols], b_smem.at[slot], bars.at[slot])
+    plgpu.copy_gmem_to_smem(b_gmem.at[ks, cols], b_smem.at[slot], bars.at[slot])
     plgpu.copy_gmem_to_smem(a_gmem.at[rows, ks], a_smem.at[slot], bars.at[slot])
 
   for i in range(stages):
@@ -396,19 +385,18 @@ def _swap_kernel(layer_gmem, a_gmem, b_gmem, *refs, cfg: Config, k_iters: int,
 
 
 def _run_swap(layer_arr, a, b, bias, residual, *, cfg: Config, k_iters: int, out_dtype,
-              activation=None, panels=False):
+              activation=None):
   """The ``swap_ab`` launch: grid (N / tile_n, M tiles, splits); returns the
   [M, N] output ([M, N / 2] with swiglu), or [splits, M, N] float32 partials."""
   m, _ = a.shape
-  n = b.shape[1] * b.shape[-1] if panels else b.shape[-1]
+  n = b.shape[-1]
   split_out = cfg.split_k > 1
   swiglu = activation == "swiglu" and not split_out
   tm, tn, tk = cfg.tile_m, cfg.tile_n, cfg.tile_k
   out_tn = tn // 2 if swiglu else tn
   operands = [layer_arr, a, b] + [x for x in (bias, residual) if x is not None]
   body = functools.partial(_swap_kernel, cfg=cfg, k_iters=k_iters, has_bias=bias is not None,
-                           has_res=residual is not None, split_out=split_out, swiglu=swiglu,
-                           panels=panels)
+                           has_res=residual is not None, split_out=split_out, swiglu=swiglu)
   out_type = (jax.ShapeDtypeStruct((cfg.split_k, m, n), jnp.float32) if split_out
               else jax.ShapeDtypeStruct((m, n // 2 if swiglu else n), out_dtype))
   ring = lambda shape: plgpu.SMEM((cfg.stages, *shape), a.dtype,
@@ -436,9 +424,8 @@ def _num_sms() -> int:
   return target_lib.current().ceilings.sms
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "out_dtype", "activation", "panels"))
-def _run(a, b, bias, residual, layer=None, *, cfg: Config, out_dtype, activation=None,
-         panels=False):
+@functools.partial(jax.jit, static_argnames=("cfg", "out_dtype", "activation"))
+def _run(a, b, bias, residual, layer=None, *, cfg: Config, out_dtype, activation=None):
   """b [K, N] (bias [N]), or with ``layer`` a [L, K, N] stack (bias [L, N])."""
   if layer is None:  # one code path: a stack of one (free reshapes, a constant index)
     b, bias = b[None], None if bias is None else bias[None]
@@ -450,9 +437,8 @@ def _run(a, b, bias, residual, layer=None, *, cfg: Config, out_dtype, activation
   # Split partials get the bias, residual and activation in the reduction below.
   keep = lambda x: None if split_out else x
   launch = _run_swap if cfg.swap_ab else _run_persistent
-  extra = dict(panels=True) if panels else {}
   out = launch(layer_arr, a, b, keep(bias), keep(residual), cfg=cfg, k_iters=k_iters,
-               out_dtype=jnp.dtype(out_dtype), activation=activation, **extra)
+               out_dtype=jnp.dtype(out_dtype), activation=activation)
   if split_out:
     bias = None if bias is None else dsl.take_layer(bias, layer_arr[0])
     out = _epilogue(out.sum(axis=0), bias, residual, out_dtype, activation)
