@@ -140,26 +140,17 @@ def sweep(out_dir, rows, D, causal, S=4096, H=32):
             C(block_kv=128, stages=2, overlap=True, pingpong=False),
             C(block_kv=128, stages=2, overlap=True, p_smem=True),
             C(block_kv=128, stages=2, overlap=True, p_smem=True, pingpong=False),
-            *([] if causal else unmasked),
-            # One CTA per SM looping over the tiles.
-            C(block_kv=128, stages=2, persistent=True),
-            C(block_kv=128, stages=2, overlap=True, persistent=True),
-            C(block_kv=128, stages=2, overlap=True, pingpong=False, persistent=True),
-            *([] if causal else [C(block_kv=128, stages=3, overlap=True, pingpong=False,
-                                   persistent=True)])],
+            *([] if causal else unmasked)],
       64: [C(block_kv=256, stages=2), C(block_kv=128, stages=3, overlap=True),
            C(block_kv=256, stages=2, overlap=True), C(block_kv=128, stages=4, overlap=True),
            C(block_kv=128, stages=4), C(block_kv=256, stages=2, overlap=True, pingpong=False),
-           C(block_kv=128, stages=4, overlap=True, pingpong=False),
-           C(block_kv=256, stages=2, persistent=True),
-           C(block_kv=128, stages=4, overlap=True, persistent=True)],
+           C(block_kv=128, stages=4, overlap=True, pingpong=False)],
   }[D]
   sets = _inputs(1, S, H, H, D)
   names = [f"mosaic[{c.block_kv},{c.stages}" + "".join(
       f",{tag}" for tag, on in (("ov", c.overlap), ("nopp", not c.pingpong), ("psmem", c.p_smem),
                                 ("addacc", not c.acc_in_place),
-                                ("inorder", causal and not c.heavy_first),
-                                ("pers", c.persistent)) if on) + "]"
+                                ("inorder", causal and not c.heavy_first)) if on) + "]"
            for c in cands]
   by = run_case(f"sweep_S{S}_H{H}_D{D}_c{int(causal)}", sets, dict(causal=causal),
                 attn_flops(1, S, H, D, causal), names, rows, configs=dict(zip(names, cands)))

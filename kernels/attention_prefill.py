@@ -78,11 +78,6 @@ class Config(tuning.KernelConfig):
   # Causal: launch the query tiles with the most kv blocks first so the
   # short ones fill the tail of the grid.
   heavy_first: bool = True
-  # One CTA per SM looping over the query tiles (FA3's tile scheduler): the
-  # K/V ring runs on across tiles, so the next tile's first blocks load
-  # while this one's last blocks and its epilogue run, and no partial last
-  # wave of CTAs is left.
-  persistent: bool = False
 
   def __post_init__(self):
     if self.block_q != 64:
@@ -250,66 +245,36 @@ def _block_ranges(qp, qs, kp, ks, block_q, block_kv, causal, window):
 
 def _mosaic_kernel(meta_ref, q_ref, k_ref, v_ref, qp_ref, qs_ref, kp_ref, ks_ref,
                    o_ref, lse_ref, *, cfg: Config, groups: int, scale: float,
-                   causal: bool, window: int | None, has_lse: bool, dense_kv: int | None,
-                   num_ctas: int | None = None):
+                   causal: bool, window: int | None, has_lse: bool, dense_kv: int | None):
   """``dense_kv``: no mask but the keys' count (non-causal, no window, no
   segments): the kernel then masks padding keys by index and never reads the
-  position and segment vectors, which also frees their SMEM. ``num_ctas``
-  (``cfg.persistent``): the grid's size; CTA c runs tiles c, c + num_ctas, ..."""
+  position and segment vectors, which also frees their SMEM."""
   block_q, block_kv, stages = cfg.block_q, cfg.block_kv, cfg.stages
   dense = dense_kv is not None
   D = q_ref.shape[-1]
   dtype = q_ref.dtype
   c = scale * LOG2E  # exp(s * scale) == exp2(s * c)
-  B, nt, Hq = q_ref.shape[0], q_ref.shape[1] // (2 * block_q), q_ref.shape[2]
-
-  def for_each_tile(fn):
-    """fn(b, h, t, base) for each of this CTA's query tiles, in order; fn
-    returns the tile's kv steps and ``base`` counts the ring's steps before
-    the tile (slots and barrier phases run on across tiles; None: one tile).
-    Returns the CTA's kv steps."""
-    if num_ctas is None:
-      return fn(lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("q_seq"), None)
-    cta = lax.axis_index("cta")
-
-    def one(i, base):
-      u = cta + i * num_ctas  # heads fastest, as in the grid: GQA heads share K/V in L2
-      r = lax.div(u, jnp.int32(Hq))
-      return base + fn(lax.div(r, jnp.int32(nt)), lax.rem(u, jnp.int32(Hq)),
-                       lax.rem(r, jnp.int32(nt)), base)
-
-    count = lax.div(B * nt * Hq - 1 - cta, jnp.int32(num_ctas)) + 1
-    return lax.fori_loop(0, count, one, jnp.int32(0))
-
-  def ring_step(base, s, lo):
-    """The ring's step count at kv block s of a tile starting at block lo."""
-    return s - lo if base is None else base + s - lo
 
   def body(q_smem, k_smem, v_smem, qvec_smem, kvec_smem, lse_smem, p_smem,
            q_bar, k_bar, v_bar, k_free, v_free, sched):
+    b = lax.axis_index("batch")
+    h = lax.axis_index("heads")
+    t = lax.axis_index("q_seq")
+    if causal and cfg.heavy_first:
+      t = q_ref.shape[1] // (2 * block_q) - 1 - t
     wg = lax.axis_index("wg")
-
-    def ranges(b, t):
-      if causal and cfg.heavy_first:
-        t = nt - 1 - t
-      # The CTA's kv range is the union of its two consumers' ranges.
-      return t, meta_ref[b, t, 2, 0], meta_ref[b, t, 2, 1]
+    # The CTA's kv range is the union of its two consumers' ranges.
+    lo_cta = meta_ref[b, t, 2, 0]
+    hi_cta = meta_ref[b, t, 2, 1]
+    n = hi_cta - lo_cta
 
     def sync_sched():
       plgpu.barrier_arrive(sched)
       plgpu.barrier_wait(sched)
 
-    # -- with overlap, the ping-pong is a turn passed between the consumers
-    # around each issue (FA3's intra-warpgroup pipelining, below).
-
-    def take_turn():
-      plgpu.barrier_wait(sched.at[wg])
-
-    def pass_turn():
-      plgpu.barrier_arrive(sched.at[1 - wg])
-
-    def consumer_tile(b, h, t, base):
-      t, lo_cta, hi_cta = ranges(b, t)
+    @pl.when(wg < 2)
+    def _consumer():
+      plgpu.set_max_registers(232, action="increase")
       lo = meta_ref[b, t, wg, 0]
       hi = meta_ref[b, t, wg, 1]
       flo = meta_ref[b, t, wg, 2]
@@ -333,7 +298,7 @@ def _mosaic_kernel(meta_ref, q_ref, k_ref, v_ref, qp_ref, qs_ref, kp_ref, ks_ref
       m_i = plgpu.layout_cast(jnp.full((block_q,), -jnp.inf, jnp.float32), row)
       l_i = plgpu.layout_cast(jnp.full((block_q,), 0.0, jnp.float32), row)
       acc = plgpu.layout_cast(jnp.full((block_q, D), 0.0, jnp.float32), plgpu.Layout.WGMMA)
-      slot_of = lambda s: lax.rem(ring_step(base, s, lo_cta), stages)
+      slot_of = lambda s: lax.rem(s - lo_cta, stages)
 
       def softmax(sc, s, m_i, l_i, masked: bool, cast: bool = True):
         """Scores of kv block ``s`` -> (P, m, l, alpha); releases its K slot.
@@ -454,6 +419,12 @@ def _mosaic_kernel(meta_ref, q_ref, k_ref, v_ref, qp_ref, qs_ref, kp_ref, ks_ref
       # softmax while PV is still on the tensor cores. The ping-pong becomes a
       # turn passed between the consumers around each issue.
 
+      def take_turn():
+        plgpu.barrier_wait(sched.at[wg])
+
+      def pass_turn():
+        plgpu.barrier_arrive(sched.at[1 - wg])
+
       def first(s, carry):
         acc, m_i, l_i, _ = carry
         slot = slot_of(s)
@@ -518,6 +489,10 @@ def _mosaic_kernel(meta_ref, q_ref, k_ref, v_ref, qp_ref, qs_ref, kp_ref, ks_ref
           plgpu.barrier_wait(v_bar.at[slot])
         return pv(acc, p_prev, slot), m_i, l_i, p_prev
 
+      if cfg.pingpong:
+        # Consumer 0 goes first: consumer 1 hands it the turn (overlap) or
+        # starts one meeting behind.
+        pl.when(wg == 1)(pass_turn if cfg.overlap else sync_sched)
       lax.fori_loop(lo_cta, lo, skip, None)
       if cfg.overlap:
         p0 = plgpu.layout_cast(jnp.zeros(s_shape, dtype), plgpu.Layout.WGMMA)
@@ -536,6 +511,9 @@ def _mosaic_kernel(meta_ref, q_ref, k_ref, v_ref, qp_ref, qs_ref, kp_ref, ks_ref
         carry = lax.fori_loop(flo, fhi, functools.partial(step, masked=False), carry)
         acc, m_i, l_i = lax.fori_loop(fhi, hi, functools.partial(step, masked=True), carry)
       lax.fori_loop(hi, hi_cta, skip, None)
+      if cfg.pingpong:
+        # The last turn (or meeting) the other consumer handed over.
+        pl.when(wg == 0)(take_turn if cfg.overlap else sync_sched)
 
       l_safe = jnp.where(l_i == 0.0, 1.0, l_i)
       acc = acc * lax.broadcast_in_dim(1.0 / l_safe, acc.shape, [0])
@@ -546,20 +524,18 @@ def _mosaic_kernel(meta_ref, q_ref, k_ref, v_ref, qp_ref, qs_ref, kp_ref, ks_ref
       plgpu.copy_smem_to_gmem(qo, o_ref.at[b, pl.ds(q0, block_q), h])
       if has_lse:
         plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b, h, pl.ds(q0, block_q)])
-      # Persistent: the next tile's Q may overwrite qo once the store has read
-      # it; the writes to HBM are awaited once, at the end.
-      plgpu.wait_smem_to_gmem(0, wait_read_only=num_ctas is not None)
-      return hi_cta - lo_cta
+      plgpu.wait_smem_to_gmem(0)
 
-    def producer_tile(b, h, t, base):
-      t, lo_cta, hi_cta = ranges(b, t)
+    @pl.when(wg == 2)
+    def _producer():
+      plgpu.set_max_registers(40, action="decrease")
       hk = lax.div(h, jnp.int32(groups))
 
       @pl.loop(lo_cta, hi_cta)
       def _(s):
-        slot = lax.rem(ring_step(base, s, lo_cta), stages)
+        slot = lax.rem(s - lo_cta, stages)
         rows = pl.ds(s * block_kv, block_kv)
-        refill = ring_step(base, s, lo_cta) >= stages
+        refill = s - lo_cta >= stages
         # K and V slots are released separately (with overlap, V of block
         # s - 1 is still being read while K of block s + 1 may load).
         with jax.named_scope("wait_free"):
@@ -574,31 +550,10 @@ def _mosaic_kernel(meta_ref, q_ref, k_ref, v_ref, qp_ref, qs_ref, kp_ref, ks_ref
         with jax.named_scope("load_kv"):
           plgpu.copy_gmem_to_smem(v_ref.at[b, rows, hk], v_smem.at[slot], v_bar.at[slot])
 
-      return hi_cta - lo_cta
-
-    @pl.when(wg < 2)
-    def _consumer():
-      plgpu.set_max_registers(232, action="increase")
-      # Ping-pong: consumer 0 goes first: consumer 1 hands it the turn
-      # (overlap) or starts one meeting behind. The turns run on across
-      # tiles; the last one handed over is taken after the last tile.
-      if cfg.pingpong:
-        pl.when(wg == 1)(pass_turn if cfg.overlap else sync_sched)
-      for_each_tile(consumer_tile)
-      if cfg.pingpong:
-        pl.when(wg == 0)(take_turn if cfg.overlap else sync_sched)
-      if num_ctas is not None:
-        plgpu.wait_smem_to_gmem(0)
-
-    @pl.when(wg == 2)
-    def _producer():
-      plgpu.set_max_registers(40, action="decrease")
-      total = for_each_tile(producer_tile)
-
       # Wait for the last releases so that no arrival is left unobserved.
-      @pl.loop(jnp.maximum(total - stages, 0), total)
-      def _(g):
-        slot = lax.rem(g, stages)
+      @pl.loop(jnp.maximum(hi_cta - stages, lo_cta), hi_cta)
+      def _(s):
+        slot = lax.rem(s - lo_cta, stages)
         plgpu.barrier_wait(k_free.at[slot])
         plgpu.barrier_wait(v_free.at[slot])
 
@@ -691,31 +646,22 @@ def _attention_mosaic(q, k, v, plan: MosaicPlan, *, cfg: Config, causal: bool, s
   out_type = [jax.ShapeDtypeStruct((B, Sq_p, Hq, D), q.dtype)]
   out_type.append(jax.ShapeDtypeStruct((B, Hq, Sq_p), jnp.float32) if has_lse else None)
 
-  tiles = Hq * nt * B
-  num_ctas = min(tiles, _num_sms()) if cfg.persistent else None
-
   def entry(meta_ref, q_ref, k_ref, v_ref, qp_ref, qs_ref, kp_ref, ks_ref, o_ref, lse_ref):
     _mosaic_kernel(meta_ref, q_ref, k_ref, v_ref, qp_ref, qs_ref, kp_ref, ks_ref, o_ref,
                    lse_ref, cfg=cfg, groups=Hq // Hkv, scale=scale, causal=causal,
-                   window=window, has_lse=has_lse, dense_kv=Skv if dense else None,
-                   num_ctas=num_ctas)
+                   window=window, has_lse=has_lse, dense_kv=Skv if dense else None)
 
   o, lse = dsl.kernel(
       entry,
       out_type=out_type,
-      grid=(num_ctas,) if cfg.persistent else (Hq, nt, B),
-      grid_names=("cta",) if cfg.persistent else ("heads", "q_seq", "batch"),
+      grid=(Hq, nt, B),
+      grid_names=("heads", "q_seq", "batch"),
       num_threads=3,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
   )(meta, q, k, v, qp, qs, kp, ks)
   o = o[:, :Sq]
   return (o, lse[:, :, :Sq]) if has_lse else o
-
-
-def _num_sms() -> int:
-  # Interpret mode: a few CTAs, so that each runs several tiles.
-  return 2 if dsl.interpreting() else target_lib.current().ceilings.sms
 
 
 def _pick_config(D, dtype, causal) -> Config:

@@ -233,34 +233,11 @@ def test_cudnn_says_why_not():
                                           kv_segment_ids=seg)
 
 
-@pytest.mark.parametrize("name,overlap", [("noncausal_ragged", True), ("causal_skip", False),
-                                           ("packed_empty_tiles", False)])
-def test_mosaic_persistent_matches_reference(name, overlap):
-  """One CTA per SM looping over tiles (interpret mode: 2 CTAs, so each runs
-  several): the ring's slots and the ping-pong run on across tiles, some of
-  them empty."""
-  shape, kw, cfg = _case(name)
-  cfg = dataclasses.replace(cfg or ap._pick_config(shape["D"], jnp.bfloat16, kw["causal"]),
-                            overlap=overlap, persistent=True)
-  q, k, v = _qkv(**shape)
-  ref, lse_ref = ap.attention_prefill_reference(q, k, v, return_lse=True, **kw)
-  out, lse = ap.attention_prefill_mosaic(q, k, v, return_lse=True, config=cfg, **kw)
-  testing.assert_close(out, ref, jnp.bfloat16)
-  finite = np.isfinite(np.asarray(lse_ref))
-  np.testing.assert_array_equal(np.isfinite(np.asarray(lse)), finite)
-  testing.assert_close(jnp.where(finite, lse, 0), jnp.where(finite, lse_ref, 0), jnp.float32,
-                       tol=1e-5, what="lse")
-  assert not dsl.races_found()
-
-
 GPU_VARIANTS = {  # the GPU-only code paths, each alone
     "default": {}, "p_smem": dict(p_smem=True), "acc_add": dict(acc_in_place=False),
     "p_smem_acc_add": dict(p_smem=True, acc_in_place=False), "no_pingpong": dict(pingpong=False),
     "overlap": dict(overlap=True), "overlap_no_pingpong": dict(overlap=True, pingpong=False),
     "overlap_p_smem_acc_add": dict(overlap=True, p_smem=True, acc_in_place=False),
-    "persistent": dict(persistent=True),
-    "persistent_overlap": dict(persistent=True, overlap=True),
-    "persistent_overlap_no_pingpong": dict(persistent=True, overlap=True, pingpong=False),
 }
 
 
