@@ -3,7 +3,7 @@
 Data flow of one step, top to bottom::
 
   tokens [B, T] --embed--> x [B, T, D]
-  for each layer (a lax.scan over the layer index, the KV cache in the carry so
+  for each layer (a lax.fori_loop over the layer index, the KV cache in the carry so
   its pages are updated in place; the ops read the layer's weights from the
   stacked parameters in place, so every iteration uses the same buffers):
     h = rms_norm(x)
@@ -49,6 +49,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
@@ -155,7 +156,7 @@ def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
 def rope_angles(positions, inv_freq):
   """positions [B, T] -> (cos, sin), each [B, T, 1, hd/2] float32.
 
-  A step computes them once, outside the layer scan: inside it XLA would
+  A step computes them once, outside the layer loop: inside it XLA would
   evaluate them again in every layer (one more kernel per layer)."""
   ang = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, hd/2]
   return jnp.cos(ang)[:, :, None, :], jnp.sin(ang)[:, :, None, :]
@@ -183,10 +184,10 @@ def _init(rngs, shape, dtype, fan_in):
 # Set while tracing a step under tensor parallelism (shard_map over the 'tp'
 # mesh axis): the layers then see their local shard of heads / features.
 _TP_AXIS: contextvars.ContextVar[str | None] = contextvars.ContextVar("tp_axis", default=None)
-# Set while tracing the layer scan's body: the layer index (an int32 scalar).
+# Set while tracing the layer loop's body: the layer index (an int32 scalar).
 # The blocks' parameters are then their whole [num_layers, ...] stacks, which
 # the matmul and rms_norm ops index in place (``layer=``): every iteration of
-# the scan hands its kernels the same buffers, so XLA replays the recorded
+# the loop hands its kernels the same buffers, so XLA replays the recorded
 # command buffer of an iteration instead of recording it again for each layer.
 _LAYER: contextvars.ContextVar[jax.Array | None] = contextvars.ContextVar("layer", default=None)
 
@@ -321,15 +322,16 @@ class Llama(nnx.Module):
       return y.reshape(*lead, -1)
 
   def _run_layers(self, x, cache: KVCache, attend):
-    """Scans the layer index; ``attend(block, h, k_cache, v_cache, layer)`` does
+    """Loops over the layer index; ``attend(block, h, k_cache, v_cache, layer)`` does
     the attention part (q/k/v, cache write, attention, output projection input).
 
-    The scan carries no parameters: ``block`` holds every layer's stacked
+    The loop carries no parameters: ``block`` holds every layer's stacked
     parameters and the ops pick layer ``layer`` in place (see _LAYER)."""
     block = self.layers
-    layer_ids = jnp.arange(self.cfg.num_layers, dtype=jnp.int32)
 
-    def body(carry, layer):
+    # The loop counter is the layer index: a scan over arange(L) would slice
+    # its index out of an array each iteration, one more kernel per layer.
+    def body(layer, carry):
       x, kc, vc = carry
       token = _LAYER.set(layer)
       try:
@@ -343,9 +345,9 @@ class Llama(nnx.Module):
         x = block.mlp(h, residual=x)
       finally:
         _LAYER.reset(token)
-      return (x, kc, vc), None
+      return x, kc, vc
 
-    (x, k, v), _ = jax.lax.scan(body, (x, cache.k, cache.v), layer_ids)
+    x, k, v = lax.fori_loop(0, self.cfg.num_layers, body, (x, cache.k, cache.v))
     return x, KVCache(k, v)
 
   # -- entry points (called inside jit by the functions below)
@@ -396,7 +398,7 @@ class Llama(nnx.Module):
   def _prefill_attention(self, b, t, skv, **kw):
     """attention(q, k, v) over [B, Skv] keys with the masks in ``kw``. Its plan
     (the kernel's block ranges, from positions alone) is built here, once per
-    step: built inside the layer scan, XLA's GPU pipeline keeps it there."""
+    step: built inside the layer loop, XLA's GPU pipeline keeps it there."""
     qa, ka = self._attention_shapes(b, t, skv)
     kw = dict(causal=True, sliding_window=self.cfg.sliding_window, **kw)
     plan = ops()["attention_prefill"].plan(qa, ka, ka, **kw)
@@ -533,8 +535,16 @@ def to_cache_dtype(x, dtype):
 def _write_kv(kc, vc, layer, page, slot, k, v):
   """k/v [B, T, Hkv, hd] into the layer's cache at each token's (page, slot) [B, T]."""
   with jax.named_scope("kv_write"):
-    return (kc.at[layer, :, page, slot].set(to_cache_dtype(k, kc.dtype)),
-            vc.at[layer, :, page, slot].set(to_cache_dtype(v, vc.dtype)))
+    if page.size == 1:
+      # One token (decode at batch 1): a dynamic update slice. XLA makes the
+      # one-row scatter one too, but keeps a scatter's out-of-bounds rule by
+      # reading the old row first and selecting: two more kernels per layer.
+      start = (layer, 0, page.reshape(()), slot.reshape(()), 0)
+      put = lambda c, x: lax.dynamic_update_slice(
+          c, to_cache_dtype(x, c.dtype).reshape(1, -1, 1, 1, x.shape[-1]), start)
+    else:
+      put = lambda c, x: c.at[layer, :, page, slot].set(to_cache_dtype(x, c.dtype))
+    return put(kc, k), put(vc, v)
 
 
 def _page_slot(tpos, valid, page_table, page_size):
