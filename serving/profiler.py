@@ -22,7 +22,7 @@ Data flow, for each configuration (phase x attention backend x matmul backend):
    it is matched by name to the sanitized HLO instruction names.
 4. ``attribute`` turns each step's kernels into (layer, op) times: the op
    from the innermost named scope of the instruction, the layer from the
-   kernel's occurrence index inside the scanned layer loop (the loop body's
+   kernel's occurrence index inside the layer loop (the loop body's
    instructions run once per layer, in order). A fusion is one kernel with
    one scope: where XLA fuses work of two ops (the sum of qkv's split-K
    partials goes into the rope and cache-write fusions), its time counts
@@ -182,7 +182,7 @@ def classify(op_name: str) -> tuple[str, bool]:
   if "while" in parts and "cond" in parts:
     return "loop", False
   if in_layer and "jit(dynamic_index_in_dim)" in parts:
-    return "params", True  # the scan slicing this layer's weights out of the stack
+    return "params", True  # a per-layer slice of a stacked array inside the loop
   return "other", in_layer
 
 
