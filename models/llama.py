@@ -49,7 +49,6 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
@@ -347,7 +346,7 @@ class Llama(nnx.Module):
         _LAYER.reset(token)
       return x, kc, vc
 
-    x, k, v = lax.fori_loop(0, self.cfg.num_layers, body, (x, cache.k, cache.v))
+    x, k, v = jax.lax.fori_loop(0, self.cfg.num_layers, body, (x, cache.k, cache.v))
     return x, KVCache(k, v)
 
   # -- entry points (called inside jit by the functions below)
@@ -540,7 +539,7 @@ def _write_kv(kc, vc, layer, page, slot, k, v):
       # one-row scatter one too, but keeps a scatter's out-of-bounds rule by
       # reading the old row first and selecting: two more kernels per layer.
       start = (layer, 0, page.reshape(()), slot.reshape(()), 0)
-      put = lambda c, x: lax.dynamic_update_slice(
+      put = lambda c, x: jax.lax.dynamic_update_slice(
           c, to_cache_dtype(x, c.dtype).reshape(1, -1, 1, 1, x.shape[-1]), start)
     else:
       put = lambda c, x: c.at[layer, :, page, slot].set(to_cache_dtype(x, c.dtype))
