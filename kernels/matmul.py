@@ -6,6 +6,9 @@ fp16; the output dtype defaults to a's and may be bf16, fp16 or fp32.
 projections are one matmul: b's columns come in blocks of SWIGLU_BLOCK gate
 columns followed by the matching SWIGLU_BLOCK up columns (``swiglu_columns``
 builds that layout), and out[:, f] = silu(gate_f) * up_f is [M, N / 2].
+``rms_eps=eps`` normalizes a's rows first, ``a * rsqrt(mean(a**2) + eps)``:
+an RMSNorm whose weight is folded into b's rows (``fold_rms_weight``), so the
+norm needs no kernel (and no HBM round trip) of its own.
 
 Hopper kernel (``mosaic`` backend), how data flows:
 
@@ -49,12 +52,21 @@ Hopper kernel (``mosaic`` backend), how data flows:
   the SwiGLU gate (128 columns: one [gate | up] block pair, so the gate's
   rows and the up rows sit in the same thread) and the residual applied on
   the way.
+- The fused RMSNorm (swapped operands, no split): a row's scale is
+  rsqrt(mean(a_j**2) + eps) over all of K, which every CTA sees anyway as
+  its a blocks stream by. The a block is copied as 64 rows (the rows past M
+  are TMA zero fill, never read), so it is also a wgmma A operand: a second
+  accumulator gathers the Gram matrix G = a a^T [64, tile_m] over K, whose
+  diagonal is each row's sum of squares (no a block leaves SMEM for the
+  registers). The scale multiplies the accumulator's columns before the
+  bias. Other configs normalize a in XLA first.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -152,9 +164,10 @@ class Config(tuning.KernelConfig):
   def cta_n(self) -> int:
     return self.tile_n * (2 if self.wg_dim == "n" and not self.swap_ab else 1)
 
-  def smem_bytes(self, in_itemsize: int = 2, out_itemsize: int = 2) -> int:
+  def smem_bytes(self, in_itemsize: int = 2, out_itemsize: int = 2, rms: bool = False) -> int:
     if self.swap_ab:  # the ring, a float32 and an output-dtype staging tile, the bias
-      ring = self.stages * (self.tile_m + self.tile_n) * self.tile_k * in_itemsize
+      a_rows = max(self.tile_m, RMS_ROWS) if rms else self.tile_m
+      ring = self.stages * (a_rows + self.tile_n) * self.tile_k * in_itemsize
       return ring + self.tile_m * self.tile_n * (4 + out_itemsize) + self.tile_n * 4 + 1024
     ring = self.stages * (self.cta_m + self.cta_n) * self.tile_k * in_itemsize
     out_isz = 4 if self.split_k > 1 else out_itemsize
@@ -163,6 +176,9 @@ class Config(tuning.KernelConfig):
 
 
 SMEM_LIMIT = 227 * 1024
+# Rows of the a block with the fused RMSNorm: the wgmma's minimum M, so the
+# block is also the A operand of the Gram product (see the module docstring).
+RMS_ROWS = 64
 
 
 # --------------------------------------------------------------------------
@@ -303,14 +319,16 @@ def _kernel(layer_gmem, a_gmem, b_gmem, bias_gmem, res_gmem, out_gmem, *, cfg: C
 
 
 def _swap_kernel(layer_gmem, a_gmem, b_gmem, *refs, cfg: Config, k_iters: int,
-                 has_bias: bool, has_res: bool, split_out: bool, swiglu: bool):
+                 has_bias: bool, has_res: bool, split_out: bool, swiglu: bool,
+                 rms_eps: float | None):
   """One CTA per (tile_n weight columns n, tile_m rows m, split s) with
   swapped operands: acc [tile_n, tile_m] = b[ks, cols]^T a[rows, ks]^T summed
   over the split's K blocks, i.e. the transposed output tile. A single
   warpgroup issues the copies of a step ``stages`` ahead of its wgmma, so
   the weight stream never waits on compute (M <= 64 is little compute).
   With ``swiglu`` the tile is one [gate | up] block pair and the output
-  tile is [tile_m, tile_n / 2]."""
+  tile is [tile_m, tile_n / 2]. With ``rms_eps`` (no split) the a block is
+  RMS_ROWS rows and the rows' RMSNorm scale multiplies acc's columns."""
   refs = list(refs)
   bias_gmem = refs.pop(0) if has_bias else None
   res_gmem = refs.pop(0) if has_res else None
@@ -325,11 +343,12 @@ def _swap_kernel(layer_gmem, a_gmem, b_gmem, *refs, cfg: Config, k_iters: int,
   out_tn = tn // 2 if swiglu else tn
   rows, cols = pl.ds(mi * tm, tm), pl.ds(ni * tn, tn)
   out_cols = pl.ds(ni * out_tn, out_tn)
+  a_rows = pl.ds(mi * tm, a_smem.shape[1])  # RMS_ROWS with the norm, else tm
 
   def issue(step, slot):
     ks = pl.ds((first + step) * tk, tk)
     plgpu.copy_gmem_to_smem(b_gmem.at[ks, cols], b_smem.at[slot], bars.at[slot])
-    plgpu.copy_gmem_to_smem(a_gmem.at[rows, ks], a_smem.at[slot], bars.at[slot])
+    plgpu.copy_gmem_to_smem(a_gmem.at[a_rows, ks], a_smem.at[slot], bars.at[slot])
 
   for i in range(stages):
     @pl.when(i < n_steps)
@@ -342,11 +361,15 @@ def _swap_kernel(layer_gmem, a_gmem, b_gmem, *refs, cfg: Config, k_iters: int,
   if res_gmem is not None:
     plgpu.copy_gmem_to_smem(res_gmem.at[rows, out_cols], out_smem, epi_bars.at[1])
 
-  def k_loop(acc_ref):
+  def k_loop(acc_ref, gram_ref=None):
     def body(i, carry):
       slot = lax.rem(i, jnp.int32(stages))
       plgpu.barrier_wait(bars.at[slot])
-      plgpu.wgmma(acc_ref, dsl.transpose(b_smem.at[slot]), dsl.transpose(a_smem.at[slot]))
+      a_tile = a_smem.at[slot]
+      a_t = dsl.transpose(a_tile if gram_ref is None else a_tile.at[pl.ds(0, tm)])
+      plgpu.wgmma(acc_ref, dsl.transpose(b_smem.at[slot]), a_t)
+      if gram_ref is not None:
+        plgpu.wgmma(gram_ref, a_tile, a_t)  # G += a_64 a^T: row j's sum of squares at (j, j)
       plgpu.wgmma_wait(0)  # the slot is read: free for the step `stages` ahead
 
       @pl.when(i + stages < n_steps)
@@ -356,10 +379,23 @@ def _swap_kernel(layer_gmem, a_gmem, b_gmem, *refs, cfg: Config, k_iters: int,
       return carry
 
     lax.fori_loop(0, n_steps, body, jnp.int32(0))
-    return acc_ref[...]
+    if gram_ref is None:
+      return acc_ref[...]
+    return acc_ref[...], gram_ref[...]
 
   with jax.named_scope("k_loop"):
-    acc = pl.run_scoped(k_loop, plgpu.ACC((tn, tm), jnp.float32))
+    if rms_eps is None:
+      acc = pl.run_scoped(k_loop, plgpu.ACC((tn, tm), jnp.float32))
+    else:
+      acc, gram = pl.run_scoped(k_loop, plgpu.ACC((tn, tm), jnp.float32),
+                                plgpu.ACC((RMS_ROWS, tm), jnp.float32))
+  if rms_eps is not None:
+    layout = plgpu.Layout.WGMMA
+    diag = (plgpu.broadcasted_iota(jnp.int32, gram.shape, 0, layout=layout)
+            == plgpu.broadcasted_iota(jnp.int32, gram.shape, 1, layout=layout))
+    ssq = jnp.where(diag, gram, 0.0).sum(axis=0)  # [tm]: row j's sum of squares
+    scale = lax.rsqrt(ssq * (1.0 / a_gmem.shape[1]) + rms_eps)
+    acc = acc * lax.broadcast_in_dim(scale, acc.shape, [1])
   if bias_gmem is not None:
     plgpu.barrier_wait(epi_bars.at[0])
     bias = plgpu.load(bias_smem, (), layout=plgpu.Layout.WGMMA.reduce(1))
@@ -385,24 +421,28 @@ def _swap_kernel(layer_gmem, a_gmem, b_gmem, *refs, cfg: Config, k_iters: int,
 
 
 def _run_swap(layer_arr, a, b, bias, residual, *, cfg: Config, k_iters: int, out_dtype,
-              activation=None):
+              activation=None, rms_eps=None):
   """The ``swap_ab`` launch: grid (N / tile_n, M tiles, splits); returns the
   [M, N] output ([M, N / 2] with swiglu), or [splits, M, N] float32 partials."""
   m, _ = a.shape
   n = b.shape[-1]
   split_out = cfg.split_k > 1
+  if rms_eps is not None and split_out:
+    raise ValueError("the fused RMSNorm needs every K block in one CTA (split_k = 1)")
   swiglu = activation == "swiglu" and not split_out
   tm, tn, tk = cfg.tile_m, cfg.tile_n, cfg.tile_k
   out_tn = tn // 2 if swiglu else tn
   operands = [layer_arr, a, b] + [x for x in (bias, residual) if x is not None]
   body = functools.partial(_swap_kernel, cfg=cfg, k_iters=k_iters, has_bias=bias is not None,
-                           has_res=residual is not None, split_out=split_out, swiglu=swiglu)
+                           has_res=residual is not None, split_out=split_out, swiglu=swiglu,
+                           rms_eps=rms_eps)
   out_type = (jax.ShapeDtypeStruct((cfg.split_k, m, n), jnp.float32) if split_out
               else jax.ShapeDtypeStruct((m, n // 2 if swiglu else n), out_dtype))
   ring = lambda shape: plgpu.SMEM((cfg.stages, *shape), a.dtype,
                                   transforms=dsl.smem_transforms(shape, a.dtype))
+  a_rows = tm if rms_eps is None else max(tm, RMS_ROWS)
   scratch = [
-      ring((tm, tk)),
+      ring((a_rows, tk)),
       ring((tk, tn)),
       plgpu.SMEM((tm, out_tn), jnp.float32),
       plgpu.SMEM((tm, out_tn), out_dtype),
@@ -424,8 +464,9 @@ def _num_sms() -> int:
   return target_lib.current().ceilings.sms
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "out_dtype", "activation"))
-def _run(a, b, bias, residual, layer=None, *, cfg: Config, out_dtype, activation=None):
+@functools.partial(jax.jit, static_argnames=("cfg", "out_dtype", "activation", "rms_eps"))
+def _run(a, b, bias, residual, layer=None, *, cfg: Config, out_dtype, activation=None,
+         rms_eps=None):
   """b [K, N] (bias [N]), or with ``layer`` a [L, K, N] stack (bias [L, N])."""
   if layer is None:  # one code path: a stack of one (free reshapes, a constant index)
     b, bias = b[None], None if bias is None else bias[None]
@@ -434,11 +475,16 @@ def _run(a, b, bias, residual, layer=None, *, cfg: Config, out_dtype, activation
   k_iters = dsl.cdiv(k, cfg.tile_k)
   cfg = dataclasses.replace(cfg, split_k=_splits(cfg, k))
   split_out = cfg.split_k > 1
+  if rms_eps is not None and not fuses_rms(cfg, k):
+    a, rms_eps = rms_rows(a, rms_eps), None  # an XLA fusion ahead of the kernel
   # Split partials get the bias, residual and activation in the reduction below.
   keep = lambda x: None if split_out else x
-  launch = _run_swap if cfg.swap_ab else _run_persistent
-  out = launch(layer_arr, a, b, keep(bias), keep(residual), cfg=cfg, k_iters=k_iters,
-               out_dtype=jnp.dtype(out_dtype), activation=activation)
+  if cfg.swap_ab:
+    out = _run_swap(layer_arr, a, b, keep(bias), keep(residual), cfg=cfg, k_iters=k_iters,
+                    out_dtype=jnp.dtype(out_dtype), activation=activation, rms_eps=rms_eps)
+  else:
+    out = _run_persistent(layer_arr, a, b, keep(bias), keep(residual), cfg=cfg,
+                          k_iters=k_iters, out_dtype=jnp.dtype(out_dtype), activation=activation)
   if split_out:
     bias = None if bias is None else dsl.take_layer(bias, layer_arr[0])
     out = _epilogue(out.sum(axis=0), bias, residual, out_dtype, activation)
@@ -489,6 +535,26 @@ def _splits(cfg: Config, k: int) -> int:
     return 1
   k_iters = dsl.cdiv(k, cfg.tile_k)
   return dsl.cdiv(k_iters, dsl.cdiv(k_iters, cfg.split_k))
+
+
+def fuses_rms(cfg: Config, k: int) -> bool:
+  """Whether ``cfg`` normalizes a's rows in the kernel (``rms_eps``): the
+  swapped-operand kernel with every K block in one CTA."""
+  return cfg.swap_ab and _splits(cfg, k) == 1
+
+
+def rms_rows(a, eps: float):
+  """a's rows divided by their root mean square (an RMSNorm without its
+  weight), in float32, cast back to a's dtype."""
+  x = a.astype(jnp.float32)
+  return (x * lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)).astype(a.dtype)
+
+
+def fold_rms_weight(weight, b):
+  """b [..., K, N] with RMSNorm weight [..., K] folded into its rows:
+  rms_norm(a, weight) @ b == rms_rows(a) @ fold_rms_weight(weight, b) (up to
+  the rounding of the product to b's dtype)."""
+  return (b.astype(jnp.float32) * weight.astype(jnp.float32)[..., :, None]).astype(b.dtype)
 
 
 def _swiglu_tile_error(cfg: Config, k: int) -> str | None:
@@ -553,8 +619,10 @@ def _layer_view(b, bias, layer):
   return one(b), one(bias)
 
 
-def _check(a, b, bias, residual, out_dtype, activation=None, layer=None):
+def _check(a, b, bias, residual, out_dtype, activation=None, layer=None, rms_eps=None):
   """Shapes and dtypes every backend accepts; returns the output dtype."""
+  if rms_eps is not None and not (isinstance(rms_eps, (int, float)) and 0 <= rms_eps < math.inf):
+    raise ValueError(f"{rms_eps=} must be None or a finite float >= 0")
   b, bias = _layer_view(b, bias, layer)
   if getattr(a, "ndim", None) != 2 or getattr(b, "ndim", None) != 2:
     raise ValueError(f"matmul needs 2D a[M, K] and b[K, N]; got {jnp.shape(a)=}, {jnp.shape(b)=}")
@@ -584,9 +652,9 @@ def _check(a, b, bias, residual, out_dtype, activation=None, layer=None):
 
 
 def _mosaic_why_not(a, b, *, bias=None, residual=None, out_dtype=None, activation=None,
-                    config=None, layer=None) -> str | None:
+                    config=None, layer=None, rms_eps=None) -> str | None:
   try:
-    out_dtype = _check(a, b, bias, residual, out_dtype, activation, layer)
+    out_dtype = _check(a, b, bias, residual, out_dtype, activation, layer, rms_eps)
   except ValueError as e:
     return str(e)
   b, bias = _layer_view(b, bias, layer)
@@ -639,10 +707,12 @@ def heuristic(m: int, n: int, k: int, num_sms: int = 132) -> Config:
   return fit_smem(cfg)
 
 
-def fit_smem(cfg: Config, in_itemsize: int = 2, out_itemsize: int = 2) -> Config:
+def fit_smem(cfg: Config, in_itemsize: int = 2, out_itemsize: int = 2,
+             rms: bool = False) -> Config:
   """``cfg`` with pipeline stages given up (down to 2) until it fits in SMEM:
-  float32 outputs and split-K partials double the epilogue buffers."""
-  while cfg.smem_bytes(in_itemsize, out_itemsize) > SMEM_LIMIT and cfg.stages > 2:
+  float32 outputs and split-K partials double the epilogue buffers, and the
+  fused RMSNorm's a blocks are 64 rows."""
+  while cfg.smem_bytes(in_itemsize, out_itemsize, rms) > SMEM_LIMIT and cfg.stages > 2:
     cfg = dataclasses.replace(cfg, stages=cfg.stages - 1)
   return cfg
 
@@ -652,41 +722,48 @@ def fit_smem(cfg: Config, in_itemsize: int = 2, out_itemsize: int = 2) -> Config
 M_BUCKETS = (1, 16, 64, 128, 192, 256, 2048, 8192)
 
 
-def tuning_key(m: int, n: int, k: int, dtype, activation=None) -> str:
+def tuning_key(m: int, n: int, k: int, dtype, activation=None, rms: bool = False) -> str:
   """The table key of a shape; a fused activation has entries of its own
-  (``act=swiglu``), since its tile must hold whole [gate | up] pairs."""
+  (``act=swiglu``), since its tile must hold whole [gate | up] pairs, and so
+  does the fused RMSNorm (``norm=rms``), whose a blocks are 64 rows."""
   dims = dict(m=tuning.bucket(m, M_BUCKETS), n=n, k=k, dtype=jnp.dtype(dtype).name)
   if activation is not None:
     dims["act"] = activation
+  if rms:
+    dims["norm"] = "rms"
   return tuning.shape_key(**dims)
 
 
-def pick_config(m: int, n: int, k: int, dtype, activation=None) -> Config:
-  """The tuning table's config for the shape (with a fused activation, its
-  own entry first, else the plain shape's, else the heuristic's). A SwiGLU
-  tile without split-K is fitted to one [gate | up] block pair per consumer,
-  keeping the shape's schedule."""
+def pick_config(m: int, n: int, k: int, dtype, activation=None, rms: bool = False) -> Config:
+  """The tuning table's config for the shape: the most specific entry of
+  (activation and norm, activation, plain shape), else the heuristic's. A
+  SwiGLU tile without split-K is fitted to one [gate | up] block pair per
+  consumer, keeping the shape's schedule."""
   sms = 132 if dsl.interpreting() else _num_sms()
   plain = lambda: tuning.lookup(OP, tuning_key(m, n, k, dtype), Config,
                                 lambda: heuristic(m, n, k, sms))
-  cfg = plain() if activation is None else tuning.lookup(
+  act = plain if activation is None else lambda: tuning.lookup(
       OP, tuning_key(m, n, k, dtype, activation), Config, plain)
+  cfg = act() if not rms else tuning.lookup(
+      OP, tuning_key(m, n, k, dtype, activation, rms=True), Config, act)
   if activation == "swiglu" and _swiglu_tile_error(cfg, k):
     cfg = dataclasses.replace(cfg, tile_n=2 * SWIGLU_BLOCK, epi_n=min(cfg.epi_n, SWIGLU_BLOCK))
   return cfg
 
 
 def matmul_mosaic(a, b, *, bias=None, residual=None, out_dtype=None, activation=None,
-                  config: Config | None = None, layer=None):
+                  config: Config | None = None, layer=None, rms_eps=None):
   """The Hopper kernel; ``config`` overrides the tuning table / heuristic."""
   why = _mosaic_why_not(a, b, bias=bias, residual=residual, out_dtype=out_dtype,
-                        activation=activation, config=config, layer=layer)
+                        activation=activation, config=config, layer=layer, rms_eps=rms_eps)
   if why is not None:
     raise ValueError(f"matmul mosaic: {why}")
-  out_dtype = _check(a, b, bias, residual, out_dtype, activation, layer)
+  out_dtype = _check(a, b, bias, residual, out_dtype, activation, layer, rms_eps)
   m, k = a.shape
   n = b.shape[-1]
   if target_lib.current().kind == "blackwell":
+    if rms_eps is not None:  # the tcgen05 kernel has no fused norm: XLA's fusion first
+      a = rms_rows(a, rms_eps)
     if layer is not None:  # the tcgen05 kernel takes one weight: XLA slices the layer
       b, bias = dsl.take_layer(b, layer), dsl.take_layer(bias, layer)
     from kernels import matmul_blackwell as bw
@@ -701,15 +778,19 @@ def matmul_mosaic(a, b, *, bias=None, residual=None, out_dtype=None, activation=
                   out_dtype=out_dtype, num_sms=_num_sms())
   if config is not None and not isinstance(config, Config):
     raise ValueError(f"on Hopper config must be a matmul.Config; got {config=}")
+  rms = rms_eps is not None
   isz = (a.dtype.itemsize, out_dtype.itemsize)
   # A picked config (heuristic or table, chosen for bf16 out) is fitted to
   # this call's output dtype; an explicit one is the caller's to fix.
-  cfg = config or fit_smem(pick_config(m, n, k, a.dtype, activation), *isz)
-  if cfg.smem_bytes(*isz) > SMEM_LIMIT:
-    raise ValueError(f"{cfg=} needs {cfg.smem_bytes(*isz)} bytes of SMEM > {SMEM_LIMIT}")
+  cfg = config or fit_smem(pick_config(m, n, k, a.dtype, activation, rms), *isz,
+                           rms=rms)
+  need = cfg.smem_bytes(*isz, rms=rms and fuses_rms(cfg, k))
+  if need > SMEM_LIMIT:
+    raise ValueError(f"{cfg=} needs {need} bytes of SMEM > {SMEM_LIMIT}")
   if activation == "swiglu" and (why := _swiglu_tile_error(cfg, k)):
     raise ValueError(f"matmul mosaic: {why}")
-  return _run(a, b, bias, residual, layer, cfg=cfg, out_dtype=out_dtype, activation=activation)
+  return _run(a, b, bias, residual, layer, cfg=cfg, out_dtype=out_dtype, activation=activation,
+              rms_eps=None if rms_eps is None else float(rms_eps))
 
 
 def _epilogue(acc, bias, residual, out_dtype, activation):
@@ -723,18 +804,22 @@ def _epilogue(acc, bias, residual, out_dtype, activation):
   return acc.astype(out_dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("out_dtype", "activation"))
-def _xla(a, b, bias, residual, out_dtype, activation):
+@functools.partial(jax.jit, static_argnames=("out_dtype", "activation", "rms_eps"))
+def _xla(a, b, bias, residual, out_dtype, activation, rms_eps=None):
+  if rms_eps is not None:
+    a = rms_rows(a, rms_eps)
   acc = jnp.dot(a, b, preferred_element_type=jnp.float32)
   return _epilogue(acc, bias, residual, out_dtype, activation)
 
 
-def matmul_xla(a, b, *, bias=None, residual=None, out_dtype=None, activation=None, layer=None):
-  """cuBLAS (through XLA) with the epilogue left to XLA's fusion."""
-  out_dtype = _check(a, b, bias, residual, out_dtype, activation, layer)
+def matmul_xla(a, b, *, bias=None, residual=None, out_dtype=None, activation=None, layer=None,
+               rms_eps=None):
+  """cuBLAS (through XLA) with the norm and the epilogue left to XLA's fusions."""
+  out_dtype = _check(a, b, bias, residual, out_dtype, activation, layer, rms_eps)
   if layer is not None:
     b, bias = dsl.take_layer(b, layer), dsl.take_layer(bias, layer)
-  return _xla(a, b, bias, residual, out_dtype, activation)
+  return _xla(a, b, bias, residual, out_dtype, activation,
+              None if rms_eps is None else float(rms_eps))
 
 
 # --------------------------------------------------------------------------
@@ -742,29 +827,32 @@ def matmul_xla(a, b, *, bias=None, residual=None, out_dtype=None, activation=Non
 
 
 def matmul_reference(a, b, *, bias=None, residual=None, out_dtype=None, activation=None,
-                     layer=None):
+                     layer=None, rms_eps=None):
   """The meaning of the op, in float32 (returned in float32)."""
-  _check(a, b, bias, residual, out_dtype, activation, layer)
+  _check(a, b, bias, residual, out_dtype, activation, layer, rms_eps)
   if layer is not None:
     b, bias = dsl.take_layer(b, layer), dsl.take_layer(bias, layer)
   f = lambda x: jnp.asarray(x, jnp.float32)
-  out = jnp.dot(f(a), f(b), precision=lax.Precision.HIGHEST)
+  a = f(a)
+  if rms_eps is not None:
+    a = a * lax.rsqrt(jnp.mean(a * a, axis=-1, keepdims=True) + rms_eps)
+  out = jnp.dot(a, f(b), precision=lax.Precision.HIGHEST)
   return _epilogue(out, bias, residual, jnp.float32, activation)
 
 
 def _reference_backend(a, b, *, bias=None, residual=None, out_dtype=None, activation=None,
-                       layer=None):
-  out_dtype = _check(a, b, bias, residual, out_dtype, activation, layer)
+                       layer=None, rms_eps=None):
+  out_dtype = _check(a, b, bias, residual, out_dtype, activation, layer, rms_eps)
   return matmul_reference(a, b, bias=bias, residual=residual, activation=activation,
-                          layer=layer).astype(out_dtype)
+                          layer=layer, rms_eps=rms_eps).astype(out_dtype)
 
 
 def _valid(a, b, *, bias=None, residual=None, out_dtype=None, activation=None,
-           config=None, layer=None) -> str | None:
+           config=None, layer=None, rms_eps=None) -> str | None:
   if config is not None:
     return f"config= applies to the mosaic backend only; got {config=}"
   try:
-    _check(a, b, bias, residual, out_dtype, activation, layer)
+    _check(a, b, bias, residual, out_dtype, activation, layer, rms_eps)
   except ValueError as e:
     return str(e)
   return None
@@ -775,7 +863,8 @@ def _valid(a, b, *, bias=None, residual=None, out_dtype=None, activation=None,
 
 _op = registry.op(OP, "act(a[M,K] @ b[K,N] (+ bias[N])) (+ residual), fp32 accumulation; "
                       "act: none or swiglu (fused gate/up, output [M, N/2]); with layer=, "
-                      "b is a [L, K, N] stack (bias [L, N]) and b[layer] is used")
+                      "b is a [L, K, N] stack (bias [L, N]) and b[layer] is used; with "
+                      "rms_eps=, a's rows are RMS-normalized first (norm weight folded into b)")
 _op.register("mosaic", matmul_mosaic, supports=_mosaic_why_not,
              doc="Hopper wgmma, warp-specialized, persistent; swapped operands or split-K "
                  "for small M")

@@ -197,6 +197,12 @@ SWAP_EDGES = [
     (16, dict(tile_m=16, tile_n=128, tile_k=128, stages=5), ("bias", "residual")),
     (1, dict(tile_m=8, tile_n=128, tile_k=128, stages=6), ("swiglu", "bias", "residual")),
     (64, dict(tile_m=64, tile_n=128, tile_k=64, stages=6), ("swiglu",)),
+    # The fused RMSNorm: 64-row a blocks, the Gram accumulator, every token tile.
+    (1, dict(tile_m=8, tile_k=256, stages=3), ("rms", "bias")),
+    (16, dict(tile_m=16, tile_k=128, stages=5), ("rms",)),
+    (64, dict(tile_m=64, tile_k=256, stages=3), ("rms",)),
+    (1, dict(tile_m=8, tile_n=128, tile_k=128, stages=3), ("swiglu", "rms")),
+    (32, dict(tile_m=32, tile_n=128, tile_k=128, stages=2), ("swiglu", "rms")),
 ]
 
 
@@ -204,13 +210,16 @@ SWAP_EDGES = [
 def test_matmul_swap_ab_lowers_for_h200(edge):
   m, kw, extras = SWAP_EDGES[edge]
   cfg = mm.Config(**{"tile_n": 64, **kw}, swap_ab=True)
-  swiglu = "swiglu" in extras
-  extras = tuple(e for e in extras if e != "swiglu")
+  swiglu, rms = "swiglu" in extras, "rms" in extras
+  extras = tuple(e for e in extras if e not in ("swiglu", "rms"))
   n, k = (28672, 4096) if swiglu else (4096, 14336)
   out_n = n // 2 if swiglu else n
   args = [S((m, k), BF16), S((k, n), BF16)] + [S((n,) if e == "bias" else (m, out_n), BF16)
                                                for e in extras]
   act = dict(activation="swiglu") if swiglu else {}
+  if rms:
+    assert mm.fuses_rms(cfg, k)
+    act["rms_eps"] = 1e-5
   _lower(lambda a, b, *rest: mm.matmul_mosaic(a, b, config=cfg, **act,
                                               **dict(zip(extras, rest))), *args)
 

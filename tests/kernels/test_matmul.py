@@ -251,6 +251,73 @@ def test_swiglu_bad_inputs():
     mm.swiglu_columns(b[:, :96], b[:, :96])
 
 
+RMS_CASES = [
+    # m, n, k, config, activation, bias: the fused norm (swap_ab, no split) at
+    # one row, ragged rows (zero fill in the 64-row a block), a ring that wraps
+    # over a partial K block, a 128-column tile with the gate, a full 64-row
+    # tile and two row tiles; a split-K and a non-swap config normalize in XLA.
+    pytest.param(1, 128, 576, C(tile_m=8, tile_n=64, tile_k=128, stages=2, swap_ab=True), None,
+                 True, id="swap-m1-ring-wraps-partial-k-bias"),
+    pytest.param(5, 256, 320, C(tile_m=8, tile_n=128, tile_k=128, stages=2, swap_ab=True),
+                 "swiglu", False, id="swap-ragged-m-swiglu"),
+    pytest.param(64, 128, 128, C(tile_m=64, tile_n=64, stages=2, swap_ab=True), None, False,
+                 id="swap-64-rows"),
+    pytest.param(24, 64, 256, C(tile_m=16, tile_n=64, stages=3, swap_ab=True), None, True,
+                 id="swap-two-row-tiles"),
+    pytest.param(16, 128, 256, C(tile_m=16, tile_n=64, stages=2, split_k=2, swap_ab=True), None,
+                 False, id="swap-split-k-normalizes-first"),
+    pytest.param(8, 128, 128, C(tile_m=64, tile_n=64, stages=2), None, True,
+                 id="warp-specialized-normalizes-first"),
+]
+
+
+@pytest.mark.parametrize("backend", ["mosaic", "xla", "reference"])
+@pytest.mark.parametrize("m,n,k,cfg,activation,use_bias", RMS_CASES)
+def test_fused_rms_norm(backend, m, n, k, cfg, activation, use_bias):
+  # Against RMSNorm with its weight, then the product: the weight is folded
+  # into b, so the fold is checked too. Rows of different scales, so a wrong
+  # row's (or no) scale shows.
+  a, b, bias, w = testing.random_inputs([(m, k), (k, n), (n,), (k,)], jnp.bfloat16)
+  a = (a.astype(jnp.float32) * (1.0 + jnp.arange(m, dtype=jnp.float32)[:, None])).astype(a.dtype)
+  bias = bias if use_bias else None
+  eps = 1e-5
+  f32 = lambda x: x.astype(jnp.float32)
+  h = f32(a) * jax.lax.rsqrt(jnp.mean(f32(a) ** 2, axis=-1, keepdims=True) + eps) * f32(w)
+  want = mm.matmul_reference(h, f32(b), bias=bias, activation=activation)
+  kw = dict(config=cfg) if backend == "mosaic" else {}
+  out = registry.get_op("matmul")(a, mm.fold_rms_weight(w, b), bias=bias, activation=activation,
+                                  rms_eps=eps, backend=backend, **kw)
+  assert out.shape == want.shape and out.dtype == jnp.bfloat16
+  testing.assert_close(out, want, jnp.bfloat16)
+  if backend == "mosaic":
+    assert mm.fuses_rms(cfg, k) == (cfg.swap_ab and cfg.split_k == 1)
+    if dsl.interpreting():
+      assert not dsl.races_found()
+
+
+def test_fused_rms_norm_entries_and_bad_eps(monkeypatch):
+  # The norm's own entry (norm=rms) comes first, then the activation's, then
+  # the plain shape's; its SMEM counts 64-row a blocks.
+  plain = C(tile_m=8, tile_n=64, tile_k=256, stages=3, swap_ab=True)
+  normed = C(tile_m=8, tile_n=64, tile_k=128, stages=4, swap_ab=True)
+  entries = {mm.tuning_key(1, 6144, 4096, jnp.bfloat16): plain}
+  lookup = lambda op, key, cls, fallback, **_: entries[key] if key in entries else fallback()
+  monkeypatch.setattr(mm.tuning, "lookup", lookup)
+  assert mm.pick_config(1, 6144, 4096, jnp.bfloat16, rms=True) == plain
+  entries[mm.tuning_key(1, 6144, 4096, jnp.bfloat16, rms=True)] = normed
+  assert mm.pick_config(1, 6144, 4096, jnp.bfloat16, rms=True) == normed
+  assert mm.tuning_key(1, 6144, 4096, jnp.bfloat16, "swiglu", rms=True).endswith(
+      ",act=swiglu,norm=rms")
+  assert plain.smem_bytes(rms=True) - plain.smem_bytes() == 3 * (64 - 8) * 256 * 2
+  deep = C(tile_m=8, tile_n=64, tile_k=256, stages=6, swap_ab=True)
+  assert deep.smem_bytes() <= mm.SMEM_LIMIT < deep.smem_bytes(rms=True)
+  assert mm.fit_smem(deep, rms=True).smem_bytes(rms=True) <= mm.SMEM_LIMIT
+  a, b, _, _ = _inputs(8, 64, 64)
+  for bad in (-1.0, float("nan"), "1e-5"):
+    with pytest.raises(ValueError, match="rms_eps"):
+      registry.get_op("matmul")(a, b, rms_eps=bad, backend="xla")
+
+
 def test_mosaic_heuristic_config():
   # No config: the tuning table / heuristic picks one (split-K for this small M).
   a, b, bias, _ = _inputs(16, 128, 512)
@@ -310,6 +377,21 @@ def test_mosaic_gpu_full_size(m, n, k):
   a, b, bias, res = _inputs(m, n, k)
   out = registry.get_op("matmul")(a, b, bias=bias, residual=res, backend="mosaic")
   testing.assert_close(out, mm.matmul_reference(a, b, bias=bias, residual=res), jnp.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k,activation", [(1, 6144, 4096, None), (16, 6144, 4096, None),
+                                              (64, 6144, 4096, None), (1, 28672, 4096, "swiglu"),
+                                              (16, 28672, 4096, "swiglu"),
+                                              (64, 28672, 4096, "swiglu"),
+                                              (2048, 6144, 4096, None)])
+def test_fused_rms_norm_gpu_full_size(m, n, k, activation):
+  # The decode step's qkv and gate/up with the layer's norm fused (the H200
+  # table's configs), and a prefill shape that normalizes in XLA first.
+  a, b, _, _ = _inputs(m, n, k)
+  out = registry.get_op("matmul")(a, b, activation=activation, rms_eps=1e-5, backend="mosaic")
+  want = mm.matmul_reference(a, b, activation=activation, rms_eps=1e-5)
+  testing.assert_close(out, want, jnp.bfloat16)
 
 
 @pytest.mark.gpu
