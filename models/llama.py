@@ -6,7 +6,7 @@ Data flow of one step, top to bottom::
   for each layer (a lax.fori_loop over the layer index, the KV cache in the carry so
   its pages are updated in place; the ops read the layer's weights from the
   stacked parameters in place, so every iteration uses the same buffers):
-    h = rms_norm(x)
+    h = rms_norm(x)   (with folded norms: inside the next matmul, see below)
     q [B,T,Hq,hd], k/v [B,T,Hkv,hd] = h @ wqkv (+ bias for Qwen2), split; RoPE on q, k
     k/v are written into their pages: cache[layer, :, page, slot]
     o = attention: a fresh prefill (no cached prefix) attends within its chunk
@@ -18,6 +18,14 @@ Data flow of one step, top to bottom::
     a = silu(g) * u with g, u = rms_norm(x) @ w_gate_up (one matmul, the gate
         fused into its epilogue); x = a @ w_down + x
   logits = rms_norm(x) @ lm_head   (lm_head = embed.T when tied), float32
+
+Folded norms (``Llama(norms_folded=True)``, what ``models.Model`` builds):
+each layer's two RMSNorm weights are folded into the rows of wqkv and
+w_gate_up (``fold_norm_weights``; the norms' weights become 1), and those
+matmuls normalize their input rows themselves (``matmul(..., rms_eps=)``): at
+decode the swapped-operand kernel computes the rows' scale from the a blocks
+it streams anyway, so the layer has no norm kernels. The function is the
+same up to rounding the folded weights to their dtype.
 
 RMSNorm, every matmul and the attention go through the ``mosaic.registry`` ops
 (``rms_norm``, ``matmul``, ``attention_prefill``, ``attention_decode``), so the
@@ -53,7 +61,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from kernels.matmul import SWIGLU_BLOCK
+from kernels.matmul import SWIGLU_BLOCK, fold_rms_weight
 from models.config import ModelConfig
 from mosaic import registry
 
@@ -203,7 +211,9 @@ class Linear(nnx.Module):
     self.w = nnx.Param(_init(rngs, (din, dout), dtype, din))
     self.b = nnx.Param(_init(rngs, (dout,), dtype, 1.0) * 0.1) if bias else None
 
-  def __call__(self, x, *, residual=None, out_dtype=None, row_parallel=False, activation=None):
+  def __call__(self, x, *, residual=None, out_dtype=None, row_parallel=False, activation=None,
+               rms_eps=None):
+    """``rms_eps``: x's rows are RMS-normalized first (the norm's weight is in w)."""
     lead = x.shape[:-1]
     a = x.reshape(-1, x.shape[-1])  # matmul is 2-D: [M = B*T, K]
     r = None if residual is None else residual.reshape(a.shape[0], -1)
@@ -217,7 +227,8 @@ class Linear(nnx.Module):
       y = y.astype(out_dtype or x.dtype)
       return y.reshape(*lead, y.shape[-1])
     y = ops()["matmul"](a, self.w[...], bias=None if self.b is None else self.b[...],
-                        residual=r, out_dtype=out_dtype, activation=activation, layer=layer)
+                        residual=r, out_dtype=out_dtype, activation=activation, layer=layer,
+                        **({} if rms_eps is None else dict(rms_eps=rms_eps)))
     # The float32 reference backends may hand back float32: keep the model dtype.
     y = y.astype(out_dtype or x.dtype)
     return y.reshape(*lead, y.shape[-1])
@@ -245,15 +256,16 @@ class Attention(nnx.Module):
                        dtype=dtype, rngs=rngs)
     self.wo = Linear(cfg.num_heads * hd, d, dtype=dtype, rngs=rngs)
 
-  def qkv(self, h, rope):
+  def qkv(self, h, rope, rms_eps=None):
     """h [B, T, D] -> q [B, T, Hq, hd], k/v [B, T, Hkv, hd]; RoPE applied with
-    ``rope`` = rope_angles(positions, inv_freq)."""
+    ``rope`` = rope_angles(positions, inv_freq); ``rms_eps``: h is the raw
+    residual stream, normalized inside the matmul (folded norms)."""
     cfg = self.cfg
     b, t, _ = h.shape
     g = cfg.q_per_kv
     with jax.named_scope("qkv"):  # scopes name the ops in profiles (serving.profiler)
       # -1 kv heads: all of them, or this device's shard under tensor parallelism.
-      y = self.wqkv(h).reshape(b, t, -1, g + 2, cfg.head_dim)  # [B, T, Hkv, G + 2, hd]
+      y = self.wqkv(h, rms_eps=rms_eps).reshape(b, t, -1, g + 2, cfg.head_dim)  # [B,T,Hkv,G+2,hd]
       q = y[:, :, :, :g].reshape(b, t, -1, cfg.head_dim)  # head h = kv head h // G
       k, v = y[:, :, :, g], y[:, :, :, g + 1]
     with jax.named_scope("rope"):
@@ -271,9 +283,9 @@ class MLP(nnx.Module):
     self.w_gate_up = Linear(d, 2 * f, dtype=dtype, rngs=rngs)
     self.w_down = Linear(f, d, dtype=dtype, rngs=rngs)
 
-  def __call__(self, h, residual):
+  def __call__(self, h, residual, rms_eps=None):
     with jax.named_scope("gate_up"):
-      act = self.w_gate_up(h, activation="swiglu")  # [..., F]
+      act = self.w_gate_up(h, activation="swiglu", rms_eps=rms_eps)  # [..., F]
     with jax.named_scope("down"):
       return self.w_down(act, residual=residual, row_parallel=True)
 
@@ -289,9 +301,13 @@ class Block(nnx.Module):
 
 class Llama(nnx.Module):
 
-  def __init__(self, cfg: ModelConfig, *, dtype="bfloat16", rngs: nnx.Rngs):
+  def __init__(self, cfg: ModelConfig, *, dtype="bfloat16", rngs: nnx.Rngs,
+               norms_folded: bool = False):
+    """``norms_folded``: the layers' norm weights are folded into wqkv and
+    w_gate_up (``fold_norm_weights`` on the params), which then normalize."""
     dtype = jnp.dtype(dtype)
     self.cfg = cfg
+    self.norms_folded = norms_folded
     self.embed = nnx.Param(_init(rngs, (cfg.vocab_size, cfg.hidden_size), dtype, 1.0))
 
     @nnx.split_rngs(splits=cfg.num_layers)
@@ -321,12 +337,16 @@ class Llama(nnx.Module):
       return y.reshape(*lead, -1)
 
   def _run_layers(self, x, cache: KVCache, attend):
-    """Loops over the layer index; ``attend(block, h, k_cache, v_cache, layer)`` does
-    the attention part (q/k/v, cache write, attention, output projection input).
+    """Loops over the layer index; ``attend(block, h, k_cache, v_cache, layer, rms_eps)``
+    does the attention part (q/k/v, cache write, attention, output projection input).
 
     The loop carries no parameters: ``block`` holds every layer's stacked
     parameters and the ops pick layer ``layer`` in place (see _LAYER)."""
     block = self.layers
+    # Folded norms: the raw residual stream goes to wqkv / w_gate_up, which
+    # normalize it themselves.
+    eps = self.cfg.rms_norm_eps if self.norms_folded else None
+    norm = lambda f, x: x if eps is not None else f(x)
 
     # The loop counter is the layer index: a scan over arange(L) would slice
     # its index out of an array each iteration, one more kernel per layer.
@@ -335,13 +355,13 @@ class Llama(nnx.Module):
       token = _LAYER.set(layer)
       try:
         with jax.named_scope("attn_norm"):
-          h = block.attn_norm(x)
-        o, kc, vc = attend(block, h, kc, vc, layer)
+          h = norm(block.attn_norm, x)
+        o, kc, vc = attend(block, h, kc, vc, layer, eps)
         with jax.named_scope("o_proj"):
           x = block.attn.wo(o, residual=x, row_parallel=True)
         with jax.named_scope("mlp_norm"):
-          h = block.mlp_norm(x)
-        x = block.mlp(h, residual=x)
+          h = norm(block.mlp_norm, x)
+        x = block.mlp(h, residual=x, rms_eps=eps)
       finally:
         _LAYER.reset(token)
       return x, kc, vc
@@ -373,8 +393,8 @@ class Llama(nnx.Module):
     chunk_attention = self._chunk_attention(tpos, valid, positions + lengths, page_table, ps,
                                            fresh)
 
-    def attend(block, h, kc, vc, layer):
-      q, k, v = block.attn.qkv(h, rope)
+    def attend(block, h, kc, vc, layer, rms_eps):
+      q, k, v = block.attn.qkv(h, rope, rms_eps)
       kc, vc = _write_kv(kc, vc, layer, page, slot, k, v)
       with jax.named_scope("attention"):
         o = chunk_attention(q, k, v, kc, vc, layer)
@@ -454,8 +474,8 @@ class Llama(nnx.Module):
     chunk_attention = self._chunk_attention(tpos, valid, positions + lengths, page_table, ps,
                                            fresh)
 
-    def attend(block, h, kc, vc, layer):
-      q, k, v = block.attn.qkv(h, rope)  # [1, N, H, hd]
+    def attend(block, h, kc, vc, layer, rms_eps):
+      q, k, v = block.attn.qkv(h, rope, rms_eps)  # [1, N, H, hd]
       kc, vc = _write_kv(kc, vc, layer, page, slot, k, v)
       with jax.named_scope("attention"):
         od = ops()["attention_decode"](q[0, :bd, None], kc, vc, dec_lengths, dec_table,
@@ -495,8 +515,8 @@ class Llama(nnx.Module):
           b, tq, skv, q_positions=tpos, kv_positions=kv_pos, q_segment_ids=valid.astype(jnp.int32),
           kv_segment_ids=(kv_pos < lengths[:, None]).astype(jnp.int32))
 
-    def attend(block, h, kc, vc, layer):
-      q, k, v = block.attn.qkv(h, rope)
+    def attend(block, h, kc, vc, layer, rms_eps):
+      q, k, v = block.attn.qkv(h, rope, rms_eps)
       kc, vc = _write_kv(kc, vc, layer, page, slot, k, v)
       if cfg.sliding_window is None:
         with jax.named_scope("attention"):
@@ -565,6 +585,29 @@ def _gather_pages(kc, vc, layer, page_table, dtype):
     return g.reshape(b, mp * g.shape[2], g.shape[3], g.shape[4]).astype(dtype)
 
   return one(kc), one(vc)
+
+
+# ---------------------------------------------------------------- folded norms
+
+
+def fold_norm_weights(params):
+  """A copy of the pure-dict ``params`` for ``Llama(norms_folded=True)``:
+  each layer's attn_norm / mlp_norm weight multiplies the rows of wqkv /
+  w_gate_up, and the norm weights become 1. Idempotent (folding 1s changes
+  nothing), so a folded checkpoint loads the same either way."""
+  layers = dict(params["layers"])
+  for norm, owner, lin in (("attn_norm", "attn", "wqkv"), ("mlp_norm", "mlp", "w_gate_up")):
+    g = layers[norm]["w"]
+    sub = dict(layers[owner])
+    sub[lin] = dict(sub[lin], w=_fold(g, sub[lin]["w"]))
+    layers[owner] = sub
+    layers[norm] = dict(layers[norm], w=jnp.ones_like(g))
+  return dict(params, layers=layers)
+
+
+@jax.jit
+def _fold(g, w):
+  return fold_rms_weight(g, w)  # one fused elementwise kernel: no float32 copy of w
 
 
 # ---------------------------------------------------------------- jitted entry points

@@ -39,16 +39,21 @@ class Model:
   """A loaded model. See the package docstring for the serving API."""
 
   def __init__(self, config: config_lib.ModelConfig, params, tokenizer: tok_lib.Tokenizer,
-               *, dtype="bfloat16", mesh=None):
+               *, dtype="bfloat16", mesh=None, fold_norms: bool = True):
+    """``fold_norms``: fold the layers' norm weights into wqkv / w_gate_up,
+    whose matmuls then normalize their input (models.llama, "Folded norms")."""
     self.config = config
     self.dtype = jnp.dtype(dtype)
     self.tokenizer = tokenizer
     self.mesh = mesh
-    abstract = nnx.eval_shape(lambda: llama.Llama(config, dtype=self.dtype, rngs=nnx.Rngs(0)))
+    abstract = nnx.eval_shape(lambda: llama.Llama(config, dtype=self.dtype, rngs=nnx.Rngs(0),
+                                                  norms_folded=fold_norms))
     self.graphdef, state = nnx.split(abstract)
     if isinstance(params, nnx.State):
       params = nnx.to_pure_dict(params)
     params = jax.tree.map(lambda a: jnp.asarray(a, self.dtype), params)
+    if fold_norms:
+      params = llama.fold_norm_weights(params)
     nnx.replace_by_pure_dict(state, params)
     if mesh is not None:
       state = llama.shard_params(state, mesh)

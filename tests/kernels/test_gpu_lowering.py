@@ -396,14 +396,15 @@ def test_rms_norm_lowers_for_h200(rows):
          S((rows, 4096), BF16), S((32, 4096), BF16), S((), I32))
 
 
-def _llama_8b(cache_dtype="bfloat16"):
+def _llama_8b(cache_dtype="bfloat16", folded=False):
   from flax import nnx
 
   from models import config as config_lib
   from models import llama
 
   cfg = config_lib.get("llama3.1-8b")
-  abstract = nnx.eval_shape(lambda: llama.Llama(cfg, dtype=BF16, rngs=nnx.Rngs(0)))
+  abstract = nnx.eval_shape(lambda: llama.Llama(cfg, dtype=BF16, rngs=nnx.Rngs(0),
+                                                norms_folded=folded))
   graphdef, params = nnx.split(abstract)
   params = jax.tree.map(lambda x: S(x.shape, x.dtype), params)
   cache = jax.eval_shape(lambda: llama.init_cache(cfg, 1400, ad.DEFAULT_PAGE_SIZE,
@@ -411,13 +412,15 @@ def _llama_8b(cache_dtype="bfloat16"):
   return llama, graphdef, params, cache
 
 
-@pytest.mark.parametrize("step, cache_dtype", [
-    ("decode", "bfloat16"), ("prefill", "bfloat16"), ("decode", "float8_e4m3fn")])
-def test_llama_8b_steps_lower_for_h200_on_mosaic_kernels(step, cache_dtype):
-  llama, graphdef, params, cache = _llama_8b(cache_dtype)
+@pytest.mark.parametrize("step, cache_dtype, folded, b", [
+    ("decode", "bfloat16", False, 64), ("prefill", "bfloat16", False, 1),
+    ("decode", "float8_e4m3fn", False, 64), ("decode", "bfloat16", True, 1),
+    ("decode", "bfloat16", True, 64), ("prefill", "bfloat16", True, 1)])
+def test_llama_8b_steps_lower_for_h200_on_mosaic_kernels(step, cache_dtype, folded, b):
+  llama, graphdef, params, cache = _llama_8b(cache_dtype, folded)
   names = llama.backends(attention_prefill="mosaic", attention_decode="mosaic",
                          matmul="mosaic", rms_norm="mosaic")
-  b, t, width = (64, 1, 64) if step == "decode" else (1, 2048, 32)
+  t, width = (1, 64) if step == "decode" else (2048, 32)
   if step == "decode":
     fn = lambda p, c, tok, n, tab: llama.decode_step(graphdef, p, c, tok, n, tab, backends=names)
     args = (S((b, 1), I32), S((b,), I32), S((b, width), I32))
@@ -427,7 +430,8 @@ def test_llama_8b_steps_lower_for_h200_on_mosaic_kernels(step, cache_dtype):
     args = (S((b, t), I32), S((b,), I32), S((b,), I32), S((b, width), I32))
   # In the layer scan: the norm (both norms call one kernel), qkv, attention,
   # o, gate_up with the SwiGLU gate, down; after it the final norm and lm_head.
-  lowered = _lower(fn, params, cache, *args, kernels=8)
+  # Folded norms: no norm kernel in the layer (qkv and gate_up normalize).
+  lowered = _lower(fn, params, cache, *args, kernels=7 if folded else 8)
   rows = b * t
   outs = " ".join(lowered.kernel_results)
   for want in (f"{rows}x6144xbf16", f"{rows}x14336xbf16", f"{b}x128256xf32"):

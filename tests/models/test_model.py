@@ -56,6 +56,40 @@ def test_prefill_matches_dense_forward(tiny):
   testing.assert_close(logits[0], _dense_forward(tiny, ids), dtype=jnp.float32, what="prefill")
 
 
+def test_folded_norms_compute_the_unfolded_model(tiny):
+  """Norm weights far from 1 (random ones are all 1): the model with them
+  folded into wqkv / w_gate_up gives the logits of the model that applies
+  them in its norms, at prefill and at decode; the folded params' norms are 1
+  and folding them again changes nothing."""
+  rng = np.random.default_rng()
+  p = jax.tree.map(np.asarray, model_lib.nnx.to_pure_dict(tiny.params))
+  for norm in ("attn_norm", "mlp_norm"):
+    p["layers"][norm]["w"] = rng.uniform(0.5, 2.0, p["layers"][norm]["w"].shape).astype(np.float32)
+  plain = model_lib.Model(tiny.config, p, tiny.tokenizer, dtype="float32", fold_norms=False)
+  folded = model_lib.Model(tiny.config, p, tiny.tokenizer, dtype="float32")
+  fp = model_lib.nnx.to_pure_dict(folded.params)
+  assert (np.asarray(fp["layers"]["attn_norm"]["w"]) == 1).all()
+  again = llama.fold_norm_weights(fp)
+  assert (np.asarray(again["layers"]["mlp"]["w_gate_up"]["w"])
+          == np.asarray(fp["layers"]["mlp"]["w_gate_up"]["w"])).all()
+  ids = rng.integers(3, 259, 9).tolist()
+  table = np.arange(1, 5)[None]
+  outs = []
+  for m in (plain, folded):
+    cache = m.init_cache(6, 4)
+    pre, cache = m.prefill(cache, [ids], [0], [len(ids)], table, all_logits=True)
+    dec, _ = m.decode(cache, [7], [len(ids) + 1], table)
+    outs.append((pre[0], dec[0]))
+  testing.assert_close(outs[1][0], outs[0][0], dtype=jnp.float32, what="prefill")
+  testing.assert_close(outs[1][1], outs[0][1], dtype=jnp.float32, what="decode")
+  # The folded graph ignores the norms' weights: unfolded params there would
+  # be another function (so the check above can fail).
+  wrong = model_lib.Model(tiny.config, p, tiny.tokenizer, dtype="float32")
+  wrong.params = plain.params
+  bad, _ = wrong.prefill(wrong.init_cache(6, 4), [ids], [0], [len(ids)], table, all_logits=True)
+  assert not np.allclose(np.asarray(bad[0]), np.asarray(outs[0][0]), rtol=1e-2, atol=1e-2)
+
+
 def test_ragged_batch_equals_single_sequences(tiny):
   """Three prompts of different lengths, pages interleaved, one padding row;
   then three batched decode steps (one row finishing early)."""
@@ -224,11 +258,13 @@ def test_mixed_step_equals_decode_then_prefill(tiny, fresh, pad_rows):
     testing.assert_close(a, b, dtype=jnp.float32, what=f"mixed cache {name}")
 
 
-def test_layers_read_their_weight_stacks_in_place(tiny, monkeypatch):
+@pytest.mark.parametrize("folded", [True, False])
+def test_layers_read_their_weight_stacks_in_place(tiny, monkeypatch, folded):
   """Inside the layer scan every matmul and rms_norm gets the whole [layers, ...]
   stack and the layer index, never a per-layer slice: a slice moves every
   layer, and XLA then records each iteration's command buffer again
-  (bench/results/serving_h200/layer_stack_dispatch/)."""
+  (bench/results/serving_h200/layer_stack_dispatch/). With folded norms the
+  layer runs no rms_norm: qkv and gate/up normalize their input (rms_eps)."""
   import dataclasses
 
   from flax import nnx
@@ -240,18 +276,26 @@ def test_layers_read_their_weight_stacks_in_place(tiny, monkeypatch):
     impl = op.impls["xla"]
 
     def spy(x, w, *args, _fn=impl.fn, _name=name, **kw):
-      calls.append((_name, w.ndim, kw.get("layer") is not None))
+      calls.append((_name, w.ndim, kw.get("layer") is not None, kw.get("rms_eps")))
       return _fn(x, w, *args, **kw)
 
     monkeypatch.setitem(op.impls, "xla", dataclasses.replace(impl, fn=spy))
-  m = nnx.merge(tiny.graphdef, tiny.params)
+  model = tiny if folded else model_lib.Model(tiny.config, tiny.params, tiny.tokenizer,
+                                              dtype="float32", fold_norms=False)
+  m = nnx.merge(model.graphdef, model.params)
+  assert m.norms_folded == folded
   with registry.use(matmul="xla", rms_norm="xla"):
     logits, _ = m.decode(tiny.init_cache(8, 4), jnp.asarray([[5]]), jnp.asarray([1]),
                          jnp.asarray([[1, 2]]))
   assert np.isfinite(np.asarray(logits)).all()
-  in_scan = [c for c in calls if c[2]]
-  # Traced once: attn_norm, qkv, o_proj, mlp_norm, gate_up, down.
-  assert in_scan == [("rms_norm", 2, True), ("matmul", 3, True), ("matmul", 3, True),
-                     ("rms_norm", 2, True), ("matmul", 3, True), ("matmul", 3, True)], calls
+  in_scan = [c[:3] + (c[3] is not None,) for c in calls if c[2]]
+  if folded:  # Traced once: qkv (normalizing), o_proj, gate_up (normalizing), down.
+    assert in_scan == [("matmul", 3, True, True), ("matmul", 3, True, False),
+                       ("matmul", 3, True, True), ("matmul", 3, True, False)], calls
+  else:  # Traced once: attn_norm, qkv, o_proj, mlp_norm, gate_up, down.
+    assert in_scan == [("rms_norm", 2, True, False), ("matmul", 3, True, False),
+                       ("matmul", 3, True, False), ("rms_norm", 2, True, False),
+                       ("matmul", 3, True, False), ("matmul", 3, True, False)], calls
   # After the scan: the final norm and the lm_head, plain weights.
+  calls = [c[:3] for c in calls]
   assert [c for c in calls if not c[2]] == [("rms_norm", 1, False), ("matmul", 2, False)], calls
