@@ -19,6 +19,8 @@ kernels/tuning/matmul/<device_key>.json); a wrong config is never timed.
 ``--smollm2`` runs the SmolLM2-135M layer shapes instead of Llama-3-8B's.
 ``gate_up_swiglu`` is gate_up with the model's fused SwiGLU gate (output
 [M, N / 2]); its anchors are cuBLAS followed by XLA's (or torch's) silu * up.
+``qkv_rms`` and ``gate_up_swiglu_rms`` also normalize a's rows first (the
+model's folded norms, ``rms_eps``); their anchors run the norm, then cuBLAS.
 
   PYTHONPATH=. python3 bench/matmul.py --out /tmp/mm [--tune] [--small]
 """
@@ -46,8 +48,13 @@ LAYERS = {  # Llama-3-8B, name: (K, N)
     "down": (14336, 4096),
     "lm_head": (4096, 128256),
     "gate_up_swiglu": (4096, 28672),
+    "qkv_rms": (4096, 6144),
+    "gate_up_swiglu_rms": (4096, 28672),
 }
-ACTIVATION = {"gate_up_swiglu": "swiglu"}  # shapes run with a fused activation
+# Shapes run with a fused activation / the fused RMSNorm (rms_eps).
+ACTIVATION = {"gate_up_swiglu": "swiglu", "gate_up_swiglu_rms": "swiglu"}
+RMS_EPS = 1e-5
+RMS = {"qkv_rms", "gate_up_swiglu_rms"}
 SMOLLM2_LAYERS = {  # SmolLM2-135M (hidden 576, 9 q / 3 kv heads of 64, FFN 1536)
     "smol_qkv": (576, 960),
     "smol_o": (576, 576),
@@ -56,7 +63,8 @@ SMOLLM2_LAYERS = {  # SmolLM2-135M (hidden 576, 9 q / 3 kv heads of 64, FFN 1536
     "smol_lm_head": (576, 49152),
 }
 MS = (1, 16, 64, 192, 256, 2048, 8192)  # 192: the mixed step's 64 + 128 rows
-COLUMNS = ["shape", "M", "N", "K", "config", "mosaic_us", "xla_us", "xla_cublas_us", "torch_us",
+COLUMNS = ["shape", "M", "N", "K", "config", "mosaic_us", "mosaic_norm_then_matmul_us", "xla_us",
+           "xla_cublas_us", "torch_us",
            "mosaic_tflops", "mosaic_GBps", "xla_tflops", "torch_tflops", "vs_cublas", "vs_xla",
            "err_mosaic"]
 # XLA's a @ b as cuBLAS runs it: without this option XLA may time its own
@@ -88,14 +96,16 @@ def _rel_err(out, ref):
   return jnp.sqrt(jnp.sum(d * d) / jnp.sum(ref * ref))
 
 
-@functools.partial(jax.jit, static_argnames="activation")
-def _ref(a, b, activation=None):
-  return mm.matmul_reference(a, b, activation=activation)
+@functools.partial(jax.jit, static_argnames=("activation", "rms_eps"))
+def _ref(a, b, activation=None, rms_eps=None):
+  return mm.matmul_reference(a, b, activation=activation, rms_eps=rms_eps)
 
 
-def candidates(m: int, n: int, k: int, sms: int, activation=None) -> list[mm.Config]:
+def candidates(m: int, n: int, k: int, sms: int, activation=None,
+               rms: bool = False) -> list[mm.Config]:
   """A handful of configs around the heuristic's choice (with a fused SwiGLU,
-  those whose tiles hold whole [gate | up] pairs)."""
+  those whose tiles hold whole [gate | up] pairs; with the fused norm, the
+  swapped-operand ones that fit its 64-row a blocks)."""
   h = mm.heuristic(m, n, k, sms)
   C, rep = mm.Config, dataclasses.replace
   if m <= 64:
@@ -129,7 +139,8 @@ def candidates(m: int, n: int, k: int, sms: int, activation=None) -> list[mm.Con
       shapes_ = [(tile_n, tile_k, 1) for tile_n in (64, 128) for tile_k in (128, 256)]
     for tile_n, tile_k, split in shapes_:
       base = C(tile_m=tile_m, tile_n=tile_n, tile_k=tile_k, split_k=split, swap_ab=True)
-      fits = [st for st in range(2, 16) if rep(base, stages=st).smem_bytes() <= mm.SMEM_LIMIT]
+      fits = [st for st in range(2, 16)
+              if rep(base, stages=st).smem_bytes(rms=rms) <= mm.SMEM_LIMIT]
       if fits:
         cs += [rep(base, stages=st) for st in {fits[-1], max(2, fits[-1] // 2)}]
   elif m <= 256:
@@ -155,9 +166,11 @@ def candidates(m: int, n: int, k: int, sms: int, activation=None) -> list[mm.Con
           rep(h, grid_minor="m"), C(tile_m=64, tile_n=256, stages=4, wg_dim="m", epi_n=64)]
   if activation == "swiglu":
     cs = [c for c in cs if mm._swiglu_tile_error(c, k) is None]
+  if rms:
+    cs = [c for c in cs if mm.fuses_rms(c, k)]
   seen, out = set(), []
   for c in cs:
-    if c not in seen and c.smem_bytes() <= mm.SMEM_LIMIT:
+    if c not in seen and c.smem_bytes(rms=rms) <= mm.SMEM_LIMIT:
       seen.add(c)
       out.append(c)
   return out
@@ -226,20 +239,29 @@ def main(argv=None):
     key = jax.random.key(m * 7 + n * 3 + k)
     sets = _input_sets(key, m, n, k, 1 if args.small else (args.sets or None))
     act = ACTIVATION.get(name)
-    ref = _ref(*sets[0], activation=act)
+    rms = name in RMS
+    eps = RMS_EPS if rms else None
+    ref = _ref(*sets[0], activation=act, rms_eps=eps)
     c = cost.matmul(m, n, k)
     if act:  # the output is [M, N / 2]
       c = cost.Cost(c.flops, c.bytes - m * n)
     row = {"shape": name, "M": m, "N": n, "K": k}
-    cfg = mm.fit_smem(mm.pick_config(m, n, k, jnp.bfloat16, act))
+    cfg = mm.fit_smem(mm.pick_config(m, n, k, jnp.bfloat16, act, rms), rms=rms)
     row["config"] = cfg_str(cfg)
     fns = {
         "mosaic": jax.jit(lambda a, b, cfg=cfg: mm.matmul_mosaic(a, b, config=cfg,
-                                                                activation=act)),
-        "xla": jax.jit(lambda a, b: mm.matmul_xla(a, b, activation=act)),
-        "xla_cublas": jax.jit(lambda a, b: mm.matmul_xla(a, b, activation=act),
+                                                                activation=act, rms_eps=eps)),
+        "xla": jax.jit(lambda a, b: mm.matmul_xla(a, b, activation=act, rms_eps=eps)),
+        "xla_cublas": jax.jit(lambda a, b: mm.matmul_xla(a, b, activation=act, rms_eps=eps),
                               compiler_options=CUBLAS_ONLY if tgt.is_gpu else None),
     }
+    if rms:  # ours as the model ran it before folding: the rms_norm kernel, then the matmul
+      from kernels import rms_norm as rn
+
+      plain = mm.fit_smem(mm.pick_config(m, n, k, jnp.bfloat16, act))
+      ones = jnp.ones((k,), jnp.bfloat16)
+      fns["mosaic_norm_then_matmul"] = jax.jit(lambda a, b, cfg=plain: mm.matmul_mosaic(
+          rn.rms_norm_mosaic(a, ones, eps=RMS_EPS), b, config=cfg, activation=act))
     for backend, f in fns.items():
       try:
         err = float(_rel_err(f(*sets[0]), ref))
@@ -259,11 +281,14 @@ def main(argv=None):
     if torch is not None:
       ta, tb = (torch.from_dlpack(sets[0][0]), torch.from_dlpack(sets[0][1]))
       tsets = [(torch.from_dlpack(a), torch.from_dlpack(b)) for a, b in sets]
-      tfn = torch.matmul
-      if act:
-        def tfn(a, b):
-          y = torch.matmul(a, b).float().unflatten(-1, (-1, 2, mm.SWIGLU_BLOCK))
-          return (torch.nn.functional.silu(y[..., 0, :]) * y[..., 1, :]).flatten(-2).to(a.dtype)
+      def tfn(a, b):
+        if rms:
+          x = a.float()
+          a = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + RMS_EPS)).to(a.dtype)
+        if not act:
+          return torch.matmul(a, b)
+        y = torch.matmul(a, b).float().unflatten(-1, (-1, 2, mm.SWIGLU_BLOCK))
+        return (torch.nn.functional.silu(y[..., 0, :]) * y[..., 1, :]).flatten(-2).to(a.dtype)
       terr = float(_rel_err(jnp.from_dlpack(tfn(ta, tb)), ref))
       row["err_torch"] = terr
       if terr <= tol:
@@ -298,37 +323,39 @@ def main(argv=None):
   if args.tune:
     for name, m, n, k in tune_todo:
       act = ACTIVATION.get(name)  # a fused activation is tuned into entries of its own
+      rms = name in RMS  # and so is the fused norm
+      eps = RMS_EPS if rms else None
       if time.time() - t_start > args.budget_s:
         tune_log.append({"shape": name, "M": m, "skipped": "budget"})
         continue
       tsets = _input_sets(jax.random.key(m + n + k), m, n, k, 1 if args.small else None)
       a, b = tsets[0]
-      ref = _ref(a, b, activation=act)
+      ref = _ref(a, b, activation=act, rms_eps=eps)
 
       def check(out):
         err = float(_rel_err(out, ref))
         if not err <= tol:
           raise AssertionError(f"relative error {err:.3e}")
 
-      cands = candidates(m, n, k, sms, act)
+      cands = candidates(m, n, k, sms, act, rms)
       if args.match:
         keep = args.match.split(",")
-        cands = [mm.fit_smem(mm.pick_config(m, n, k, jnp.bfloat16, act))] + [
+        cands = [mm.fit_smem(mm.pick_config(m, n, k, jnp.bfloat16, act, rms), rms=rms)] + [
             c for c in cands if any(s_ in cfg_str(c) for s_ in keep)]
       try:
         best, results = tuning.autotune(
             cands,
-            lambda cfg: mm.matmul_mosaic(a, b, config=cfg, activation=act),
+            lambda cfg: mm.matmul_mosaic(a, b, config=cfg, activation=act, rms_eps=eps),
             check,
             lambda cfg: bench.time_jax(
                 jax.jit(lambda a, b, cfg=cfg: mm.matmul_mosaic(a, b, config=cfg,
-                                                              activation=act)),
+                                                              activation=act, rms_eps=eps)),
                 tsets, iters=10, warmup=1).median_s,
         )
       except RuntimeError as e:
         tune_log.append({"shape": name, "M": m, "error": str(e)[:500]})
         continue
-      winners[mm.tuning_key(m, n, k, jnp.bfloat16, act)] = best
+      winners[mm.tuning_key(m, n, k, jnp.bfloat16, act, rms)] = best
       for r in results:
         tune_log.append({"shape": name, "M": m, "N": n, "K": k, "config": cfg_str(r.config),
                          "us": None if r.seconds is None else r.seconds * 1e6,
