@@ -166,11 +166,9 @@ def candidates(m: int, n: int, k: int, sms: int, activation=None,
           rep(h, grid_minor="m"), C(tile_m=64, tile_n=256, stages=4, wg_dim="m", epi_n=64)]
   if activation == "swiglu":
     cs = [c for c in cs if mm._swiglu_tile_error(c, k) is None]
-  if rms:
-    cs = [c for c in cs if mm.fuses_rms(c, k)]
   seen, out = set(), []
-  for c in cs:
-    if c not in seen and c.smem_bytes(rms=rms) <= mm.SMEM_LIMIT:
+  for c in cs:  # with the norm, a config that cannot fuse it normalizes in XLA first
+    if c not in seen and c.smem_bytes(rms=rms and mm.fuses_rms(c, k)) <= mm.SMEM_LIMIT:
       seen.add(c)
       out.append(c)
   return out

@@ -108,8 +108,9 @@ def test_every_h200_matmul_table_entry_lowers(key):
   d = _key(key)
   m, n, k, dt = int(d["m"]), int(d["n"]), int(d["k"]), jnp.dtype(d["dtype"])
   cfg = mm.Config.from_dict(_table("matmul")[key])
-  act = d.get("act")  # an entry of a fused activation lowers with it
-  _lower(lambda a, b: mm.matmul_mosaic(a, b, config=cfg, activation=act), S((m, k), dt),
+  act = d.get("act")  # an entry of a fused activation (or norm) lowers with it
+  rms = dict(rms_eps=1e-5) if d.get("norm") == "rms" else {}
+  _lower(lambda a, b: mm.matmul_mosaic(a, b, config=cfg, activation=act, **rms), S((m, k), dt),
          S((k, n), dt))
 
 
