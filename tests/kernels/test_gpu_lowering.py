@@ -257,6 +257,10 @@ def test_matmul_lowers_for_b200_through_the_tcgen05_kernel(m, monkeypatch):
   _lower(lambda a, b, r: mm.matmul_mosaic(a, b, residual=r),
          S((m, 4096), BF16), S((4096, 4096), BF16), S((m, 4096), BF16), device="b200")
   assert calls, "the Blackwell target did not take the tcgen05 kernel"
+  # The fused norm's request: normalized by XLA first, then the same kernel.
+  _lower(lambda a, b: mm.matmul_mosaic(a, b, rms_eps=1e-5), S((m, 4096), BF16),
+         S((4096, 4096), BF16), device="b200")
+  assert len(calls) == 2
 
 
 PREFILLS = {
