@@ -216,14 +216,20 @@ def test_swiglu_fits_a_picked_tile(monkeypatch):
   assert mm.pick_config(64, 6144, 4096, jnp.bfloat16, "swiglu") == tuned
 
 
+def _fake_table(monkeypatch, entries):
+  """The tuning table as ``entries`` (key -> Config; add to it later), each
+  missing key falling back as the real lookup does."""
+  lookup = lambda op, key, cls, fallback, **_: entries[key] if key in entries else fallback()
+  monkeypatch.setattr(mm.tuning, "lookup", lookup)
+  return entries
+
+
 def test_swiglu_entries_and_swapped_tiles(monkeypatch):
   # The fused gate's own table entry (act=swiglu) comes before the plain
   # shape's; a swap_ab entry of 64 columns becomes one [gate | up] pair.
   plain = C(tile_m=16, tile_n=64, tile_k=256, stages=5, swap_ab=True)
   fused = C(tile_m=64, tile_n=128, tile_k=128, stages=2, persistent=False)
-  entries = {mm.tuning_key(16, 28672, 4096, jnp.bfloat16): plain}
-  lookup = lambda op, key, cls, fallback, **_: entries[key] if key in entries else fallback()
-  monkeypatch.setattr(mm.tuning, "lookup", lookup)
+  entries = _fake_table(monkeypatch, {mm.tuning_key(16, 28672, 4096, jnp.bfloat16): plain})
   assert mm.pick_config(16, 28672, 4096, jnp.bfloat16) == plain
   assert (mm.pick_config(16, 28672, 4096, jnp.bfloat16, "swiglu")
           == dataclasses.replace(plain, tile_n=2 * mm.SWIGLU_BLOCK))
@@ -300,9 +306,7 @@ def test_fused_rms_norm_entries_and_bad_eps(monkeypatch):
   # the plain shape's; its SMEM counts 64-row a blocks.
   plain = C(tile_m=8, tile_n=64, tile_k=256, stages=3, swap_ab=True)
   normed = C(tile_m=8, tile_n=64, tile_k=128, stages=4, swap_ab=True)
-  entries = {mm.tuning_key(1, 6144, 4096, jnp.bfloat16): plain}
-  lookup = lambda op, key, cls, fallback, **_: entries[key] if key in entries else fallback()
-  monkeypatch.setattr(mm.tuning, "lookup", lookup)
+  entries = _fake_table(monkeypatch, {mm.tuning_key(1, 6144, 4096, jnp.bfloat16): plain})
   assert mm.pick_config(1, 6144, 4096, jnp.bfloat16, rms=True) == plain
   entries[mm.tuning_key(1, 6144, 4096, jnp.bfloat16, rms=True)] = normed
   assert mm.pick_config(1, 6144, 4096, jnp.bfloat16, rms=True) == normed
