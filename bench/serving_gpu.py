@@ -60,7 +60,7 @@ class IdTokenizer:
     return "".join(chr(0x4E00 + i % 20000) for i in ids)
 
 
-def random_model(config: str, dtype: str, fold_norms: bool = True, prefetch_rows: int | None = None):
+def random_model(config: str, dtype: str, fold_norms: bool = True):
   from flax import nnx
 
   import models
@@ -82,9 +82,8 @@ def random_model(config: str, dtype: str, fold_norms: bool = True, prefetch_rows
 
   params = jax.tree.unflatten(
       treedef, [init(k, tuple(l.shape), jnp.dtype(dtype)) for k, l in zip(keys, leaves)])
-  kw = {} if prefetch_rows is None else dict(prefetch_rows=prefetch_rows)
   return models.Model(cfg, params, IdTokenizer(cfg.vocab_size), dtype=dtype,
-                      fold_norms=fold_norms, **kw)
+                      fold_norms=fold_norms)
 
 
 def loadgen(target, out, name, **kw):
@@ -130,7 +129,7 @@ def build_engine(a):
 
   apply_model_flags(a)  # again: an engine process starts without the parent's settings
   t0 = time.perf_counter()
-  model = random_model(a.config, a.dtype, a.fold_norms, a.prefetch_rows)
+  model = random_model(a.config, a.dtype, a.fold_norms)
   jax.block_until_ready(model.params)
   print(f"model {model!r} ready in {time.perf_counter() - t0:.1f} s", flush=True)
   page = a.page_size or E.default_page_size()
@@ -169,9 +168,6 @@ def model_flags(ap: argparse.ArgumentParser) -> None:
                   help="jax's persistent compilation cache directory (as serve's flag)")
   ap.add_argument("--no-fold-norms", dest="fold_norms", action="store_false",
                   help="keep the layers' norms as kernels of their own (models.Model fold_norms)")
-  ap.add_argument("--prefetch-rows", type=int, default=None,
-                  help="decode steps of at most this many rows prefetch wo into L2 during "
-                       "attention (models.Model prefetch_rows; 0: never)")
 
 
 def apply_model_flags(a) -> None:
@@ -224,7 +220,7 @@ def main():
     engine = build_engine(a)
     runner = engine.runner
   # The reference for the correctness check: the same seeded weights.
-  model = random_model(a.config, a.dtype, a.fold_norms, a.prefetch_rows) if a.engine_process else runner.model
+  model = random_model(a.config, a.dtype, a.fold_norms) if a.engine_process else runner.model
 
   import models
 

@@ -155,8 +155,7 @@ def _mosaic_kernel(lengths_ref, table_ref, layer_ref, q_ref, k_ref, v_ref, *refs
                    group: int,
                    page: int, pages_per_step: int, steps_per_page: int, stages: int,
                    splits: int, scale: float, split_out: bool, io_rows: int, store_rows: int,
-                   stage_out: bool, fp8: bool, swap: bool, prefetch: bool = False,
-                   grid: tuple[int, ...] = ()):
+                   stage_out: bool, fp8: bool, swap: bool):
   """One block: (sequence b, kv head h, split s, row tile r).
 
   Only the first ``io_rows`` rows of the tile (the packed rows rounded up to
@@ -167,11 +166,9 @@ def _mosaic_kernel(lengths_ref, table_ref, layer_ref, q_ref, k_ref, v_ref, *refs
   (softmax and both matmuls are row-wise) and is dropped.
 
   With ``fp8``, a scales input follows v_ref and two f16 buffers the K and V
-  of one step are converted into come before the barriers. With
-  ``prefetch``, the weight to prefetch into L2 (``_l2_prefetch``) follows.
+  of one step are converted into come before the barriers.
   """
   refs, scale, v_scale, cvt = _fp8_refs(refs, layer_ref, scale, fp8)
-  pf_ref, refs = (refs[0], refs[1:]) if prefetch else (None, refs)
   if split_out:
     o_ref, lse_ref, q_smem, k_smem, v_smem, p_smem, o_smem, lse_smem, bars = refs
   elif stage_out:
@@ -205,9 +202,6 @@ def _mosaic_kernel(lengths_ref, table_ref, layer_ref, q_ref, k_ref, v_ref, *refs
     def _():
       issue(i, i)
 
-  if pf_ref is not None:
-    n_b, n_h, n_s, n_r = grid
-    _l2_prefetch(pf_ref, layer_ref, ((b * n_h + h) * n_s + s) * n_r + r, n_b * n_h * n_s * n_r)
   plgpu.barrier_wait(q_bar.at[0])
 
   n = q_smem.shape[0]  # the Q tile's rows
@@ -415,8 +409,7 @@ def _persistent_kernel(lengths_ref, table_ref, layer_ref, q_ref, k_ref, v_ref, *
                        group: int,
                        page: int, pages_per_step: int, steps_per_page: int, stages: int,
                        scale: float, split_out: bool, io_rows: int, store_rows: int,
-                       dims: tuple[int, ...], grid_size: int, fp8: bool, swap: bool,
-                       prefetch: bool = False):
+                       dims: tuple[int, ...], grid_size: int, fp8: bool, swap: bool):
   """A persistent block: work items c, c + grid, c + 2 grid, ... of (b, h, s, r).
 
   The K/V ring runs across item boundaries: while the last steps of one
@@ -428,7 +421,6 @@ def _persistent_kernel(lengths_ref, table_ref, layer_ref, q_ref, k_ref, v_ref, *
   while the next item computes.
   """
   refs, scale, v_scale, cvt = _fp8_refs(refs, layer_ref, scale, fp8)
-  pf_ref, refs = (refs[0], refs[1:]) if prefetch else (None, refs)
   if split_out:
     o_ref, lse_ref, q_smem, k_smem, v_smem, p_smem, o_smem, lse_smem, bars = refs
   elif swap:
@@ -493,8 +485,6 @@ def _persistent_kernel(lengths_ref, table_ref, layer_ref, q_ref, k_ref, v_ref, *
       issue(cursor, k)
 
     cursor = _select(valid, advance(cursor), cursor)
-  if pf_ref is not None:
-    _l2_prefetch(pf_ref, layer_ref, c, grid_size)
 
   def item_body(j, carry):
     cursor, gstep = carry
@@ -551,31 +541,6 @@ def _persistent_kernel(lengths_ref, table_ref, layer_ref, q_ref, k_ref, v_ref, *
 
 def _select(pred, new, old):
   return tuple(jnp.where(pred, x, y) for x, y in zip(new, old))
-
-
-PREFETCH_BOX = 256  # rows and columns of one L2 prefetch (TMA's largest box side)
-
-
-def _l2_prefetch(pf_ref, layer_ref, block, n_blocks: int):
-  """Asks L2 for block ``block``'s share of ``pf_ref`` ([K, N], or a stack
-  [layers, K, N] read at the layer): boxes of up to PREFETCH_BOX^2 dealt
-  round-robin over the grid's ``n_blocks`` blocks. Nothing waits for them;
-  the copies run on while this kernel attends and after it exits."""
-  w = pf_ref if pf_ref.ndim == 2 else pf_ref.at[dsl.layer_index(layer_ref, pf_ref.shape[0])]
-  rows, cols = w.shape
-  br, bc = min(PREFETCH_BOX, rows), min(PREFETCH_BOX, cols)
-  nc = dsl.cdiv(cols, bc)
-  n = dsl.cdiv(rows, br) * nc
-  for i in range(dsl.cdiv(n, n_blocks)):
-    j = block + i * n_blocks
-
-    @pl.when(j < n)
-    def _():
-      # The last box of a row or column ends at the edge (overlapping the one
-      # before it where the side is not a multiple of the box).
-      r0 = jnp.minimum(lax.div(j, jnp.int32(nc)) * br, rows - br)
-      c0 = jnp.minimum(lax.rem(j, jnp.int32(nc)) * bc, cols - bc)
-      plgpu.async_prefetch(w.at[pl.ds(r0, br), pl.ds(c0, bc)])
 
 
 def _num_sms() -> int:
@@ -728,10 +693,9 @@ def _unpack_o(o, tq, hq):
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "config"))
 def _attention_decode_mosaic(q, k_pages, v_pages, lengths, page_table, layer=None,
-                             kv_scales=None, l2_prefetch=None, sm_scale: float = 1.0,
+                             kv_scales=None, sm_scale: float = 1.0,
                              config: Config | None = None):
-  """``kv_scales``: float32 [L or 1, 2] (k_scale, v_scale) with fp8 pages, else None.
-  ``l2_prefetch``: see ``attention_decode``."""
+  """``kv_scales``: float32 [L or 1, 2] (k_scale, v_scale) with fp8 pages, else None."""
   out_dtype = q.dtype
   fp8 = kv_scales is not None
   if fp8:
@@ -798,7 +762,7 @@ def _attention_decode_mosaic(q, k_pages, v_pages, lengths, page_table, layer=Non
       plgpu.Barrier(num_arrivals=pps, num_barriers=cfg.stages),
   ))
   common = dict(tq=tq, group=g, page=page, pages_per_step=pps, steps_per_page=spp,
-                stages=cfg.stages, prefetch=l2_prefetch is not None,
+                stages=cfg.stages,
                 scale=sm_scale, split_out=split_out, fp8=fp8, swap=cfg.swap_ab,
                 io_rows=_io_rows(tq * g), store_rows=min(rows, _io_rows(tq * g)))
   if persistent:
@@ -807,9 +771,8 @@ def _attention_decode_mosaic(q, k_pages, v_pages, lengths, page_table, layer=Non
                              grid_size=grid_size, **common)
     grid, names = (grid_size,), ("c",)
   else:
+    body = functools.partial(_mosaic_kernel, splits=splits, stage_out=stage_out, **common)
     grid, names = (b, hkv, splits, tiles), ("b", "h", "s", "r")
-    body = functools.partial(_mosaic_kernel, splits=splits, stage_out=stage_out, grid=grid,
-                             **common)
   out = dsl.kernel(
       body,
       out_type=out_type,
@@ -817,8 +780,7 @@ def _attention_decode_mosaic(q, k_pages, v_pages, lengths, page_table, layer=Non
       grid_names=names,
       scratch_types=scratch,
       compiler_params=plgpu.CompilerParams(approx_math=True),
-  )(lengths, page_table, layer_arr, qp, k_pages, v_pages, *([kv_scales] if fp8 else []),
-    *([] if l2_prefetch is None else [l2_prefetch]))
+  )(lengths, page_table, layer_arr, qp, k_pages, v_pages, *([kv_scales] if fp8 else []))
   if split_out:
     o_parts, lse = out
     o = _combine(o_parts, lse)
@@ -858,8 +820,7 @@ _UNROLLED_SPLITS = 64
 # Public wrappers, validation
 
 
-def _check(q, k_pages, v_pages, lengths, page_table, layer=None, kv_scales=None,
-           l2_prefetch=None):
+def _check(q, k_pages, v_pages, lengths, page_table, layer=None, kv_scales=None):
   for name, x in (("q", q), ("k_pages", k_pages), ("v_pages", v_pages), ("lengths", lengths),
                   ("page_table", page_table)):
     if not hasattr(x, "shape") or not hasattr(x, "dtype"):
@@ -907,15 +868,6 @@ def _check(q, k_pages, v_pages, lengths, page_table, layer=None, kv_scales=None,
     if tuple(kv_scales.shape) not in ok or jnp.dtype(kv_scales.dtype) != jnp.float32:
       raise ValueError(f"kv_scales must be float32 (k_scale, v_scale) of shape "
                        f"{' or '.join(map(str, ok))}, got {kv_scales.shape} {kv_scales.dtype}")
-  if l2_prefetch is not None:
-    if not hasattr(l2_prefetch, "shape"):
-      raise ValueError(f"l2_prefetch must be an array, got {type(l2_prefetch).__name__}")
-    ok = l2_prefetch.ndim == 2 or (l2_prefetch.ndim == 3 and layer is not None
-                                   and l2_prefetch.shape[0] == k_pages.shape[0])
-    if not ok or 0 in l2_prefetch.shape:
-      raise ValueError(f"l2_prefetch must be a non-empty [K, N] array, or a [layers, K, N] "
-                       f"stack with layer= (as many layers as the cache: {k_pages.shape[0]}), "
-                       f"got {l2_prefetch.shape}")
 
 
 def _scale(sm_scale, d) -> float:
@@ -956,23 +908,22 @@ def fp8_scale(x) -> jax.Array:
 
 
 def attention_decode_mosaic(q, k_pages, v_pages, lengths, page_table, *, sm_scale=None,
-                            layer=None, kv_scales=None, l2_prefetch=None,
-                            config: Config | None = None):
-  _check(q, k_pages, v_pages, lengths, page_table, layer, kv_scales, l2_prefetch)
+                            layer=None, kv_scales=None, config: Config | None = None):
+  _check(q, k_pages, v_pages, lengths, page_table, layer, kv_scales)
   why = _mosaic_supports(q, k_pages, v_pages, lengths, page_table, layer=layer,
                          kv_scales=kv_scales)
   if why:
     raise ValueError(f"attention_decode mosaic: {why}")
   return _attention_decode_mosaic(q, k_pages, v_pages, lengths, page_table, layer,
-                                  _scales_2d(k_pages, kv_scales), l2_prefetch,
+                                  _scales_2d(k_pages, kv_scales),
                                   sm_scale=_scale(sm_scale, q.shape[-1]), config=config)
 
 
 def _mosaic_supports(q, k_pages, v_pages, lengths, page_table, *, layer=None, kv_scales=None,
-                     l2_prefetch=None, **kwargs) -> str | None:
+                     **kwargs) -> str | None:
   del kwargs
   try:
-    _check(q, k_pages, v_pages, lengths, page_table, layer, kv_scales, l2_prefetch)
+    _check(q, k_pages, v_pages, lengths, page_table, layer, kv_scales)
   except ValueError as e:
     return str(e)
   t = target_lib.current()
@@ -1101,12 +1052,11 @@ def _attention_decode_triton(q, k_pages, v_pages, lengths, page_table, sm_scale:
 
 
 def attention_decode_triton(q, k_pages, v_pages, lengths, page_table, *, sm_scale=None,
-                            layer=None, kv_scales=None, l2_prefetch=None, splits: int = 0,
-                            pages_per_block: int = 0):
+                            layer=None, kv_scales=None, splits: int = 0, pages_per_block: int = 0):
   """Pallas Triton paged attention. With ``layer=``, the layer's pages are
   sliced out of the stack first (a copy: Triton block specs cannot take a
-  run-time layer index). ``l2_prefetch`` is checked, not used."""
-  _check(q, k_pages, v_pages, lengths, page_table, layer, kv_scales, l2_prefetch)
+  run-time layer index)."""
+  _check(q, k_pages, v_pages, lengths, page_table, layer, kv_scales)
   why = _triton_supports(q, k_pages, v_pages, lengths, page_table, layer=layer,
                          kv_scales=kv_scales)
   if why:
@@ -1117,10 +1067,10 @@ def attention_decode_triton(q, k_pages, v_pages, lengths, page_table, *, sm_scal
 
 
 def _triton_supports(q, k_pages, v_pages, lengths, page_table, *, layer=None, kv_scales=None,
-                     l2_prefetch=None, **kwargs) -> str | None:
+                     **kwargs) -> str | None:
   del kwargs
   try:
-    _check(q, k_pages, v_pages, lengths, page_table, layer, kv_scales, l2_prefetch)
+    _check(q, k_pages, v_pages, lengths, page_table, layer, kv_scales)
   except ValueError as e:
     return str(e)
   if jnp.dtype(k_pages.dtype).name in FP8_DTYPES:
@@ -1186,18 +1136,18 @@ def _attention_decode_xla(q, k_pages, v_pages, lengths, page_table, scales=None,
 
 
 def attention_decode_xla(q, k_pages, v_pages, lengths, page_table, *, sm_scale=None,
-                         layer=None, kv_scales=None, l2_prefetch=None):
-  _check(q, k_pages, v_pages, lengths, page_table, layer, kv_scales, l2_prefetch)
+                         layer=None, kv_scales=None):
+  _check(q, k_pages, v_pages, lengths, page_table, layer, kv_scales)
   return _attention_decode_xla(q, dsl.take_layer(k_pages, layer), dsl.take_layer(v_pages, layer),
                                lengths, page_table, _scales_2d(k_pages, kv_scales), layer,
                                _scale(sm_scale, q.shape[-1]))
 
 
 def attention_decode_reference(q, k_pages, v_pages, lengths, page_table, *, sm_scale=None,
-                               layer=None, kv_scales=None, l2_prefetch=None):
+                               layer=None, kv_scales=None):
   """The meaning of the op, in float32 (the result stays float32); fp8 pages
   mean their values times kv_scales."""
-  _check(q, k_pages, v_pages, lengths, page_table, layer, kv_scales, l2_prefetch)
+  _check(q, k_pages, v_pages, lengths, page_table, layer, kv_scales)
   scales = _scales_2d(k_pages, kv_scales)
   k_pages, v_pages = dsl.take_layer(k_pages, layer), dsl.take_layer(v_pages, layer)
   cap = page_table.shape[1] * k_pages.shape[2]
@@ -1247,30 +1197,23 @@ op.set_defaults(hopper=("mosaic", "triton", "xla"), blackwell=("triton", "xla"),
                 cuda=("triton", "xla"), default=("xla",))
 
 
-def _try_check(*args, layer=None, kv_scales=None, l2_prefetch=None, **kwargs) -> str | None:
+def _try_check(*args, layer=None, kv_scales=None, **kwargs) -> str | None:
   del kwargs
   try:
-    _check(*args[:5], layer=layer, kv_scales=kv_scales, l2_prefetch=l2_prefetch)
+    _check(*args[:5], layer=layer, kv_scales=kv_scales)
   except (ValueError, TypeError) as e:
     return str(e)
   return None
 
 
 def attention_decode(q, k_pages, v_pages, lengths, page_table, *, sm_scale=None, layer=None,
-                     kv_scales=None, l2_prefetch=None, backend: str | None = None):
+                     kv_scales=None, backend: str | None = None):
   """See the module docstring. ``layer``: when given, k_pages/v_pages are the
   whole cache stack [layers, Hkv, pages, page_size, D] and this layer's pages
   are attended (the Mosaic kernel reads them in place, no slice copy).
   ``kv_scales``: with fp8 pages, float32 (k_scale, v_scale), [2] or per layer
-  [layers, 2]; the pages hold K / k_scale and V / v_scale (1.0 if not given).
-  ``l2_prefetch``: the weight the next op reads ([K, N], or the [layers, K, N]
-  stack read at ``layer``). It changes no result: the Mosaic kernel asks L2
-  for its bytes as it starts, so that the op after it (the output
-  projection) reads them from L2 while HBM would otherwise idle through the
-  attention of a small batch; the other backends ignore it."""
+  [layers, 2]; the pages hold K / k_scale and V / v_scale (1.0 if not given)."""
   kw = {} if layer is None else {"layer": layer}
   if kv_scales is not None:
     kw["kv_scales"] = kv_scales
-  if l2_prefetch is not None:
-    kw["l2_prefetch"] = l2_prefetch
   return op(q, k_pages, v_pages, lengths, page_table, sm_scale=sm_scale, backend=backend, **kw)

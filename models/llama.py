@@ -80,9 +80,6 @@ TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 PAGE_BUCKETS = (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 
 OPS = ("rms_norm", "matmul", "attention_prefill", "attention_decode")
-# Decode steps of at most this many query rows prefetch wo during attention
-# (Llama's prefetch_rows).
-PREFETCH_ROWS = 64
 
 
 def _load_ops():
@@ -305,15 +302,12 @@ class Block(nnx.Module):
 class Llama(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, *, dtype="bfloat16", rngs: nnx.Rngs,
-               norms_folded: bool = False, prefetch_rows: int = PREFETCH_ROWS):
+               norms_folded: bool = False):
     """``norms_folded``: the layers' norm weights are folded into wqkv and
-    w_gate_up (``fold_norm_weights`` on the params), which then normalize.
-    ``prefetch_rows``: a decode step of at most this many query rows (batch x
-    tokens) has its attention kernel prefetch wo into L2 (see decode)."""
+    w_gate_up (``fold_norm_weights`` on the params), which then normalize."""
     dtype = jnp.dtype(dtype)
     self.cfg = cfg
     self.norms_folded = norms_folded
-    self.prefetch_rows = prefetch_rows
     self.embed = nnx.Param(_init(rngs, (cfg.vocab_size, cfg.hidden_size), dtype, 1.0))
 
     @nnx.split_rngs(splits=cfg.num_layers)
@@ -521,10 +515,6 @@ class Llama(nnx.Module):
           b, tq, skv, q_positions=tpos, kv_positions=kv_pos, q_segment_ids=valid.astype(jnp.int32),
           kv_segment_ids=(kv_pos < lengths[:, None]).astype(jnp.int32))
 
-    # A small batch's attention reads little and HBM idles through it: its
-    # kernel asks L2 for wo, which o_proj then reads from there.
-    prefetch = b * tq <= self.prefetch_rows
-
     def attend(block, h, kc, vc, layer, rms_eps):
       q, k, v = block.attn.qkv(h, rope, rms_eps)
       kc, vc = _write_kv(kc, vc, layer, page, slot, k, v)
@@ -532,8 +522,7 @@ class Llama(nnx.Module):
         with jax.named_scope("attention"):
           # layer=: the kernel reads this layer's pages from the stack in place
           # (slicing kc[layer] would copy the layer's whole cache every step).
-          kw = dict(l2_prefetch=block.attn.wo.w[...]) if prefetch else {}
-          o = ops()["attention_decode"](q, kc, vc, lengths, page_table, layer=layer, **kw)
+          o = ops()["attention_decode"](q, kc, vc, lengths, page_table, layer=layer)
       else:
         o = windowed(q, *_gather_pages(kc, vc, layer, page_table, q.dtype))
       return o.reshape(b, tq, -1).astype(h.dtype), kc, vc

@@ -39,18 +39,15 @@ class Model:
   """A loaded model. See the package docstring for the serving API."""
 
   def __init__(self, config: config_lib.ModelConfig, params, tokenizer: tok_lib.Tokenizer,
-               *, dtype="bfloat16", mesh=None, fold_norms: bool = True,
-               prefetch_rows: int = llama.PREFETCH_ROWS):
+               *, dtype="bfloat16", mesh=None, fold_norms: bool = True):
     """``fold_norms``: fold the layers' norm weights into wqkv / w_gate_up,
-    whose matmuls then normalize their input (models.llama, "Folded norms").
-    ``prefetch_rows``: see llama.Llama."""
+    whose matmuls then normalize their input (models.llama, "Folded norms")."""
     self.config = config
     self.dtype = jnp.dtype(dtype)
     self.tokenizer = tokenizer
     self.mesh = mesh
     abstract = nnx.eval_shape(lambda: llama.Llama(config, dtype=self.dtype, rngs=nnx.Rngs(0),
-                                                  norms_folded=fold_norms,
-                                                  prefetch_rows=prefetch_rows))
+                                                  norms_folded=fold_norms))
     self.graphdef, state = nnx.split(abstract)
     if isinstance(params, nnx.State):
       params = nnx.to_pure_dict(params)

@@ -243,49 +243,6 @@ def test_layer_of_a_cache_stack(backend):
   testing.assert_close(ref, want, tol=1e-6)
 
 
-@pytest.mark.parametrize("backend, persistent", [("mosaic", 0), ("mosaic", 1), ("xla", 0),
-                                                 ("triton", 0), ("reference", 0)])
-def test_l2_prefetch_changes_no_result(backend, persistent, monkeypatch):
-  # l2_prefetch is a hint: the Mosaic kernel asks L2 for the next op's
-  # weight (a stack read at the traced layer; boxes dealt over the grid, the
-  # edge boxes overlapping: 300 x 330 is no multiple of 256), the others
-  # only check it. The result is the same bits as without it.
-  monkeypatch.setattr(ad, "_num_sms", lambda: 2)
-  q, kp, vp, lengths, table = _case(2, 1, 8, 2, 64, 16, lengths=[1, 40])
-  k_stack, v_stack = jnp.stack([kp, kp]), jnp.stack([vp, vp])
-  weight = testing.random_inputs([(2, 300, 330)], jnp.bfloat16)[0]
-  kw = {"backend": backend}
-  if backend == "mosaic":
-    kw = {"config": ad.Config(pages_per_step=1, stages=2, splits=2, blocks_per_sm=persistent)}
-  fn = ad.attention_decode_mosaic if backend == "mosaic" else ad.attention_decode
-  f = jax.jit(lambda lyr, w, *a: fn(*a, layer=lyr, l2_prefetch=w, **kw))
-  g = jax.jit(lambda lyr, *a: fn(*a, layer=lyr, **kw))
-  args = (q, k_stack, v_stack, lengths, table)
-  out = f(jnp.int32(1), weight, *args)
-  np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(g(jnp.int32(1), *args),
-                                                                         np.float32))
-  tol = jnp.float32 if backend == "reference" else jnp.bfloat16
-  testing.assert_close(out, ad.attention_decode_reference(q, kp, vp, lengths, table), tol)
-  if backend == "mosaic":  # a 2-D weight, smaller than one box
-    out2 = fn(q, kp, vp, lengths, table, l2_prefetch=weight[0, :40, :24], **kw)
-    np.testing.assert_array_equal(np.asarray(out2, np.float32), np.asarray(out, np.float32))
-  if dsl.interpreting():
-    assert not dsl.races_found()
-
-
-@pytest.mark.parametrize("weight, layer", [
-    ("x", None), (jnp.ones((3, 8, 8)), 0), (jnp.ones((8, 8, 8)), None), (jnp.ones((8,)), None),
-    (jnp.ones((0, 8)), None)])
-def test_bad_l2_prefetch_is_rejected(weight, layer):
-  q, kp, vp, lengths, table = _case(1, 1, 4, 2, 64, 16, lengths=[5])
-  if layer is not None:
-    kp, vp = jnp.stack([kp, kp]), jnp.stack([vp, vp])
-  for backend in ("xla", "reference", "mosaic"):
-    with pytest.raises((ValueError, registry.BackendError), match="l2_prefetch must be"):
-      ad.attention_decode(q, kp, vp, lengths, table, layer=layer, l2_prefetch=weight,
-                          backend=backend)
-
-
 @pytest.mark.parametrize("backend", ["xla", "mosaic"])
 def test_clamps_at_the_edges(backend):
   # A traced layer past the stack reads the last layer; a length past the

@@ -394,21 +394,6 @@ def test_attention_decode_layer_stack_lowers_for_h200():
          S((4, 8, 600, page, 128), BF16), S((16,), I32), S((16, 64), I32), S((), I32))
 
 
-@pytest.mark.parametrize("name", ["b1_long_splits", "half_pages_persistent"])
-def test_attention_decode_l2_prefetch_lowers_for_h200(name):
-  # The prefetch of o_proj's weight stack ([layers, 4096, 4096] at the traced
-  # layer) is a TMA prefetch instruction in the kernel, in either grid.
-  b, _, length, pages, cfg, *page = DECODES[name]
-  page = _decode_page(cfg, page)
-  kw = {} if cfg is None else {"config": cfg}
-  lowered = _lower(lambda q, k, v, n, t, layer, w: ad.attention_decode_mosaic(
-      q, k, v, n, t, layer=layer, l2_prefetch=w, **kw),
-      S((b, 1, 32, 128), BF16), S((4, 8, pages, page, 128), BF16),
-      S((4, 8, pages, page, 128), BF16), S((b,), I32), S((b, -(-length // page)), I32),
-      S((), I32), S((4, 4096, 4096), BF16))
-  assert "cp.async.bulk.prefetch.tensor" in lowered.text
-
-
 @pytest.mark.parametrize("rows", [1, 64, 8192])
 def test_rms_norm_lowers_for_h200(rows):
   _lower(lambda x, w: rn.rms_norm_mosaic(x, w), S((rows, 4096), BF16), S((4096,), BF16))
