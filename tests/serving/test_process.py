@@ -48,8 +48,12 @@ def test_cancel_frees_pages_and_a_full_queue_is_refused(served):
   engine, server, c = served
   futs = []
   with concurrent.futures.ThreadPoolExecutor(28) as pool:
-    for i in range(28):  # 8 running + 12 waiting fit; the rest are refused
-      futs.append(pool.submit(c.generate, "a", max_tokens=1000, ignore_eos=True, timeout=1.0))
+    # 8 running + 12 waiting fit; the rest are refused. The deadline leaves the
+    # 28 calls time to arrive before the first expire and free their places
+    # (1 s was not always enough on a loaded 2-core machine); 20 x 1000 tokens
+    # at 8 a step of >= 2 ms take > 5 s, so the last admitted still time out.
+    for i in range(28):
+      futs.append(pool.submit(c.generate, "a", max_tokens=1000, ignore_eos=True, timeout=3.0))
     codes = set()
     for f in futs:
       try:
