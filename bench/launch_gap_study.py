@@ -39,11 +39,11 @@ def chain(step):
 
 M = lambda x, w, l, **kw: mm.matmul_mosaic(x, w, layer=l, **kw)
 variants = {
-  "mosaic_o": (lambda l, x, wo, wq: M(x, wo, l), 1),
-  "xla_o": (lambda l, x, wo, wq: jnp.dot(x, jax.lax.dynamic_index_in_dim(wo, l, 0, False)).astype(x.dtype), 1),
-  "mosaic_o_plus_fusion": (lambda l, x, wo, wq: (M(x, wo, l) * 1.001 + 0.5).astype(x.dtype), 1),
-  "mosaic_o_then_qkv": (lambda l, x, wo, wq: M(M(x, wo, l), wq, l)[:, :D], 2),
-  "mosaic_o_then_o": (lambda l, x, wo, wq: M(M(x, wo, l), wo, l), 2),
+  "mosaic_o": lambda l, x, wo, wq: M(x, wo, l),
+  "xla_o": lambda l, x, wo, wq: jnp.dot(x, jax.lax.dynamic_index_in_dim(wo, l, 0, False)).astype(x.dtype),
+  "mosaic_o_plus_fusion": lambda l, x, wo, wq: (M(x, wo, l) * 1.001 + 0.5).astype(x.dtype),
+  "mosaic_o_then_qkv": lambda l, x, wo, wq: M(M(x, wo, l), wq, l)[:, :D],
+  "mosaic_o_then_o": lambda l, x, wo, wq: M(M(x, wo, l), wo, l),
 }
 res = {"xla_flags": os.environ.get("XLA_FLAGS", "")}
 # Correctness before timing: the o chain against float32 products (rounded to
@@ -52,7 +52,7 @@ ref = x0.astype(jnp.float32)
 for l in range(L):
   ref = (ref @ wo[l].astype(jnp.float32)).astype(jnp.bfloat16).astype(jnp.float32)
 ref = np.asarray(ref)
-for name, (step, nk) in variants.items():
+for name, step in variants.items():
   f = chain(step)
   out = np.asarray(jax.block_until_ready(f(x0, wo, wq)), np.float32)
   assert np.isfinite(out).all(), name

@@ -50,7 +50,7 @@ def test_cancel_frees_pages_and_a_full_queue_is_refused(served):
   with concurrent.futures.ThreadPoolExecutor(28) as pool:
     # 8 running + 12 waiting fit; the rest are refused. The deadline leaves the
     # 28 calls time to arrive before the first expire and free their places
-    # (1 s was not always enough on a loaded 2-core machine); 20 x 1000 tokens
+    # (with 1 s, one CI run on a 2-core machine saw no refusal); 20 x 1000 tokens
     # at 8 a step of >= 2 ms take > 5 s, so the last admitted still time out.
     for i in range(28):
       futs.append(pool.submit(c.generate, "a", max_tokens=1000, ignore_eos=True, timeout=3.0))
