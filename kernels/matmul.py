@@ -356,16 +356,17 @@ def _swap_kernel(layer_gmem, a_gmem, b_gmem, *refs, cfg: Config, k_iters: int,
     plgpu.copy_gmem_to_smem(b_gmem.at[ks, cols], b_smem.at[slot], bars.at[slot])
     plgpu.copy_gmem_to_smem(a_gmem.at[rows, ks], a_slot(slot), bars.at[slot])
 
-  for i in range(stages):
-    @pl.when(i < n_steps)
-    def _():
-      issue(i, i)
+  with jax.named_scope("prologue"):
+    for i in range(stages):
+      @pl.when(i < n_steps)
+      def _():
+        issue(i, i)
 
-  # The epilogue's operands, copied while the K loop runs.
-  if bias_gmem is not None:
-    plgpu.copy_gmem_to_smem(bias_gmem.at[layer, cols], bias_smem, epi_bars.at[0])
-  if res_gmem is not None:
-    plgpu.copy_gmem_to_smem(res_gmem.at[rows, out_cols], out_smem, epi_bars.at[1])
+    # The epilogue's operands, copied while the K loop runs.
+    if bias_gmem is not None:
+      plgpu.copy_gmem_to_smem(bias_gmem.at[layer, cols], bias_smem, epi_bars.at[0])
+    if res_gmem is not None:
+      plgpu.copy_gmem_to_smem(res_gmem.at[rows, out_cols], out_smem, epi_bars.at[1])
 
   def k_loop(acc_ref, gram_ref=None):
     def body(i, carry):
@@ -394,35 +395,36 @@ def _swap_kernel(layer_gmem, a_gmem, b_gmem, *refs, cfg: Config, k_iters: int,
     else:
       acc, gram = pl.run_scoped(k_loop, plgpu.ACC((tn, tm), jnp.float32),
                                 plgpu.ACC((RMS_ROWS, tm), jnp.float32))
-  if rms_eps is not None:
-    layout = plgpu.Layout.WGMMA
-    diag = (plgpu.broadcasted_iota(jnp.int32, gram.shape, 0, layout=layout)
-            == plgpu.broadcasted_iota(jnp.int32, gram.shape, 1, layout=layout))
-    ssq = jnp.where(diag, gram, 0.0).sum(axis=0)  # [tm]: row j's sum of squares
-    scale = lax.rsqrt(ssq * (1.0 / a_gmem.shape[1]) + rms_eps)
-    acc = acc * lax.broadcast_in_dim(scale, acc.shape, [1])
-  if bias_gmem is not None:
-    plgpu.barrier_wait(epi_bars.at[0])
-    bias = plgpu.load(bias_smem, (), layout=plgpu.Layout.WGMMA.reduce(1))
-    acc = acc + lax.broadcast_in_dim(bias.astype(jnp.float32), acc.shape, [0])
-  if swiglu:
-    gate, up = acc[:out_tn], acc[out_tn:]
-    acc = gate / (1.0 + jnp.exp(-gate)) * up
-  # The transposed store needs an untiled buffer; a residual is added after
-  # it, both read back in one plain layout.
-  staged = stage_smem if split_out or res_gmem is not None else out_smem
-  dsl.transpose(staged)[...] = plgpu.layout_cast(acc.astype(staged.dtype),
-                                                 plgpu.Layout.WGMMA_TRANSPOSED)
-  plgpu.commit_smem()
-  if res_gmem is not None:
-    plgpu.barrier_wait(epi_bars.at[1])
-    y = staged[...] + out_smem[...].astype(jnp.float32)
-    out_smem[...] = y.astype(out_smem.dtype)
+  with jax.named_scope("epilogue"):
+    if rms_eps is not None:
+      layout = plgpu.Layout.WGMMA
+      diag = (plgpu.broadcasted_iota(jnp.int32, gram.shape, 0, layout=layout)
+              == plgpu.broadcasted_iota(jnp.int32, gram.shape, 1, layout=layout))
+      ssq = jnp.where(diag, gram, 0.0).sum(axis=0)  # [tm]: row j's sum of squares
+      scale = lax.rsqrt(ssq * (1.0 / a_gmem.shape[1]) + rms_eps)
+      acc = acc * lax.broadcast_in_dim(scale, acc.shape, [1])
+    if bias_gmem is not None:
+      plgpu.barrier_wait(epi_bars.at[0])
+      bias = plgpu.load(bias_smem, (), layout=plgpu.Layout.WGMMA.reduce(1))
+      acc = acc + lax.broadcast_in_dim(bias.astype(jnp.float32), acc.shape, [0])
+    if swiglu:
+      gate, up = acc[:out_tn], acc[out_tn:]
+      acc = gate / (1.0 + jnp.exp(-gate)) * up
+    # The transposed store needs an untiled buffer; a residual is added after
+    # it, both read back in one plain layout.
+    staged = stage_smem if split_out or res_gmem is not None else out_smem
+    dsl.transpose(staged)[...] = plgpu.layout_cast(acc.astype(staged.dtype),
+                                                   plgpu.Layout.WGMMA_TRANSPOSED)
     plgpu.commit_smem()
-    staged = out_smem
-  out = out_gmem.at[s] if split_out else out_gmem
-  plgpu.copy_smem_to_gmem(staged, out.at[rows, out_cols])
-  plgpu.wait_smem_to_gmem(0)
+    if res_gmem is not None:
+      plgpu.barrier_wait(epi_bars.at[1])
+      y = staged[...] + out_smem[...].astype(jnp.float32)
+      out_smem[...] = y.astype(out_smem.dtype)
+      plgpu.commit_smem()
+      staged = out_smem
+    out = out_gmem.at[s] if split_out else out_gmem
+    plgpu.copy_smem_to_gmem(staged, out.at[rows, out_cols])
+    plgpu.wait_smem_to_gmem(0)
 
 
 def _run_swap(layer_arr, a, b, bias, residual, *, cfg: Config, k_iters: int, out_dtype,
