@@ -46,6 +46,7 @@ class Model:
     self.dtype = jnp.dtype(dtype)
     self.tokenizer = tokenizer
     self.mesh = mesh
+    self.fold_norms = fold_norms
     abstract = nnx.eval_shape(lambda: llama.Llama(config, dtype=self.dtype, rngs=nnx.Rngs(0),
                                                   norms_folded=fold_norms))
     self.graphdef, state = nnx.split(abstract)

@@ -83,7 +83,8 @@ _PNG_DPI = 100
 
 
 def op_costs(cfg, phase: str, batch: int, length: int, *, dtype="bfloat16",
-             decode_tokens: int = 1, chunk: int = 0, kv_dtype=None) -> dict[str, cost_lib.Cost]:
+             decode_tokens: int = 1, chunk: int = 0, kv_dtype=None,
+             folded_norms: bool = False) -> dict[str, cost_lib.Cost]:
   """FLOPs and minimum bytes of each op of ONE layer (LAYER_OPS) and of the
   ops outside the layers (TOP_OPS), for a step of ``phase``.
 
@@ -96,7 +97,9 @@ def op_costs(cfg, phase: str, batch: int, length: int, *, dtype="bfloat16",
   Elementwise ops (rope, kv_write, embed) count bytes only. gate_up includes the
   SwiGLU gate fused into it: it writes F features per row, not 2F. ``kv_dtype``:
   the KV cache's (default ``dtype``), for the bytes decode attention reads and
-  the cache write writes.
+  the cache write writes. ``folded_norms``: the layers' norms run inside qkv
+  and gate_up (models.Model(fold_norms=True)), so their FLOPs are those ops'
+  and there is no attn_norm / mlp_norm op (the row would always read 0).
   """
   if phase not in PHASES:
     raise ValueError(f"{phase=} is not one of {PHASES}")
@@ -126,7 +129,7 @@ def op_costs(cfg, phase: str, batch: int, length: int, *, dtype="bfloat16",
     m, m_out = batch + chunk, batch + 1
     attn = attention(batch, 1, length, cache) + attention(1, chunk, chunk)
   bytes_only = lambda n: cost_lib.Cost(0.0, float(n))
-  return {
+  costs = {
       "embed": bytes_only(2 * m * d * isz),
       "attn_norm": cost_lib.rms_norm(m, d, dtype),
       "qkv": mm(m, hq * hd, d) + mm(m, hkv * hd, d) + mm(m, hkv * hd, d),
@@ -140,6 +143,10 @@ def op_costs(cfg, phase: str, batch: int, length: int, *, dtype="bfloat16",
       "final_norm": cost_lib.rms_norm(m_out, d, dtype),
       "lm_head": cost_lib.matmul(m_out, v, d, dtype, "float32", weight_dtype=dtype),
   }
+  if folded_norms:  # the norm reads the rows its matmul reads anyway: FLOPs only
+    for norm, op in (("attn_norm", "qkv"), ("mlp_norm", "gate_up")):
+      costs[op] = costs[op] + cost_lib.Cost(costs.pop(norm).flops, 0.0)
+  return costs
 
 
 # ---------------------------------------------------------------- HLO and trace parsing
@@ -562,7 +569,7 @@ def summarize(prof: Profile, steps: list[StepTimes], costs: dict[str, cost_lib.C
     rows.append({"layer": layer, "op": op, "kernels": steps[0].counts.get((layer, op), 0)}
                 | _util_row(c, med[(layer, op)], target))
   prof.rows = rows
-  layer_cost = sum((costs[o] for o in LAYER_OPS), cost_lib.Cost(0.0, 0.0))
+  layer_cost = sum((costs[o] for o in LAYER_OPS if o in costs), cost_lib.Cost(0.0, 0.0))
   prof.layers = []
   for layer in range(num_layers):
     t = sum(v for (l, _), v in med.items() if l == layer)
@@ -863,7 +870,8 @@ def profile(model, *, batch: int = 1, prefill_len: int = 128, decode_context: in
       if not any(s.times for s in per_step):
         raise RuntimeError(f"the trace ({tr.path}) holds no kernel of the step")
       costs = op_costs(cfg, prof.phase, prof.batch, prof.length, dtype=model.dtype,
-                       chunk=prof.chunk, kv_dtype=kv_cache_dtype)
+                       chunk=prof.chunk, kv_dtype=kv_cache_dtype,
+                       folded_norms=getattr(model, "fold_norms", False))
       summarize(prof, per_step, costs, cfg.num_layers, tgt)
       prof.step["trace_device"] = tr.device
       prof.step["trace_info"] = tr.info

@@ -71,6 +71,18 @@ def test_profile_an_fp8_cache_on_cpu():
   assert att and all(r["time_us"] > 0 for r in att)
 
 
+def test_op_costs_with_folded_norms_book_the_norms_to_their_matmuls():
+  cfg = config_lib.get("llama3.1-8b")
+  plain = P.op_costs(cfg, "decode", 4, 600, dtype="bfloat16")
+  folded = P.op_costs(cfg, "decode", 4, 600, dtype="bfloat16", folded_norms=True)
+  assert "attn_norm" not in folded and "mlp_norm" not in folded
+  for norm, op in (("attn_norm", "qkv"), ("mlp_norm", "gate_up")):
+    assert folded[op].flops == plain[op].flops + plain[norm].flops == plain[op].flops + 4 * 4 * 4096
+    assert folded[op].bytes == plain[op].bytes  # the norm reads the matmul's own rows
+  assert {k: v for k, v in folded.items() if k not in ("qkv", "gate_up")} == {
+      k: v for k, v in plain.items() if k not in ("qkv", "gate_up", "attn_norm", "mlp_norm")}
+
+
 def test_op_costs_match_hand_computed_mixed():
   # 16 decode rows at L=2048 and a fresh 128-token chunk in one pass.
   cfg = config_lib.get("llama3.1-8b")
@@ -258,6 +270,11 @@ def _check_json(out):
         assert r["tflops"] == pytest.approx(r["flops"] / (r["time_us"] * 1e-6) / 1e12)
         assert r["bound"] in ("compute", "memory")
     assert rows[(None, "lm_head")]["time_us"] > 0
+    # The tiny model folds its norms (models.Model's default): no norm rows,
+    # and qkv's FLOPs include the norm's (decode: 2 rows of D=128).
+    assert not {"attn_norm", "mlp_norm"} & {r["op"] for r in p["ops"]}
+    if p["phase"] == "decode":
+      assert rows[(0, "qkv")]["flops"] == 2 * 2 * 128 * (4 * 64 + 2 * 2 * 64) + 4 * 2 * 128
     assert len(p["layers"]) == cfg.num_layers and all(r["time_us"] > 0 for r in p["layers"])
     assert p["step"]["wall_s"] > 0 and p["step"]["sum_s"] > 0
     assert p["step"]["trace_device"] == "cpu"
