@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
-import statistics
 import sys
 
 import jax
@@ -131,9 +130,8 @@ def main(argv=None):
   fracs = [float(x) for x in a.k_fracs.split(",")]
   rows = [run_shape(s, fracs, a.iters, a.sm_mhz, out) for s in a.shapes.split(",")]
   cols = ["shape", "config", "tb_s", "fixed_us", "stream_tb_s"]
-  lines = [bench.table([{c: r[c] for c in cols} | {
-      "us": r["points"][0]["us"],
-      **{k: v for k, v in r.get("timeline", {}).items()}} for r in rows],
+  lines = [bench.table([{c: r[c] for c in cols} | {"us": r["points"][0]["us"]}
+                       | r.get("timeline", {}) for r in rows],
       cols + ["us", "ctas", "start_spread_ns", "span_ns", "prologue_ns_median",
               "k_loop_ns_median", "k_loop_ns_max", "epilogue_ns_median", "epilogue_ns_max"])]
   (out / "matmul_timeline.md").write_text("\n".join(lines) + "\n")
