@@ -155,7 +155,8 @@ def _mosaic_kernel(lengths_ref, table_ref, layer_ref, q_ref, k_ref, v_ref, *refs
                    group: int,
                    page: int, pages_per_step: int, steps_per_page: int, stages: int,
                    splits: int, scale: float, split_out: bool, io_rows: int, store_rows: int,
-                   stage_out: bool, fp8: bool, swap: bool):
+                   stage_out: bool, fp8: bool, swap: bool, append: bool = False,
+                   tile_rows: int = 0):
   """One block: (sequence b, kv head h, split s, row tile r).
 
   Only the first ``io_rows`` rows of the tile (the packed rows rounded up to
@@ -167,8 +168,24 @@ def _mosaic_kernel(lengths_ref, table_ref, layer_ref, q_ref, k_ref, v_ref, *refs
 
   With ``fp8``, a scales input follows v_ref and two f16 buffers the K and V
   of one step are converted into come before the barriers.
+
+  With ``append`` (one new token a sequence, see ``attention_decode_append``)
+  q_ref is the token's un-rotated q, k and v rows of each kv head [B, Hkv,
+  G + 2, D], a RoPE table [B, 2, D] follows v_ref, and k_ref / v_ref are
+  written: the block rotates Q and the new key in SMEM (``_rope_rows``), the
+  block whose split holds the token's position stores its K and V rows into
+  their page slot, and puts them into its last step's ring slot itself
+  (``_patch_row``), since its copy of that page may have been read before
+  the store landed. Q's buffer then has 64 rows (the layout the rotation's
+  registers take) of which the wgmmas read ``tile_rows``; an untiled
+  [64, D] buffer, the table's SMEM copy and the rotated k and v rows [2, D]
+  come before the barriers.
   """
   refs, scale, v_scale, cvt = _fp8_refs(refs, layer_ref, scale, fp8)
+  if append:
+    rope_ref, *refs = refs
+    *refs, (raw, rope_smem, kv_rows), bars = refs
+    refs = (*refs, bars)
   if split_out:
     o_ref, lse_ref, q_smem, k_smem, v_smem, p_smem, o_smem, lse_smem, bars = refs
   elif stage_out:
@@ -196,13 +213,36 @@ def _mosaic_kernel(lengths_ref, table_ref, layer_ref, q_ref, k_ref, v_ref, *refs
                 first_step + step, slot, page, pages_per_step, steps_per_page)
 
   io = pl.ds(r * ROWS, io_rows)
-  plgpu.copy_gmem_to_smem(q_ref.at[b, h, io], q_smem.at[pl.ds(0, io_rows)], q_bar.at[0])
+  if append:
+    plgpu.copy_gmem_to_smem(q_ref.at[b, h, io], raw.at[pl.ds(0, io_rows)], q_bar.at[0])
+    plgpu.copy_gmem_to_smem(rope_ref.at[b], rope_smem, q_bar.at[0])
+  else:
+    plgpu.copy_gmem_to_smem(q_ref.at[b, h, io], q_smem.at[pl.ds(0, io_rows)], q_bar.at[0])
   for i in range(stages):
     @pl.when(i < n_steps)
     def _():
       issue(i, i)
 
   plgpu.barrier_wait(q_bar.at[0])
+  patch_row = None
+  if append:
+    _rope_rows(raw, rope_smem, q_smem, kv_rows, group)
+    # The new token sits at position length - 1, in the last step of the
+    # last split that has steps (none when the row is empty or past the table).
+    pos = lengths_ref[b] - 1
+    owner = ((pos >= 0) & (pos < table_ref.shape[1] * page) & (n_steps > 0)
+             & (lax.div(jnp.maximum(pos, 0), jnp.int32(block_kv)) == first_step + n_steps - 1))
+
+    @pl.when(owner)
+    def _():
+      pg = table_ref[b, lax.div(pos, jnp.int32(page))]
+      slot = pl.ds(lax.rem(pos, jnp.int32(page)), 1)
+      plgpu.copy_smem_to_gmem(kv_rows.at[pl.ds(0, 1)], k_ref.at[kvh, pg, slot])
+      plgpu.copy_smem_to_gmem(kv_rows.at[pl.ds(1, 1)], v_ref.at[kvh, pg, slot])
+
+    patch_row = lambda i: jnp.where(owner & (i == n_steps - 1),
+                                    pos - (first_step + i) * block_kv, -1)
+    q_smem = q_smem.at[pl.ds(0, tile_rows)]
 
   n = q_smem.shape[0]  # the Q tile's rows
   acc, m_i, l_i = _init_state(head_dim, n, swap)
@@ -210,9 +250,10 @@ def _mosaic_kernel(lengths_ref, table_ref, layer_ref, q_ref, k_ref, v_ref, *refs
 
   def body(i, carry):
     slot = lax.rem(i, jnp.int32(stages))
+    patch = None if patch_row is None else (patch_row(i), kv_rows.at[0], kv_rows.at[1])
     carry = _attend_step(carry, ids, slot, (first_step + i) * block_kv, length, q_smem, k_smem,
                          v_smem, p_smem, k_bars, v_bars, tq=tq, group=group, scale=scale,
-                         cvt=cvt, swap=swap)
+                         cvt=cvt, swap=swap, patch=patch)
 
     # Both wgmmas of this step are complete (their results were read), so
     # the slot is free for the step `stages` ahead.
@@ -324,7 +365,7 @@ def _ids(block_kv, r, n, swap: bool):
 
 
 def _attend_step(carry, ids, slot, start, length, q_smem, k_smem, v_smem, p_smem, k_bars,
-                 v_bars, *, tq, group, scale, cvt=None, swap=False):
+                 v_bars, *, tq, group, scale, cvt=None, swap=False, patch=None):
   """One key block (ring slot ``slot``, first key position ``start``).
 
   ``cvt``: (k16, v16) SMEM buffers; the slot's fp8 K and V are converted into
@@ -332,12 +373,17 @@ def _attend_step(carry, ids, slot, start, length, q_smem, k_smem, v_smem, p_smem
   have completed: their results were read).
   ``swap``: S^T = K Q^T [block_kv, n] and O^T += V^T P^T [D, n], so the
   softmax reduces over axis 0 (across the warps, through SMEM) and P^T is
-  stored transposed, as P [n, block_kv], the K-major B of the P V wgmma."""
+  stored transposed, as P [n, block_kv], the K-major B of the P V wgmma.
+  ``patch``: (row, k, v): when row >= 0, the slot's K and V row ``row`` are
+  replaced by the untiled SMEM rows k and v before the wgmmas read them."""
   acc, m_i, l_i = carry
   row_ids, key_ids = ids
   keys = 0 if swap else 1  # the axis of S that runs over the block's keys
   plgpu.barrier_wait(k_bars.at[slot])
   k_tile = k_smem.at[slot]
+  if patch is not None:
+    _patch_row(k_tile, patch[0], patch[1])
+    plgpu.commit_smem()  # read by the tensor cores next
   if cvt is not None:
     cvt[0][...] = k_tile[...].astype(cvt[0].dtype)
     plgpu.commit_smem()  # read by the tensor cores next
@@ -365,6 +411,9 @@ def _attend_step(carry, ids, slot, start, length, q_smem, k_smem, v_smem, p_smem
     plgpu.commit_smem()  # P is read by the tensor cores next
   plgpu.barrier_wait(v_bars.at[slot])
   v_tile = v_smem.at[slot]
+  if patch is not None:
+    _patch_row(v_tile, patch[0], patch[2])
+    plgpu.commit_smem()  # read by the tensor cores next
   if cvt is not None:
     cvt[1][...] = v_tile[...].astype(cvt[1].dtype)
     plgpu.commit_smem()  # P and V are read by the tensor cores next
@@ -376,6 +425,52 @@ def _attend_step(carry, ids, slot, start, length, q_smem, k_smem, v_smem, p_smem
     pv = _mma(acc.shape, p_smem, v_tile)
   acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [1 - keys]) + pv
   return acc, m_new, l_i
+
+
+def _rope_rows(raw, rope_smem, q_smem, kv_rows, group: int):
+  """Rotates the rows of ``raw`` [64, D] (untiled; q heads, then k, then v)
+  by the RoPE table [2, D] (cos | cos, -sin | sin), all but row group + 1
+  (v); the result goes to ``q_smem`` [64, D] (the wgmma's tile), and its k
+  and v rows to the untiled ``kv_rows`` [2, D] (picked out by a sum over
+  the rows: a buffer read both as a tile and by row takes no layout). In
+  float32, as ``models.llama.rotate``."""
+  layout = plgpu.Layout.WGMMA
+  half = raw.shape[-1] // 2
+  cols = lambda ref, j: ref.at[:, pl.ds(j * half, half)]
+  lo, hi = (plgpu.load(cols(raw, j), (), layout=layout).astype(jnp.float32) for j in (0, 1))
+  rows = plgpu.broadcasted_iota(jnp.int32, lo.shape, 0, layout=layout)
+
+  def table(i, j):
+    x = plgpu.load(rope_smem.at[i, pl.ds(j * half, half)], (), layout=layout.reduce(0))
+    return lax.broadcast_in_dim(x, lo.shape, [1])
+
+  keep = rows == group + 1
+  out = (jnp.where(keep, lo, lo * table(0, 0) + hi * table(1, 0)),
+         jnp.where(keep, hi, hi * table(0, 1) + lo * table(1, 1)))
+  for j, x in enumerate(out):
+    cols(q_smem, j)[...] = x.astype(q_smem.dtype)
+    for i in range(2):
+      row = jnp.where(rows == group + i, x, 0.0).sum(axis=0)
+      kv_rows.at[i, pl.ds(j * half, half)][...] = row.astype(kv_rows.dtype)
+  plgpu.commit_smem()  # Q is read by the tensor cores, kv_rows by the TMA unit
+
+
+def _patch_row(tile, row, src):
+  """Row ``row`` (dynamic; none when < 0) of the SMEM tile [block_kv, D]
+  becomes the untiled SMEM row ``src`` [D]. Whole 64-row chunks go through
+  registers (the tile's swizzled layout takes no single-row store)."""
+  layout = plgpu.Layout.WGMMA
+
+  @pl.when(row >= 0)
+  def _():
+    n, d = tile.shape
+    for c in range(n // ROWS):
+      for j in range(d // 64):
+        ref = tile.at[pl.ds(c * ROWS, ROWS), pl.ds(j * 64, 64)]
+        x = plgpu.load(ref, (), layout=layout)
+        new = plgpu.load(src.at[pl.ds(j * 64, 64)], (), layout=layout.reduce(0))
+        rows = plgpu.broadcasted_iota(jnp.int32, x.shape, 0, layout=layout) + c * ROWS
+        ref[...] = jnp.where(rows == row, lax.broadcast_in_dim(new, x.shape, [1]), x)
 
 
 def _mma(shape, a, b):
@@ -697,22 +792,37 @@ def _attention_decode_mosaic(q, k_pages, v_pages, lengths, page_table, layer=Non
                              config: Config | None = None):
   """``kv_scales``: float32 [L or 1, 2] (k_scale, v_scale) with fp8 pages, else None."""
   out_dtype = q.dtype
-  fp8 = kv_scales is not None
-  if fp8:
+  if kv_scales is not None:
     q = q.astype(FP8_COMPUTE)
   b, tq, hq, d = q.shape
-  hkv, _, page, _ = k_pages.shape[-4:]
+  hkv = k_pages.shape[-4]
   # A whole layer stack is read in place: [L, Hkv, ...] viewed as [L * Hkv,
   # ...] (a free reshape) and the kernel offsets the kv head by layer * Hkv.
   layer_arr = dsl.layer_operand(layer if k_pages.ndim == 5 else None)  # clamped in the kernel
   if k_pages.ndim == 5:
     k_pages = k_pages.reshape(-1, *k_pages.shape[2:])
     v_pages = v_pages.reshape(-1, *v_pages.shape[2:])
+  o = _kernel_call(_pack_q(q, hkv), k_pages, v_pages, lengths, page_table, layer_arr,
+                   kv_scales, tq=tq, group=hq // hkv, sm_scale=sm_scale, config=config)
+  return _unpack_o(o, tq, hq).astype(out_dtype)
+
+
+def _kernel_call(qp, k_pages, v_pages, lengths, page_table, layer_arr, kv_scales, *, tq: int,
+                 group: int, sm_scale: float, config: Config | None, rope=None):
+  """The Mosaic kernel on packed rows ``qp`` [B, Hkv, rows, D] and pages [L * Hkv,
+  P, page, D] (arrays, or refs that the kernel writes with ``rope``, the
+  append mode's table) -> the packed output [B, Hkv, rows, D], splits merged."""
+  fp8 = kv_scales is not None
+  append = rope is not None
+  b, hkv, _, d = qp.shape
+  page = k_pages.shape[-2]
+  g = group
+  # Q's rows: the packed query rows, or with ``append`` the token's q heads, k and v.
+  q_rows = g + 2 if append else tq * g
   max_pages = page_table.shape[1]
-  g = hq // hkv
   tiles = dsl.cdiv(tq * g, ROWS)
   kv_dtype = k_pages.dtype
-  cfg = config or _pick_config(b, hkv, tiles, max_pages, page, d, q.dtype, kv_dtype, tq * g)
+  cfg = config or _pick_config(b, hkv, tiles, max_pages, page, d, qp.dtype, kv_dtype, q_rows)
   pps, spp = cfg.pages_per_step, cfg.steps_per_page
   block_kv = cfg.step_keys(page)
   what = f"{cfg.pages_per_step=} x {page=} / {cfg.steps_per_page=}"
@@ -728,17 +838,20 @@ def _attention_decode_mosaic(q, k_pages, v_pages, lengths, page_table, layer=Non
   splits = min(splits, n_steps)
   # Steps past a sequence's last page are never run; the kernel clamps the
   # lengths to the table and the page indices of a partly used last step.
-  qp = _pack_q(q, hkv)
   split_out = splits > 1
-  dt = q.dtype
+  dt = qp.dtype
   persistent = cfg.blocks_per_sm > 0
+  if append and (persistent or fp8 or tiles > 1 or q_rows > ROWS or block_kv % ROWS
+                 or d % 128):
+    raise ValueError(f"append: {cfg} cannot append (needs one 64-row tile, steps of a "
+                     "multiple of 64 keys, bf16/f16 pages, no persistent grid, D % 128 == 0)")
   stage_out = _stage_out(cfg, tq * g, split_out, page, d, dt, kv_dtype)
   rows = _hbm_rows(tq, g, exact=split_out or stage_out)  # of the output
   n_items = b * hkv * splits * tiles
-  n = _tile_rows(cfg, tq * g)
-  q_shape = (2, n, d) if persistent else (n, d)  # persistent: prefetch next item's Q
+  n = _tile_rows(cfg, q_rows)
+  q_shape = (2, n, d) if persistent else (ROWS if append else n, d)  # persistent: prefetch
   scratch = [
-      plgpu.SMEM(q_shape, dt, transforms=dsl.smem_transforms((n, d), dt)),
+      plgpu.SMEM(q_shape, dt, transforms=dsl.smem_transforms(q_shape[-2:], dt)),
       plgpu.SMEM((cfg.stages, block_kv, d), kv_dtype,
                  transforms=dsl.smem_transforms((block_kv, d), kv_dtype)),
       plgpu.SMEM((cfg.stages, block_kv, d), kv_dtype,
@@ -756,22 +869,26 @@ def _attention_decode_mosaic(q, k_pages, v_pages, lengths, page_table, layer=Non
   if fp8:
     tile = plgpu.SMEM((block_kv, d), dt, transforms=dsl.smem_transforms((block_kv, d), dt))
     scratch.append((tile, tile))
+  if append:
+    scratch.append((plgpu.SMEM((ROWS, d), dt), plgpu.SMEM((2, d), jnp.float32),
+                    plgpu.SMEM((2, d), dt)))
   scratch.append((
-      plgpu.Barrier(num_barriers=2 if persistent else 1),
+      plgpu.Barrier(num_arrivals=2 if append else 1, num_barriers=2 if persistent else 1),
       plgpu.Barrier(num_arrivals=pps, num_barriers=cfg.stages),
       plgpu.Barrier(num_arrivals=pps, num_barriers=cfg.stages),
   ))
   common = dict(tq=tq, group=g, page=page, pages_per_step=pps, steps_per_page=spp,
                 stages=cfg.stages,
                 scale=sm_scale, split_out=split_out, fp8=fp8, swap=cfg.swap_ab,
-                io_rows=_io_rows(tq * g), store_rows=min(rows, _io_rows(tq * g)))
+                io_rows=_io_rows(q_rows), store_rows=min(rows, _io_rows(tq * g)))
   if persistent:
     grid_size = min(n_items, _num_sms() * cfg.blocks_per_sm)
     body = functools.partial(_persistent_kernel, dims=(b, hkv, splits, tiles),
                              grid_size=grid_size, **common)
     grid, names = (grid_size,), ("c",)
   else:
-    body = functools.partial(_mosaic_kernel, splits=splits, stage_out=stage_out, **common)
+    body = functools.partial(_mosaic_kernel, splits=splits, stage_out=stage_out,
+                             append=append, tile_rows=n, **common)
     grid, names = (b, hkv, splits, tiles), ("b", "h", "s", "r")
   out = dsl.kernel(
       body,
@@ -780,13 +897,12 @@ def _attention_decode_mosaic(q, k_pages, v_pages, lengths, page_table, layer=Non
       grid_names=names,
       scratch_types=scratch,
       compiler_params=plgpu.CompilerParams(approx_math=True),
-  )(lengths, page_table, layer_arr, qp, k_pages, v_pages, *([kv_scales] if fp8 else []))
+  )(lengths, page_table, layer_arr, qp, k_pages, v_pages, *([kv_scales] if fp8 else []),
+    *([rope] if append else []))
   if split_out:
     o_parts, lse = out
-    o = _combine(o_parts, lse)
-  else:
-    o = out
-  return _unpack_o(o, tq, hq).astype(out_dtype)
+    return _combine(o_parts, lse)
+  return out
 
 
 def _combine(o_parts, lse):
@@ -1217,3 +1333,184 @@ def attention_decode(q, k_pages, v_pages, lengths, page_table, *, sm_scale=None,
   if kv_scales is not None:
     kw["kv_scales"] = kv_scales
   return op(q, k_pages, v_pages, lengths, page_table, sm_scale=sm_scale, backend=backend, **kw)
+
+
+# --------------------------------------------------------------------------
+# attention_decode_append: RoPE, the cache write and attention in one call
+#
+# A decode step's new token: its q, k and v come out of one matmul, un-rotated;
+# it rotates q and k, writes k and v into its page slot and attends. As XLA ops
+# around ``attention_decode`` that is three or four small kernels a layer (~5 us
+# at batch 1 on the H200, bench/results/decode_gaps_h200/); the Mosaic
+# kernel does all of it in the attention blocks (``_mosaic_kernel``, append).
+
+
+def rope_table(cos, sin):
+  """(cos, sin) of the tokens' angles, each [B, ..., D/2] (one token a row,
+  as ``models.llama.rope_angles`` gives them) -> the append op's float32
+  table [B, 2, D]: (cos | cos, -sin | sin), the rotation as a product with
+  x and with x's halves swapped."""
+  b = cos.shape[0]
+  c = jnp.asarray(cos, jnp.float32).reshape(b, -1)
+  s = jnp.asarray(sin, jnp.float32).reshape(b, -1)
+  return jnp.stack([jnp.concatenate([c, c], -1), jnp.concatenate([-s, s], -1)], axis=1)
+
+
+def _check_append(qkv, k_pages, v_pages, lengths, page_table, rope, layer=None):
+  if not hasattr(qkv, "shape") or qkv.ndim != 5 or qkv.shape[1] != 1 or qkv.shape[3] < 3:
+    raise ValueError("qkv must be [B, 1, Hkv, G + 2, D] (each kv head's G query heads, then "
+                     f"its k, then its v), got {getattr(qkv, 'shape', type(qkv).__name__)}")
+  b, _, hkv, gp2, d = qkv.shape
+  q = jax.ShapeDtypeStruct((b, 1, hkv * (gp2 - 2), d), qkv.dtype)
+  _check(q, k_pages, v_pages, lengths, page_table, layer)
+  if k_pages.shape[-4] != hkv:
+    raise ValueError(f"qkv has {hkv} kv heads, the pages {k_pages.shape[-4]}: {k_pages.shape=}")
+  if not hasattr(rope, "shape") or tuple(rope.shape) != (b, 2, d) or rope.dtype != jnp.float32:
+    raise ValueError(f"rope must be the float32 [B, 2, D] = {(b, 2, d)} of rope_table, got "
+                     f"{getattr(rope, 'shape', None)} {getattr(rope, 'dtype', None)}")
+  return q
+
+
+def _rotate(x, rope):
+  """x [B, T, H, D] rotated by the table [B, 2, D], in float32."""
+  h = x.shape[-1] // 2
+  x32 = x.astype(jnp.float32)
+  swapped = jnp.concatenate([x32[..., h:], x32[..., :h]], axis=-1)
+  c, s = rope[:, None, None, 0], rope[:, None, None, 1]
+  return (x32 * c + swapped * s).astype(x.dtype)
+
+
+def _append_jnp(qkv, k_pages, v_pages, lengths, page_table, rope, layer, attend):
+  """The op in jnp: rotate, scatter k and v into their slots (none for a row
+  whose position -1 or past its table is not a slot), then ``attend``."""
+  b, _, hkv, gp2, d = qkv.shape
+  q = _rotate(qkv[:, :, :, :-2].reshape(b, 1, hkv * (gp2 - 2), d), rope)
+  k, v = _rotate(qkv[:, :, :, -2], rope), qkv[:, :, :, -1]  # [B, 1, Hkv, D]
+  page = k_pages.shape[-2]
+  pos = jnp.asarray(lengths) - 1
+  valid = (pos >= 0) & (pos < page_table.shape[1] * page)
+  idx = jnp.clip(pos // page, 0, page_table.shape[1] - 1)
+  pg = jnp.where(valid, jnp.take_along_axis(page_table, idx[:, None], axis=1)[:, 0],
+                 k_pages.shape[-3])  # out of range: dropped
+  slot = jnp.where(valid, pos % page, 0)
+
+  def put(pages, x):
+    x = x[:, 0]
+    if jnp.dtype(pages.dtype).name in FP8_DTYPES:
+      x = quantize_pages(x, 1.0, pages.dtype)
+    if pages.ndim == 5:  # [B, Hkv, D] at (layer, :, page, slot)
+      return pages.at[layer, :, pg, slot].set(x.astype(pages.dtype), mode="drop")
+    return pages.at[:, pg, slot].set(x.swapaxes(0, 1).astype(pages.dtype), mode="drop")
+
+  k_pages, v_pages = put(k_pages, k), put(v_pages, v)
+  return attend(q, k_pages, v_pages), k_pages, v_pages
+
+
+def attention_decode_append_xla(qkv, k_pages, v_pages, lengths, page_table, rope, *,
+                                sm_scale=None, layer=None):
+  _check_append(qkv, k_pages, v_pages, lengths, page_table, rope, layer)
+  attend = lambda q, k, v: attention_decode_xla(q, k, v, lengths, page_table, sm_scale=sm_scale,
+                                                layer=layer)
+  return _append_jnp(qkv, k_pages, v_pages, lengths, page_table, rope, layer, attend)
+
+
+def attention_decode_append_reference(qkv, k_pages, v_pages, lengths, page_table, rope, *,
+                                      sm_scale=None, layer=None):
+  """The meaning of the op; the output is float32."""
+  _check_append(qkv, k_pages, v_pages, lengths, page_table, rope, layer)
+  attend = lambda q, k, v: attention_decode_reference(q, k, v, lengths, page_table,
+                                                      sm_scale=sm_scale, layer=layer)
+  return _append_jnp(qkv, k_pages, v_pages, lengths, page_table, rope, layer, attend)
+
+
+def _append_config(qkv, k_pages, page_table) -> Config:
+  b, _, hkv, gp2, d = qkv.shape
+  return _pick_config(b, hkv, 1, page_table.shape[1], k_pages.shape[-2], d, qkv.dtype,
+                      k_pages.dtype, gp2)
+
+
+def _append_mosaic_supports(qkv, k_pages, v_pages, lengths, page_table, rope, *, layer=None,
+                            config: Config | None = None, **kwargs) -> str | None:
+  del kwargs
+  try:
+    q = _check_append(qkv, k_pages, v_pages, lengths, page_table, rope, layer)
+  except ValueError as e:
+    return str(e)
+  why = _mosaic_supports(q, k_pages, v_pages, lengths, page_table, layer=layer)
+  if why:
+    return why
+  gp2, d = qkv.shape[-2:]
+  if jnp.dtype(k_pages.dtype).name in FP8_DTYPES:
+    return "the kernel appends to bf16 / f16 pages only (fp8 pages: the xla backend)"
+  if d % 128:
+    return f"the kernel rotates 64-column halves: head dim must be a multiple of 128, got {d}"
+  if gp2 > ROWS:
+    return f"the q heads, k and v of a kv head ({gp2}) must fit one {ROWS}-row tile"
+  cfg = config or _append_config(qkv, k_pages, page_table)
+  if cfg.blocks_per_sm or cfg.step_keys(k_pages.shape[-2]) % ROWS:
+    return (f"config {cfg} has no append mode (needs steps of a multiple of 64 keys and no "
+            "persistent grid)")
+  return None
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "config"))
+def _append_mosaic(qkv, k_pages, v_pages, lengths, page_table, rope, layer=None,
+                   sm_scale: float = 1.0, config: Config | None = None):
+  b, _, hkv, gp2, d = qkv.shape
+  g = gp2 - 2
+  shape = k_pages.shape
+  layer_arr = dsl.layer_operand(layer if k_pages.ndim == 5 else None)
+  # The kernel writes the pages in place: refs make the call alias them.
+  k_ref = jax.new_ref(k_pages.reshape(-1, *shape[-3:]))
+  v_ref = jax.new_ref(v_pages.reshape(-1, *shape[-3:]))
+  o = _kernel_call(qkv.reshape(b, hkv, gp2, d), k_ref, v_ref, lengths, page_table, layer_arr,
+                   None, tq=1, group=g, sm_scale=sm_scale,
+                   config=config or _append_config(qkv, k_pages, page_table), rope=rope)
+  o = _unpack_o(o, 1, hkv * g).astype(qkv.dtype)
+  return o, jax.freeze(k_ref).reshape(shape), jax.freeze(v_ref).reshape(shape)
+
+
+def attention_decode_append_mosaic(qkv, k_pages, v_pages, lengths, page_table, rope, *,
+                                   sm_scale=None, layer=None, config: Config | None = None):
+  why = _append_mosaic_supports(qkv, k_pages, v_pages, lengths, page_table, rope, layer=layer,
+                                config=config)
+  if why:
+    raise ValueError(f"attention_decode_append mosaic: {why}")
+  return _append_mosaic(qkv, k_pages, v_pages, lengths, page_table, rope, layer,
+                        sm_scale=_scale(sm_scale, qkv.shape[-1]), config=config)
+
+
+def _append_try_check(*args, layer=None, **kwargs) -> str | None:
+  del kwargs
+  try:
+    _check_append(*args[:6], layer=layer)
+  except (ValueError, TypeError) as e:
+    return str(e)
+  return None
+
+
+append_op = registry.op(
+    "attention_decode_append",
+    "one new token a sequence: RoPE on its q and k, its k and v into the paged cache, "
+    "then paged decode attention")
+append_op.register("mosaic", attention_decode_append_mosaic, supports=_append_mosaic_supports,
+                   doc="Mosaic GPU: the decode kernel rotates and writes in its blocks")
+append_op.register("xla", attention_decode_append_xla, supports=_append_try_check,
+                   doc="jnp rotation and scatter, then attention_decode's xla backend")
+append_op.register("reference", attention_decode_append_reference, supports=_append_try_check,
+                   doc="float32 jnp; output stays float32")
+append_op.set_defaults(hopper=("mosaic", "xla"), default=("xla",))
+
+
+def attention_decode_append(qkv, k_pages, v_pages, lengths, page_table, rope, *, sm_scale=None,
+                            layer=None, backend: str | None = None):
+  """One new token a sequence (a decode step), at position ``lengths - 1``:
+  qkv [B, 1, Hkv, G + 2, D] holds each kv head's G query heads, then its k,
+  then its v, un-rotated; ``rope`` the float32 table [B, 2, D] of
+  ``rope_table``. Rotates q and k, writes k and v into the token's page slot
+  (``page_table``; nothing for a row whose position is -1 or past its
+  table), and attends as ``attention_decode`` (``layer``: a whole cache
+  stack). Returns (o [B, 1, Hq, D], k_pages, v_pages)."""
+  kw = {} if layer is None else {"layer": layer}
+  return append_op(qkv, k_pages, v_pages, lengths, page_table, rope, sm_scale=sm_scale,
+                   backend=backend, **kw)

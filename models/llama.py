@@ -80,6 +80,8 @@ TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 PAGE_BUCKETS = (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 
 OPS = ("rms_norm", "matmul", "attention_prefill", "attention_decode")
+# Ops registered by the modules above under names of their own.
+EXTRA_OPS = ("attention_decode_append",)
 
 
 def _load_ops():
@@ -88,7 +90,7 @@ def _load_ops():
 
   for name in OPS:
     importlib.import_module(f"kernels.{name}")
-  return {name: registry.get_op(name) for name in OPS}
+  return {name: registry.get_op(name) for name in OPS + EXTRA_OPS}
 
 
 @functools.cache
@@ -256,17 +258,24 @@ class Attention(nnx.Module):
                        dtype=dtype, rngs=rngs)
     self.wo = Linear(cfg.num_heads * hd, d, dtype=dtype, rngs=rngs)
 
-  def qkv(self, h, rope, rms_eps=None):
-    """h [B, T, D] -> q [B, T, Hq, hd], k/v [B, T, Hkv, hd]; RoPE applied with
-    ``rope`` = rope_angles(positions, inv_freq); ``rms_eps``: h is the raw
-    residual stream, normalized inside the matmul (folded norms)."""
-    cfg = self.cfg
+  def qkv_packed(self, h, rms_eps=None):
+    """h [B, T, D] -> [B, T, Hkv, G + 2, hd]: each kv head's G query heads,
+    then its k, then its v, before RoPE; ``rms_eps``: h is the raw residual
+    stream, normalized inside the matmul (folded norms)."""
     b, t, _ = h.shape
-    g = cfg.q_per_kv
     with jax.named_scope("qkv"):  # scopes name the ops in profiles (serving.profiler)
       # -1 kv heads: all of them, or this device's shard under tensor parallelism.
-      y = self.wqkv(h, rms_eps=rms_eps).reshape(b, t, -1, g + 2, cfg.head_dim)  # [B,T,Hkv,G+2,hd]
-      q = y[:, :, :, :g].reshape(b, t, -1, cfg.head_dim)  # head h = kv head h // G
+      y = self.wqkv(h, rms_eps=rms_eps)
+      return y.reshape(b, t, -1, self.cfg.q_per_kv + 2, self.cfg.head_dim)
+
+  def qkv(self, h, rope, rms_eps=None):
+    """h [B, T, D] -> q [B, T, Hq, hd], k/v [B, T, Hkv, hd]; RoPE applied with
+    ``rope`` = rope_angles(positions, inv_freq)."""
+    b, t, _ = h.shape
+    g = self.cfg.q_per_kv
+    y = self.qkv_packed(h, rms_eps)
+    with jax.named_scope("qkv"):
+      q = y[:, :, :, :g].reshape(b, t, -1, self.cfg.head_dim)  # head h = kv head h // G
       k, v = y[:, :, :, g], y[:, :, :, g + 1]
     with jax.named_scope("rope"):
       return rotate(q, *rope), rotate(k, *rope), v
@@ -302,12 +311,15 @@ class Block(nnx.Module):
 class Llama(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, *, dtype="bfloat16", rngs: nnx.Rngs,
-               norms_folded: bool = False):
+               norms_folded: bool = False, decode_append: bool = True):
     """``norms_folded``: the layers' norm weights are folded into wqkv and
-    w_gate_up (``fold_norm_weights`` on the params), which then normalize."""
+    w_gate_up (``fold_norm_weights`` on the params), which then normalize.
+    ``decode_append``: a one-token decode step rotates, writes the cache and
+    attends in one op (attention_decode_append) where its backend has it."""
     dtype = jnp.dtype(dtype)
     self.cfg = cfg
     self.norms_folded = norms_folded
+    self.decode_append = decode_append
     self.embed = nnx.Param(_init(rngs, (cfg.vocab_size, cfg.hidden_size), dtype, 1.0))
 
     @nnx.split_rngs(splits=cfg.num_layers)
@@ -515,7 +527,23 @@ class Llama(nnx.Module):
           b, tq, skv, q_positions=tpos, kv_positions=kv_pos, q_segment_ids=valid.astype(jnp.int32),
           kv_segment_ids=(kv_pos < lengths[:, None]).astype(jnp.int32))
 
+    rope_tab = None
+    if tq == 1 and cfg.sliding_window is None and self.decode_append:
+      from kernels.attention_decode import rope_table
+
+      with jax.named_scope("rope"):
+        rope_tab = rope_table(*rope)  # once per step, like the angles
+
     def attend(block, h, kc, vc, layer, rms_eps):
+      if rope_tab is not None:
+        qkv = block.attn.qkv_packed(h, rms_eps)
+        backend = _append_backend(qkv, kc, vc, lengths, page_table, rope_tab, layer)
+        if backend is not None:
+          with jax.named_scope("attention"):
+            # RoPE, the K/V write and attention in one op (one kernel with mosaic).
+            o, kc, vc = ops()["attention_decode_append"](
+                qkv, kc, vc, lengths, page_table, rope_tab, layer=layer, backend=backend)
+          return o.reshape(b, tq, -1).astype(h.dtype), kc, vc
       q, k, v = block.attn.qkv(h, rope, rms_eps)
       kc, vc = _write_kv(kc, vc, layer, page, slot, k, v)
       if cfg.sliding_window is None:
@@ -531,6 +559,20 @@ class Llama(nnx.Module):
       x = jnp.take(self.embed[...], tokens, axis=0)  # [B, Tq, D]
     x, cache = self._run_layers(x, cache, attend)
     return self._logits(x), cache
+
+
+def _append_backend(qkv, kc, vc, lengths, page_table, rope_tab, layer) -> str | None:
+  """The attention_decode_append backend for a decode step: the one that
+  attention_decode would run, if the append op has it and it takes the call
+  (e.g. not triton; not mosaic with fp8 pages), else None (separate ops)."""
+  b, t, hkv, gp2, d = qkv.shape
+  q = jax.ShapeDtypeStruct((b, t, hkv * (gp2 - 2), d), qkv.dtype)
+  name = ops()["attention_decode"].select(q, kc, vc, lengths, page_table, layer=layer).name
+  append = ops()["attention_decode_append"]
+  if name not in append.names:
+    return None
+  why = append.get(name).why_not(qkv, kc, vc, lengths, page_table, rope_tab, layer=layer)
+  return name if why is None else None
 
 
 def _chunk_slots(positions, lengths, t, page_table, page_size):

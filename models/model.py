@@ -39,16 +39,20 @@ class Model:
   """A loaded model. See the package docstring for the serving API."""
 
   def __init__(self, config: config_lib.ModelConfig, params, tokenizer: tok_lib.Tokenizer,
-               *, dtype="bfloat16", mesh=None, fold_norms: bool = True):
+               *, dtype="bfloat16", mesh=None, fold_norms: bool = True,
+               decode_append: bool = True):
     """``fold_norms``: fold the layers' norm weights into wqkv / w_gate_up,
-    whose matmuls then normalize their input (models.llama, "Folded norms")."""
+    whose matmuls then normalize their input (models.llama, "Folded norms").
+    ``decode_append``: one-token decode steps run RoPE, the K/V write and
+    attention as one op (models.llama.Llama)."""
     self.config = config
     self.dtype = jnp.dtype(dtype)
     self.tokenizer = tokenizer
     self.mesh = mesh
     self.fold_norms = fold_norms
     abstract = nnx.eval_shape(lambda: llama.Llama(config, dtype=self.dtype, rngs=nnx.Rngs(0),
-                                                  norms_folded=fold_norms))
+                                                  norms_folded=fold_norms,
+                                                  decode_append=decode_append))
     self.graphdef, state = nnx.split(abstract)
     if isinstance(params, nnx.State):
       params = nnx.to_pure_dict(params)

@@ -401,7 +401,7 @@ def test_rms_norm_lowers_for_h200(rows):
          S((rows, 4096), BF16), S((32, 4096), BF16), S((), I32))
 
 
-def _llama_8b(cache_dtype="bfloat16", folded=False):
+def _llama_8b(cache_dtype="bfloat16", folded=False, decode_append=True):
   from flax import nnx
 
   from models import config as config_lib
@@ -409,7 +409,8 @@ def _llama_8b(cache_dtype="bfloat16", folded=False):
 
   cfg = config_lib.get("llama3.1-8b")
   abstract = nnx.eval_shape(lambda: llama.Llama(cfg, dtype=BF16, rngs=nnx.Rngs(0),
-                                                norms_folded=folded))
+                                                norms_folded=folded,
+                                                decode_append=decode_append))
   graphdef, params = nnx.split(abstract)
   params = jax.tree.map(lambda x: S(x.shape, x.dtype), params)
   cache = jax.eval_shape(lambda: llama.init_cache(cfg, 1400, ad.DEFAULT_PAGE_SIZE,
@@ -441,6 +442,23 @@ def test_llama_8b_steps_lower_for_h200_on_mosaic_kernels(step, cache_dtype, fold
   outs = " ".join(lowered.kernel_results)
   for want in (f"{rows}x6144xbf16", f"{rows}x14336xbf16", f"{b}x128256xf32"):
     assert want in outs, (want, lowered.kernel_results)
+
+
+@pytest.mark.parametrize("b", [1, 64])
+def test_llama_8b_decode_writes_the_cache_in_the_attention_kernel(b):
+  # With decode_append the attention kernel rotates q and k and writes k and v
+  # itself: the step has no scatter or update-slice of the cache left, and the
+  # kernel's call aliases the cache (written in place, not copied).
+  texts = {}
+  for append in (True, False):
+    llama, graphdef, params, cache = _llama_8b("bfloat16", True, decode_append=append)
+    names = llama.backends(attention_decode="mosaic", matmul="mosaic", rms_norm="mosaic")
+    fn = lambda p, c, tok, n, tab: llama.decode_step(graphdef, p, c, tok, n, tab, backends=names)
+    texts[append] = _lower(fn, params, cache, S((b, 1), I32), S((b,), I32), S((b, 64), I32),
+                           kernels=7).text
+  writes = lambda text: text.count("stablehlo.scatter") + text.count("dynamic_update_slice")
+  assert writes(texts[False]) >= 2 and writes(texts[True]) == 0
+  assert "output_operand_aliases" in texts[True] and "output_operand_aliases" not in texts[False]
 
 
 KERNEL_CALLS = ("mpmd_map", "pallas_call")  # how a Mosaic GPU kernel shows in a jaxpr
