@@ -177,14 +177,14 @@ def _mosaic_kernel(lengths_ref, table_ref, layer_ref, q_ref, k_ref, v_ref, *refs
   their page slot, and puts them into its last step's ring slot itself
   (``_patch_row``), since its copy of that page may have been read before
   the store landed. Q's buffer then has 64 rows (the layout the rotation's
-  registers take) of which the wgmmas read ``tile_rows``; an untiled
-  [64, D] buffer, the table's SMEM copy and the rotated k and v rows [2, D]
-  come before the barriers.
+  registers take) of which the wgmmas read ``tile_rows``; the table's SMEM
+  copy [2, D] and two untiled [2, D] buffers (the k and v rows as loaded,
+  and rotated) come before the barriers.
   """
   refs, scale, v_scale, cvt = _fp8_refs(refs, layer_ref, scale, fp8)
   if append:
     rope_ref, *refs = refs
-    *refs, (raw, rope_smem, kv_rows), bars = refs
+    *refs, (rope_smem, kv_raw, kv_rows), bars = refs
     refs = (*refs, bars)
   if split_out:
     o_ref, lse_ref, q_smem, k_smem, v_smem, p_smem, o_smem, lse_smem, bars = refs
@@ -213,11 +213,10 @@ def _mosaic_kernel(lengths_ref, table_ref, layer_ref, q_ref, k_ref, v_ref, *refs
                 first_step + step, slot, page, pages_per_step, steps_per_page)
 
   io = pl.ds(r * ROWS, io_rows)
+  plgpu.copy_gmem_to_smem(q_ref.at[b, h, io], q_smem.at[pl.ds(0, io_rows)], q_bar.at[0])
   if append:
-    plgpu.copy_gmem_to_smem(q_ref.at[b, h, io], raw.at[pl.ds(0, io_rows)], q_bar.at[0])
+    plgpu.copy_gmem_to_smem(q_ref.at[b, h, pl.ds(group, 2)], kv_raw, q_bar.at[0])
     plgpu.copy_gmem_to_smem(rope_ref.at[b], rope_smem, q_bar.at[0])
-  else:
-    plgpu.copy_gmem_to_smem(q_ref.at[b, h, io], q_smem.at[pl.ds(0, io_rows)], q_bar.at[0])
   for i in range(stages):
     @pl.when(i < n_steps)
     def _():
@@ -226,7 +225,7 @@ def _mosaic_kernel(lengths_ref, table_ref, layer_ref, q_ref, k_ref, v_ref, *refs
   plgpu.barrier_wait(q_bar.at[0])
   patch_row = None
   if append:
-    _rope_rows(raw, rope_smem, q_smem, kv_rows, group)
+    _rope_tile(q_smem, rope_smem)
     # The new token sits at position length - 1, in the last step of the
     # last split that has steps (none when the row is empty or past the table).
     pos = lengths_ref[b] - 1
@@ -235,6 +234,7 @@ def _mosaic_kernel(lengths_ref, table_ref, layer_ref, q_ref, k_ref, v_ref, *refs
 
     @pl.when(owner)
     def _():
+      _rope_kv(kv_raw, rope_smem, kv_rows)
       pg = table_ref[b, lax.div(pos, jnp.int32(page))]
       slot = pl.ds(lax.rem(pos, jnp.int32(page)), 1)
       plgpu.copy_smem_to_gmem(kv_rows.at[pl.ds(0, 1)], k_ref.at[kvh, pg, slot])
@@ -427,44 +427,54 @@ def _attend_step(carry, ids, slot, start, length, q_smem, k_smem, v_smem, p_smem
   return acc, m_new, l_i
 
 
-def _rope_rows(raw, rope_smem, q_smem, kv_rows, group: int):
-  """Rotates the rows of ``raw`` [64, D] (untiled; q heads, then k, then v)
-  by the RoPE table [2, D] (cos | cos, -sin | sin), all but row group + 1
-  (v); the result goes to ``q_smem`` [64, D] (the wgmma's tile), and its k
-  and v rows to the untiled ``kv_rows`` [2, D] (picked out by a sum over
-  the rows: a buffer read both as a tile and by row takes no layout). In
-  float32, as ``models.llama.rotate``."""
+def _rope_tile(q_smem, rope_smem):
+  """Rotates every row of the Q tile [64, D] in place by the RoPE table
+  [2, D] (cos | cos, -sin | sin), in float32 as ``models.llama.rotate``. Rows
+  past the q heads (k, v, the zero fill) are rotated too, and never stored."""
   layout = plgpu.Layout.WGMMA
-  half = raw.shape[-1] // 2
-  cols = lambda ref, j: ref.at[:, pl.ds(j * half, half)]
-  lo, hi = (plgpu.load(cols(raw, j), (), layout=layout).astype(jnp.float32) for j in (0, 1))
-  rows = plgpu.broadcasted_iota(jnp.int32, lo.shape, 0, layout=layout)
+  half = q_smem.shape[-1] // 2
+  cols = lambda j: q_smem.at[:, pl.ds(j * half, half)]
+  lo, hi = (plgpu.load(cols(j), (), layout=layout).astype(jnp.float32) for j in (0, 1))
 
   def table(i, j):
     x = plgpu.load(rope_smem.at[i, pl.ds(j * half, half)], (), layout=layout.reduce(0))
     return lax.broadcast_in_dim(x, lo.shape, [1])
 
-  keep = rows == group + 1
-  out = (jnp.where(keep, lo, lo * table(0, 0) + hi * table(1, 0)),
-         jnp.where(keep, hi, hi * table(0, 1) + lo * table(1, 1)))
+  out = (lo * table(0, 0) + hi * table(1, 0), hi * table(0, 1) + lo * table(1, 1))
   for j, x in enumerate(out):
-    cols(q_smem, j)[...] = x.astype(q_smem.dtype)
-    for i in range(2):
-      row = jnp.where(rows == group + i, x, 0.0).sum(axis=0)
-      kv_rows.at[i, pl.ds(j * half, half)][...] = row.astype(kv_rows.dtype)
-  plgpu.commit_smem()  # Q is read by the tensor cores, kv_rows by the TMA unit
+    cols(j)[...] = x.astype(q_smem.dtype)
+  plgpu.commit_smem()  # read by the tensor cores next
+
+
+def _rope_kv(kv_raw, rope_smem, kv_rows):
+  """The new token's k (row 0 of ``kv_raw`` [2, D]) rotated and its v (row
+  1) as they are, into ``kv_rows`` [2, D], whence the TMA unit stores them."""
+  # One layout for every vector here (the patches read kv_rows in it too):
+  # left to inference, the vectors' layouts make a search that does not end.
+  layout = plgpu.Layout.WGMMA.reduce(0)
+  half = kv_raw.shape[-1] // 2
+  part = lambda ref, i, j: ref.at[i, pl.ds(j * half, half)]
+  load = lambda ref, i, j: plgpu.load(part(ref, i, j), (), layout=layout).astype(jnp.float32)
+  lo, hi = load(kv_raw, 0, 0), load(kv_raw, 0, 1)
+  c, s = (load(rope_smem, 0, j) for j in (0, 1)), (load(rope_smem, 1, j) for j in (0, 1))
+  c, s = list(c), list(s)
+  part(kv_rows, 0, 0)[...] = (lo * c[0] + hi * s[0]).astype(kv_rows.dtype)
+  part(kv_rows, 0, 1)[...] = (hi * c[1] + lo * s[1]).astype(kv_rows.dtype)
+  for j in (0, 1):
+    part(kv_rows, 1, j)[...] = plgpu.load(part(kv_raw, 1, j), (), layout=layout)
+  plgpu.commit_smem()  # read by the TMA unit and the patches next
 
 
 def _patch_row(tile, row, src):
   """Row ``row`` (dynamic; none when < 0) of the SMEM tile [block_kv, D]
-  becomes the untiled SMEM row ``src`` [D]. Whole 64-row chunks go through
-  registers (the tile's swizzled layout takes no single-row store)."""
+  becomes the untiled SMEM row ``src`` [D]. The 64-row chunk that holds it
+  goes through registers (the tile's swizzled layout takes no single-row
+  store)."""
   layout = plgpu.Layout.WGMMA
-
-  @pl.when(row >= 0)
-  def _():
-    n, d = tile.shape
-    for c in range(n // ROWS):
+  n, d = tile.shape
+  for c in range(n // ROWS):
+    @pl.when((row >= c * ROWS) & (row < (c + 1) * ROWS))
+    def _():
       for j in range(d // 64):
         ref = tile.at[pl.ds(c * ROWS, ROWS), pl.ds(j * 64, 64)]
         x = plgpu.load(ref, (), layout=layout)
@@ -870,10 +880,10 @@ def _kernel_call(qp, k_pages, v_pages, lengths, page_table, layer_arr, kv_scales
     tile = plgpu.SMEM((block_kv, d), dt, transforms=dsl.smem_transforms((block_kv, d), dt))
     scratch.append((tile, tile))
   if append:
-    scratch.append((plgpu.SMEM((ROWS, d), dt), plgpu.SMEM((2, d), jnp.float32),
+    scratch.append((plgpu.SMEM((2, d), jnp.float32), plgpu.SMEM((2, d), dt),
                     plgpu.SMEM((2, d), dt)))
   scratch.append((
-      plgpu.Barrier(num_arrivals=2 if append else 1, num_barriers=2 if persistent else 1),
+      plgpu.Barrier(num_arrivals=3 if append else 1, num_barriers=2 if persistent else 1),
       plgpu.Barrier(num_arrivals=pps, num_barriers=cfg.stages),
       plgpu.Barrier(num_arrivals=pps, num_barriers=cfg.stages),
   ))
