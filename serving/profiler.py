@@ -84,7 +84,8 @@ _PNG_DPI = 100
 
 def op_costs(cfg, phase: str, batch: int, length: int, *, dtype="bfloat16",
              decode_tokens: int = 1, chunk: int = 0, kv_dtype=None,
-             folded_norms: bool = False) -> dict[str, cost_lib.Cost]:
+             folded_norms: bool = False, decode_append: bool = False
+             ) -> dict[str, cost_lib.Cost]:
   """FLOPs and minimum bytes of each op of ONE layer (LAYER_OPS) and of the
   ops outside the layers (TOP_OPS), for a step of ``phase``.
 
@@ -100,6 +101,9 @@ def op_costs(cfg, phase: str, batch: int, length: int, *, dtype="bfloat16",
   the cache write writes. ``folded_norms``: the layers' norms run inside qkv
   and gate_up (models.Model(fold_norms=True)), so their FLOPs are those ops'
   and there is no attn_norm / mlp_norm op (the row would always read 0).
+  ``decode_append``: a one-token decode step rotates q and k and writes the
+  cache inside its attention op (attention_decode_append), so rope's and
+  kv_write's bytes are attention's and those ops are gone from the layer.
   """
   if phase not in PHASES:
     raise ValueError(f"{phase=} is not one of {PHASES}")
@@ -146,6 +150,8 @@ def op_costs(cfg, phase: str, batch: int, length: int, *, dtype="bfloat16",
   if folded_norms:  # the norm reads the rows its matmul reads anyway: FLOPs only
     for norm, op in (("attn_norm", "qkv"), ("mlp_norm", "gate_up")):
       costs[op] = costs[op] + cost_lib.Cost(costs.pop(norm).flops, 0.0)
+  if decode_append and phase == "decode" and decode_tokens == 1:
+    costs["attention"] = costs["attention"] + costs.pop("rope") + costs.pop("kv_write")
   return costs
 
 
@@ -869,9 +875,14 @@ def profile(model, *, batch: int = 1, prefill_len: int = 128, decode_context: in
       per_step = [attribute(ks, step.op_names, cfg.num_layers) for ks in groups]
       if not any(s.times for s in per_step):
         raise RuntimeError(f"the trace ({tr.path}) holds no kernel of the step")
+      # The decode step wrote the cache inside attention (no kv_write kernel
+      # in any layer): attention_decode_append, where its backend has it.
+      appended = prof.phase == "decode" and not any(
+          op == "kv_write" and layer is not None for s in per_step for layer, op in s.times)
       costs = op_costs(cfg, prof.phase, prof.batch, prof.length, dtype=model.dtype,
                        chunk=prof.chunk, kv_dtype=kv_cache_dtype,
-                       folded_norms=getattr(model, "fold_norms", False))
+                       folded_norms=getattr(model, "fold_norms", False),
+                       decode_append=appended)
       summarize(prof, per_step, costs, cfg.num_layers, tgt)
       prof.step["trace_device"] = tr.device
       prof.step["trace_info"] = tr.info

@@ -71,6 +71,20 @@ def test_profile_an_fp8_cache_on_cpu():
   assert att and all(r["time_us"] > 0 for r in att)
 
 
+def test_op_costs_with_decode_append_book_rope_and_the_cache_write_to_attention():
+  cfg = config_lib.get("llama3.1-8b")
+  plain = P.op_costs(cfg, "decode", 4, 600, dtype="bfloat16")
+  fused = P.op_costs(cfg, "decode", 4, 600, dtype="bfloat16", decode_append=True)
+  assert "rope" not in fused and "kv_write" not in fused
+  assert fused["attention"].flops == plain["attention"].flops
+  # rope reads and writes q and k (40 heads of 128, bf16); the write reads and writes k and v.
+  extra = 4 * (2 * 40 * 128 * 2) + 4 * (2 * 8 * 128 * (2 + 2))
+  assert fused["attention"].bytes == plain["attention"].bytes + extra
+  # Only one-token decode steps append; the other phases keep their ops.
+  for phase, kw in (("decode", dict(decode_tokens=2)), ("prefill", {})):
+    assert "kv_write" in P.op_costs(cfg, phase, 4, 600, decode_append=True, **kw)
+
+
 def test_op_costs_with_folded_norms_book_the_norms_to_their_matmuls():
   cfg = config_lib.get("llama3.1-8b")
   plain = P.op_costs(cfg, "decode", 4, 600, dtype="bfloat16")
@@ -275,6 +289,10 @@ def _check_json(out):
     assert not {"attn_norm", "mlp_norm"} & {r["op"] for r in p["ops"]}
     if p["phase"] == "decode":
       assert rows[(0, "qkv")]["flops"] == 2 * 2 * 128 * (4 * 64 + 2 * 2 * 64) + 4 * 2 * 128
+      # One-token decode rotates and writes the cache inside attention
+      # (attention_decode_append): no rope or kv_write op in the layers.
+      assert not {"rope", "kv_write"} & {op for layer, op in rows if layer is not None}
+      assert "kv_write" not in {r["op"] for r in p["ops"]}
     assert len(p["layers"]) == cfg.num_layers and all(r["time_us"] > 0 for r in p["layers"])
     assert p["step"]["wall_s"] > 0 and p["step"]["sum_s"] > 0
     assert p["step"]["trace_device"] == "cpu"
