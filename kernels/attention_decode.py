@@ -30,6 +30,15 @@ log-sum-exp, merged by a small jnp combine step. Only the packed rows of Q
 and of the output travel through HBM (rounded up to 8 rows; fewer than 8
 rows as they are, so that a decode step needs no padding copy of Q).
 
+A second op, ``attention_decode_append`` (end of the file), is a decode
+step's whole attention for one new token a sequence: it takes the token's
+un-rotated q, k and v rows, rotates q and k by RoPE, writes k and v into the
+token's page slot and attends. The Mosaic kernel does it in the same blocks
+(``_mosaic_kernel`` with ``append``): Q is rotated in its SMEM tile, and the
+block that holds the token's position stores the k and v rows and patches
+them into the page it streams, instead of three or four XLA kernels around
+the call (bench/results/decode_append_h200/).
+
 fp8 pages (``float8_e4m3fn``, ``kv_scales`` = (k_scale, v_scale), one pair
 or one per layer): the ring holds the fp8 pages, half the HBM bytes; each
 step converts its K and V tiles into two f16 SMEM tiles for the wgmmas
