@@ -181,14 +181,14 @@ def _mosaic_kernel(lengths_ref, table_ref, layer_ref, q_ref, k_ref, v_ref, *refs
   With ``append`` (one new token a sequence, see ``attention_decode_append``)
   q_ref is the token's un-rotated q, k and v rows of each kv head [B, Hkv,
   G + 2, D], a RoPE table [B, 2, D] follows v_ref, and k_ref / v_ref are
-  written: the block rotates Q and the new key in SMEM (``_rope_rows``), the
-  block whose split holds the token's position stores its K and V rows into
-  their page slot, and puts them into its last step's ring slot itself
-  (``_patch_row``), since its copy of that page may have been read before
-  the store landed. Q's buffer then has 64 rows (the layout the rotation's
-  registers take) of which the wgmmas read ``tile_rows``; the table's SMEM
-  copy [2, D] and two untiled [2, D] buffers (the k and v rows as loaded,
-  and rotated) come before the barriers.
+  written: the block rotates Q in SMEM (``_rope_tile``); the block whose
+  split holds the token's position rotates the new key (``_rope_kv``),
+  stores its K and V rows into their page slot, and puts them into its last
+  step's ring slot itself (``_patch_row``), since its copy of that page may
+  have been read before the store landed. Q's buffer then has 64 rows (the
+  layout the rotation's registers take) of which the wgmmas read
+  ``tile_rows``; the table's SMEM copy [2, D] and two untiled [2, D] buffers
+  (the k and v rows as loaded, and rotated) come before the barriers.
   """
   refs, scale, v_scale, cvt = _fp8_refs(refs, layer_ref, scale, fp8)
   if append:
@@ -465,8 +465,8 @@ def _rope_kv(kv_raw, rope_smem, kv_rows):
   part = lambda ref, i, j: ref.at[i, pl.ds(j * half, half)]
   load = lambda ref, i, j: plgpu.load(part(ref, i, j), (), layout=layout).astype(jnp.float32)
   lo, hi = load(kv_raw, 0, 0), load(kv_raw, 0, 1)
-  c, s = (load(rope_smem, 0, j) for j in (0, 1)), (load(rope_smem, 1, j) for j in (0, 1))
-  c, s = list(c), list(s)
+  c = [load(rope_smem, 0, j) for j in (0, 1)]
+  s = [load(rope_smem, 1, j) for j in (0, 1)]
   part(kv_rows, 0, 0)[...] = (lo * c[0] + hi * s[0]).astype(kv_rows.dtype)
   part(kv_rows, 0, 1)[...] = (hi * c[1] + lo * s[1]).astype(kv_rows.dtype)
   for j in (0, 1):
@@ -1466,9 +1466,15 @@ def _append_mosaic_supports(qkv, k_pages, v_pages, lengths, page_table, rope, *,
   if gp2 > ROWS:
     return f"the q heads, k and v of a kv head ({gp2}) must fit one {ROWS}-row tile"
   cfg = config or _append_config(qkv, k_pages, page_table)
-  if cfg.blocks_per_sm or cfg.step_keys(k_pages.shape[-2]) % ROWS:
+  page = k_pages.shape[-2]
+  if cfg.blocks_per_sm or cfg.step_keys(page) % ROWS:
     return (f"config {cfg} has no append mode (needs steps of a multiple of 64 keys and no "
             "persistent grid)")
+  # Append mode's SMEM: a 64-row Q tile, the RoPE table and two k/v row buffers.
+  isz = jnp.dtype(qkv.dtype).itemsize
+  extra = (ROWS - _tile_rows(cfg, gp2)) * d * isz + 2 * d * 4 + 2 * 2 * d * isz
+  if _smem_bytes(cfg, page, d, qkv.dtype, True, k_pages.dtype, gp2) + extra > SMEM_LIMIT:
+    return f"config {cfg} does not fit in SMEM with append mode's buffers"
   return None
 
 

@@ -130,6 +130,8 @@ def test_mosaic_says_why_not():
   why = ad.append_op.get("mosaic").why_not(qkv, kp, vp, lens, table, rope, layer=0)
   assert "multiple of 128" in why
   args = _case([5, 9])[:6]
+  big = ad.Config(pages_per_step=4, stages=4, swap_ab=True)  # 4 x 256-key K and V stages
+  assert "SMEM" in ad.append_op.get("mosaic").why_not(*args, layer=0, config=big)
   fp8 = [ad.quantize_pages(x, 1.0) for x in args[1:3]]
   why = ad.append_op.get("mosaic").why_not(args[0], *fp8, *args[3:], layer=0)
   assert "fp8" in why
