@@ -859,11 +859,7 @@ def _kernel_call(qp, k_pages, v_pages, lengths, page_table, layer_arr, kv_scales
   # lengths to the table and the page indices of a partly used last step.
   split_out = splits > 1
   dt = qp.dtype
-  persistent = cfg.blocks_per_sm > 0
-  if append and (persistent or fp8 or tiles > 1 or q_rows > ROWS or block_kv % ROWS
-                 or d % 128):
-    raise ValueError(f"append: {cfg} cannot append (needs one 64-row tile, steps of a "
-                     "multiple of 64 keys, bf16/f16 pages, no persistent grid, D % 128 == 0)")
+  persistent = cfg.blocks_per_sm > 0  # never with append (_append_mosaic_supports)
   stage_out = _stage_out(cfg, tq * g, split_out, page, d, dt, kv_dtype)
   rows = _hbm_rows(tq, g, exact=split_out or stage_out)  # of the output
   n_items = b * hkv * splits * tiles
@@ -1359,9 +1355,10 @@ def attention_decode(q, k_pages, v_pages, lengths, page_table, *, sm_scale=None,
 #
 # A decode step's new token: its q, k and v come out of one matmul, un-rotated;
 # it rotates q and k, writes k and v into its page slot and attends. As XLA ops
-# around ``attention_decode`` that is three or four small kernels a layer (~5 us
-# at batch 1 on the H200, bench/results/decode_gaps_h200/); the Mosaic
-# kernel does all of it in the attention blocks (``_mosaic_kernel``, append).
+# around ``attention_decode`` that is three small kernels a layer (3.5 us at
+# batch 1 and 6.8 us at batch 64 on the H200, bench/results/decode_append_h200/);
+# the Mosaic kernel does all of it in the attention blocks (``_mosaic_kernel``,
+# append).
 
 
 def rope_table(cos, sin):
@@ -1479,8 +1476,8 @@ def _append_mosaic_supports(qkv, k_pages, v_pages, lengths, page_table, rope, *,
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "config"))
-def _append_mosaic(qkv, k_pages, v_pages, lengths, page_table, rope, layer=None,
-                   sm_scale: float = 1.0, config: Config | None = None):
+def _append_mosaic(qkv, k_pages, v_pages, lengths, page_table, rope, layer=None, *,
+                   sm_scale: float, config: Config):
   b, _, hkv, gp2, d = qkv.shape
   g = gp2 - 2
   shape = k_pages.shape
@@ -1489,8 +1486,7 @@ def _append_mosaic(qkv, k_pages, v_pages, lengths, page_table, rope, layer=None,
   k_ref = jax.new_ref(k_pages.reshape(-1, *shape[-3:]))
   v_ref = jax.new_ref(v_pages.reshape(-1, *shape[-3:]))
   o = _kernel_call(qkv.reshape(b, hkv, gp2, d), k_ref, v_ref, lengths, page_table, layer_arr,
-                   None, tq=1, group=g, sm_scale=sm_scale,
-                   config=config or _append_config(qkv, k_pages, page_table), rope=rope)
+                   None, tq=1, group=g, sm_scale=sm_scale, config=config, rope=rope)
   o = _unpack_o(o, 1, hkv * g).astype(qkv.dtype)
   return o, jax.freeze(k_ref).reshape(shape), jax.freeze(v_ref).reshape(shape)
 
@@ -1501,6 +1497,7 @@ def attention_decode_append_mosaic(qkv, k_pages, v_pages, lengths, page_table, r
                                 config=config)
   if why:
     raise ValueError(f"attention_decode_append mosaic: {why}")
+  config = config or _append_config(qkv, k_pages, page_table)
   return _append_mosaic(qkv, k_pages, v_pages, lengths, page_table, rope, layer,
                         sm_scale=_scale(sm_scale, qkv.shape[-1]), config=config)
 
