@@ -112,7 +112,7 @@ def main():
   from serving import engine as E
   from serving import profiler
 
-  model = random_model(a.config, a.dtype, a.fold_norms, a.decode_append)
+  model = random_model(a.config, a.dtype, a.fold_norms, a.decode_append, a.decode_unroll)
   page = E.default_page_size()
   runner = E.ModelRunner(model, num_pages=a.num_pages, page_size=page, attention=a.attention,
                          matmul=a.matmul, kv_cache_dtype=a.kv_cache_dtype)

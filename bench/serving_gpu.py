@@ -61,7 +61,7 @@ class IdTokenizer:
 
 
 def random_model(config: str, dtype: str, fold_norms: bool = True,
-                 decode_append: bool = True):
+                 decode_append: bool = True, decode_unroll: int | None = None):
   from flax import nnx
 
   import models
@@ -84,7 +84,8 @@ def random_model(config: str, dtype: str, fold_norms: bool = True,
   params = jax.tree.unflatten(
       treedef, [init(k, tuple(l.shape), jnp.dtype(dtype)) for k, l in zip(keys, leaves)])
   return models.Model(cfg, params, IdTokenizer(cfg.vocab_size), dtype=dtype,
-                      fold_norms=fold_norms, decode_append=decode_append)
+                      fold_norms=fold_norms, decode_append=decode_append,
+                      decode_unroll=decode_unroll)
 
 
 def loadgen(target, out, name, **kw):
@@ -130,7 +131,7 @@ def build_engine(a):
 
   apply_model_flags(a)  # again: an engine process starts without the parent's settings
   t0 = time.perf_counter()
-  model = random_model(a.config, a.dtype, a.fold_norms, a.decode_append)
+  model = random_model(a.config, a.dtype, a.fold_norms, a.decode_append, a.decode_unroll)
   jax.block_until_ready(model.params)
   print(f"model {model!r} ready in {time.perf_counter() - t0:.1f} s", flush=True)
   page = a.page_size or E.default_page_size()
@@ -170,6 +171,9 @@ def model_flags(ap: argparse.ArgumentParser) -> None:
   ap.add_argument("--no-decode-append", dest="decode_append", action="store_false",
                   help="RoPE, the K/V write and decode attention as separate ops "
                        "(models.Model decode_append)")
+  ap.add_argument("--decode-unroll", type=int, default=None,
+                  help="layers per iteration of the decode step's layer loop "
+                       "(models.Model decode_unroll; default all, no loop)")
   ap.add_argument("--no-fold-norms", dest="fold_norms", action="store_false",
                   help="keep the layers' norms as kernels of their own (models.Model fold_norms)")
 
@@ -224,8 +228,8 @@ def main():
     engine = build_engine(a)
     runner = engine.runner
   # The reference for the correctness check: the same seeded weights.
-  model = (random_model(a.config, a.dtype, a.fold_norms, a.decode_append) if a.engine_process
-           else runner.model)
+  model = (random_model(a.config, a.dtype, a.fold_norms, a.decode_append, a.decode_unroll)
+           if a.engine_process else runner.model)
 
   import models
 

@@ -3,9 +3,10 @@
 Data flow of one step, top to bottom::
 
   tokens [B, T] --embed--> x [B, T, D]
-  for each layer (a lax.fori_loop over the layer index, the KV cache in the carry so
-  its pages are updated in place; the ops read the layer's weights from the
-  stacked parameters in place, so every iteration uses the same buffers):
+  for each layer (a lax.fori_loop over the layer index, unrolled for one-token
+  decode steps; the KV cache in the carry so its pages are updated in place;
+  the ops read the layer's weights from the stacked parameters in place, so
+  every iteration uses the same buffers):
     h = rms_norm(x)   (with folded norms: inside the next matmul, see below)
     q [B,T,Hq,hd], k/v [B,T,Hkv,hd] = h @ wqkv (+ bias for Qwen2), split; RoPE on q, k
     k/v are written into their pages: cache[layer, :, page, slot]
@@ -37,6 +38,14 @@ backend attention_decode would run has it (mosaic with bf16/f16 pages and
 hd % 128 == 0; xla; reference). Otherwise, and for Tq > 1, the separate ops
 run. On the H200 this took 0.06 ms off the batch-1 step and 0.08 ms off the
 batch-64 one (bench/results/decode_append_h200/).
+
+Decode unroll (``Llama(decode_unroll=None)``, the default): a one-token
+decode step runs its layers unrolled, with no loop. XLA records each loop
+iteration as a command buffer; between two launches the GPU idled ~2.5 us and
+the counter's add was a ~1.6 us kernel, ~4 us a layer. Unrolled, the batch-1
+step traced 0.13 ms shorter and TPOT at concurrency 1 fell from 4.16 to
+4.05 ms end to end (bench/results/decode_unroll_h200/). The price is compile
+time (warm-up 159 s against 130); prefill and mixed steps keep the loop.
 
 RMSNorm, every matmul and the attention go through the ``mosaic.registry`` ops
 (``rms_norm``, ``matmul``, ``attention_prefill``, ``attention_decode``,
@@ -323,15 +332,23 @@ class Block(nnx.Module):
 class Llama(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, *, dtype="bfloat16", rngs: nnx.Rngs,
-               norms_folded: bool = False, decode_append: bool = True):
+               norms_folded: bool = False, decode_append: bool = True,
+               decode_unroll: int | None = None):
     """``norms_folded``: the layers' norm weights are folded into wqkv and
     w_gate_up (``fold_norm_weights`` on the params), which then normalize.
     ``decode_append``: a one-token decode step rotates, writes the cache and
-    attends in one op (attention_decode_append) where its backend has it."""
+    attends in one op (attention_decode_append) where its backend has it.
+    ``decode_unroll``: layers per iteration of a one-token decode step's
+    layer loop (None: all of them, no loop; see _run_layers)."""
+    if decode_unroll is not None and (isinstance(decode_unroll, bool)
+                                      or not isinstance(decode_unroll, int)
+                                      or decode_unroll < 1):
+      raise ValueError(f"decode_unroll must be None or an int >= 1, got {decode_unroll!r}")
     dtype = jnp.dtype(dtype)
     self.cfg = cfg
     self.norms_folded = norms_folded
     self.decode_append = decode_append
+    self.decode_unroll = decode_unroll
     self.embed = nnx.Param(_init(rngs, (cfg.vocab_size, cfg.hidden_size), dtype, 1.0))
 
     @nnx.split_rngs(splits=cfg.num_layers)
@@ -360,12 +377,17 @@ class Llama(nnx.Module):
       y = ops()["matmul"](h.reshape(-1, h.shape[-1]), self.embed[...].T, out_dtype=jnp.float32)
       return y.reshape(*lead, -1)
 
-  def _run_layers(self, x, cache: KVCache, attend):
+  def _run_layers(self, x, cache: KVCache, attend, unroll: int = 1):
     """Loops over the layer index; ``attend(block, h, k_cache, v_cache, layer, rms_eps)``
     does the attention part (q/k/v, cache write, attention, output projection input).
 
     The loop carries no parameters: ``block`` holds every layer's stacked
-    parameters and the ops pick layer ``layer`` in place (see _LAYER)."""
+    parameters and the ops pick layer ``layer`` in place (see _LAYER).
+    ``unroll`` layers run per loop iteration. XLA records an iteration as one
+    command buffer; between two launches of it the GPU idles ~2.5 us, and the
+    counter's add is a ~1.6 us kernel: ~4 us a layer, 3% of the B=1 decode
+    step (bench/results/decode_unroll_h200/). Prefill's layers take
+    milliseconds, so they keep the loop (and its compile time)."""
     block = self.layers
     # Folded norms: the raw residual stream goes to wqkv / w_gate_up, which
     # normalize it themselves.
@@ -390,7 +412,8 @@ class Llama(nnx.Module):
         _LAYER.reset(token)
       return x, kc, vc
 
-    x, k, v = jax.lax.fori_loop(0, self.cfg.num_layers, body, (x, cache.k, cache.v))
+    x, k, v = jax.lax.fori_loop(0, self.cfg.num_layers, body, (x, cache.k, cache.v),
+                                unroll=min(unroll, self.cfg.num_layers))
     return x, KVCache(k, v)
 
   # -- entry points (called inside jit by the functions below)
@@ -569,7 +592,8 @@ class Llama(nnx.Module):
 
     with jax.named_scope("embed"):
       x = jnp.take(self.embed[...], tokens, axis=0)  # [B, Tq, D]
-    x, cache = self._run_layers(x, cache, attend)
+    unroll = 1 if tq > 1 else self.decode_unroll or cfg.num_layers
+    x, cache = self._run_layers(x, cache, attend, unroll=unroll)
     return self._logits(x), cache
 
 

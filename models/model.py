@@ -40,11 +40,12 @@ class Model:
 
   def __init__(self, config: config_lib.ModelConfig, params, tokenizer: tok_lib.Tokenizer,
                *, dtype="bfloat16", mesh=None, fold_norms: bool = True,
-               decode_append: bool = True):
+               decode_append: bool = True, decode_unroll: int | None = None):
     """``fold_norms``: fold the layers' norm weights into wqkv / w_gate_up,
     whose matmuls then normalize their input (models.llama, "Folded norms").
     ``decode_append``: one-token decode steps run RoPE, the K/V write and
-    attention as one op (models.llama.Llama)."""
+    attention as one op (models.llama.Llama). ``decode_unroll``: layers per
+    iteration of a one-token decode step's layer loop (None: all, no loop)."""
     self.config = config
     self.dtype = jnp.dtype(dtype)
     self.tokenizer = tokenizer
@@ -52,7 +53,8 @@ class Model:
     self.fold_norms = fold_norms
     abstract = nnx.eval_shape(lambda: llama.Llama(config, dtype=self.dtype, rngs=nnx.Rngs(0),
                                                   norms_folded=fold_norms,
-                                                  decode_append=decode_append))
+                                                  decode_append=decode_append,
+                                                  decode_unroll=decode_unroll))
     self.graphdef, state = nnx.split(abstract)
     if isinstance(params, nnx.State):
       params = nnx.to_pure_dict(params)

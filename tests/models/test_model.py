@@ -299,3 +299,38 @@ def test_layers_read_their_weight_stacks_in_place(tiny, monkeypatch, folded):
   # After the scan: the final norm and the lm_head, plain weights.
   calls = [c[:3] for c in calls]
   assert [c for c in calls if not c[2]] == [("rms_norm", 1, False), ("matmul", 2, False)], calls
+
+
+def test_decode_step_unrolls_its_layer_loop(tiny):
+  """A one-token decode step runs its layers with no loop by default (each
+  loop iteration costs the GPU ~4 us, bench/results/decode_unroll_h200/),
+  with the same numbers as the loop; prefill keeps its loop."""
+  from flax import nnx
+
+  rng = np.random.default_rng()
+  ids = rng.integers(3, 259, 5).tolist()
+  table = rng.permutation(np.arange(1, 5))[None]
+  whiles, out = {}, {}
+  for unroll in (None, 1):
+    m = model_lib.Model(tiny.config, tiny.params, tiny.tokenizer, dtype="float32",
+                        decode_unroll=unroll)
+    cache = m.init_cache(5, 4)
+    _, cache = m.prefill(cache, [ids[:-1]], [0], [len(ids) - 1], table)
+    logits, cache = m.decode(cache, [ids[-1]], [len(ids)], table)
+    out[unroll] = (np.asarray(logits), np.asarray(cache.k), np.asarray(cache.v))
+    mod = nnx.merge(m.graphdef, m.params)
+    lower = lambda f, *a: nnx.jit(f).lower(mod, m.init_cache(5, 4), *a).as_text()
+    whiles[unroll] = (
+        lower(lambda mod, c, t, n, tab: mod.decode(c, t, n, tab), jnp.asarray([[5]]),
+              jnp.asarray([1]), jnp.asarray(table)).count("stablehlo.while"),
+        lower(lambda mod, c, t, p, n, tab: mod.prefill(c, t, p, n, tab), jnp.asarray([ids]),
+              jnp.asarray([0]), jnp.asarray([len(ids)]), jnp.asarray(table)).count("stablehlo.while"))
+  assert whiles == {None: (0, 1), 1: (1, 1)}, whiles
+  for got, want, what in zip(out[None], out[1], ("logits", "k cache", "v cache")):
+    testing.assert_close(got, want, dtype=jnp.float32, what=what)
+
+
+@pytest.mark.parametrize("bad", [0, -1, True, 2.0])
+def test_decode_unroll_is_validated(tiny, bad):
+  with pytest.raises(ValueError, match="decode_unroll"):
+    model_lib.Model(tiny.config, tiny.params, tiny.tokenizer, dtype="float32", decode_unroll=bad)
