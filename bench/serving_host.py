@@ -74,7 +74,7 @@ def main():
 
   res = {"tag": a.tag, "xla_flags": os.environ.get("XLA_FLAGS", ""), "config": a.config,
          "attention": a.attention, "matmul": a.matmul, "fold_norms": a.fold_norms,
-         "decode_append": a.decode_append}
+         "decode_append": a.decode_append, "decode_unroll": a.decode_unroll}
   model = random_model(a.config, a.dtype, a.fold_norms, a.decode_append, a.decode_unroll)
   page = a.page_size or E.default_page_size()
   res["page_size"] = page

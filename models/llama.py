@@ -43,9 +43,11 @@ Decode unroll (``Llama(decode_unroll=None)``, the default): a one-token
 decode step runs its layers unrolled, with no loop. XLA records each loop
 iteration as a command buffer; between two launches the GPU idled ~2.5 us and
 the counter's add was a ~1.6 us kernel, ~4 us a layer. Unrolled, the batch-1
-step traced 0.13 ms shorter and TPOT at concurrency 1 fell from 4.16 to
-4.05 ms end to end (bench/results/decode_unroll_h200/). The price is compile
-time (warm-up 159 s against 130); prefill and mixed steps keep the loop.
+step traced 0.13 ms shorter, and with 8 decode steps a call TPOT at
+concurrency 1 fell from 4.16 to 4.05 ms end to end. With one step a call the
+gain is 0.02-0.05 ms: that call's launch takes ~3x longer
+(bench/results/decode_unroll_h200/). The price is compile time (warm-up 159 s
+against 130); prefill and mixed steps keep the loop.
 
 RMSNorm, every matmul and the attention go through the ``mosaic.registry`` ops
 (``rms_norm``, ``matmul``, ``attention_prefill``, ``attention_decode``,
