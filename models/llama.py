@@ -414,8 +414,11 @@ class Llama(nnx.Module):
         _LAYER.reset(token)
       return x, kc, vc
 
-    x, k, v = jax.lax.fori_loop(0, self.cfg.num_layers, body, (x, cache.k, cache.v),
-                                unroll=min(unroll, self.cfg.num_layers))
+    # The "layers" scope tells the profiler (serving.profiler.classify) which
+    # ops run in a layer when no loop says so (unrolled).
+    with jax.named_scope("layers"):
+      x, k, v = jax.lax.fori_loop(0, self.cfg.num_layers, body, (x, cache.k, cache.v),
+                                  unroll=min(unroll, self.cfg.num_layers))
     return x, KVCache(k, v)
 
   # -- entry points (called inside jit by the functions below)

@@ -9,7 +9,8 @@ Data flow, for each configuration (phase x attention backend x matmul backend):
    (``models.llama.prefill_step`` / ``decode_step`` / ``mixed_step``) once.
    The compiled HLO text maps every HLO instruction to its ``op_name``
    metadata, which carries the ``jax.named_scope`` path the model emits
-   (``.../while/body/.../qkv/...``, ``.../lm_head/...``).
+   (``.../while/body/.../qkv/...``, or ``.../layers/qkv/...`` with no loop;
+   ``.../lm_head/...``).
 2. The step time is measured first, with the device's own timers where there
    are some: CUPTI (Mosaic GPU's profiler: the sum of the step's kernel
    durations) and, beside it, the wall time of many back-to-back steps. This
@@ -186,12 +187,15 @@ def hlo_module_name(hlo_text: str) -> str | None:
 
 def classify(op_name: str) -> tuple[str, bool]:
   """(op, inside the layer loop) of an op_name path: the innermost scope that
-  is one of OPS; 'loop' for the layer loop's own control, else 'other'."""
+  is one of OPS; 'loop' for the layer loop's own control, else 'other'. An op
+  is in a layer inside the loop's body or, with the loop unrolled, inside the
+  model's "layers" scope (models.llama); a layer op outside both (the RoPE
+  table a decode step builds once) is not."""
   parts = op_name.split("/")
-  in_layer = "while" in parts and "body" in parts
+  in_layer = ("while" in parts and "body" in parts) or "layers" in parts
   for p in reversed(parts):
     if p in OPS:
-      return p, p in LAYER_OPS
+      return p, p in LAYER_OPS and in_layer
   if "while" in parts and "cond" in parts:
     return "loop", False
   if in_layer and "jit(dynamic_index_in_dim)" in parts:
@@ -353,9 +357,10 @@ def attribute(kernels: Sequence[Kernel], op_names: dict[str, str], num_layers: i
     resolved.append((k, hlo))
   # Loop-body instructions run once per layer (or a fixed number of times):
   # the n-th run of an instruction that runs L*r times is layer n // r. When
-  # XLA unrolled the loop (each instruction once), layers are counted instead:
-  # a new layer starts where the op order returns to attn_norm/qkv after
-  # o_proj or later.
+  # the loop was unrolled (each instruction once: XLA's choice, or the model's
+  # one-token decode step, models.llama), layers are counted instead: a new
+  # layer starts where the op order returns to attn_norm/qkv after o_proj or
+  # later.
   occurrences: dict[str, int] = {}
   for _, hlo in resolved:
     if hlo is not None:
@@ -375,6 +380,11 @@ def attribute(kernels: Sequence[Kernel], op_names: dict[str, str], num_layers: i
       op_name = op_names[hlo]
       op, in_layer = classify(op_name)
       layer = None
+      if in_layer and not looped and "jit(dynamic_index_in_dim)" in op_name.split("/"):
+        # A layer's weight slice (xla backends): with the loop unrolled, XLA
+        # may run it apart from its layer (on CPU: all of them first, side by
+        # side), so its place says nothing about where a layer starts.
+        op, in_layer = "params", False
       if in_layer:
         idx = LAYER_OPS.index(op) if op in LAYER_OPS else None
         if cur < 0:

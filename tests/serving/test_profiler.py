@@ -179,6 +179,9 @@ def test_hlo_op_names_and_classify():
   assert P.classify(names["lm.9"]) == ("lm_head", False)
   assert P.classify("jit(f)/while/body/jit(dynamic_index_in_dim)/dynamic_slice") == ("params", True)
   assert P.classify("jit(f)/while/cond/lt") == ("loop", False)
+  # With no loop: in a layer inside the model's "layers" scope only.
+  assert P.classify("jit(f)/layers/qkv/dot_general") == ("qkv", True)
+  assert P.classify("jit(f)/rope/cos") == ("rope", False)
 
 
 @pytest.mark.parametrize("by_name", [False, True])
@@ -210,6 +213,30 @@ def test_attribute_unrolled_layers_by_op_order():
   assert st.times[(1, "attn_norm")] == pytest.approx(10e-6)
   assert st.times[(1, "down")] == pytest.approx(10e-6)
   assert (2, "qkv") not in st.times
+
+
+def test_attribute_the_models_unrolled_decode_step():
+  # The model's one-token decode step has no layer loop: its layer ops sit in
+  # the "layers" scope, the RoPE table is built once outside it, and XLA may
+  # run the layers' weight slices (xla backends) first, side by side (CPU).
+  hlo_lines, seq = [], []
+
+  def add(name, path):
+    hlo_lines.append(f'  %{name} = bf16[2] fusion(), metadata={{op_name="{path}"}}')
+    seq.append(name)
+
+  add("table", "jit(f)/rope/cos")
+  for i, op in enumerate(("o_proj", "gate_up", "qkv", "down")):
+    add(f"w{i}", f"jit(f)/layers/{op}/jit(dynamic_index_in_dim)/dynamic_slice")
+  for layer in range(2):
+    for op in ("qkv", "attention", "o_proj", "gate_up", "down"):
+      add(f"i{layer}_{op}", f"jit(f)/layers/{op}/x")
+  st = P.attribute(_kernels(seq), P.hlo_op_names("\n".join(hlo_lines)), 2)
+  assert st.times[(None, "rope")] == pytest.approx(10e-6)
+  assert st.times[(None, "params")] == pytest.approx(40e-6)
+  for layer in range(2):
+    for op in ("qkv", "attention", "o_proj", "gate_up", "down"):
+      assert st.times[(layer, op)] == pytest.approx(10e-6), (layer, op)
 
 
 def test_parse_trace_reads_gpu_streams_only(tmp_path):
