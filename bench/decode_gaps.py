@@ -30,7 +30,7 @@ import jax
 import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from serving_gpu import apply_model_flags, model_flags, random_model  # noqa: E402
+from serving_gpu import apply_model_flags, flags_model, model_flags  # noqa: E402
 
 
 def kind(name: str) -> str:
@@ -112,7 +112,7 @@ def main():
   from serving import engine as E
   from serving import profiler
 
-  model = random_model(a.config, a.dtype, a.fold_norms, a.decode_append, a.decode_unroll)
+  model = flags_model(a)
   page = E.default_page_size()
   runner = E.ModelRunner(model, num_pages=a.num_pages, page_size=page, attention=a.attention,
                          matmul=a.matmul, kv_cache_dtype=a.kv_cache_dtype)

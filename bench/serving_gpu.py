@@ -88,6 +88,11 @@ def random_model(config: str, dtype: str, fold_norms: bool = True,
                       decode_unroll=decode_unroll)
 
 
+def flags_model(a):
+  """random_model with the model flags of ``model_flags``."""
+  return random_model(a.config, a.dtype, a.fold_norms, a.decode_append, a.decode_unroll)
+
+
 def loadgen(target, out, name, **kw):
   path = pathlib.Path(out) / f"loadgen_{name}.json"
   cmd = [sys.executable, "-m", "serving", "loadgen", "--target", target, "--json", str(path)]
@@ -131,7 +136,7 @@ def build_engine(a):
 
   apply_model_flags(a)  # again: an engine process starts without the parent's settings
   t0 = time.perf_counter()
-  model = random_model(a.config, a.dtype, a.fold_norms, a.decode_append, a.decode_unroll)
+  model = flags_model(a)
   jax.block_until_ready(model.params)
   print(f"model {model!r} ready in {time.perf_counter() - t0:.1f} s", flush=True)
   page = a.page_size or E.default_page_size()
@@ -228,8 +233,7 @@ def main():
     engine = build_engine(a)
     runner = engine.runner
   # The reference for the correctness check: the same seeded weights.
-  model = (random_model(a.config, a.dtype, a.fold_norms, a.decode_append, a.decode_unroll)
-           if a.engine_process else runner.model)
+  model = flags_model(a) if a.engine_process else runner.model
 
   import models
 

@@ -34,7 +34,7 @@ import jax
 import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from serving_gpu import apply_model_flags, host_share, model_flags, random_model  # noqa: E402
+from serving_gpu import apply_model_flags, flags_model, host_share, model_flags  # noqa: E402
 
 
 def _timed_calls(f, n):
@@ -75,7 +75,7 @@ def main():
   res = {"tag": a.tag, "xla_flags": os.environ.get("XLA_FLAGS", ""), "config": a.config,
          "attention": a.attention, "matmul": a.matmul, "fold_norms": a.fold_norms,
          "decode_append": a.decode_append, "decode_unroll": a.decode_unroll}
-  model = random_model(a.config, a.dtype, a.fold_norms, a.decode_append, a.decode_unroll)
+  model = flags_model(a)
   page = a.page_size or E.default_page_size()
   res["page_size"] = page
   runner = E.ModelRunner(model, num_pages=a.num_pages, page_size=page, attention=a.attention,
