@@ -1,16 +1,21 @@
-"""What the host pays to launch a multi-step decode call, by where its inputs live.
+"""What the host pays to launch a multi-step decode call, by how its inputs travel.
 
-The engine's c=64 host share is about 10% of an 8-step call, 2.8 ms of it the
-launch. XLA replays a recorded command buffer only while the buffers its
-kernels read keep their addresses; the engine hands every call new ones
-(numpy lengths, page table and sampling rows, a fresh token gather). This
-times ``ModelRunner.decode_multi`` (B rows, 8 steps, greedy) pipelined as the
-engine runs it (call n + 1 is dispatched before call n's tokens are read):
+The engine's c=64 host share is about 10% of an 8-step call, ~2.9 ms of it the
+launch. This times ``ModelRunner.decode_multi`` (B rows, 8 steps, greedy)
+pipelined as the engine runs it (call n + 1 is dispatched before call n's
+tokens are read):
 
-  host    inputs as the engine passes them now
-  staged  the same values copied each call into one persistent device set
-          (a donated update, so the set keeps its addresses), and the call
-          reads that set
+  packed    as the engine calls it now: slots, lengths, page table and
+            sampling rows in one host array (one transfer), the input tokens
+            gathered inside the call
+  separate  as it did before: a token gather of its own (``sampling.take``,
+            a call with its own transfer), then lengths, page table and the
+            two sampling arrays each transferred on its own (the call itself
+            then reads a packed copy already on the device, so only the
+            transfers and the gather differ)
+  staged    an earlier question: the inputs copied each call into one
+            persistent device set (a donated update, so the set keeps its
+            addresses), which the call reads
 
 Run once per XLA_FLAGS setting (the flags are read at start-up):
 
@@ -39,10 +44,10 @@ from serving_gpu import random_model  # noqa: E402
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
-def _stage(state, last, slots, lengths, table, f, i):
-  """Writes a call's inputs into ``state`` (donated: same buffers out)."""
+def _stage(state, host):
+  """Writes a call's packed inputs into ``state`` (donated: the same buffer out)."""
   del state
-  return (last[jnp.maximum(slots, 0)], lengths, table, f, i)
+  return host
 
 
 def main(argv=None) -> int:
@@ -59,6 +64,7 @@ def main(argv=None) -> int:
   out = pathlib.Path(a.out)
   out.mkdir(parents=True, exist_ok=True)
   from serving import engine as E
+  from serving.engine import runners as R
   from serving.engine import sampling
 
   model = random_model(a.config, "bfloat16")
@@ -81,28 +87,30 @@ def main(argv=None) -> int:
 
   res = {"tag": a.tag, "xla_flags": os.environ.get("XLA_FLAGS", ""), "batch": b,
          "steps": a.steps}
+  run = runner._fast[2]  # the jitted call, to hand it device inputs (separate, staged)
   state = None
-  for variant in ("host", "staged", "host", "staged"):
+  for variant in ("packed", "separate", "staged", "packed", "separate", "staged"):
     dispatch, tokens_seen = [], []
     pending = None
     t_start = time.perf_counter()
     for call in range(a.calls):
       lengths, tab = host_inputs(call)
+      kw = dict(steps=a.steps, greedy_only=True, logprobs=False)
       t0 = time.perf_counter()
-      if variant == "host":
-        o = runner.decode_multi(sampling.take(last, slots), lengths, tab, arrays, counts,
-                                prompt_mask, last, steps=a.steps, greedy_only=True,
-                                logprobs=False)
+      if variant == "packed":
+        o = runner.decode_multi(slots, lengths, tab, arrays, counts, prompt_mask, last, **kw)
       else:
-        if state is None:
-          # Copies: _stage donates them, and `last` is still the call's own input.
-          state = jax.tree.map(lambda x: jnp.array(x, copy=True),
-                               (last, lengths, tab, arrays.f, arrays.i))
-        state = _stage(state, last, slots, lengths, tab, arrays.f, arrays.i)
-        tok, ln, tb, f, i = state
-        o = runner.decode_multi(tok, ln, tb, sampling.SamplingArrays(f=f, i=i), counts,
-                                prompt_mask, last, steps=a.steps, greedy_only=True,
-                                logprobs=False)
+        host = R.pack_decode_inputs(slots, lengths, tab, arrays)
+        if variant == "separate":
+          _ = [sampling.take(last, slots)] + [jax.device_put(x) for x in
+                                               (lengths, tab, arrays.f, arrays.i)]
+          dev = jax.device_put(host) if call == 0 else dev
+        else:
+          if state is None:
+            state = jnp.array(host)
+          state = dev = _stage(state, host)
+        o, runner.cache = run(runner.model.params, runner.cache, dev, counts, prompt_mask, last,
+                              **kw)
       counts, last = o[4], o[5]
       dispatch.append(time.perf_counter() - t0)
       if pending is not None:  # the engine reads call n's tokens after dispatching n + 1

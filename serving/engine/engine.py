@@ -639,7 +639,8 @@ class BatchingEngine(api.Engine):
     """The decode batch and the prefill chunks in one device call (one pass
     over the weights), sampled together: rows = decode rows, then chunk rows."""
     self.mixed_steps_run += 1
-    rows, tokens, lengths, table = self._decode_inputs(seqs, self.batch_buckets[-1])
+    rows, slots, lengths, table = self._decode_inputs(seqs, self.batch_buckets[-1])
+    tokens = sampling.take(self._last_tok, slots)
     for seq in seqs:
       seq.computed += 1
     p_tokens, positions, p_lengths, p_table, finishing = self._prefill_inputs(chunks)
@@ -649,40 +650,40 @@ class BatchingEngine(api.Engine):
     return rows + finishing, out, want_lp
 
   def _decode_inputs(self, seqs: list[_Seq], batch: int | None = None):
-    """(rows padded to ``batch`` or the batch bucket, input tokens on the
-    device, lengths, page table)."""
+    """(rows padded to ``batch`` or the batch bucket, their slots (-1: padding),
+    lengths, page table). A row's input token is its slot's last sampled
+    token, which stays on the device (``sampling.take``)."""
     n, b = len(seqs), batch or _bucket(len(seqs), self.batch_buckets)
     slots = np.full((b,), -1, np.int32)
     slots[:n] = np.fromiter((s.slot for s in seqs), np.int32, n)
-    # The input tokens stay on the device: the last token sampled for each slot.
-    tokens = sampling.take(self._last_tok, slots)
     lengths = np.zeros((b,), np.int32)
     table = np.zeros((b, self.max_pages), np.int32)
     lengths[:n] = np.fromiter((s.computed + 1 for s in seqs), np.int32, n)
     table[:n] = self._slot_table[slots[:n]]
     rows: list[_Seq | None] = list(seqs) + [None] * (b - n)
-    return rows, tokens, lengths, table
+    return rows, slots, lengths, table
 
   def _run_decode(self, seqs: list[_Seq], steps: int = 1):
-    rows, tokens, lengths, table = self._decode_inputs(seqs)
+    rows, slots, lengths, table = self._decode_inputs(seqs)
     if steps > 1:
-      return (rows,) + self._run_decode_steps(rows, tokens, lengths, table, steps)
+      return (rows,) + self._run_decode_steps(rows, slots, lengths, table, steps)
     for seq in seqs:
       seq.computed += 1
-    logits = self.runner.decode(tokens, lengths, table)
+    logits = self.runner.decode(sampling.take(self._last_tok, slots), lengths, table)
     out, want_lp = self._sampling_call(rows, logits, len(rows))
     return rows, out, want_lp
 
-  def _run_decode_steps(self, rows, tokens, lengths, table, steps: int):
+  def _run_decode_steps(self, rows, slots, lengths, table, steps: int):
     """``steps`` decode steps with sampling on the device: one call where the
     runner has it, else one call per step. Outputs are [steps, batch, ...]."""
     arrays, want_lp, greedy = self._sampling_inputs(rows, len(rows))
     if getattr(self.runner, "supports_multi_step", False):
-      out = self.runner.decode_multi(tokens, lengths, table, arrays, self._counts,
+      out = self.runner.decode_multi(slots, lengths, table, arrays, self._counts,
                                      self._prompt_mask, self._last_tok, steps=steps,
                                      greedy_only=greedy, logprobs=want_lp)
     else:
-      outs, counts, last, tok = [], self._counts, self._last_tok, tokens
+      outs, counts, last = [], self._counts, self._last_tok
+      tok = sampling.take(last, slots)
       for i in range(steps):
         li = np.where(lengths > 0, lengths + i, 0).astype(np.int32)
         o = sampling.step_jit(self.runner.decode(tok, li, table), arrays, np.int32(i), counts,
@@ -827,7 +828,7 @@ class BatchingEngine(api.Engine):
         arrays = sampling.pack([], [], [], [], b)
         for greedy_only, lp in ((True, False), (True, True), (False, True)):
           out = self.runner.decode_multi(
-              sampling.take(self._last_tok, np.zeros((b,), np.int32)), np.zeros((b,), np.int32),
+              np.zeros((b,), np.int32), np.zeros((b,), np.int32),
               np.zeros((b, table_w), np.int32), arrays, self._counts, self._prompt_mask,
               self._last_tok, steps=self.config.decode_steps, greedy_only=greedy_only,
               logprobs=lp)

@@ -37,6 +37,27 @@ def _has_backend(op: str, name: str) -> bool:
     return True
 
 
+def pack_decode_inputs(slots, lengths, page_table, arrays: sampling.SamplingArrays) -> np.ndarray:
+  """A decode call's host inputs side by side in one int32 array [B, 2 + P + 5 + 6]:
+  slot, length, page table row, then the sampling rows (``arrays.i``, and
+  ``arrays.f``'s float32 bits). Each host array handed to a jitted call is a
+  transfer of its own, and back to back with a running step each one costs
+  the dispatching thread ~0.3 ms on the H200 (bench/decode_dispatch_study.py)."""
+  b = len(lengths)
+  return np.concatenate([
+      np.asarray(slots, np.int32).reshape(b, 1), np.asarray(lengths, np.int32).reshape(b, 1),
+      np.asarray(page_table, np.int32), np.asarray(arrays.i, np.int32),
+      np.ascontiguousarray(arrays.f, np.float32).view(np.int32)], axis=1)
+
+
+def _unpack_decode_inputs(host):
+  """pack_decode_inputs, inverted on the device: (slots, lengths, page table, arrays)."""
+  p = host.shape[1] - 13
+  f = jax.lax.bitcast_convert_type(host[:, 2 + p + 5:], jnp.float32)
+  return host[:, 0], host[:, 1], host[:, 2:2 + p], sampling.SamplingArrays(
+      f=f, i=host[:, 2 + p:2 + p + 5])
+
+
 class ModelRunner:
 
   def __init__(self, model, *, num_pages: int, page_size: int, attention: str | None = None,
@@ -107,10 +128,13 @@ class ModelRunner:
                                         page_table, backends=db)
       return logits[:, 0], cache
 
-    @functools.partial(jax.jit, donate_argnums=(1, 6, 8),
+    @functools.partial(jax.jit, donate_argnums=(1, 3, 5),
                        static_argnames=("steps", "greedy_only", "logprobs"))
-    def decode_multi(params, cache, tokens, lengths, page_table, arrays, counts, prompt_mask,
-                     last, steps, greedy_only, logprobs):
+    def decode_multi(params, cache, host, counts, prompt_mask, last, steps, greedy_only,
+                     logprobs):
+      slots, lengths, page_table, arrays = _unpack_decode_inputs(host)
+      tokens = last[jnp.maximum(slots, 0)]  # each row's input: its slot's last token
+
       def one(carry, i):
         cache, tok, counts, last = carry
         # Padding rows (length 0) stay at 0: they write nothing.
@@ -178,13 +202,16 @@ class ModelRunner:
                                        fresh=not np.any(positions))
     return logits
 
-  def decode_multi(self, tokens, lengths, page_table, arrays, counts, prompt_mask, last, *,
+  def decode_multi(self, slots, lengths, page_table, arrays, counts, prompt_mask, last, *,
                    steps: int, greedy_only: bool, logprobs: bool):
-    """``steps`` decode steps with on-device sampling in one call (models.Model only):
-    ((tokens, logprob, top ids, top logprobs) each [steps, B, ...], counts, last)."""
-    out, self.cache = self._fast[2](self.model.params, self.cache, tokens, lengths, page_table,
-                                    arrays, counts, prompt_mask, last, steps=steps,
-                                    greedy_only=greedy_only, logprobs=logprobs)
+    """``steps`` decode steps with on-device sampling in one call (models.Model only),
+    row r's first input token being ``last[slots[r]]`` (slot -1: a padding row):
+    ((tokens, logprob, top ids, top logprobs) each [steps, B, ...], counts, last).
+    The host inputs (slots, lengths, page table, sampling rows) travel as one array."""
+    host = pack_decode_inputs(slots, lengths, page_table, arrays)
+    out, self.cache = self._fast[2](self.model.params, self.cache, host, counts, prompt_mask,
+                                    last, steps=steps, greedy_only=greedy_only,
+                                    logprobs=logprobs)
     return out
 
 

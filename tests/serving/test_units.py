@@ -170,3 +170,27 @@ def test_last_token_per_slot_feeds_the_next_decode():
   out = sampling.greedy(logits, arrays, jnp.zeros((6, 10), jnp.int32), last, logprobs=False)
   np.testing.assert_array_equal(np.asarray(out[5]), [7, 5, 1, 5, 3, 5])  # row 3 is padding
   np.testing.assert_array_equal(np.asarray(sampling.take(out[5], np.array([4, 2, -1]))), [3, 1, 7])
+
+
+def test_decode_inputs_travel_packed_and_unpack_exactly():
+  """ModelRunner.decode_multi's one host array: every column comes back as
+  it went in, the sampling floats bit for bit (seeds and slot -1 included)."""
+  import jax
+
+  from serving.engine import runners
+
+  rng = np.random.default_rng(0)
+  b, p = 5, 7
+  slots = np.array([3, 0, 4, -1, -1], np.int32)
+  lengths = rng.integers(0, 900, b).astype(np.int32)
+  table = rng.integers(0, 1 << 20, (b, p)).astype(np.int32)
+  params = [api.SamplingParams(temperature=0.7, top_p=0.9, top_k=40, min_p=0.05,
+                               presence_penalty=-1.5), api.SamplingParams(), None]
+  arrays = sampling.pack(params, [2**63 + 12345, 7, 0], [3, 0, 0], [3, 0, -1], b)
+  host = runners.pack_decode_inputs(slots, lengths, table, arrays)
+  assert host.dtype == np.int32 and host.shape == (b, 2 + p + 5 + 6)
+  got = jax.jit(runners._unpack_decode_inputs)(host)
+  for want, x in zip((slots, lengths, table, arrays.i), got[:3] + (got[3].i,)):
+    np.testing.assert_array_equal(np.asarray(x), want)
+  assert np.asarray(got[3].f).dtype == np.float32
+  np.testing.assert_array_equal(np.asarray(got[3].f).view(np.int32), arrays.f.view(np.int32))
