@@ -37,12 +37,16 @@ def _has_backend(op: str, name: str) -> bool:
     return True
 
 
+# A packed decode row: slot, length, the page table row (P columns), then the
+# sampling rows: SamplingArrays.i (5) and the float32 bits of SamplingArrays.f (6).
+_PACKED_COLS = 2 + 5 + 6  # besides the page table
+
+
 def pack_decode_inputs(slots, lengths, page_table, arrays: sampling.SamplingArrays) -> np.ndarray:
-  """A decode call's host inputs side by side in one int32 array [B, 2 + P + 5 + 6]:
-  slot, length, page table row, then the sampling rows (``arrays.i``, and
-  ``arrays.f``'s float32 bits). Each host array handed to a jitted call is a
-  transfer of its own, and back to back with a running step each one costs
-  the dispatching thread ~0.3 ms on the H200 (bench/decode_dispatch_study.py)."""
+  """A decode call's host inputs side by side in one int32 array [B, P + 13].
+  Each host array handed to a jitted call is a transfer of its own, and back
+  to back with a running step each one cost the dispatching thread 0.3-0.5 ms
+  on the H200 (bench/results/decode_merge_pack_h200/)."""
   b = len(lengths)
   return np.concatenate([
       np.asarray(slots, np.int32).reshape(b, 1), np.asarray(lengths, np.int32).reshape(b, 1),
@@ -52,7 +56,7 @@ def pack_decode_inputs(slots, lengths, page_table, arrays: sampling.SamplingArra
 
 def _unpack_decode_inputs(host):
   """pack_decode_inputs, inverted on the device: (slots, lengths, page table, arrays)."""
-  p = host.shape[1] - 13
+  p = host.shape[1] - _PACKED_COLS
   f = jax.lax.bitcast_convert_type(host[:, 2 + p + 5:], jnp.float32)
   return host[:, 0], host[:, 1], host[:, 2:2 + p], sampling.SamplingArrays(
       f=f, i=host[:, 2 + p:2 + p + 5])
