@@ -172,11 +172,13 @@ def make_mesh(tp: int):
   return jax.sharding.Mesh(np.array(devices[:tp]), ("tp",))
 
 
-def load(spec: str | os.PathLike | None = None, *, dtype="bfloat16", tp: int = 1) -> Model:
+def load(spec: str | os.PathLike | None = None, *, dtype="bfloat16", tp: int = 1,
+         decode_unroll: int | None = None) -> Model:
   """A Model from: None/"default" (embedded SmolLM2-135M-Instruct), "tiny" or
   another named config of models.config ("llama3.1-8b", ...: random weights,
   fixed seed, byte-level tokenizer; for tests and benchmarks), an HF folder,
-  a .gguf file, or an orbax directory written by ``save``."""
+  a .gguf file, or an orbax directory written by ``save``. ``decode_unroll``:
+  as ``Model``'s."""
   dtype = jnp.dtype(dtype)
   if dtype.name not in ("bfloat16", "float16", "float32"):
     raise ValueError(f"{dtype=} is not supported; use bfloat16, float16 or float32")
@@ -211,7 +213,8 @@ def load(spec: str | os.PathLike | None = None, *, dtype="bfloat16", tp: int = 1
       cfg, params, tok = checkpoint.read_hf(path, _np_dtype(dtype))
   if tp > 1:
     llama.check_tp(cfg, tp)
-  return Model(cfg, params, tok, dtype=dtype, mesh=make_mesh(tp) if tp > 1 else None)
+  return Model(cfg, params, tok, dtype=dtype, mesh=make_mesh(tp) if tp > 1 else None,
+               decode_unroll=decode_unroll)
 
 
 def _np_dtype(dtype):

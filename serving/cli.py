@@ -44,6 +44,8 @@ def _engine_config(a) -> dict:
              decode_prefill_budget=a.decode_prefill_budget)
   if a.token_budget:
     cfg["token_budget"] = a.token_budget
+  if a.decode_unroll is not None and a.decode_unroll < 1:
+    raise SystemExit(f"serve: --decode-unroll {a.decode_unroll}: layers per iteration must be >= 1")
   try:
     E.EngineConfig(**cfg)  # bad flags fail here, before any model is loaded
   except ValueError as e:
@@ -81,7 +83,7 @@ def build_engine(a):
                         kv_cache_dtype=KV_CACHE_DTYPES[a.kv_cache_dtype],
                         attention=a.attention_backend,
                         decode_attention=a.decode_attention_backend, matmul=a.matmul_backend,
-                        **extra, **cfg)
+                        decode_unroll=a.decode_unroll, **extra, **cfg)
 
 
 def cmd_serve(a) -> int:
@@ -98,7 +100,10 @@ def cmd_serve(a) -> int:
     _engine_config(a)  # bad flags end here, before a process starts
     engine = ProcessEngine(build_engine, a)
   else:
-    engine = build_engine(a)
+    try:
+      engine = build_engine(a)
+    except (ValueError, FileNotFoundError) as e:  # a flag the model cannot take, a bad path
+      raise SystemExit(f"serve: {e}") from None
   server = Server(engine, host=a.host, port=a.port, auth_token=a.auth_token, tls=tls,
                   metrics_port=a.metrics_port)
   server.handle_signals(a.drain_timeout)
@@ -201,6 +206,9 @@ def parser() -> argparse.ArgumentParser:
                  help="decode steps per dispatch, sampled on the device, when nothing waits "
                       "for prefill (fewer host round trips; tokens past a request's end are "
                       "dropped)")
+  s.add_argument("--decode-unroll", type=int,
+                 help="layers per iteration of a one-token decode step's layer loop (default: "
+                      "all, no loop: the fastest step, the longest warm-up; 1 compiles fastest)")
   s.add_argument("--stream-interval", type=int, default=1,
                  help="tokens per streamed message after the first (fewer, larger messages "
                       "cost less host time per token with many concurrent streams)")

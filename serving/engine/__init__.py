@@ -44,10 +44,12 @@ def model_engine(spec: str | None = None, *, dtype: str = "bfloat16", num_pages:
                  page_size: int | None = None, attention: str | None = None,
                  decode_attention: str | None = None, matmul: str | None = None,
                  step_delay: float = 0.0, kv_cache_dtype: str | None = None,
-                 **config) -> BatchingEngine:
+                 decode_unroll: int | None = None, **config) -> BatchingEngine:
   """An engine over ``models.load(spec)``; "toy" and "counting" are the test models."""
   if kv_cache_dtype is not None and spec in ("toy", "counting"):
     raise ValueError(f"the {spec} model has no KV cache dtype option")
+  if decode_unroll is not None and spec in ("toy", "counting"):
+    raise ValueError(f"the {spec} model has no decode_unroll option")
   if spec == "toy":
     return toy_engine(num_pages=num_pages, page_size=page_size or 8, **config)
   if spec == "counting":
@@ -55,7 +57,7 @@ def model_engine(spec: str | None = None, *, dtype: str = "bfloat16", num_pages:
                        **config)
   import models
 
-  model = models.load(spec, dtype=dtype)
+  model = models.load(spec, dtype=dtype, decode_unroll=decode_unroll)
   runner = ModelRunner(model, num_pages=num_pages, page_size=page_size or default_page_size(),
                        attention=attention, decode_attention=decode_attention, matmul=matmul,
                        kv_cache_dtype=kv_cache_dtype)

@@ -162,3 +162,19 @@ def test_compilation_cache_that_is_not_a_directory_is_refused(tmp_path):
   (tmp_path / "file").write_text("")
   with pytest.raises(SystemExit, match="serve: --compilation-cache"):
     cli.use_compilation_cache(tmp_path / "file" / "cache")
+
+
+def test_serve_decode_unroll_flag():
+  from serving import cli
+
+  def built(*flags):
+    a = cli.parser().parse_args(["serve", "--model", "tiny", "--no-warmup", "--num-pages", "16",
+                                 "--page-size", "8", *flags])
+    return cli.build_engine(a).runner.model
+
+  assert built().graphdef != built("--decode-unroll", "1").graphdef
+  assert built("--decode-unroll", "1").graphdef == built("--decode-unroll", "1").graphdef
+  with pytest.raises(SystemExit, match="serve: --decode-unroll 0"):
+    cli.main(["serve", "--model", "tiny", "--no-warmup", "--decode-unroll", "0"])
+  with pytest.raises(SystemExit, match="serve: .*counting model has no decode_unroll"):
+    cli.main(["serve", "--model", "counting", "--no-warmup", "--decode-unroll", "2"])
