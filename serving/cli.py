@@ -97,8 +97,13 @@ def cmd_serve(a) -> int:
   if a.engine_process:
     from serving.engine.process import ProcessEngine
 
+    from serving.engine import api
+
     _engine_config(a)  # bad flags end here, before a process starts
-    engine = ProcessEngine(build_engine, a)
+    try:
+      engine = ProcessEngine(build_engine, a)
+    except api.EngineFailed as e:  # the child's build_engine raised (as below)
+      raise SystemExit(f"serve: {e}") from None
   else:
     try:
       engine = build_engine(a)

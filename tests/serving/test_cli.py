@@ -176,5 +176,6 @@ def test_serve_decode_unroll_flag():
   assert built("--decode-unroll", "1").graphdef == built("--decode-unroll", "1").graphdef
   with pytest.raises(SystemExit, match="serve: --decode-unroll 0"):
     cli.main(["serve", "--model", "tiny", "--no-warmup", "--decode-unroll", "0"])
-  with pytest.raises(SystemExit, match="serve: .*counting model has no decode_unroll"):
-    cli.main(["serve", "--model", "counting", "--no-warmup", "--decode-unroll", "2"])
+  for where in ([], ["--engine-process"]):  # built here, or in the engine's own process
+    with pytest.raises(SystemExit, match="serve: .*counting model has no decode_unroll"):
+      cli.main(["serve", "--model", "counting", "--no-warmup", "--decode-unroll", "2", *where])
