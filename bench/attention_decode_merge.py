@@ -24,7 +24,6 @@ import argparse
 import functools
 import json
 import pathlib
-import statistics
 
 import jax
 import jax.numpy as jnp
@@ -146,20 +145,6 @@ CONFIGS = {
 }
 
 
-def _kernels_but_copies(f, sets, iters):
-  """(name, median s) of each kernel of ``f``, less the cache copies XLA adds
-  when the op's in-place cache update meets an input it may not overwrite
-  (the model's step donates its cache; this timing reuses its inputs)."""
-  for inputs in sets:
-    jax.block_until_ready(f(*inputs))
-  runs = [[k for k in bench.cupti_kernels(f, sets[i % len(sets)]) if "memcpy" not in k[0]]
-          for i in range(iters)]
-  names = [n for n, _ in runs[0]]
-  if any([n for n, _ in r] != names for r in runs):
-    raise RuntimeError(f"the calls ran different kernels: {[[n for n, _ in r] for r in runs[:2]]}")
-  return [(n, statistics.median(r[i][1] for r in runs)) for i, n in enumerate(names)]
-
-
 def part_append(iters, lengths, table_pages):
   page = ad.DEFAULT_PAGE_SIZE
   rows = []
@@ -174,7 +159,10 @@ def part_append(iters, lengths, table_pages):
         err = testing.rel_error(f(*sets[0])[0], ref)
         row.update(rel_err=err, correct=bool(np.isfinite(err) and err < 2e-2))
         if row["correct"]:
-          ks = _kernels_but_copies(f, sets, iters)
+          # The op updates the caches in place; the step donates them, this timing
+          # reuses them, so XLA copies them first: those copies are left out.
+          ks = bench.time_jax_kernels(f, sets, iters=iters, warmup=1,
+                                      drop=lambda name: "memcpy" in name)
           row.update(kernels=[[n, round(s * 1e6, 3)] for n, s in ks],
                      us=round(sum(s for _, s in ks) * 1e6, 3))
       except Exception as e:  # a config the kernel refuses: recorded, not fatal

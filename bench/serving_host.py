@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
+import itertools
 import json
 import os
 import pathlib
@@ -97,7 +98,7 @@ def main():
     # device, but four copies taken in turn (no transfer, new addresses).
     dev_lengths, dev_table = jax.device_put(lengths), jax.device_put(table)
     copies = [(jax.device_put(lengths.copy()), jax.device_put(table.copy())) for _ in range(4)]
-    turn = iter(range(1 << 30))
+    turn = itertools.count()
 
     def rotating():
       ln, tb = copies[next(turn) % len(copies)]

@@ -99,13 +99,17 @@ def time_jax(f: Callable[..., Any], input_sets: Sequence[Sequence[Any]], *, iter
 
 
 def time_jax_kernels(f: Callable[..., Any], input_sets: Sequence[Sequence[Any]], *,
-                     iters: int = 20, warmup: int = 2) -> list[tuple[str, float]]:
+                     iters: int = 20, warmup: int = 2,
+                     drop: Callable[[str], bool] | None = None) -> list[tuple[str, float]]:
   """(kernel name, median device seconds) of each kernel that ``f`` runs, in
-  launch order, timed as ``time_jax`` times the whole call (GPU only)."""
+  launch order, timed as ``time_jax`` times the whole call (GPU only). Kernels
+  whose name ``drop`` accepts are left out (e.g. copies XLA adds only because
+  the timing reuses inputs that the real call would donate)."""
   if not target_lib.on_gpu():
     raise RuntimeError("per-kernel device times need a GPU (CUPTI)")
   jf = _warm(f, input_sets, warmup)
-  runs = [cupti_kernels(jf, input_sets[i % len(input_sets)]) for i in range(iters)]
+  runs = [[k for k in cupti_kernels(jf, input_sets[i % len(input_sets)])
+           if drop is None or not drop(k[0])] for i in range(iters)]
   names = [n for n, _ in runs[0]]
   if any([n for n, _ in r] != names for r in runs):
     raise RuntimeError(f"the calls ran different kernels: {[[n for n, _ in r] for r in runs[:2]]}")

@@ -95,9 +95,8 @@ def cmd_serve(a) -> int:
       raise SystemExit("--tls-cert and --tls-key go together")
     tls = (a.tls_cert.read_bytes(), a.tls_key.read_bytes())
   if a.engine_process:
-    from serving.engine.process import ProcessEngine
-
     from serving.engine import api
+    from serving.engine.process import ProcessEngine
 
     _engine_config(a)  # bad flags end here, before a process starts
     try:

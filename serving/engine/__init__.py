@@ -46,10 +46,10 @@ def model_engine(spec: str | None = None, *, dtype: str = "bfloat16", num_pages:
                  step_delay: float = 0.0, kv_cache_dtype: str | None = None,
                  decode_unroll: int | None = None, **config) -> BatchingEngine:
   """An engine over ``models.load(spec)``; "toy" and "counting" are the test models."""
-  if kv_cache_dtype is not None and spec in ("toy", "counting"):
-    raise ValueError(f"the {spec} model has no KV cache dtype option")
-  if decode_unroll is not None and spec in ("toy", "counting"):
-    raise ValueError(f"the {spec} model has no decode_unroll option")
+  if spec in ("toy", "counting"):
+    for what, value in (("KV cache dtype", kv_cache_dtype), ("decode_unroll", decode_unroll)):
+      if value is not None:
+        raise ValueError(f"the {spec} model has no {what} option")
   if spec == "toy":
     return toy_engine(num_pages=num_pages, page_size=page_size or 8, **config)
   if spec == "counting":
