@@ -45,7 +45,7 @@ _PACKED_COLS = 2 + 5 + 6  # besides the page table
 def pack_decode_inputs(slots, lengths, page_table, arrays: sampling.SamplingArrays) -> np.ndarray:
   """A decode call's host inputs side by side in one int32 array [B, P + 13].
   Each host array handed to a jitted call is a transfer of its own, and back
-  to back with a running step each one cost the dispatching thread 0.3-0.5 ms
+  to back with a running step each one cost the dispatching thread 0.3-0.6 ms
   on the H200 (bench/results/decode_merge_pack_h200/)."""
   b = len(lengths)
   return np.concatenate([
