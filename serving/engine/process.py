@@ -14,7 +14,11 @@ took 5-10 times their own cost (bench/results/serving_contention_cpu/).
 
 Calls are request/reply over one pipe each way (replies matched by call id;
 the engine's exceptions, e.g. QueueFull, are raised in the caller). Events
-travel in batches, one pipe message per forwarder wake-up.
+travel in batches: the engine thread pickles what a step produced, its events
+and its timings, once at the step's end (``_Outbox``), and the forwarder thread
+only writes the bytes. A forwarder that pickled each event as it came woke at
+the step's first event and then held the interpreter while the engine thread
+flushed the rest and launched the next step.
 """
 
 from __future__ import annotations
@@ -27,29 +31,69 @@ import queue
 import signal
 import threading
 from collections.abc import Callable, Sequence
+from multiprocessing import reduction
 from typing import Any
 
 from serving.engine import api
+
+# The forwarder's idle tick: events added outside a step (a failure, a stop)
+# leave the engine process within two of them.
+_IDLE_FLUSH_S = 0.01
+
+
+class _Outbox:
+  """The engine process's outgoing events and step records. The engine
+  thread adds them as they come and, at the end of each step, pickles them
+  into one message for the forwarder. Anything added outside a step (a
+  failure, a stop) goes out on one of the forwarder's idle ticks."""
+
+  def __init__(self):
+    self._items: list = []
+    self._flushes = 0
+    self._lock = threading.Lock()
+    self.ready: queue.SimpleQueue = queue.SimpleQueue()  # pickled ("batch", items); None: stop
+
+  def add(self, item) -> None:
+    with self._lock:
+      self._items.append(item)
+
+  def flush(self) -> None:
+    with self._lock:  # held while queueing: batches leave in the order they were made
+      if self._items:
+        self.ready.put(bytes(reduction.ForkingPickler.dumps(("batch", self._items))))
+        self._items = []
+        self._flushes += 1
+
+  def flush_stale(self, last):
+    """An idle tick: flushes items that were waiting at the previous tick too
+    (``last``: what that call returned), so never those of a step in progress."""
+    with self._lock:
+      now = self._flushes if self._items else None
+    if now is not None and now == last:
+      self.flush()
+      return None
+    return now
 
 
 class _Forward:
   """A request's events queue in the engine process: tags and hands them on."""
 
-  def __init__(self, request_id: str, out: queue.SimpleQueue):
-    self.request_id, self.out = request_id, out
+  def __init__(self, request_id: str, outbox: _Outbox):
+    self.request_id, self.outbox = request_id, outbox
 
   def put(self, event) -> None:
-    self.out.put(("event", self.request_id, event))
+    self.outbox.add(("event", self.request_id, event))
 
 
 class _StepObserver:
 
-  def __init__(self, out: queue.SimpleQueue):
-    self.out = out
+  def __init__(self, outbox: _Outbox):
+    self.outbox = outbox
 
   def on_step(self, engine, wall, wait, decodes, prefill_tokens) -> None:
-    self.out.put(("step", engine.step_times[-1] if engine.step_times else None,
-                  (wall, wait, decodes, prefill_tokens)))
+    self.outbox.add(("step", engine.step_times[-1] if engine.step_times else None,
+                     (wall, wait, decodes, prefill_tokens)))
+    self.outbox.flush()
 
   def on_final(self, final) -> None:  # the server process hears it from the Final event
     del final
@@ -68,9 +112,9 @@ def _serve(factory: Callable[..., Any], args: tuple, kwargs: dict, commands, res
 
   try:
     engine = factory(*args, **kwargs)
-    out: queue.SimpleQueue = queue.SimpleQueue()
-    engine.make_events = lambda request_id: _Forward(request_id, out)
-    engine.observer = _StepObserver(out)
+    outbox = _Outbox()
+    engine.make_events = lambda request_id: _Forward(request_id, outbox)
+    engine.observer = _StepObserver(outbox)
   except BaseException as e:  # noqa: BLE001 - the server process reports it
     results.send(("failed", repr(e)))
     return
@@ -78,17 +122,17 @@ def _serve(factory: Callable[..., Any], args: tuple, kwargs: dict, commands, res
   send(("built", engine.info, getattr(config, "max_waiting", 256)))
 
   def forward() -> None:
+    tick = None
     while True:
-      batch = [out.get()]
-      while len(batch) < 1024:
-        try:
-          batch.append(out.get_nowait())
-        except queue.Empty:
-          break
-      if batch[-1] is None:
-        send(("batch", batch[:-1]))
+      try:
+        data = outbox.ready.get(timeout=_IDLE_FLUSH_S)
+      except queue.Empty:
+        tick = outbox.flush_stale(tick)
+        continue
+      if data is None:
         return
-      send(("batch", batch))
+      with send_lock:
+        results.send_bytes(data)
 
   forwarder = threading.Thread(target=forward, name="engine-forward", daemon=True)
   forwarder.start()
@@ -118,7 +162,8 @@ def _serve(factory: Callable[..., Any], args: tuple, kwargs: dict, commands, res
       call_id, name, a, kw = None, "stop", (), {}
     if name == "stop":
       reply = run(call_id, name, a, kw)
-      out.put(None)
+      outbox.flush()
+      outbox.ready.put(None)
       forwarder.join(timeout=10)
       if call_id is not None:
         send(reply)

@@ -124,3 +124,51 @@ def test_compilation_cache_flag_reaches_the_engine_process(tmp_path):
   finally:
     engine.stop()
   assert len(list(cache.iterdir())) >= 3
+
+
+def test_a_step_leaves_as_one_message_and_late_events_on_idle_ticks():
+  import pickle
+
+  from serving.engine.process import _Outbox, _StepObserver
+
+  box = _Outbox()
+  box.add(("event", "a", 1))
+  box.add(("event", "a", 2))
+  assert box.ready.empty()  # nothing leaves while a step is in progress
+  tick = box.flush_stale(None)
+  assert tick is not None and box.ready.empty()  # one tick: may still be a step's
+  assert box.flush_stale(tick) is None  # waiting a whole tick: out of any step
+  assert pickle.loads(box.ready.get_nowait()) == ("batch", [("event", "a", 1), ("event", "a", 2)])
+
+  class _Engine:
+    step_times = [(0.1, 0.0, 1, True, 0.01)]
+
+  box.add(("event", "b", 3))
+  _StepObserver(box).on_step(_Engine(), 0.1, 0.0, 1, 0)  # the step's end sends at once
+  assert pickle.loads(box.ready.get_nowait()) == (
+      "batch", [("event", "b", 3), ("step", _Engine.step_times[-1], (0.1, 0.0, 1, 0))])
+  assert box.flush_stale(None) is None and box.ready.empty()
+
+
+def _engine_whose_decode_fails(**kw):
+  engine = E.tiny_engine(**kw)
+
+  def decode(*a, **k):
+    raise RuntimeError("decode broke")
+
+  engine.runner.decode = decode
+  return engine
+
+
+def test_a_failure_outside_a_step_reaches_the_request():
+  engine = ProcessEngine(_engine_whose_decode_fails, max_batch=2)
+  engine.start()
+  try:
+    handle = engine.submit(api.Request("r", prompt_ids=[1, 2], add_bos=False,
+                                       sampling=api.SamplingParams(max_tokens=4)))
+    events = []
+    wait_for(lambda: events.append(handle.events.get(timeout=30)) or
+             isinstance(events[-1], (api.Failed, api.Final)), what="the request to end")
+    assert isinstance(events[-1], api.Failed) and "decode broke" in events[-1].message
+  finally:
+    engine.stop()
