@@ -41,7 +41,8 @@ def _full_steps(engine, concurrency):
     raise RuntimeError("no full-batch step was recorded")
   return {"steps": len(steps),
           "step_ms_p50": statistics.median(t[0] for t in steps) * 1e3,
-          "launch_ms_p50": statistics.median(t[4] for t in steps) * 1e3}
+          "launch_ms_p50": statistics.median(t[4] for t in steps) * 1e3,
+          "tokens_ms_p50": statistics.median(t[5] for t in steps) * 1e3}
 
 
 def main(argv=None) -> int:
@@ -93,7 +94,7 @@ def main(argv=None) -> int:
   where = "engine in its own process" if a.engine_process else "same process"
   rows = [{"case": "engine alone", **alone},
           {"case": f"behind gRPC, streams in flight ({where})", **served}]
-  cols = ["case", "steps", "step_ms_p50", "launch_ms_p50", "output_tok_s"]
+  cols = ["case", "steps", "step_ms_p50", "launch_ms_p50", "tokens_ms_p50", "output_tok_s"]
   bench.write(a.out, "serving_contention", rows, cols,
               "PYTHONPATH=. python3 bench/serving_contention.py " + " ".join(argv or sys.argv[1:]))
   print(bench.table(rows, cols))

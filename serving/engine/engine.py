@@ -156,6 +156,7 @@ class _Seq:
     self.hashes: list[bytes] | None = None
     self.final_sent = False
     self.pending = 0  # sampled tokens not read back yet
+    self.ends: frozenset[int] | None = None  # tokens that end it (EOS, stop ids): set at its first accept
     # Accepted tokens not handed to the client yet (EngineConfig.stream_interval).
     self.out_ids: list[int] = []
     self.out_text: list[str] = []
@@ -244,9 +245,10 @@ class BatchingEngine(api.Engine):
     self.error: BaseException | None = None
     # The last steps: (wall s, s blocked on the device's results, decode rows,
     # pipelined: whether the device had this step queued while the host worked,
-    # s spent launching: building the inputs and dispatching the device calls).
-    # Host time per step is wall - blocked; launching is part of it.
-    self.step_times: collections.deque[tuple[float, float, int, bool, float]] = (
+    # s spent launching: building the inputs and dispatching the device calls,
+    # s spent on the tokens read back: accepting them, their text and events).
+    # Host time per step is wall - blocked; launching and tokens are part of it.
+    self.step_times: collections.deque[tuple[float, float, int, bool, float, float]] = (
         collections.deque(maxlen=4096))
     self.observer = None  # optional metrics sink: .on_step(...), .on_final(...)
 
@@ -431,7 +433,7 @@ class BatchingEngine(api.Engine):
         launched.append(self._run_decode(decodes, steps))
     t_launch = time.perf_counter() - t_launch
     previous, self._inflight = self._inflight, launched
-    t_wait = 0.0
+    t_wait, t_tokens = 0.0, time.perf_counter()
     for seqs, out, want_lp in previous:
       tw = time.perf_counter()
       tokens = np.asarray(out[0])
@@ -440,21 +442,23 @@ class BatchingEngine(api.Engine):
       if tokens.ndim == 1:  # one step: [rows] -> [1, rows]
         tokens = tokens[None]
         lp = None if lp is None else [x[None] for x in lp]
+      n = len(tokens)
+      by_row = tokens.T.tolist()  # [rows][n] Python ints: no numpy scalar per token
       for i, seq in enumerate(seqs):
         if seq is None:
           continue
-        seq.pending -= len(tokens)
-        for j in range(len(tokens)):
-          if seq.state != _State.DONE:  # tokens after its end are dropped
-            self._accept(seq, int(tokens[j, i]),
-                         None if lp is None else (lp[0][j, i], lp[1][j, i], lp[2][j, i]))
+        seq.pending -= n
+        if seq.state != _State.DONE:  # a request that ended drops what was in flight
+          self._accept(seq, by_row[i], None if lp is None else
+                       [(lp[0][j, i], lp[1][j, i], lp[2][j, i]) for j in range(n)])
     flushed = self._flush_deferred()
+    t_tokens = time.perf_counter() - t_tokens - t_wait
     if not launched and not previous:
       return flushed
     if launched:
       self.steps += 1
     dt = time.perf_counter() - t0
-    self.step_times.append((dt, t_wait, len(decodes), bool(launched), t_launch))
+    self.step_times.append((dt, t_wait, len(decodes), bool(launched), t_launch, t_tokens))
     if self.observer is not None:
       self.observer.on_step(self, dt, t_wait, len(decodes), sum(n for _, n in prefills))
     return True
@@ -698,72 +702,66 @@ class BatchingEngine(api.Engine):
         seq.pending += steps
     return out[:4], want_lp
 
-  def _accept(self, seq: _Seq, token: int, lp) -> None:
-    """Records a sampled token; ends the request on EOS, a stop token or its length."""
+  def _accept(self, seq: _Seq, tokens: list[int], lps: list | None) -> None:
+    """Records a request's tokens read back from one call (several with
+    decode_steps > 1); ends it at EOS, a stop token or its length, dropping
+    the tokens after that end."""
     if seq.first_token_at is None:
       seq.first_token_at = time.monotonic()
-    seq.generated.append(token)
     p = seq.params
-    is_eos = token in self.eos_ids and not p.ignore_eos
-    is_stop = token in p.stop_token_ids
-    reason = None
-    if is_eos:
-      reason = api.FinishReason.EOS
-    elif is_stop:
-      reason = api.FinishReason.STOP
-    elif len(seq.generated) >= seq.max_tokens or seq.num_tokens >= self.capacity:
-      reason = api.FinishReason.LENGTH
-    self._deferred.append((seq, token, lp, is_eos or is_stop, reason))
+    # It reaches its length (max_tokens, or the cache's capacity) at token `room`.
+    room = min(seq.max_tokens - len(seq.generated), self.capacity - seq.num_tokens)
+    n = min(len(tokens), room)
+    reason = api.FinishReason.LENGTH if n == room else None
+    silent = False  # the last token ended it and has no text
+    if seq.ends is None:
+      seq.ends = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else self.eos_ids)
+    if seq.ends and not seq.ends.isdisjoint(tokens[:n]):
+      n = next(k for k in range(n) if tokens[k] in seq.ends) + 1
+      is_eos = tokens[n - 1] in self.eos_ids and not p.ignore_eos
+      reason, silent = api.FinishReason.EOS if is_eos else api.FinishReason.STOP, True
+    ids = tokens[:n]
+    seq.generated.extend(ids)
+    self._deferred.append((seq, ids, None if lps is None else lps[:n], silent, reason))
     if reason is not None:
       self._release(seq)
 
   def _flush_deferred(self) -> bool:
-    """Text, stop strings and events of the tokens accepted last step. A
-    request's tokens of one step (several with decode_steps > 1) are
-    consecutive items: they leave in one Delta, and without stop strings
-    their text is decoded in one go."""
+    """Text, stop strings and events of the tokens accepted last step: each
+    request's tokens of a call leave in one Delta."""
     items, self._deferred = self._deferred, []
-    i = 0
-    while i < len(items):
-      seq, j = items[i][0], i + 1
-      while j < len(items) and items[j][0] is seq:
-        j += 1
-      if not seq.final_sent:
-        self._flush_seq(seq, items[i:j])
-      i = j
+    for item in items:
+      if not item[0].final_sent:
+        self._flush_seq(*item)
     return bool(items)
 
-  def _flush_seq(self, seq: _Seq, group) -> None:
-    """One request's deferred (seq, token, logprobs, silent, reason) items of a step."""
+  def _flush_seq(self, seq: _Seq, ids: list[int], lps, silent: bool, reason) -> None:
+    """One request's tokens accepted from one call (``_accept``'s record)."""
     p = seq.params
-    if p.stop:  # a stop string ends the request at the token that completes it
-      chunks = [[item] for item in group]
-    else:  # no stop strings: only the last token can end it (_accept stops there)
-      chunks = [group]
-    reason = None
-    for chunk in chunks:
-      ids = [token for _, token, _, silent, _ in chunk if not silent]
-      text = seq.text.push(ids, skip=not ids)
-      reason = chunk[-1][4]
-      if reason is None and seq.text.stopped:
+    n = len(ids) - silent  # the tokens with text
+    # A stop string ends the request at the token that completes it: with stop
+    # strings the text is pushed token by token, else in one go.
+    cuts = range(1, n + 1) if p.stop and n else (n,)
+    done = 0
+    for cut in cuts:
+      text = seq.text.push(ids[done:cut], skip=cut == done)
+      done = cut
+      if text:
+        seq.out_text.append(text)
+      if seq.text.stopped:
         # A token of this request may be in flight already: it is dropped on return.
         reason = api.FinishReason.STOP
         self._release(seq)
-      if reason is not None and reason != api.FinishReason.STOP:
-        text += seq.text.flush()
-      for _, token, lp, silent, _ in chunk:
-        if silent:
-          continue
-        seq.out_ids.append(token)
-        if lp is not None and (p.logprobs or p.top_logprobs):
-          chosen, top_ids, top_lp = lp
-          top = tuple((int(top_ids[k]), float(top_lp[k])) for k in range(p.top_logprobs))
-          seq.out_lps.append(api.TokenLogprob(token, float(chosen), top))
-      if text:
-        seq.out_text.append(text)
-      if reason is not None:
         break
+    seq.out_ids.extend(ids[:done])
+    if lps is not None and (p.logprobs or p.top_logprobs):
+      for token, (chosen, top_ids, top_lp) in zip(ids[:done], lps):
+        top = tuple((int(top_ids[k]), float(top_lp[k])) for k in range(p.top_logprobs))
+        seq.out_lps.append(api.TokenLogprob(token, float(chosen), top))
     if reason is not None:
+      tail = seq.text.flush()  # the text held back for stop strings ('' after one)
+      if tail:
+        seq.out_text.append(tail)
       self._send_final(seq, reason)  # sends what is buffered first
     elif seq.events_sent == 0 or len(seq.out_ids) >= self.config.stream_interval:
       self._send_delta(seq)

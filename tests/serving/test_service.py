@@ -42,6 +42,9 @@ def test_token_id_prompts_stops_and_logprobs(counting):
   assert r.text == "bcd" and r.finish_reason == pb.FINISH_REASON_STOP
   r = c.generate([ord("a")], max_tokens=20, stop_token_ids=[ord("e")])
   assert r.text == "bcd" and r.finish_reason == pb.FINISH_REASON_STOP
+  # A stop token ends it while text is held back for a stop string that never came.
+  r = c.generate([ord("a")], max_tokens=20, stop=["xyz"], stop_token_ids=[ord("e")])
+  assert r.text == "bcd" and r.finish_reason == pb.FINISH_REASON_STOP
   r = c.generate([ord("a")], max_tokens=3, logprobs=True, top_logprobs=2)
   assert len(r.logprobs) == 3
   for lp, tid in zip(r.logprobs, r.token_ids):
@@ -426,16 +429,22 @@ def test_loadgen_splits_a_grouped_chunk_into_per_token_gaps():
   assert abs(r["tpot_mean_ms"] - r["itl_mean_ms"]) < 5, r
 
 
-def test_step_times_split_out_the_launch():
-  """step_times' last field is the time spent building inputs and dispatching
-  the device calls: a runner that takes 20 ms per call shows it there."""
+def test_step_times_split_out_the_launch_and_the_tokens():
+  """step_times' last two fields are the time spent building inputs and
+  dispatching the device calls, and on the tokens read back: a runner that
+  takes 20 ms per call shows in the first, a slow flush in the second."""
+  import time
+
   from serving.engine import api
 
   engine = E.tiny_engine(max_batch=4, step_delay=0.02)
+  flush = engine._flush_deferred
+  engine._flush_deferred = lambda: (time.sleep(0.01), flush())[1]
   _engine_events(engine, api.Request("r", prompt_ids=[ord("a")], add_bos=False,
                                      sampling=api.SamplingParams(max_tokens=3)))
   launched = [t for t in engine.step_times if t[3]]
-  assert launched and all(0.02 <= t[4] <= t[0] for t in launched), list(engine.step_times)
+  assert launched and all(0.02 <= t[4] and 0.01 <= t[5] and t[4] + t[5] <= t[0] - t[1]
+                          for t in launched), list(engine.step_times)
 
 
 def test_mixed_steps_over_grpc_give_the_known_continuations():
