@@ -176,3 +176,13 @@ def test_a_failure_outside_a_step_reaches_the_request():
     assert isinstance(events[-1], api.Failed) and "decode broke" in events[-1].message
   finally:
     engine.stop()
+
+
+def test_events_cross_a_pickle_unchanged():
+  import pickle
+
+  top = ((7, -0.25), (3, -1.5))
+  events = [api.Delta((7, 8), "hé", (api.TokenLogprob(7, -0.25, top), api.TokenLogprob(8, -2.0))),
+            api.Delta((), "tail"),
+            api.Final(api.FinishReason.STOP, 3, 2, 0, 0.1, 0.2, 0.3), api.Failed("boom")]
+  assert pickle.loads(pickle.dumps(events)) == events
