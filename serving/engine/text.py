@@ -41,6 +41,10 @@ class ByteTokenizer:
 
 
 _WINDOW = 6  # prompt tokens of left context for the first new token
+# Tokens a window may hold before a run of them that adds no text (special
+# tokens, ids the tokenizer cannot render: most ids of a random-weight model)
+# is taken as final; else every push would decode the whole run again.
+_MAX_WINDOW = 32
 
 
 class IncrementalText:
@@ -73,6 +77,10 @@ class IncrementalText:
       if len(cur) > len(prev) and not cur.endswith("\ufffd"):
         self._text += cur[len(prev):]
         self._prefix, self._read = self._read, len(self._ids)
+      elif (cur == prev and not cur.endswith("\ufffd")
+            and len(self._ids) - self._prefix > _MAX_WINDOW):
+        self._read = len(self._ids)
+        self._prefix = self._read - _WINDOW
     for s in self._stop:
       i = self._text.find(s, max(0, self._emitted - len(s) + 1))
       if i >= 0:

@@ -72,6 +72,47 @@ def test_incremental_text_utf8_and_stops():
   assert _run_text(tok, tok.encode("abc do"), stop=("done",)) == ("abc do", False)
 
 
+def test_incremental_text_decodes_a_bounded_window_over_tokens_without_text():
+  """Ids that render as nothing (a random-weight model's output, mostly) are
+  final once a window's worth of them came: decoding does not grow with the
+  run, and the text around it, a character split across pushes included, is
+  intact."""
+
+  class Counting(ByteTokenizer):
+    longest = 0
+
+    def decode(self, ids):
+      Counting.longest = max(Counting.longest, len(ids))
+      return super().decode(ids)
+
+  tok = Counting()
+  t = IncrementalText(tok, context=tok.encode("ab"))
+  silent = [tok.vocab_size + 1000] * 7  # outside the byte range: no text
+  ids = tok.encode("x") + silent * 40 + tok.encode("é")[:1]
+  out = "".join(t.push(ids[k:k + 7]) for k in range(0, len(ids), 7))
+  out += t.push(tok.encode("é")[1:] + tok.encode("!"))
+  assert out + t.flush() == "xé!"
+  assert Counting.longest <= 48, Counting.longest  # not the 283 tokens of the run
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.one_of(st.text(max_size=3), st.integers(1, 80)), max_size=20),
+       st.lists(st.integers(1, 9), min_size=1, max_size=8))
+def test_incremental_text_equals_the_whole_decode(parts, chunks):
+  """Text and runs of ids without text, pushed in any chunking: the pieces
+  add up to the decode of all of them."""
+  tok = ByteTokenizer()
+  ids = []
+  for part in parts:  # a string's bytes, or a run of that many text-less ids
+    ids += tok.encode(part) if isinstance(part, str) else [tok.vocab_size + 5] * part
+  t = IncrementalText(tok, context=tok.encode("ctx"))
+  out, k, i = [], 0, 0
+  while k < len(ids):
+    out.append(t.push(ids[k:k + chunks[i % len(chunks)]]))
+    k, i = k + chunks[i % len(chunks)], i + 1
+  assert "".join(out) + t.flush() == tok.decode(ids)
+
+
 def test_incremental_text_holds_back_possible_stop_prefix():
   tok = ByteTokenizer()
   t = IncrementalText(tok, ("END",))
