@@ -66,8 +66,9 @@ def run(kind: str, a) -> dict:
   events = []
   for h in handles:
     try:
-      while not isinstance(e := h.events.get_nowait(), api.Delta) or len(e.token_ids) < a.decode_steps:
-        pass
+      e = h.events.get_nowait()
+      while not isinstance(e, api.Delta) or len(e.token_ids) < a.decode_steps:
+        e = h.events.get_nowait()
     except queue.Empty:
       continue
     events.append(("event", h.request_id, e))

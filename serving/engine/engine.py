@@ -156,7 +156,8 @@ class _Seq:
     self.hashes: list[bytes] | None = None
     self.final_sent = False
     self.pending = 0  # sampled tokens not read back yet
-    self.ends: frozenset[int] | None = None  # tokens that end it (EOS, stop ids): set at its first accept
+    # The tokens that end it (EOS unless ignored, stop token ids): set at its first accept.
+    self.ends: frozenset[int] | None = None
     # Accepted tokens not handed to the client yet (EngineConfig.stream_interval).
     self.out_ids: list[int] = []
     self.out_text: list[str] = []
