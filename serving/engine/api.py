@@ -119,18 +119,11 @@ class Request:
   add_bos: bool = True
 
 
-# The events an engine process pickles for every request each step reduce to
-# their fields (a dataclass's default pickling, by __dict__, costs 2.5x as much).
-
-
 @dataclasses.dataclass(frozen=True)
 class TokenLogprob:
   token_id: int
   logprob: float
   top: tuple[tuple[int, float], ...] = ()
-
-  def __reduce__(self):
-    return TokenLogprob, (self.token_id, self.logprob, self.top)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,9 +131,6 @@ class Delta:
   token_ids: tuple[int, ...]
   text: str
   logprobs: tuple[TokenLogprob, ...] = ()
-
-  def __reduce__(self):
-    return Delta, (self.token_ids, self.text, self.logprobs)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -136,7 +136,7 @@ class _State(enum.Enum):
 class _Seq:
 
   def __init__(self, req: api.Request, handle: api.RequestHandle, prompt: list[int],
-               max_tokens: int, seed: int, tokenizer, order: int):
+               max_tokens: int, seed: int, tokenizer, order: int, eos_ids: frozenset[int]):
     self.req, self.handle, self.params = req, handle, req.sampling
     self.prompt = prompt
     self.generated: list[int] = []
@@ -156,8 +156,9 @@ class _Seq:
     self.hashes: list[bytes] | None = None
     self.final_sent = False
     self.pending = 0  # sampled tokens not read back yet
-    # The tokens that end it (EOS unless ignored, stop token ids): set at its first accept.
-    self.ends: frozenset[int] | None = None
+    # The tokens that end it: EOS unless ignored, and its stop token ids.
+    self.ends = frozenset(req.sampling.stop_token_ids) | (
+        frozenset() if req.sampling.ignore_eos else eos_ids)
     # Accepted tokens not handed to the client yet (EngineConfig.stream_interval).
     self.out_ids: list[int] = []
     self.out_text: list[str] = []
@@ -304,7 +305,7 @@ class BatchingEngine(api.Engine):
       if len(self._waiting) + len(self._inbox) >= self.config.max_waiting:
         raise api.QueueFull(f"{self.config.max_waiting} requests are waiting already")
       self._order += 1
-      seq = _Seq(request, handle, prompt, max_tokens, seed, self.tok, self._order)
+      seq = _Seq(request, handle, prompt, max_tokens, seed, self.tok, self._order, self.eos_ids)
       self._by_id[request.request_id] = seq
       self._inbox.append(seq)
       self._wake.notify()
@@ -715,8 +716,6 @@ class BatchingEngine(api.Engine):
     n = min(len(tokens), room)
     reason = api.FinishReason.LENGTH if n == room else None
     silent = False  # the last token ended it and has no text
-    if seq.ends is None:
-      seq.ends = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else self.eos_ids)
     if seq.ends and not seq.ends.isdisjoint(tokens[:n]):
       n = next(k for k in range(n) if tokens[k] in seq.ends) + 1
       is_eos = tokens[n - 1] in self.eos_ids and not p.ignore_eos

@@ -137,7 +137,7 @@ class ModelRunner:
     def decode_multi(params, cache, host, counts, prompt_mask, last, steps, greedy_only,
                      logprobs):
       slots, lengths, page_table, arrays = _unpack_decode_inputs(host)
-      tokens = last[jnp.maximum(slots, 0)]  # each row's input: its slot's last token
+      tokens = sampling.take(last, slots)  # each row's input: its slot's last token
 
       def one(carry, i):
         cache, tok, counts, last = carry
