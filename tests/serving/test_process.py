@@ -116,8 +116,9 @@ def test_compilation_cache_flag_reaches_the_engine_process(tmp_path):
   from serving import cli
 
   cache = tmp_path / "cache"
+  # A 32-token chunk: two prefill widths to compile, not six.
   a = cli.parser().parse_args(["serve", "--model", "tiny", "--num-pages", "16", "--max-batch", "2",
-                               "--compilation-cache", str(cache)])
+                               "--prefill-chunk", "32", "--compilation-cache", str(cache)])
   engine = ProcessEngine(cli.build_engine, a)
   try:
     engine.start()  # the warm-up compiles every step shape, in the child
