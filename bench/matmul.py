@@ -213,15 +213,18 @@ def main(argv=None):
       torch = None
   command = "python3 bench/matmul.py " + " ".join(argv if argv is not None else sys.argv[1:])
   rows, tune_log, winners = [], [], {}
-  todo = shapes(args.small, args.smollm2)
+  todo = every = shapes(args.small, args.smollm2)
   def pick(spec):
     """Shapes by name ("qkv": every M of MS) or name:M, for any M (e.g. lm_head:72)."""
     out = []
     for item in dict.fromkeys(spec.split(",")):  # once each, in order
       name, _, m = item.partition(":")
-      layer = [s for s in todo if s[0] == name]
+      # From every shape, not from --only's: --tune-only may name shapes not run.
+      layer = [s for s in every if s[0] == name]
       if layer and m:
         layer = [(name, int(m)) + layer[0][2:]]  # (name, M, N, K)
+      if not layer:
+        raise SystemExit(f"unknown shape {name!r}; known: {sorted({s[0] for s in every})}")
       out += layer
     return out
 
