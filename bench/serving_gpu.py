@@ -116,19 +116,44 @@ def host_share(engine, min_decodes):
   reads the previous one's tokens, so host time hides behind device time
   while it is shorter; the step wall time is then the device's step time.
   """
-  steps = [t for t in engine.step_times if t[2] >= min_decodes and t[3]]
+  steps = [t for t in engine.step_times if t.decodes >= min_decodes and t.launched]
   if not steps:
     return {}
-  host = [w - wait for w, wait, *_ in steps]
+  host = [t.wall - t.wait for t in steps]
   return {"steps": len(steps),
-          "step_ms_p50": statistics.median(t[0] for t in steps) * 1e3,
+          "step_ms_p50": statistics.median(t.wall for t in steps) * 1e3,
           "host_ms_p50": statistics.median(host) * 1e3,
           # Of the host time: building inputs and dispatching the jitted calls
           # (XLA runs the step's thunks from this thread), the rest is Python.
-          "launch_ms_p50": statistics.median(t[4] for t in steps) * 1e3,
+          "launch_ms_p50": statistics.median(t.launch for t in steps) * 1e3,
           # and the tokens read back: accepting them, their text and events.
-          "tokens_ms_p50": statistics.median(t[5] for t in steps) * 1e3,
-          "host_fraction_p50": statistics.median(h / t[0] for h, t in zip(host, steps))}
+          "tokens_ms_p50": statistics.median(t.tokens for t in steps) * 1e3,
+          "host_fraction_p50": statistics.median(h / t.wall for h, t in zip(host, steps))}
+
+
+def schedule(records) -> dict:
+  """Where a load's wall time went, by the kind of iteration: prompt chunks
+  alone, prompt chunks with one-step decodes beside them, one-step decodes,
+  multi-step decode calls. Per kind: iterations, their summed wall time, the
+  decode tokens computed (rows x steps) and the prompt tokens."""
+  def kind(t):
+    if t.prefill_tokens:
+      return "prefill+decode" if t.decodes else "prefill"
+    return "decode" if t.steps <= 1 else "decode_multi"
+
+  out = {}
+  for t in records:
+    if not (t.decodes or t.prefill_tokens):
+      continue  # an iteration that only read back the last tokens
+    k = out.setdefault(kind(t), {"iterations": 0, "wall_s": 0.0, "decode_tokens": 0,
+                                 "prompt_tokens": 0})
+    k["iterations"] += 1
+    k["wall_s"] += t.wall
+    k["decode_tokens"] += t.decodes * max(t.steps, 1)
+    k["prompt_tokens"] += t.prefill_tokens
+  if records:
+    out["span_s"] = records[-1].start + records[-1].wall - records[0].start
+  return out
 
 
 def build_engine(a):
@@ -301,6 +326,9 @@ def main():
     rows.append({"case": f"output tok/s, c={cmax} ({n_in}/{a.output_len})",
                  "ours": r["output_tok_s"],
                  "target": 10000.0, "anchor_hf": HF_ANCHOR["hf_tok_s_b64"], "unit": "tok/s"})
+    records = list(engine.step_times)
+    summary[f"schedule_c{cmax}"] = schedule(records)
+    (out / f"steps_c{cmax}.json").write_text(json.dumps([t._asdict() for t in records]))
     hs = host_share(engine, max(1, cmax * 3 // 4))
     summary[f"host_c{cmax}"] = hs
     if hs:

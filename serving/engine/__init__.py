@@ -12,7 +12,7 @@ from __future__ import annotations
 from serving.engine.api import (  # noqa: F401
     Delta, Draining, Engine, EngineFailed, EngineInfo, EngineStats, Failed, Final, FinishReason,
     InvalidRequest, QueueFull, Request, RequestHandle, SamplingParams, TokenLogprob)
-from serving.engine.engine import BatchingEngine, EngineConfig  # noqa: F401
+from serving.engine.engine import BatchingEngine, EngineConfig, StepRecord  # noqa: F401
 from serving.engine.runners import CountingRunner, ModelRunner  # noqa: F401
 
 

@@ -38,6 +38,7 @@ import random
 import threading
 import time
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -124,6 +125,21 @@ class EngineConfig:
   @property
   def budget(self) -> int:
     return self.token_budget or self.max_batch + self.prefill_chunk
+
+
+class StepRecord(NamedTuple):
+  """One engine iteration's timings (``BatchingEngine.step_times``). Host time
+  is ``wall - wait``; ``launch`` and ``tokens`` are parts of it."""
+
+  wall: float  # s, the iteration
+  wait: float  # s blocked on the device's results
+  decodes: int  # decode rows dispatched
+  launched: bool  # pipelined: the device had this step queued while the host worked
+  launch: float  # s building the inputs and dispatching the device calls
+  tokens: float  # s on the tokens read back: accepting them, their text and events
+  prefill_tokens: int = 0  # prompt tokens dispatched
+  steps: int = 0  # decode steps in the decode call (0: none)
+  start: float = 0.0  # time.perf_counter() at the iteration's start (this process's clock)
 
 
 class _State(enum.Enum):
@@ -245,13 +261,8 @@ class BatchingEngine(api.Engine):
     self.steps = 0
     self.preemptions = 0
     self.error: BaseException | None = None
-    # The last steps: (wall s, s blocked on the device's results, decode rows,
-    # pipelined: whether the device had this step queued while the host worked,
-    # s spent launching: building the inputs and dispatching the device calls,
-    # s spent on the tokens read back: accepting them, their text and events).
-    # Host time per step is wall - blocked; launching and tokens are part of it.
-    self.step_times: collections.deque[tuple[float, float, int, bool, float, float]] = (
-        collections.deque(maxlen=4096))
+    # The last iterations' timings and what they dispatched.
+    self.step_times: collections.deque[StepRecord] = collections.deque(maxlen=4096)
     self.observer = None  # optional metrics sink: .on_step(...), .on_final(...)
 
   # -- the interface -------------------------------------------------------
@@ -460,9 +471,11 @@ class BatchingEngine(api.Engine):
     if launched:
       self.steps += 1
     dt = time.perf_counter() - t0
-    self.step_times.append((dt, t_wait, len(decodes), bool(launched), t_launch, t_tokens))
+    prefill_tokens = sum(n for _, n in prefills)
+    self.step_times.append(StepRecord(dt, t_wait, len(decodes), bool(launched), t_launch,
+                                      t_tokens, prefill_tokens, steps if decodes else 0, t0))
     if self.observer is not None:
-      self.observer.on_step(self, dt, t_wait, len(decodes), sum(n for _, n in prefills))
+      self.observer.on_step(self, dt, t_wait, len(decodes), prefill_tokens)
     return True
 
   def _decode_steps(self) -> int:

@@ -99,7 +99,7 @@ class _StepObserver:
     t = time.perf_counter() - t
     record = engine.step_times[-1] if engine.step_times else None
     if record is not None:
-      record = (record[0] + t,) + tuple(record[1:5]) + (record[5] + t,)
+      record = record._replace(wall=record.wall + t, tokens=record.tokens + t)
     self.outbox.add(("step", record, (wall + t, wait, decodes, prefill_tokens)))
     self.outbox.flush()
 

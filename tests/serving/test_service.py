@@ -430,9 +430,10 @@ def test_loadgen_splits_a_grouped_chunk_into_per_token_gaps():
 
 
 def test_step_times_split_out_the_launch_and_the_tokens():
-  """step_times' last two fields are the time spent building inputs and
-  dispatching the device calls, and on the tokens read back: a runner that
-  takes 20 ms per call shows in the first, a slow flush in the second."""
+  """step_times hold the time spent building inputs and dispatching the
+  device calls, and on the tokens read back: a runner that takes 20 ms per
+  call shows in the first, a slow flush in the second. Each record also says
+  what it dispatched: prompt tokens, decode rows and steps."""
   import time
 
   from serving.engine import api
@@ -440,11 +441,17 @@ def test_step_times_split_out_the_launch_and_the_tokens():
   engine = E.tiny_engine(max_batch=4, step_delay=0.02)
   flush = engine._flush_deferred
   engine._flush_deferred = lambda: (time.sleep(0.01), flush())[1]
-  _engine_events(engine, api.Request("r", prompt_ids=[ord("a")], add_bos=False,
+  _engine_events(engine, api.Request("r", prompt_ids=[ord("a"), ord("b")], add_bos=False,
                                      sampling=api.SamplingParams(max_tokens=3)))
-  launched = [t for t in engine.step_times if t[3]]
-  assert launched and all(0.02 <= t[4] and 0.01 <= t[5] and t[4] + t[5] <= t[0] - t[1]
+  launched = [t for t in engine.step_times if t.launched]
+  assert launched and all(0.02 <= t.launch and 0.01 <= t.tokens
+                          and t.launch + t.tokens <= t.wall - t.wait
                           for t in launched), list(engine.step_times)
+  # The prompt's 2 tokens, then the 2 tokens after the first one decoded a step a call.
+  assert [(t.prefill_tokens, t.decodes, t.steps) for t in launched] == [(2, 0, 0), (0, 1, 1),
+                                                                         (0, 1, 1)]
+  starts = [t.start for t in engine.step_times]
+  assert starts == sorted(starts)
 
 
 def test_mixed_steps_over_grpc_give_the_known_continuations():
