@@ -3,7 +3,7 @@
 A step of ``--batch`` requests decoding ``--decode-steps`` tokens a call reads
 back batch x steps tokens; the engine accepts them, checks their ends,
 detokenizes each request's new tokens and hands one event per request on
-(``step_times``' last field). In an engine process those events are then
+(``StepRecord.tokens``). In an engine process those events are then
 pickled once a step (``serving.engine.process._Outbox``): timed here on the
 events the requests received. Two kinds of token ids:
 
@@ -60,8 +60,8 @@ def run(kind: str, a) -> dict:
       for i in range(a.batch)]
   while engine.step():
     pass
-  steps = [t for t in engine.step_times if t[2] == a.batch and t[3]]
-  tokens = statistics.median(t[5] for t in steps)
+  steps = [t for t in engine.step_times if t.decodes == a.batch and t.launched]
+  tokens = statistics.median(t.tokens for t in steps)
   # One step's events as the engine process pickles them: a Delta per request.
   events = []
   for h in handles:

@@ -36,13 +36,13 @@ def _engine_kw(a) -> dict:
 
 
 def _full_steps(engine, concurrency):
-  steps = [t for t in engine.step_times if t[2] >= concurrency * 3 // 4 and t[3]]
+  steps = [t for t in engine.step_times if t.decodes >= concurrency * 3 // 4 and t.launched]
   if not steps:
     raise RuntimeError("no full-batch step was recorded")
   return {"steps": len(steps),
-          "step_ms_p50": statistics.median(t[0] for t in steps) * 1e3,
-          "launch_ms_p50": statistics.median(t[4] for t in steps) * 1e3,
-          "tokens_ms_p50": statistics.median(t[5] for t in steps) * 1e3}
+          "step_ms_p50": statistics.median(t.wall for t in steps) * 1e3,
+          "launch_ms_p50": statistics.median(t.launch for t in steps) * 1e3,
+          "tokens_ms_p50": statistics.median(t.tokens for t in steps) * 1e3}
 
 
 def main(argv=None) -> int:
