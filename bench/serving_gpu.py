@@ -13,7 +13,11 @@ process so that its threads do not share this process's GIL. It measures:
 4. output tokens/s at concurrency 64 (512 in / 256 out);
 5. the engine's host time per step at concurrency 64 (step wall time minus
    the time blocked on the device's results), from the engine's own log;
-   steps are pipelined, so host work overlaps the device's next step.
+   steps are pipelined, so host work overlaps the device's next step;
+6. where the c=64 run's wall time went: its engine iterations by kind
+   (prompt chunks, chunks beside one-step decodes, one-step and multi-step
+   decodes) in the summary's ``schedule_c64``, every iteration's record in
+   ``steps_c64.json``.
 
 Targets (issue 7): TPOT at c=1 <= 4.0 ms, TTFT(2048) <= 60 ms, >= 10,000
 output tok/s at c=64, host <= 10% of a step. Anchor: Hugging Face transformers
