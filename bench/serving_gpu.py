@@ -153,7 +153,7 @@ def schedule(records) -> dict:
                                  "prompt_tokens": 0})
     k["iterations"] += 1
     k["wall_s"] += t.wall
-    k["decode_tokens"] += t.decodes * max(t.steps, 1)
+    k["decode_tokens"] += t.decodes * t.steps
     k["prompt_tokens"] += t.prefill_tokens
   if records:
     out["span_s"] = records[-1].start + records[-1].wall - records[0].start

@@ -118,10 +118,10 @@ class Metrics:
     self._all = [v for v in vars(self).values() if isinstance(v, _Metric)]
 
   # Engine observer hooks (called on the engine thread).
-  def on_step(self, engine, wall, wait, decodes, prefill_tokens) -> None:
-    del engine, decodes, prefill_tokens
-    self.step.observe(wall)
-    self.step_host.observe(max(wall - wait, 0.0))
+  def on_step(self, engine, record) -> None:
+    del engine
+    self.step.observe(record.wall)
+    self.step_host.observe(max(record.wall - record.wait, 0.0))
 
   def on_final(self, final) -> None:
     self.requests.inc()

@@ -263,7 +263,7 @@ class BatchingEngine(api.Engine):
     self.error: BaseException | None = None
     # The last iterations' timings and what they dispatched.
     self.step_times: collections.deque[StepRecord] = collections.deque(maxlen=4096)
-    self.observer = None  # optional metrics sink: .on_step(...), .on_final(...)
+    self.observer = None  # optional metrics sink: .on_step(engine, record), .on_final(final)
 
   # -- the interface -------------------------------------------------------
 
@@ -471,11 +471,11 @@ class BatchingEngine(api.Engine):
     if launched:
       self.steps += 1
     dt = time.perf_counter() - t0
-    prefill_tokens = sum(n for _, n in prefills)
-    self.step_times.append(StepRecord(dt, t_wait, len(decodes), bool(launched), t_launch,
-                                      t_tokens, prefill_tokens, steps if decodes else 0, t0))
+    record = StepRecord(dt, t_wait, len(decodes), bool(launched), t_launch, t_tokens,
+                        sum(n for _, n in prefills), steps if decodes else 0, t0)
+    self.step_times.append(record)
     if self.observer is not None:
-      self.observer.on_step(self, dt, t_wait, len(decodes), prefill_tokens)
+      self.observer.on_step(self, record)
     return True
 
   def _decode_steps(self) -> int:

@@ -91,16 +91,14 @@ class _StepObserver:
   def __init__(self, outbox: _Outbox):
     self.outbox = outbox
 
-  def on_step(self, engine, wall, wait, decodes, prefill_tokens) -> None:
+  def on_step(self, engine, record) -> None:
+    del engine
     # Pickling the step's events is host time of this step, spent after the
     # engine timed it: added to its wall and token times here.
     t = time.perf_counter()
     self.outbox.flush()
     t = time.perf_counter() - t
-    record = engine.step_times[-1] if engine.step_times else None
-    if record is not None:
-      record = record._replace(wall=record.wall + t, tokens=record.tokens + t)
-    self.outbox.add(("step", record, (wall + t, wait, decodes, prefill_tokens)))
+    self.outbox.add(("step", record._replace(wall=record.wall + t, tokens=record.tokens + t)))
     self.outbox.flush()
 
   def on_final(self, final) -> None:  # the server process hears it from the Final event
@@ -253,11 +251,10 @@ class ProcessEngine(api.Engine):
         if handle is not None:
           handle.events.put(event)
       elif item[0] == "step":
-        _, record, args = item
-        if record is not None:
-          self.step_times.append(record)
+        _, record = item
+        self.step_times.append(record)
         if self.observer is not None:
-          self.observer.on_step(self, *args)
+          self.observer.on_step(self, record)
 
   def _engine_gone(self) -> None:
     with self._lock:
