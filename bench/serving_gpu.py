@@ -17,7 +17,10 @@ process so that its threads do not share this process's GIL. It measures:
 6. where the c=64 run's wall time went: its engine iterations by kind
    (prompt chunks, chunks beside one-step decodes, one-step and multi-step
    decodes) in the summary's ``schedule_c64``, every iteration's record in
-   ``steps_c64.json``.
+   ``steps_c64.json``;
+7. with ``--rounds N``, the c=64 load N - 1 more times on the same server
+   (``round2_c64``...): a cost that only the first round pays (a first use
+   after warm-up) shows as the difference.
 
 Targets (issue 7): TPOT at c=1 <= 4.0 ms, TTFT(2048) <= 60 ms, >= 10,000
 output tok/s at c=64, host <= 10% of a step. Anchor: Hugging Face transformers
@@ -236,6 +239,9 @@ def main():
                   help="requests of the concurrency run per stream: 2 times it in two waves "
                        "(the first prefill overlaps nothing); more approach steady state, "
                        "where streams are out of step and prompts arrive while others decode")
+  ap.add_argument("--rounds", type=int, default=1,
+                  help="runs of the concurrency load on the same server; the first is the "
+                       "headline, later ones show what of it was a one-time cost")
   ap.add_argument("--max-seq-len", type=int, default=4096)
   ap.add_argument("--page-size", type=int, help="default: the decode kernel's")
   ap.add_argument("--warmup-continued", action="store_true",
@@ -247,6 +253,8 @@ def main():
   apply_model_flags(a)
   if a.requests_per_stream < 1:
     ap.error(f"--requests-per-stream must be >= 1, got {a.requests_per_stream}")
+  if a.rounds < 1:
+    ap.error(f"--rounds must be >= 1, got {a.rounds}")
   out = pathlib.Path(a.out)
   out.mkdir(parents=True, exist_ok=True)
 
@@ -346,6 +354,17 @@ def main():
                    "ours": hs["launch_ms_p50"], "target": "", "anchor_hf": "", "unit": "ms"})
       rows.append({"case": f"of which the tokens read back, c={cmax} (p50)",
                    "ours": hs["tokens_ms_p50"], "target": "", "anchor_hf": "", "unit": "ms"})
+    for i in range(2, a.rounds + 1):  # the same load again (other prompts), same server
+      engine.step_times.clear()
+      ri = loadgen(target, out, f"c{cmax}_round{i}", concurrency=cmax, num_requests=n64,
+                   seed=3 + i, **io)
+      later = list(engine.step_times)
+      summary[f"round{i}_c{cmax}"] = {"tok_s": ri["output_tok_s"],
+                                      "itl_ms_p50": ri["itl_p50_ms"],
+                                      "ttft_ms_p50": ri["ttft_p50_ms"],
+                                      "schedule": schedule(later)}
+      (out / f"steps_c{cmax}_round{i}.json").write_text(
+          json.dumps([t._asdict() for t in later]))
   except Exception as e:  # noqa: BLE001 - keep what was measured
     traceback.print_exc()
     summary["error"] = f"{type(e).__name__}: {e}"
