@@ -187,7 +187,8 @@ def build_engine(a):
                        # fresh prefill only, to keep the warm-up short.
                        warmup_continued=a.warmup_continued,
                        decode_steps=a.decode_steps, stream_interval=a.stream_interval,
-                       mixed_steps=a.mixed_steps, decode_prefill_budget=a.decode_prefill_budget)
+                       mixed_steps=a.mixed_steps, decode_prefill_budget=a.decode_prefill_budget,
+                       prefill_first=a.prefill_first)
   return E.BatchingEngine(runner, cfg)
 
 
@@ -205,6 +206,7 @@ def model_flags(ap: argparse.ArgumentParser) -> None:
   ap.add_argument("--mixed-steps", action="store_true", help="EngineConfig.mixed_steps")
   ap.add_argument("--decode-prefill-budget", type=int,
                   help="EngineConfig.decode_prefill_budget (prompt tokens per decoding step)")
+  ap.add_argument("--prefill-first", action="store_true", help="EngineConfig.prefill_first")
   ap.add_argument("--compilation-cache", type=pathlib.Path,
                   help="jax's persistent compilation cache directory (as serve's flag)")
   ap.add_argument("--no-decode-append", dest="decode_append", action="store_false",
@@ -288,6 +290,7 @@ def main():
                        "decode_steps": a.decode_steps, "stream_interval": a.stream_interval,
                        "mixed_steps": a.mixed_steps,
                        "decode_prefill_budget": a.decode_prefill_budget,
+                       "prefill_first": a.prefill_first,
                        "engine_process": a.engine_process,
                        "requests_per_stream": a.requests_per_stream}
 

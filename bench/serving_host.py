@@ -138,7 +138,8 @@ def main():
                        token_budget=a.max_batch + 2048, default_max_tokens=a.output_len,
                        warmup_continued=False, decode_steps=a.decode_steps,
                        stream_interval=a.stream_interval, mixed_steps=a.mixed_steps,
-                       decode_prefill_budget=a.decode_prefill_budget)
+                       decode_prefill_budget=a.decode_prefill_budget,
+                       prefill_first=a.prefill_first)
   engine = E.BatchingEngine(runner, cfg)
   t0 = time.perf_counter()
   engine.warmup()

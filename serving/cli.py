@@ -41,7 +41,7 @@ def _engine_config(a) -> dict:
              prefix_caching=not a.no_prefix_cache, warmup=not a.no_warmup,
              default_max_tokens=a.default_max_tokens, decode_steps=a.decode_steps,
              stream_interval=a.stream_interval, mixed_steps=a.mixed_steps,
-             decode_prefill_budget=a.decode_prefill_budget)
+             decode_prefill_budget=a.decode_prefill_budget, prefill_first=a.prefill_first)
   if a.token_budget:
     cfg["token_budget"] = a.token_budget
   if a.decode_unroll is not None and a.decode_unroll < 1:
@@ -222,6 +222,9 @@ def parser() -> argparse.ArgumentParser:
   s.add_argument("--decode-prefill-budget", type=int,
                  help="prompt tokens per step while requests decode (default: what "
                       "--token-budget leaves)")
+  s.add_argument("--prefill-first", action="store_true",
+                 help="while prompt chunks wait, steps prefill them alone and decoding "
+                      "requests wait (more tokens/s for bursts, longer inter-token gaps)")
   s.add_argument("--engine-process", action="store_true",
                  help="run the engine in a process of its own, so that the gRPC stream "
                       "threads do not share its interpreter (serving.engine.process)")

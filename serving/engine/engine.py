@@ -21,6 +21,9 @@ Each iteration (``step``):
 With ``EngineConfig.mixed_steps``, step 4's two calls are one when both have
 work: the chunk's tokens join the decode batch's pass over the weights.
 
+With ``EngineConfig.prefill_first``, step 4 dispatches no decodes while it
+has prefill chunks: decoding requests keep their pages and wait.
+
 With ``EngineConfig.decode_steps`` = n > 1, an iteration with no prompt
 waiting runs n decode steps in one device call (sampling on the device, each
 step's token fed to the next), so the host dispatches and reads once per n
@@ -109,6 +112,14 @@ class EngineConfig:
   # lower median TTFT and tail ITL but a higher median ITL and tail TTFT
   # (bench/results/serving_h200/mixed_trimmed_tables/).
   decode_prefill_budget: int | None = None
+  # A step that has prompt chunks to prefill runs them alone; the requests
+  # already decoding wait (their pages stay reserved), as SGLang's scheduler
+  # does by default. A burst of prompts then starts decoding together after
+  # the shortest prefill phase, instead of every prefill call also carrying a
+  # one-step decode: more tokens/s when prompts arrive together, at the cost
+  # of inter-token gaps as long as the prefill phase for requests already
+  # decoding (a long prompt's chunks hold them all up).
+  prefill_first: bool = False
 
   def __post_init__(self):
     for f in ("max_batch", "max_waiting", "prefill_chunk", "min_chunk", "prefill_rows",
@@ -121,6 +132,9 @@ class EngineConfig:
       raise ValueError(f"{self.token_budget=} must be >= 1")
     if self.decode_prefill_budget is not None and self.decode_prefill_budget < 1:
       raise ValueError(f"{self.decode_prefill_budget=} must be >= 1")
+    if self.prefill_first and (self.mixed_steps or self.decode_prefill_budget is not None):
+      raise ValueError("prefill_first runs no decodes beside prompt chunks: it cannot be "
+                       "combined with mixed_steps or decode_prefill_budget")
 
   @property
   def budget(self) -> int:
@@ -430,11 +444,18 @@ class BatchingEngine(api.Engine):
         self._finish(seq, seq.cancel)
 
     steps = self._decode_steps()
+    # Decodes reserve their pages first, so that admitting prompts never takes
+    # the pages a running request needs for its next token.
     decodes = self._schedule_decodes(steps)
-    budget = self.config.budget - len(decodes)
-    if decodes and self.config.decode_prefill_budget is not None:
-      budget = min(budget, self.config.decode_prefill_budget)
-    prefills = self._schedule_prefills(budget)
+    if self.config.prefill_first:
+      prefills = self._schedule_prefills(self.config.budget)
+      if prefills:
+        decodes = []  # they wait for the prefill phase, pages reserved
+    else:
+      budget = self.config.budget - len(decodes)
+      if decodes and self.config.decode_prefill_budget is not None:
+        budget = min(budget, self.config.decode_prefill_budget)
+      prefills = self._schedule_prefills(budget)
     launched = []  # (rows, device outputs, logprobs wanted)
     t_launch = time.perf_counter()
     if prefills and decodes and steps == 1 and self.mixed:

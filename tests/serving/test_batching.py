@@ -108,9 +108,11 @@ def test_seeded_sampling_is_reproducible_in_any_batch(toy):
   assert list(other) != list(alone)
 
 
-def test_preemption_when_pages_run_out_keeps_outputs():
+@pytest.mark.parametrize("prefill_first", [False, True])
+def test_preemption_when_pages_run_out_keeps_outputs(prefill_first):
   # 10 usable pages of 8 tokens; 4 requests of ~20 + 24 tokens need 6 pages each.
-  engine = E.toy_engine(max_batch=8, num_pages=11, page_size=8, **{**_SMALL, "batch_buckets": (8,)})
+  engine = E.toy_engine(max_batch=8, num_pages=11, page_size=8,
+                        **{**_SMALL, "batch_buckets": (8,), "prefill_first": prefill_first})
   prompts = _prompts(4, seed=3)
   prompts = [p[:20] + [5] * max(0, 20 - len(p)) for p in prompts]
   with running(engine) as (server, c):
@@ -120,6 +122,40 @@ def test_preemption_when_pages_run_out_keeps_outputs():
     wait_for(lambda: engine.stats().pages_in_use == 0, what="pages freed")
     engine.alloc.check()
   assert got[:2] == [reference_greedy(p, 24) for p in prompts[:2]]
+
+
+def test_prefill_first_runs_prompt_chunks_alone_and_keeps_outputs():
+  """prefill_first: a step with prompt chunks dispatches no decodes (the
+  requests decoding wait); by default the same arrivals share steps. The
+  tokens are the same either way, and every page comes back."""
+  from serving.engine import api
+
+  prompts = _prompts(9, seed=6)
+  outs, shared = {}, {}
+  for first in (False, True):
+    engine = E.toy_engine(max_batch=8, num_pages=200, page_size=8,
+                          **{**_SMALL, "batch_buckets": (1, 8), "prefill_rows": 2,
+                             "prefill_first": first})
+    sub = lambda i: engine.submit(api.Request(  # noqa: E731
+        f"r{i}", prompt_ids=prompts[i], add_bos=False,
+        sampling=api.SamplingParams(max_tokens=8, ignore_eos=True)))
+    handles = [sub(i) for i in range(2)]
+    for _ in range(3):  # the first two decode when the others arrive
+      engine.step()
+    handles += [sub(i) for i in range(2, len(prompts))]
+    while engine.step():
+      pass
+    outs[first] = [_drain(h) for h in handles]
+    shared[first] = sum(1 for r in engine.step_times if r.prefill_tokens and r.decodes)
+    assert engine.stats().pages_in_use == 0
+    engine.alloc.check()
+  assert shared[False] > 0 and shared[True] == 0
+  assert outs[True] == outs[False]
+  assert outs[True][:2] == [reference_greedy(p, 8) for p in prompts[:2]]
+  with pytest.raises(ValueError, match="prefill_first"):
+    E.EngineConfig(prefill_first=True, mixed_steps=True)
+  with pytest.raises(ValueError, match="prefill_first"):
+    E.EngineConfig(prefill_first=True, decode_prefill_budget=16)
 
 
 def test_warmup_compiles_every_shape_steady_state_does_not():
