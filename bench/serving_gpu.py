@@ -368,6 +368,8 @@ def main():
                                       "schedule": schedule(later)}
       (out / f"steps_c{cmax}_round{i}.json").write_text(
           json.dumps([t._asdict() for t in later]))
+      rows.append({"case": f"output tok/s, c={cmax}, round {i} (same server)",
+                   "ours": ri["output_tok_s"], "target": "", "anchor_hf": "", "unit": "tok/s"})
   except Exception as e:  # noqa: BLE001 - keep what was measured
     traceback.print_exc()
     summary["error"] = f"{type(e).__name__}: {e}"
