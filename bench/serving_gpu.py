@@ -20,7 +20,9 @@ process so that its threads do not share this process's GIL. It measures:
    ``steps_c64.json``;
 7. with ``--rounds N``, the c=64 load N - 1 more times on the same server
    (``round2_c64``...): a cost that only the first round pays (a first use
-   after warm-up) shows as the difference.
+   after warm-up) shows as the difference; ``--profile-round K`` traces the
+   engine's process (host and device) for the first ``--profile-steps``
+   iterations of round K.
 
 Targets (issue 7): TPOT at c=1 <= 4.0 ms, TTFT(2048) <= 60 ms, >= 10,000
 output tok/s at c=64, host <= 10% of a step. Anchor: Hugging Face transformers
@@ -32,6 +34,7 @@ on the same card, 92 ms/token at c=1, 2,673 tok/s at batch 64.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import os
@@ -39,6 +42,7 @@ import pathlib
 import statistics
 import subprocess
 import sys
+import threading
 import time
 import traceback
 
@@ -114,6 +118,32 @@ def loadgen(target, out, name, **kw):
   r = json.loads(path.read_text())
   r["loadgen_wall_s"] = time.perf_counter() - t0
   return r
+
+
+@contextlib.contextmanager
+def profiled(engine, log_dir: pathlib.Path | None, steps: int):
+  """Traces the engine's process (its device work included) under ``log_dir``
+  for its next ``steps`` iterations, or until the block ends; ``None``: no
+  trace. A trace slows the host: a traced round's figures are not headline."""
+  if log_dir is None:
+    yield
+    return
+  done = threading.Event()
+
+  def watch():
+    while not done.is_set() and len(engine.step_times) < steps:
+      time.sleep(0.005)
+    engine.stop_profile()
+
+  engine.start_profile(str(log_dir))
+  watcher = threading.Thread(target=watch, name="profile-watch", daemon=True)
+  watcher.start()
+  try:
+    yield
+  finally:
+    done.set()
+    watcher.join()
+    print(f"trace of up to {steps} iterations in {log_dir}", flush=True)
 
 
 def host_share(engine, min_decodes):
@@ -244,6 +274,11 @@ def main():
   ap.add_argument("--rounds", type=int, default=1,
                   help="runs of the concurrency load on the same server; the first is the "
                        "headline, later ones show what of it was a one-time cost")
+  ap.add_argument("--profile-round", type=int,
+                  help="trace the engine's process during this round of the concurrency "
+                       "load (1 = the headline round, whose figures the trace then slows)")
+  ap.add_argument("--profile-steps", type=int, default=24,
+                  help="engine iterations the trace covers from the round's start")
   ap.add_argument("--max-seq-len", type=int, default=4096)
   ap.add_argument("--page-size", type=int, help="default: the decode kernel's")
   ap.add_argument("--warmup-continued", action="store_true",
@@ -257,6 +292,10 @@ def main():
     ap.error(f"--requests-per-stream must be >= 1, got {a.requests_per_stream}")
   if a.rounds < 1:
     ap.error(f"--rounds must be >= 1, got {a.rounds}")
+  if a.profile_round is not None and not 1 <= a.profile_round <= a.rounds:
+    ap.error(f"--profile-round must be one of the rounds 1..{a.rounds}, got {a.profile_round}")
+  if a.profile_steps < 1:
+    ap.error(f"--profile-steps must be >= 1, got {a.profile_steps}")
   out = pathlib.Path(a.out)
   out.mkdir(parents=True, exist_ok=True)
 
@@ -291,6 +330,7 @@ def main():
                        "mixed_steps": a.mixed_steps,
                        "decode_prefill_budget": a.decode_prefill_budget,
                        "prefill_first": a.prefill_first,
+                       "profile_round": a.profile_round,
                        "engine_process": a.engine_process,
                        "requests_per_stream": a.requests_per_stream}
 
@@ -333,8 +373,10 @@ def main():
                  "ours": r["tpot_p50_ms"],
                  "target": 4.0, "anchor_hf": HF_ANCHOR["hf_tpot_c1_ms"], "unit": "ms"})
 
+    trace = lambda i: out / f"trace_c{cmax}_round{i}" if a.profile_round == i else None  # noqa: E731
     engine.step_times.clear()
-    r = loadgen(target, out, f"c{cmax}", concurrency=cmax, num_requests=n64, seed=3, **io)
+    with profiled(engine, trace(1), a.profile_steps):
+      r = loadgen(target, out, f"c{cmax}", concurrency=cmax, num_requests=n64, seed=3, **io)
     summary[f"tok_s_c{cmax}"] = r["output_tok_s"]
     summary[f"itl_c{cmax}_ms_p50"] = r["itl_p50_ms"]
     summary[f"ttft_c{cmax}_ms_p50"] = r["ttft_p50_ms"]
@@ -359,8 +401,9 @@ def main():
                    "ours": hs["tokens_ms_p50"], "target": "", "anchor_hf": "", "unit": "ms"})
     for i in range(2, a.rounds + 1):  # the same load again (other prompts), same server
       engine.step_times.clear()
-      ri = loadgen(target, out, f"c{cmax}_round{i}", concurrency=cmax, num_requests=n64,
-                   seed=3 + i, **io)
+      with profiled(engine, trace(i), a.profile_steps):
+        ri = loadgen(target, out, f"c{cmax}_round{i}", concurrency=cmax, num_requests=n64,
+                     seed=3 + i, **io)
       later = list(engine.step_times)
       summary[f"round{i}_c{cmax}"] = {"tok_s": ri["output_tok_s"],
                                       "itl_ms_p50": ri["itl_p50_ms"],

@@ -220,3 +220,13 @@ class Engine(abc.ABC):
   @abc.abstractmethod
   def stop(self) -> None:
     """Cancels everything and stops the scheduler thread."""
+
+  def start_profile(self, log_dir: str) -> None:
+    """Starts a trace of the engine's process, its device work included
+    (vLLM's and SGLang's start_profile); RuntimeError if one is running."""
+    raise NotImplementedError(f"{type(self).__name__} cannot profile")
+
+  def stop_profile(self) -> None:
+    """Ends the trace and writes it under start_profile's ``log_dir``
+    (TensorBoard / Perfetto files); RuntimeError if none is running."""
+    raise NotImplementedError(f"{type(self).__name__} cannot profile")

@@ -371,6 +371,14 @@ class BatchingEngine(api.Engine):
     return {"steps": self.steps, "mixed_steps_run": self.mixed_steps_run,
             "compiled_shapes": shapes() if shapes is not None else None}
 
+  def start_profile(self, log_dir: str) -> None:
+    # jax's profiler traces the whole process: the scheduler thread's host
+    # work and every kernel the device runs, on one timeline.
+    jax.profiler.start_trace(log_dir)
+
+  def stop_profile(self) -> None:
+    jax.profiler.stop_trace()
+
   def drain(self, timeout: float | None = None) -> bool:
     self._draining = True
     end = None if timeout is None else time.monotonic() + timeout

@@ -326,6 +326,12 @@ class ProcessEngine(api.Engine):
   def counters(self) -> dict:
     return self._call("counters")
 
+  def start_profile(self, log_dir: str) -> None:
+    self._call("start_profile", log_dir)  # a trace of the engine's process
+
+  def stop_profile(self) -> None:
+    self._call("stop_profile")
+
   @property
   def error(self):
     if not self._proc.is_alive():

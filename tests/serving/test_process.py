@@ -1,6 +1,9 @@
 """The engine in a process of its own (serving.engine.process) behind gRPC."""
 
 import concurrent.futures
+import gzip
+import json
+import re
 
 import grpc
 import pytest
@@ -42,6 +45,25 @@ def test_streams_calls_and_errors_cross_the_process(served):
   with pytest.raises(grpc.RpcError) as e:  # the engine's InvalidRequest, raised here
     c.generate("a", max_tokens=5000)
   assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_a_profile_traces_the_engine_process(served, tmp_path):
+  """start_profile / stop_profile run in the engine's process: the trace has
+  its steps, and the profiler's own errors come back to the caller."""
+  engine, server, c = served
+  with pytest.raises(RuntimeError, match="No profile started"):
+    engine.stop_profile()
+  engine.start_profile(str(tmp_path))
+  with pytest.raises(RuntimeError, match="already been started"):
+    engine.start_profile(str(tmp_path / "again"))
+  assert c.generate("a", max_tokens=4, ignore_eos=True).text == _expected("a", 4)
+  engine.stop_profile()
+  traces = list(tmp_path.glob("plugins/profile/*/*.trace.json.gz"))
+  assert len(traces) == 1
+  events = json.loads(gzip.decompress(traces[0].read_bytes()))["traceEvents"]
+  # The engine's Python frames are on its timeline (the scheduler's steps).
+  assert any(re.search(r"engine\.py:\d+ step$", e.get("name", "")) for e in events)
+  assert not (tmp_path / "again").exists()
 
 
 def test_cancel_frees_pages_and_a_full_queue_is_refused(served):
