@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kernels import attention_decode as ad
+from kernels import attention_decode_append as ada
 from mosaic import bench, testing
 
 HKV, G, D = 8, 4, 128
@@ -126,7 +127,7 @@ def append_inputs(length, table_pages, page, seed):
       [(1, 1, HKV, G + 2, D), (2, HKV, num_pages, page, D), (2, HKV, num_pages, page, D)],
       jnp.bfloat16, seed=seed)
   ang = jnp.asarray(rng.uniform(0, 2 * np.pi, (1, D // 2)), jnp.float32)
-  rope = ad.rope_table(jnp.cos(ang), jnp.sin(ang))
+  rope = ada.rope_table(jnp.cos(ang), jnp.sin(ang))
   return qkv, kp, vp, jnp.asarray([length], jnp.int32), jnp.asarray(table, jnp.int32), rope
 
 
@@ -151,9 +152,9 @@ def part_append(iters, lengths, table_pages):
   for length in lengths:
     n_sets = bench.cold_sets(2 * 2 * HKV * (table_pages + 1) * page * D * 2)
     sets = [append_inputs(length, table_pages, page, seed) for seed in range(n_sets)]
-    ref = ad.attention_decode_append_reference(*sets[0], layer=1)[0]
+    ref = ada.attention_decode_append_reference(*sets[0], layer=1)[0]
     for name, cfg in CONFIGS.items():
-      f = jax.jit(functools.partial(ad.attention_decode_append_mosaic, layer=1, config=cfg))
+      f = jax.jit(functools.partial(ada.attention_decode_append_mosaic, layer=1, config=cfg))
       row = {"part": "append", "length": length, "table_pages": table_pages, "config": name}
       try:
         err = testing.rel_error(f(*sets[0])[0], ref)

@@ -102,18 +102,18 @@ TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 # DotThunk::Execute: BF16 x BF16 = F32"); a second (scratch) page costs nothing.
 PAGE_BUCKETS = (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 
-OPS = ("rms_norm", "matmul", "attention_prefill", "attention_decode")
-# Ops registered by the modules above under names of their own.
-EXTRA_OPS = ("attention_decode_append",)
+OPS = ("rms_norm", "matmul", "attention_prefill", "attention_decode")  # chosen by backend flags
+# Runs attention_decode's backend where it has it (``_append_backend``).
+APPEND_OP = "attention_decode_append"
 
 
 def _load_ops():
   """Imports the op modules, which register their backends."""
   import importlib
 
-  for name in OPS:
+  for name in OPS + (APPEND_OP,):
     importlib.import_module(f"kernels.{name}")
-  return {name: registry.get_op(name) for name in OPS + EXTRA_OPS}
+  return {name: registry.get_op(name) for name in OPS + (APPEND_OP,)}
 
 
 @functools.cache
@@ -569,7 +569,7 @@ class Llama(nnx.Module):
 
     rope_tab = None
     if tq == 1 and cfg.sliding_window is None and self.decode_append:
-      from kernels.attention_decode import rope_table
+      from kernels.attention_decode_append import rope_table
 
       with jax.named_scope("rope"):
         rope_tab = rope_table(*rope)  # once per step, like the angles

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from kernels import attention_decode as ad
+from kernels import attention_decode_append as ada
 from mosaic import testing
 
 PAGE = 64
@@ -30,7 +31,7 @@ def _case(lengths, hkv=2, g=4, d=128, layers=2, pages_per_row=4, seed=None):
       [(b, 1, hkv, g + 2, d), (layers, hkv, num_pages, PAGE, d),
        (layers, hkv, num_pages, PAGE, d)], jnp.bfloat16)
   ang = jnp.asarray(rng.uniform(0, 2 * np.pi, (b, d // 2)), jnp.float32)
-  rope = ad.rope_table(jnp.cos(ang), jnp.sin(ang))
+  rope = ada.rope_table(jnp.cos(ang), jnp.sin(ang))
   return qkv, kp, vp, jnp.asarray(lengths, jnp.int32), jnp.asarray(table, jnp.int32), rope, ang
 
 
@@ -67,7 +68,7 @@ LENGTHS = {
 def test_reference_rotates_writes_and_attends(lengths):
   qkv, kp, vp, lens, table, rope, ang = _case(LENGTHS[lengths])
   q, k_want, v_want = _expected(qkv, kp, vp, lens, table, ang, layer=1)
-  o, k_out, v_out = ad.attention_decode_append_reference(qkv, kp, vp, lens, table, rope, layer=1)
+  o, k_out, v_out = ada.attention_decode_append_reference(qkv, kp, vp, lens, table, rope, layer=1)
   _check_caches(kp, k_out, v_out, (None, k_want, v_want))
   want = ad.attention_decode_reference(q, k_want, v_want, lens, table, layer=1)
   testing.assert_close(o, want, jnp.float32, tol=1e-5, what="reference output")
@@ -85,8 +86,8 @@ CONFIGS = {
 @pytest.mark.parametrize("lengths", list(LENGTHS))
 def test_mosaic_matches_reference(config, lengths):
   args = _case(LENGTHS[lengths])[:6]
-  want = ad.attention_decode_append_reference(*args, layer=1)
-  o, k_out, v_out = ad.attention_decode_append_mosaic(*args, layer=1, config=CONFIGS[config])
+  want = ada.attention_decode_append_reference(*args, layer=1)
+  o, k_out, v_out = ada.attention_decode_append_mosaic(*args, layer=1, config=CONFIGS[config])
   testing.assert_close(o, want[0], jnp.bfloat16, what=f"mosaic {config} output")
   _check_caches(args[1], k_out, v_out, want)
 
@@ -106,8 +107,8 @@ def _check_caches(k_before, k_out, v_out, want):
 
 def test_xla_matches_reference_one_layer_cache():
   qkv, kp, vp, lens, table, rope, _ = _case(LENGTHS["mixed"])
-  want = ad.attention_decode_append_reference(qkv, kp[0], vp[0], lens, table, rope)
-  o, k_out, v_out = ad.attention_decode_append(qkv, kp[0], vp[0], lens, table, rope,
+  want = ada.attention_decode_append_reference(qkv, kp[0], vp[0], lens, table, rope)
+  o, k_out, v_out = ada.attention_decode_append(qkv, kp[0], vp[0], lens, table, rope,
                                                backend="xla")
   testing.assert_close(o, want[0], jnp.bfloat16, what="xla output")
   np.testing.assert_array_equal(np.asarray(k_out), np.asarray(want[1]))
@@ -117,7 +118,7 @@ def test_xla_matches_reference_one_layer_cache():
 def test_new_token_alone_is_its_value():
   # Length 1: the only key is the new one, so every head's output is its v.
   qkv, kp, vp, lens, table, rope, _ = _case([1, 1], seed=3)
-  o, _, _ = ad.attention_decode_append_mosaic(qkv, kp, vp, lens, table, rope, layer=0)
+  o, _, _ = ada.attention_decode_append_mosaic(qkv, kp, vp, lens, table, rope, layer=0)
   v = jnp.repeat(qkv[:, :, :, -1], 4, axis=2)  # [B, 1, Hq, D]
   np.testing.assert_array_equal(np.asarray(o), np.asarray(v))
 
@@ -133,21 +134,21 @@ def test_bad_inputs_are_rejected(bad, match):
   args = bad(_case([5, 9])[:6])
   for backend in ("xla", "mosaic", "reference"):
     with pytest.raises(ValueError, match=match):
-      ad.attention_decode_append(*args, layer=0, backend=backend)
+      ada.attention_decode_append(*args, layer=0, backend=backend)
 
 
 def test_mosaic_says_why_not():
   qkv, kp, vp, lens, table, rope, _ = _case([5, 9], d=64)
-  why = ad.append_op.get("mosaic").why_not(qkv, kp, vp, lens, table, rope, layer=0)
+  why = ada.append_op.get("mosaic").why_not(qkv, kp, vp, lens, table, rope, layer=0)
   assert "multiple of 128" in why
   args = _case([5, 9])[:6]
   big = ad.Config(pages_per_step=4, stages=4, swap_ab=True)  # 4 x 256-key K and V stages
-  assert "SMEM" in ad.append_op.get("mosaic").why_not(*args, layer=0, config=big)
+  assert "SMEM" in ada.append_op.get("mosaic").why_not(*args, layer=0, config=big)
   fp8 = [ad.quantize_pages(x, 1.0) for x in args[1:3]]
-  why = ad.append_op.get("mosaic").why_not(args[0], *fp8, *args[3:], layer=0)
+  why = ada.append_op.get("mosaic").why_not(args[0], *fp8, *args[3:], layer=0)
   assert "fp8" in why
   # The xla backend takes fp8 pages: k and v are written at scale 1.
-  o, k_out, _ = ad.attention_decode_append(args[0], *fp8, *args[3:], layer=0, backend="xla")
+  o, k_out, _ = ada.attention_decode_append(args[0], *fp8, *args[3:], layer=0, backend="xla")
   assert k_out.dtype == jnp.float8_e4m3fn and bool(jnp.isfinite(o.astype(jnp.float32)).all())
 
 
@@ -165,8 +166,8 @@ def test_gpu_full_size(batch):
        (4, hkv, batch * mp + 1, page, d)], jnp.bfloat16)
   ang = jnp.asarray(rng.uniform(0, 2 * np.pi, (batch, d // 2)), jnp.float32)
   args = (qkv, kp, vp, jnp.asarray(lengths, jnp.int32), jnp.asarray(table),
-          ad.rope_table(jnp.cos(ang), jnp.sin(ang)))
-  want = ad.attention_decode_append_reference(*args, layer=2)
-  o, k_out, v_out = ad.attention_decode_append(*args, layer=2, backend="mosaic")
+          ada.rope_table(jnp.cos(ang), jnp.sin(ang)))
+  want = ada.attention_decode_append_reference(*args, layer=2)
+  o, k_out, v_out = ada.attention_decode_append(*args, layer=2, backend="mosaic")
   testing.assert_close(o, want[0], jnp.bfloat16, what="mosaic output")
   _check_caches(kp, k_out, v_out, want)
