@@ -89,21 +89,25 @@ def _append_jnp(qkv, k_pages, v_pages, lengths, page_table, rope, layer, attend)
   return attend(q, k_pages, v_pages), k_pages, v_pages
 
 
+def _append_then(attention, qkv, k_pages, v_pages, lengths, page_table, rope, sm_scale, layer):
+  """The op in jnp around ``attention`` (an attention_decode backend)."""
+  _check_append(qkv, k_pages, v_pages, lengths, page_table, rope, layer)
+  attend = lambda q, k, v: attention(q, k, v, lengths, page_table, sm_scale=sm_scale,
+                                     layer=layer)
+  return _append_jnp(qkv, k_pages, v_pages, lengths, page_table, rope, layer, attend)
+
+
 def attention_decode_append_xla(qkv, k_pages, v_pages, lengths, page_table, rope, *,
                                 sm_scale=None, layer=None):
-  _check_append(qkv, k_pages, v_pages, lengths, page_table, rope, layer)
-  attend = lambda q, k, v: ad.attention_decode_xla(q, k, v, lengths, page_table,
-                                                   sm_scale=sm_scale, layer=layer)
-  return _append_jnp(qkv, k_pages, v_pages, lengths, page_table, rope, layer, attend)
+  return _append_then(ad.attention_decode_xla, qkv, k_pages, v_pages, lengths, page_table,
+                      rope, sm_scale, layer)
 
 
 def attention_decode_append_reference(qkv, k_pages, v_pages, lengths, page_table, rope, *,
                                       sm_scale=None, layer=None):
   """The meaning of the op; the output is float32."""
-  _check_append(qkv, k_pages, v_pages, lengths, page_table, rope, layer)
-  attend = lambda q, k, v: ad.attention_decode_reference(q, k, v, lengths, page_table,
-                                                         sm_scale=sm_scale, layer=layer)
-  return _append_jnp(qkv, k_pages, v_pages, lengths, page_table, rope, layer, attend)
+  return _append_then(ad.attention_decode_reference, qkv, k_pages, v_pages, lengths,
+                      page_table, rope, sm_scale, layer)
 
 
 def _append_config(qkv, k_pages, page_table) -> ad.Config:
