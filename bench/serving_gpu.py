@@ -373,19 +373,27 @@ def main():
                  "ours": r["tpot_p50_ms"],
                  "target": 4.0, "anchor_hf": HF_ANCHOR["hf_tpot_c1_ms"], "unit": "ms"})
 
-    trace = lambda i: out / f"trace_c{cmax}_round{i}" if a.profile_round == i else None  # noqa: E731
-    engine.step_times.clear()
-    with profiled(engine, trace(1), a.profile_steps):
-      r = loadgen(target, out, f"c{cmax}", concurrency=cmax, num_requests=n64, seed=3, **io)
+    def load_round(i):
+      """Round i of the concurrency load: the load generator's report and the
+      engine's records of it (also written to steps_c64[_round<i>].json)."""
+      name = f"c{cmax}" if i == 1 else f"c{cmax}_round{i}"
+      trace = out / f"trace_c{cmax}_round{i}" if a.profile_round == i else None
+      engine.step_times.clear()
+      with profiled(engine, trace, a.profile_steps):
+        r = loadgen(target, out, name, concurrency=cmax, num_requests=n64,
+                    seed=3 if i == 1 else 3 + i, **io)  # other prompts each round
+      records = list(engine.step_times)
+      (out / f"steps_{name}.json").write_text(json.dumps([t._asdict() for t in records]))
+      return r, records
+
+    r, records = load_round(1)
     summary[f"tok_s_c{cmax}"] = r["output_tok_s"]
     summary[f"itl_c{cmax}_ms_p50"] = r["itl_p50_ms"]
     summary[f"ttft_c{cmax}_ms_p50"] = r["ttft_p50_ms"]
     rows.append({"case": f"output tok/s, c={cmax} ({n_in}/{a.output_len})",
                  "ours": r["output_tok_s"],
                  "target": 10000.0, "anchor_hf": HF_ANCHOR["hf_tok_s_b64"], "unit": "tok/s"})
-    records = list(engine.step_times)
     summary[f"schedule_c{cmax}"] = schedule(records)
-    (out / f"steps_c{cmax}.json").write_text(json.dumps([t._asdict() for t in records]))
     hs = host_share(engine, max(1, cmax * 3 // 4))
     summary[f"host_c{cmax}"] = hs
     if hs:
@@ -399,18 +407,12 @@ def main():
                    "ours": hs["launch_ms_p50"], "target": "", "anchor_hf": "", "unit": "ms"})
       rows.append({"case": f"of which the tokens read back, c={cmax} (p50)",
                    "ours": hs["tokens_ms_p50"], "target": "", "anchor_hf": "", "unit": "ms"})
-    for i in range(2, a.rounds + 1):  # the same load again (other prompts), same server
-      engine.step_times.clear()
-      with profiled(engine, trace(i), a.profile_steps):
-        ri = loadgen(target, out, f"c{cmax}_round{i}", concurrency=cmax, num_requests=n64,
-                     seed=3 + i, **io)
-      later = list(engine.step_times)
+    for i in range(2, a.rounds + 1):  # the same load again on the same server
+      ri, later = load_round(i)
       summary[f"round{i}_c{cmax}"] = {"tok_s": ri["output_tok_s"],
                                       "itl_ms_p50": ri["itl_p50_ms"],
                                       "ttft_ms_p50": ri["ttft_p50_ms"],
                                       "schedule": schedule(later)}
-      (out / f"steps_c{cmax}_round{i}.json").write_text(
-          json.dumps([t._asdict() for t in later]))
       rows.append({"case": f"output tok/s, c={cmax}, round {i} (same server)",
                    "ours": ri["output_tok_s"], "target": "", "anchor_hf": "", "unit": "tok/s"})
   except Exception as e:  # noqa: BLE001 - keep what was measured

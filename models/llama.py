@@ -111,9 +111,10 @@ def _load_ops():
   """Imports the op modules, which register their backends."""
   import importlib
 
-  for name in OPS + (APPEND_OP,):
+  names = OPS + (APPEND_OP,)
+  for name in names:
     importlib.import_module(f"kernels.{name}")
-  return {name: registry.get_op(name) for name in OPS + (APPEND_OP,)}
+  return {name: registry.get_op(name) for name in names}
 
 
 @functools.cache
