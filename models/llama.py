@@ -448,7 +448,7 @@ class Llama(nnx.Module):
 
     def attend(block, h, kc, vc, layer, rms_eps):
       q, k, v = block.attn.qkv(h, rope, rms_eps)
-      kc, vc = _write_kv(kc, vc, layer, page, slot, k, v)
+      kc, vc = _write_kv(kc, vc, layer, page, slot, valid, k, v)
       with jax.named_scope("attention"):
         o = chunk_attention(q, k, v, kc, vc, layer)
       return o.reshape(b, t, -1).astype(h.dtype), kc, vc
@@ -521,7 +521,7 @@ class Llama(nnx.Module):
     tpos, valid, page, slot = _chunk_slots(positions, lengths, t, page_table, ps)  # [B, T]
     dpage, dslot = _page_slot(dpos[:, None], (dpos >= 0)[:, None], dec_table, ps)  # [Bd, 1]
     flat = lambda d, p: jnp.concatenate([d.reshape(bd), p.reshape(b * t)])[None]  # [1, N]
-    page, slot = flat(dpage, page), flat(dslot, slot)
+    page, slot, valid_kv = flat(dpage, page), flat(dslot, slot), flat(dpos >= 0, valid)
     with jax.named_scope("rope"):
       rope = rope_angles(flat(jnp.maximum(dpos, 0), tpos), jnp.asarray(rope_inv_freq(cfg)))
     chunk_attention = self._chunk_attention(tpos, valid, positions + lengths, page_table, ps,
@@ -529,7 +529,7 @@ class Llama(nnx.Module):
 
     def attend(block, h, kc, vc, layer, rms_eps):
       q, k, v = block.attn.qkv(h, rope, rms_eps)  # [1, N, H, hd]
-      kc, vc = _write_kv(kc, vc, layer, page, slot, k, v)
+      kc, vc = _write_kv(kc, vc, layer, page, slot, valid_kv, k, v)
       with jax.named_scope("attention"):
         od = ops()["attention_decode"](q[0, :bd, None], kc, vc, dec_lengths, dec_table,
                                        layer=layer)  # [Bd, 1, Hq, hd]
@@ -586,7 +586,7 @@ class Llama(nnx.Module):
                 qkv, kc, vc, lengths, page_table, rope_tab, layer=layer, backend=backend)
           return o.reshape(b, tq, -1).astype(h.dtype), kc, vc
       q, k, v = block.attn.qkv(h, rope, rms_eps)
-      kc, vc = _write_kv(kc, vc, layer, page, slot, k, v)
+      kc, vc = _write_kv(kc, vc, layer, page, slot, valid, k, v)
       if cfg.sliding_window is None:
         with jax.named_scope("attention"):
           # layer=: the kernel reads this layer's pages from the stack in place
@@ -635,23 +635,34 @@ def to_cache_dtype(x, dtype):
   return x.astype(dtype)
 
 
-def _write_kv(kc, vc, layer, page, slot, k, v):
-  """k/v [B, T, Hkv, hd] into the layer's cache at each token's (page, slot) [B, T]."""
+def _write_kv(kc, vc, layer, page, slot, valid, k, v):
+  """k/v [B, T, Hkv, hd] into the layer's cache at each token's (page, slot)
+  [B, T]; invalid tokens (padding rows, a short chunk's tail) write nothing."""
   with jax.named_scope("kv_write"):
     if page.size == 1:
       # One token (decode at batch 1): a dynamic update slice. XLA makes the
       # one-row scatter one too, but keeps a scatter's out-of-bounds rule by
       # reading the old row first and selecting: two more kernels per layer.
+      # An invalid token (a warm-up row) lands in scratch page 0.
       start = (layer, 0, page.reshape(()), slot.reshape(()), 0)
       put = lambda c, x: jax.lax.dynamic_update_slice(
           c, to_cache_dtype(x, c.dtype).reshape(1, -1, 1, 1, x.shape[-1]), start)
     else:
-      put = lambda c, x: c.at[layer, :, page, slot].set(to_cache_dtype(x, c.dtype))
+      # Each invalid token gets a page of its own past the cache's end, which
+      # the scatter drops, so every index is unique. Sent to one scratch slot,
+      # the colliding updates ran one after another on the GPU: a prefill of
+      # 2 prompts padded to 4 rows took ~300 ms instead of ~40
+      # (bench/results/serving_h200/padding_writes/).
+      spare = kc.shape[2] + jnp.arange(page.size, dtype=page.dtype).reshape(page.shape)
+      page = jnp.where(valid, page, spare)
+      put = lambda c, x: c.at[layer, :, page, slot].set(
+          to_cache_dtype(x, c.dtype), mode="drop", unique_indices=True)
     return put(kc, k), put(vc, v)
 
 
 def _page_slot(tpos, valid, page_table, page_size):
-  """Page and slot of each token [B, T]; invalid tokens go to scratch page 0."""
+  """Page and slot of each token [B, T]; invalid tokens get scratch page 0
+  (``_write_kv`` drops them instead)."""
   idx = jnp.clip(tpos // page_size, 0, page_table.shape[1] - 1)
   page = jnp.take_along_axis(page_table, idx, axis=1)
   page = jnp.where(valid, page, 0)

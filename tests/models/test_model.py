@@ -254,8 +254,52 @@ def test_mixed_step_equals_decode_then_prefill(tiny, fresh, pad_rows):
   testing.assert_close(np.asarray(got)[live], want[live], dtype=jnp.float32, what="mixed logits")
   for name in ("k", "v"):
     a, b = np.array(getattr(cache, name)), np.array(getattr(ref_cache, name))
-    a[:, :, 0], b[:, :, 0] = 0, 0  # page 0 is scratch: padding writes land there
+    assert not a[:, :, 0].any() and not b[:, :, 0].any(), "padding wrote to page 0"
     testing.assert_close(a, b, dtype=jnp.float32, what=f"mixed cache {name}")
+
+
+@pytest.mark.parametrize("step", ["prefill", "continued", "decode", "mixed"])
+def test_padding_tokens_write_nothing(tiny, step):
+  """Padding rows, a short chunk's tail and padding decode rows leave every
+  page but the live tokens' slots as it was, scratch page 0 included. They
+  used to all land in page 0, slot 0: on the GPU XLA ran those colliding
+  updates one after another (a 2-prompt prefill padded to 4 rows: ~300 ms
+  against ~40; bench/results/serving_h200/padding_writes/)."""
+  rng = np.random.default_rng()
+  ps, per_seq, n_pages = 4, 4, 14
+  pages = rng.permutation(np.arange(1, n_pages)).astype(np.int32)[:3 * per_seq].reshape(3, per_seq)
+  empty = tiny.init_cache(n_pages, ps)
+  rand = lambda a: jnp.asarray(rng.standard_normal(a.shape), a.dtype)
+  cache = llama.KVCache(rand(empty.k), rand(empty.v))
+  before = jax.tree.map(np.array, cache)
+  live = set()  # (page, slot) the step may write
+
+  def toks(rows, t):
+    return rng.integers(3, 259, (rows, t)).astype(np.int32)  # padding holds tokens too
+
+  table = np.concatenate([pages, np.zeros((1, per_seq), np.int32)])  # row 3: padding
+  if step in ("prefill", "continued"):
+    pos = np.asarray([0, 0, 0, 0] if step == "prefill" else [0, 5, 2, 0], np.int32)
+    lens = np.asarray([7, 3, 9, 0], np.int32)  # rows 0 and 1 end before the chunk's 9 tokens
+    _, cache = llama.prefill_step(tiny.graphdef, tiny.params, cache, toks(4, 9), pos, lens,
+                                  table, fresh=step == "prefill")
+    for r in range(3):
+      live |= {(pages[r, p // ps], p % ps) for p in range(pos[r], pos[r] + lens[r])}
+  elif step == "decode":
+    lens = np.asarray([6, 1, 0, 0], np.int32)  # rows 2 and 3: padding
+    _, cache = llama.decode_step(tiny.graphdef, tiny.params, cache, toks(4, 1), lens, table)
+    live = {(pages[0, 5 // ps], 5 % ps), (pages[1, 0], 0)}
+  else:
+    dec_lens = np.asarray([3, 0, 0], np.int32)
+    _, cache = llama.mixed_step(tiny.graphdef, tiny.params, cache, toks(1, 3)[0], dec_lens,
+                                table[[0, 3, 3]], toks(2, 8), np.asarray([0, 4], np.int32),
+                                np.asarray([5, 2], np.int32), table[[1, 2]])
+    live = {(pages[0, 0], 2)} | {(pages[1, p // ps], p % ps) for p in range(5)} | {
+        (pages[2, 1], 0), (pages[2, 1], 1)}
+  for name in ("k", "v"):
+    got, old = np.asarray(getattr(cache, name)), getattr(before, name)
+    changed = {(int(p), int(s)) for p, s in zip(*np.nonzero((got != old).any(axis=(0, 1, 4))))}
+    assert changed == live, f"{step}: {name} written at {changed - live}, not at {live - changed}"
 
 
 @pytest.mark.parametrize("folded", [True, False])
