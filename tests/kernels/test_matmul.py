@@ -71,6 +71,9 @@ MOSAIC_CASES = [
     # The mixed step's rows (decode batch + prompt chunk) in one 192-row tile.
     pytest.param(136, 128, 128, C(tile_m=192, tile_n=64, stages=2), False, True, None,
                  jnp.bfloat16, id="192-row-tile"),
+    # 192-column tiles (SmolLM2's N = 576 in three), the warpgroups split by M.
+    pytest.param(136, 384, 128, C(tile_m=64, tile_n=192, epi_n=64, stages=2, wg_dim="m"), True,
+                 False, None, jnp.bfloat16, id="192-column-tile"),
     # swap_ab: weight columns as the wgmma's M, token rows as its N.
     # 4.5 K blocks: the 2-slot ring wraps, the last block is half zero fill.
     pytest.param(1, 128, 576, C(tile_m=8, tile_n=64, tile_k=128, stages=2, swap_ab=True), True,
