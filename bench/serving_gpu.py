@@ -24,6 +24,11 @@ process so that its threads do not share this process's GIL. It measures:
    engine's process (host and device) for the first ``--profile-steps``
    iterations of round K.
 
+``--range-ratio r`` draws each c=1 and c=64 request's prompt and output
+lengths from [L(1-r), L(1+r)] (vLLM's --random-range-ratio): ragged prompts
+pad the engine's prefill batches, as real traffic does. It also compiles
+continued prompt chunks at warm-up, which ragged prompts meet.
+
 Targets (issue 7): TPOT at c=1 <= 4.0 ms, TTFT(2048) <= 60 ms, >= 10,000
 output tok/s at c=64, host <= 10% of a step. Anchor: Hugging Face transformers
 on the same card, 92 ms/token at c=1, 2,673 tok/s at batch 64.
@@ -213,12 +218,13 @@ def build_engine(a):
                        prefill_rows=4,
                        batch_buckets=tuple(sorted({1, min(8, cmax), cmax})),
                        token_budget=cmax + chunk, default_max_tokens=a.output_len,
-                       # Prompts here fit one chunk and are random (no prefix hits):
-                       # fresh prefill only, to keep the warm-up short.
-                       warmup_continued=a.warmup_continued,
+                       # Prompts of one length fit one chunk and are random (no
+                       # prefix hits): fresh prefill only, to keep the warm-up short.
+                       # Ragged ones get split by the step's token budget.
+                       warmup_continued=a.warmup_continued or a.range_ratio > 0,
                        decode_steps=a.decode_steps, stream_interval=a.stream_interval,
                        mixed_steps=a.mixed_steps, decode_prefill_budget=a.decode_prefill_budget,
-                       prefill_first=a.prefill_first)
+                       prefill_first=a.prefill_first, packed_prefill=a.packed_prefill)
   return E.BatchingEngine(runner, cfg)
 
 
@@ -237,6 +243,7 @@ def model_flags(ap: argparse.ArgumentParser) -> None:
   ap.add_argument("--decode-prefill-budget", type=int,
                   help="EngineConfig.decode_prefill_budget (prompt tokens per decoding step)")
   ap.add_argument("--prefill-first", action="store_true", help="EngineConfig.prefill_first")
+  ap.add_argument("--packed-prefill", action="store_true", help="EngineConfig.packed_prefill")
   ap.add_argument("--compilation-cache", type=pathlib.Path,
                   help="jax's persistent compilation cache directory (as serve's flag)")
   ap.add_argument("--no-decode-append", dest="decode_append", action="store_false",
@@ -284,6 +291,8 @@ def main():
   ap.add_argument("--warmup-continued", action="store_true",
                   help="also compile prefill of continued chunks at start")
   ap.add_argument("--min-chunk", type=int, help="EngineConfig.min_chunk (default: --input-len)")
+  ap.add_argument("--range-ratio", type=float, default=0.0,
+                  help="c=1 and c=64 lengths drawn from [L(1-r), L(1+r)] (0: all equal)")
   ap.add_argument("--engine-process", action="store_true",
                   help="the engine in a process of its own (serving.engine.process)")
   a = ap.parse_args()
@@ -296,6 +305,8 @@ def main():
     ap.error(f"--profile-round must be one of the rounds 1..{a.rounds}, got {a.profile_round}")
   if a.profile_steps < 1:
     ap.error(f"--profile-steps must be >= 1, got {a.profile_steps}")
+  if not 0.0 <= a.range_ratio < 1.0:
+    ap.error(f"--range-ratio must be in [0, 1), got {a.range_ratio}")
   out = pathlib.Path(a.out)
   out.mkdir(parents=True, exist_ok=True)
 
@@ -329,9 +340,9 @@ def main():
                        "decode_steps": a.decode_steps, "stream_interval": a.stream_interval,
                        "mixed_steps": a.mixed_steps,
                        "decode_prefill_budget": a.decode_prefill_budget,
-                       "prefill_first": a.prefill_first,
+                       "prefill_first": a.prefill_first, "packed_prefill": a.packed_prefill,
                        "profile_round": a.profile_round,
-                       "engine_process": a.engine_process,
+                       "engine_process": a.engine_process, "range_ratio": a.range_ratio,
                        "requests_per_stream": a.requests_per_stream}
 
   # 1. correctness before timing.
@@ -356,6 +367,10 @@ def main():
 
   n1, n64 = (2, cmax) if a.quick else (4, a.requests_per_stream * cmax)
   io = dict(input_len=n_in, output_len=a.output_len)
+  shape = f"{n_in}/{a.output_len}"
+  if a.range_ratio:
+    io["range_ratio"] = a.range_ratio
+    shape += f" x{1 - a.range_ratio:g}..{1 + a.range_ratio:g}"
   try:
     # Each run draws other prompts (--seed): a prefix-cache hit would time a
     # continued-chunk prefill, which the warm-up does not compile by default.
@@ -369,7 +384,7 @@ def main():
     r = loadgen(target, out, "c1", concurrency=1, num_requests=n1, seed=2, **io)
     summary["tpot_c1_ms_p50"] = r["tpot_p50_ms"]
     summary["host_c1"] = host_share(engine, 1)
-    rows.append({"case": f"time per output token, c=1 ({n_in}/{a.output_len})",
+    rows.append({"case": f"time per output token, c=1 ({shape})",
                  "ours": r["tpot_p50_ms"],
                  "target": 4.0, "anchor_hf": HF_ANCHOR["hf_tpot_c1_ms"], "unit": "ms"})
 
@@ -390,7 +405,7 @@ def main():
     summary[f"tok_s_c{cmax}"] = r["output_tok_s"]
     summary[f"itl_c{cmax}_ms_p50"] = r["itl_p50_ms"]
     summary[f"ttft_c{cmax}_ms_p50"] = r["ttft_p50_ms"]
-    rows.append({"case": f"output tok/s, c={cmax} ({n_in}/{a.output_len})",
+    rows.append({"case": f"output tok/s, c={cmax} ({shape})",
                  "ours": r["output_tok_s"],
                  "target": 10000.0, "anchor_hf": HF_ANCHOR["hf_tok_s_b64"], "unit": "tok/s"})
     summary[f"schedule_c{cmax}"] = schedule(records)

@@ -461,6 +461,39 @@ class Llama(nnx.Module):
       x = jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]  # [B, D]
     return self._logits(x), cache
 
+  def prefill_packed(self, cache: KVCache, tokens, tpos, seg, last, page_table):
+    """Fresh prompts packed into one row, without padding rows or chunk buckets.
+
+    tokens/tpos/seg [N]: each token, its position in its prompt and its
+    prompt's row + 1 (0: padding, which writes and sees nothing); last [R]:
+    the index in N of each prompt's last token; page_table [R, max_pages].
+    N is the prompts' total rounded up to a bucket, so ragged prompts cost
+    their own tokens, not R x the longest one's bucket. Attention is causal
+    within each prompt (segment ids). Returns logits [R, vocab] and the cache.
+    """
+    n = tokens.shape[0]
+    ps = cache.page_size
+    valid = seg > 0
+    idx = jnp.clip(tpos // ps, 0, page_table.shape[1] - 1)
+    page = jnp.where(valid, page_table[jnp.maximum(seg - 1, 0), idx], 0)[None]  # [1, N]
+    slot = jnp.where(valid, tpos % ps, 0)[None]
+    with jax.named_scope("rope"):
+      rope = rope_angles(tpos[None], jnp.asarray(rope_inv_freq(self.cfg)))
+    attention = self._prefill_attention(1, n, n, q_positions=tpos[None], kv_positions=tpos[None],
+                                        q_segment_ids=seg[None], kv_segment_ids=seg[None])
+
+    def attend(block, h, kc, vc, layer, rms_eps):
+      q, k, v = block.attn.qkv(h, rope, rms_eps)  # [1, N, H, hd]
+      kc, vc = _write_kv(kc, vc, layer, page, slot, valid[None], k, v)
+      with jax.named_scope("attention"):
+        o = attention(q, k, v)
+      return o.reshape(1, n, -1).astype(h.dtype), kc, vc
+
+    with jax.named_scope("embed"):
+      x = jnp.take(self.embed[...], tokens[None], axis=0)  # [1, N, D]
+    x, cache = self._run_layers(x, cache, attend)
+    return self._logits(jnp.take(x[0], last, axis=0)), cache  # [R, vocab]
+
   def _attention_shapes(self, b, t, skv):
     """q [B, T, Hq, hd] and k/v [B, Skv, Hkv, hd] as shapes (for op.plan)."""
     cfg, dt = self.cfg, self.embed[...].dtype
@@ -735,6 +768,19 @@ def prefill_step(graphdef, params, cache, tokens, positions, lengths, page_table
       return model.prefill(cache, *rest, all_logits=all_logits, fresh=fresh)
 
   return _maybe_sharded(step, mesh, params, cache, tokens, positions, lengths, page_table)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "backends", "mesh"),
+                   donate_argnames=("cache",))
+def prefill_packed_step(graphdef, params, cache, tokens, tpos, seg, last, page_table, *,
+                        backends=(), mesh=None):
+  """Llama.prefill_packed: fresh prompts in one row -> (logits [R, vocab], cache)."""
+  def step(params, cache, *rest):
+    model = nnx.merge(graphdef, params)
+    with registry.use(**dict(backends)):
+      return model.prefill_packed(cache, *rest)
+
+  return _maybe_sharded(step, mesh, params, cache, tokens, tpos, seg, last, page_table)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "backends", "mesh"),

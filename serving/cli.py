@@ -41,7 +41,8 @@ def _engine_config(a) -> dict:
              prefix_caching=not a.no_prefix_cache, warmup=not a.no_warmup,
              default_max_tokens=a.default_max_tokens, decode_steps=a.decode_steps,
              stream_interval=a.stream_interval, mixed_steps=a.mixed_steps,
-             decode_prefill_budget=a.decode_prefill_budget, prefill_first=a.prefill_first)
+             decode_prefill_budget=a.decode_prefill_budget, prefill_first=a.prefill_first,
+             packed_prefill=a.packed_prefill)
   if a.token_budget:
     cfg["token_budget"] = a.token_budget
   if a.decode_unroll is not None and a.decode_unroll < 1:
@@ -171,7 +172,7 @@ def cmd_loadgen(a) -> int:
     r = loadgen.run(c, num_requests=a.num_requests, input_len=a.input_len,
                     output_len=a.output_len, concurrency=a.concurrency, rate=a.rate,
                     vocab=min(info.vocab_size, 256) if a.byte_prompts else info.vocab_size,
-                    seed=a.seed)
+                    seed=a.seed, range_ratio=a.range_ratio)
   print(loadgen.format_report(r))
   if a.json:
     a.json.write_text(json.dumps(r, indent=1))
@@ -225,6 +226,9 @@ def parser() -> argparse.ArgumentParser:
   s.add_argument("--prefill-first", action="store_true",
                  help="while prompt chunks wait, steps prefill them alone and decoding "
                       "requests wait (more tokens/s for bursts, longer inter-token gaps)")
+  s.add_argument("--packed-prefill", action="store_true",
+                 help="prefill fresh prompts packed in one row (ragged prompts cost their "
+                      "own tokens, not the longest one's chunk bucket each)")
   s.add_argument("--engine-process", action="store_true",
                  help="run the engine in a process of its own, so that the gRPC stream "
                       "threads do not share its interpreter (serving.engine.process)")
@@ -264,6 +268,8 @@ def parser() -> argparse.ArgumentParser:
   l.add_argument("--num-requests", type=int, default=64)
   l.add_argument("--input-len", type=int, default=512)
   l.add_argument("--output-len", type=int, default=256)
+  l.add_argument("--range-ratio", type=float, default=0.0,
+                 help="draw each request's lengths from [L(1-r), L(1+r)] (0: all equal)")
   l.add_argument("--byte-prompts", action="store_true", help="prompt ids below 256 only")
   l.add_argument("--seed", type=int, default=0)
   l.add_argument("--json", type=pathlib.Path, help="write the results here")
@@ -278,7 +284,10 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-  a = parser().parse_args(argv)
+  p = parser()
+  a = p.parse_args(argv)
+  if a.cmd == "loadgen" and not 0.0 <= a.range_ratio < 1.0:
+    p.error(f"--range-ratio must be in [0, 1), got {a.range_ratio}")
   if a.cmd == "loadgen" and (a.concurrency is None) == (a.rate is None):
     a.concurrency = a.concurrency or (1 if a.rate is None else None)
   logging.basicConfig(level=logging.INFO if a.verbose or a.cmd == "serve" else logging.WARNING,

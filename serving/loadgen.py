@@ -3,7 +3,10 @@
 Sends ``num_requests`` streaming requests of ``input_len`` random prompt
 tokens and exactly ``output_len`` generated tokens (ignore_eos) either with
 ``concurrency`` requests in flight, or arriving as a Poisson process at
-``rate`` requests per second. Times are measured at the client.
+``rate`` requests per second. With ``range_ratio`` r > 0 each request draws
+its lengths uniformly from [L(1-r), L(1+r)] instead (vLLM's
+--random-range-ratio): ragged prompts, as real traffic has, pad the
+server's batches. Times are measured at the client.
 """
 
 from __future__ import annotations
@@ -35,16 +38,26 @@ def _pct(xs, q):
 def run(client: Client, *, num_requests: int, input_len: int, output_len: int,
         concurrency: int | None = None, rate: float | None = None, vocab: int = 256,
         token_range: tuple[int, int] | None = None, seed: int = 0,
-        timeout: float = 600.0) -> dict:
+        timeout: float = 600.0, range_ratio: float = 0.0) -> dict:
   if (concurrency is None) == (rate is None):
     raise ValueError(f"give exactly one of {concurrency=} or {rate=}")
   if num_requests < 1 or input_len < 1 or output_len < 1:
     raise ValueError(f"{num_requests=}, {input_len=} and {output_len=} must be >= 1")
+  if not 0.0 <= range_ratio < 1.0:
+    raise ValueError(f"{range_ratio=} must be in [0, 1)")
   rng = random.Random(seed)
-  lo, hi = token_range or (0, vocab)
-  prompts = [[rng.randrange(lo, hi) for _ in range(input_len)] for _ in range(num_requests)]
 
-  def one(prompt) -> Sample:
+  def lengths(n):
+    if not range_ratio:  # no draws: a seed gives the prompts it always gave
+      return [n] * num_requests
+    lo_, hi_ = max(1, round(n * (1 - range_ratio))), round(n * (1 + range_ratio))
+    return [rng.randint(lo_, max(lo_, hi_)) for _ in range(num_requests)]
+
+  in_lens, out_lens = lengths(input_len), lengths(output_len)
+  lo, hi = token_range or (0, vocab)
+  prompts = [[rng.randrange(lo, hi) for _ in range(n)] for n in in_lens]
+
+  def one(prompt, output_len) -> Sample:
     t0 = time.perf_counter()
     first = last = None
     itls, n = [], 0
@@ -67,13 +80,13 @@ def run(client: Client, *, num_requests: int, input_len: int, output_len: int,
   workers = concurrency or min(num_requests, 1024)
   with concurrent.futures.ThreadPoolExecutor(workers) as pool:
     if concurrency is not None:
-      samples = list(pool.map(one, prompts))
+      samples = list(pool.map(one, prompts, out_lens))
     else:
       futures, t = [], time.perf_counter()
-      for p in prompts:
+      for p, n in zip(prompts, out_lens):
         t += rng.expovariate(rate)
         time.sleep(max(0.0, t - time.perf_counter()))
-        futures.append(pool.submit(one, p))
+        futures.append(pool.submit(one, p, n))
       samples = [f.result() for f in futures]
   wall = time.perf_counter() - t_start
   ttft = [s.ttft for s in samples]
@@ -82,7 +95,7 @@ def run(client: Client, *, num_requests: int, input_len: int, output_len: int,
   tokens = sum(s.tokens for s in samples)
   out = {
       "num_requests": num_requests, "input_len": input_len, "output_len": output_len,
-      "concurrency": concurrency, "rate": rate, "wall_s": wall,
+      "range_ratio": range_ratio, "input_tokens": sum(in_lens), "concurrency": concurrency, "rate": rate, "wall_s": wall,
       "output_tokens": tokens, "output_tok_s": tokens / wall,
       "requests_s": num_requests / wall,
   }
@@ -95,7 +108,9 @@ def run(client: Client, *, num_requests: int, input_len: int, output_len: int,
 
 def format_report(r: dict) -> str:
   mode = f"concurrency {r['concurrency']}" if r["concurrency"] else f"rate {r['rate']}/s"
-  lines = [f"{r['num_requests']} requests, {r['input_len']} in / {r['output_len']} out, {mode}: "
+  spread = f" (x{1 - r['range_ratio']:g}..{1 + r['range_ratio']:g})" if r.get("range_ratio") else ""
+  lines = [f"{r['num_requests']} requests, {r['input_len']} in / {r['output_len']} out{spread}, "
+           f"{mode}: "
            f"{r['output_tok_s']:.1f} output tok/s, {r['requests_s']:.2f} req/s",
            "           p50      p90      p99   (ms)"]
   for name in ("ttft", "itl", "tpot", "e2e"):

@@ -24,6 +24,10 @@ work: the chunk's tokens join the decode batch's pass over the weights.
 With ``EngineConfig.prefill_first``, step 4 dispatches no decodes while it
 has prefill chunks: decoding requests keep their pages and wait.
 
+With ``EngineConfig.packed_prefill``, a prefill batch of fresh prompts goes
+to the device as one row of their tokens (segment ids keep each prompt's
+attention to itself) rather than one padded row each.
+
 With ``EngineConfig.decode_steps`` = n > 1, an iteration with no prompt
 waiting runs n decode steps in one device call (sampling on the device, each
 step's token fed to the next), so the host dispatches and reads once per n
@@ -120,6 +124,12 @@ class EngineConfig:
   # of inter-token gaps as long as the prefill phase for requests already
   # decoding (a long prompt's chunks hold them all up).
   prefill_first: bool = False
+  # Fresh prompts (no cached prefix) go to the device packed in one row, each
+  # causal within itself (the runner's ``prefill_packed``), instead of one
+  # row each padded to the longest one's chunk bucket: ragged prompts cost
+  # their own tokens (3 prompts of 700 tokens: 2,112 tokens, not 4 x 2,048).
+  # Continued chunks keep the row layout.
+  packed_prefill: bool = False
 
   def __post_init__(self):
     for f in ("max_batch", "max_waiting", "prefill_chunk", "min_chunk", "prefill_rows",
@@ -228,6 +238,14 @@ class BatchingEngine(api.Engine):
     # table as wide as the context would gather and attend max_pages pages for
     # every chunk, whatever its length. Bucketed (x4) so warm-up compiles each.
     self.table_buckets = _pow2_buckets(1, self.max_pages, 4)
+    # Token counts of a packed prefill call (x2, multiples of 8: matmul tiles).
+    most = min(config.budget, config.prefill_rows * config.prefill_chunk)
+    self.packed_buckets = tuple(sorted({-(-b // 8) * 8 for b in _pow2_buckets(
+        min(config.min_chunk, most), most)}))
+    if config.packed_prefill:
+      why = getattr(runner, "packed_why_not", f"runner {runner.name} has no packed prefill")
+      if why is not None:
+        raise ValueError(f"packed_prefill: {why}")
     eos = tuple(getattr(self.tok, "eos_ids", ()) or ())
     bos = getattr(self.tok, "bos_id", None)
     self.eos_ids = frozenset(eos)
@@ -642,8 +660,12 @@ class BatchingEngine(api.Engine):
     return out[:4], want_lp
 
   def _run_prefill(self, chunks: list[tuple[_Seq, int]]):
-    tokens, positions, lengths, table, finishing = self._prefill_inputs(chunks)
-    logits = self.runner.prefill(tokens, positions, lengths, table)
+    if self.config.packed_prefill and not any(seq.computed for seq, _ in chunks):
+      tokens, tpos, seg, last, table, finishing = self._packed_inputs(chunks)
+      logits = self.runner.prefill_packed(tokens, tpos, seg, last, table)
+    else:
+      tokens, positions, lengths, table, finishing = self._prefill_inputs(chunks)
+      logits = self.runner.prefill(tokens, positions, lengths, table)
     out, want_lp = self._sampling_call(finishing, logits, len(finishing))
     self._start_decoding(finishing)
     return finishing, out, want_lp
@@ -676,6 +698,29 @@ class BatchingEngine(api.Engine):
     table = self._slot_table[slots, :width]  # a copy
     table[len(chunks):] = 0
     return tokens, positions, lengths, table, finishing
+
+  def _packed_inputs(self, chunks: list[tuple[_Seq, int]]):
+    """Fresh chunks one after another in one row of a packed bucket's length:
+    (tokens, positions in their prompts, row + 1 (0: padding) [N]; each row's
+    last token's index [prefill_rows]; page table [prefill_rows, max_pages];
+    finishing as in ``_prefill_inputs``). Advances each request's computed tokens."""
+    rows = self.config.prefill_rows
+    n = _bucket(sum(k for _, k in chunks), self.packed_buckets)
+    tokens, tpos, seg = (np.zeros((n,), np.int32) for _ in range(3))
+    last, slots = np.zeros((rows,), np.int32), np.zeros((rows,), np.int32)
+    finishing: list[_Seq | None] = [None] * rows
+    o = 0
+    for i, (seq, k) in enumerate(chunks):
+      tokens[o:o + k] = seq.tokens[:k]
+      tpos[o:o + k], seg[o:o + k], last[i], slots[i] = np.arange(k), i + 1, o + k - 1, seq.slot
+      o += k
+      seq.computed += k
+      self._register_blocks(seq)
+      if seq.computed == seq.num_tokens:
+        finishing[i] = seq
+    table = self._slot_table[slots]  # a copy
+    table[len(chunks):] = 0
+    return tokens, tpos, seg, last, table, finishing
 
   def _register_blocks(self, seq: _Seq) -> None:
     full = min(seq.computed // self.page_size, len(seq.hashes or ()))
@@ -878,6 +923,15 @@ class BatchingEngine(api.Engine):
     # bucket (a model may compile the two apart).
     chunk_tables = ((0, table_w),) + tuple((1, w) for w in self.table_buckets)
     prefill_tables = chunk_tables if self.config.warmup_continued else chunk_tables[:1]
+    packed = self.config.packed_prefill
+    if packed:  # fresh chunks go packed: the row layout only continues prompts
+      prefill_tables = prefill_tables[1:]
+      rows = self.config.prefill_rows
+      for n in self.packed_buckets:  # segment 0 everywhere: nothing is written
+        z = np.zeros((n,), np.int32)
+        logits = self.runner.prefill_packed(z, z, z, np.zeros((rows,), np.int32),
+                                            np.zeros((rows, table_w), np.int32))
+      self._warm_sampling(logits, rows)
     for rows in self.row_buckets:
       for t in self.chunk_buckets:
         # Rows of length 0 write nothing.
@@ -885,7 +939,8 @@ class BatchingEngine(api.Engine):
           logits = self.runner.prefill(np.zeros((rows, t), np.int32),
                                        np.full((rows,), pos, np.int32),
                                        np.zeros((rows,), np.int32), np.zeros((rows, w), np.int32))
-        self._warm_sampling(logits, rows)
+        if prefill_tables:
+          self._warm_sampling(logits, rows)
         if self.mixed and t in self._mixed_chunks:
           b = self.batch_buckets[-1]
           # Mixed steps split prompts across steps: continued chunks are the rule.
@@ -900,7 +955,8 @@ class BatchingEngine(api.Engine):
     del v
     log.info("warm-up compiled %d decode, %d prefill and %d mixed shapes in %.1f s",
              len(self.batch_buckets),
-             len(self.row_buckets) * len(self.chunk_buckets) * len(prefill_tables),
+             len(self.row_buckets) * len(self.chunk_buckets) * len(prefill_tables)
+             + len(self.packed_buckets) * packed,
              len(self.row_buckets) * len(self._mixed_chunks) * len(chunk_tables) * self.mixed,
              time.perf_counter() - t0)
 

@@ -127,6 +127,11 @@ class ModelRunner:
                                 backends=pb, **kw)
 
     @functools.partial(jax.jit, donate_argnums=(1,))
+    def prefill_packed(params, cache, tokens, tpos, seg, last, page_table):
+      return llama.prefill_packed_step(graphdef, params, cache, tokens, tpos, seg, last,
+                                       page_table, backends=pb)
+
+    @functools.partial(jax.jit, donate_argnums=(1,))
     def decode(params, cache, tokens, lengths, page_table):
       logits, cache = llama.decode_step(graphdef, params, cache, tokens[:, None], lengths,
                                         page_table, backends=db)
@@ -162,7 +167,8 @@ class ModelRunner:
       return llama.mixed_step(graphdef, params, cache, dec_tokens, dec_lengths, dec_table, tokens,
                               positions, lengths, page_table, backends=mb, fresh=fresh)
 
-    return prefill, decode, decode_multi, mixed
+    packed = prefill_packed if hasattr(llama, "prefill_packed_step") else None
+    return prefill, decode, decode_multi, mixed, packed
 
   def prefill(self, tokens, positions, lengths, page_table):
     if self._fast is not None:
@@ -191,8 +197,38 @@ class ModelRunner:
     warm-up these must not grow, or steady state is paying for compiles."""
     if self._fast is None:
       return None
-    names = ("prefill", "decode", "decode_multi_step", "mixed")
-    return {name: f._cache_size() for name, f in zip(names, self._fast)}
+    names = ("prefill", "decode", "decode_multi_step", "mixed", "prefill_packed")
+    return {name: f._cache_size() for name, f in zip(names, self._fast) if f is not None}
+
+  @functools.cached_property
+  def packed_why_not(self) -> str | None:
+    """None if ``prefill_packed`` can run, else why not: it needs the direct
+    path and a prefill attention that takes segment ids (cuDNN's does not)."""
+    if self._fast is None or self._fast[4] is None:
+      return f"{type(self.model).__name__} has no packed prefill step"
+    name = self.backends.get("attention_prefill")
+    if name is None:
+      return None  # the op's default order picks a backend that can
+    from models import llama
+    from mosaic import registry
+
+    cfg = self.model.config
+    dt = jnp.dtype(self.dtype)
+    q = jax.ShapeDtypeStruct((1, 128, cfg.num_heads, cfg.head_dim), dt)
+    kv = jax.ShapeDtypeStruct((1, 128, cfg.num_kv_heads, cfg.head_dim), dt)
+    vec = jax.ShapeDtypeStruct((1, 128), jnp.int32)
+    llama.ops()
+    why = registry.get_op("attention_prefill").get(name).why_not(
+        q, kv, kv, causal=True, q_positions=vec, kv_positions=vec, q_segment_ids=vec,
+        kv_segment_ids=vec)
+    return None if why is None else f"attention_prefill={name}: {why}"
+
+  def prefill_packed(self, tokens, tpos, seg, last, page_table):
+    """Fresh prompts packed in one row (models.Model only; llama.prefill_packed):
+    logits [R, V] at each row's ``last`` token."""
+    logits, self.cache = self._fast[4](self.model.params, self.cache, tokens, tpos, seg, last,
+                                       page_table)
+    return logits
 
   @property
   def supports_mixed(self) -> bool:
@@ -259,6 +295,12 @@ class CountingRunner:
     return self._logits(np.asarray(tokens))
 
   supports_mixed = True
+  packed_why_not = None  # it can
+
+  def prefill_packed(self, tokens, tpos, seg, last, page_table):
+    del tpos, seg, page_table
+    time.sleep(self.step_delay)
+    return self._logits(np.asarray(tokens)[np.asarray(last)])
 
   def mixed(self, dec_tokens, dec_lengths, dec_table, tokens, positions, lengths, page_table):
     del dec_lengths, dec_table, positions, page_table

@@ -258,7 +258,7 @@ def test_mixed_step_equals_decode_then_prefill(tiny, fresh, pad_rows):
     testing.assert_close(a, b, dtype=jnp.float32, what=f"mixed cache {name}")
 
 
-@pytest.mark.parametrize("step", ["prefill", "continued", "decode", "mixed"])
+@pytest.mark.parametrize("step", ["prefill", "continued", "decode", "mixed", "packed"])
 def test_padding_tokens_write_nothing(tiny, step):
   """Padding rows, a short chunk's tail and padding decode rows leave every
   page but the live tokens' slots as it was, scratch page 0 included. They
@@ -285,6 +285,10 @@ def test_padding_tokens_write_nothing(tiny, step):
                                   table, fresh=step == "prefill")
     for r in range(3):
       live |= {(pages[r, p // ps], p % ps) for p in range(pos[r], pos[r] + lens[r])}
+  elif step == "packed":  # 6 and 3 tokens in a row of 16; rows 1 and 3: padding
+    _, cache = llama.prefill_packed_step(tiny.graphdef, tiny.params, cache,
+                                         *_packed([toks(1, 6)[0], [], toks(1, 3)[0]], 16), table)
+    live = {(pages[0, p // ps], p % ps) for p in range(6)} | {(pages[2, 0], p) for p in range(3)}
   elif step == "decode":
     lens = np.asarray([6, 1, 0, 0], np.int32)  # rows 2 and 3: padding
     _, cache = llama.decode_step(tiny.graphdef, tiny.params, cache, toks(4, 1), lens, table)
@@ -300,6 +304,48 @@ def test_padding_tokens_write_nothing(tiny, step):
     got, old = np.asarray(getattr(cache, name)), getattr(before, name)
     changed = {(int(p), int(s)) for p, s in zip(*np.nonzero((got != old).any(axis=(0, 1, 4))))}
     assert changed == live, f"{step}: {name} written at {changed - live}, not at {live - changed}"
+
+
+def _packed(prompts, n):
+  """Prompts packed in one row of n tokens: (tokens, tpos, seg, last [len(prompts) + 1]);
+  an empty prompt is a padding row, and so is the last row."""
+  rng = np.random.default_rng()
+  tokens = rng.integers(3, 259, n).astype(np.int32)  # padding holds tokens too
+  tpos, seg = np.zeros(n, np.int32), np.zeros(n, np.int32)
+  last, o = np.zeros(len(prompts) + 1, np.int32), 0
+  for i, p in enumerate(prompts):
+    if len(p):
+      tokens[o:o + len(p)], tpos[o:o + len(p)], seg[o:o + len(p)] = p, np.arange(len(p)), i + 1
+      last[i] = o + len(p) - 1
+      o += len(p)
+  return tokens, tpos, seg, last
+
+
+def test_packed_prefill_equals_row_prefill(tiny):
+  """Prompts of 5, 17 and 1 tokens packed into one row of 32 (9 padding
+  tokens, one padding row) give the logits and the cache that the row layout
+  gives ([4, 17]: 45 padding tokens)."""
+  rng = np.random.default_rng()
+  lens = [5, 17, 1]
+  ps, per_seq = 4, 6
+  pages = rng.permutation(np.arange(1, 1 + per_seq * 3)).reshape(3, per_seq).astype(np.int32)
+  table = np.concatenate([pages, np.zeros((1, per_seq), np.int32)])
+  prompts = [rng.integers(3, 259, n).astype(np.int32) for n in lens]
+  rows = np.zeros((4, 17), np.int32)
+  for i, p in enumerate(prompts):
+    rows[i, :len(p)] = p
+  want, want_cache = llama.prefill_step(
+      tiny.graphdef, tiny.params, tiny.init_cache(1 + per_seq * 3, ps), rows,
+      np.zeros(4, np.int32), np.asarray(lens + [0], np.int32), table, fresh=True)
+  got, cache = llama.prefill_packed_step(tiny.graphdef, tiny.params,
+                                         tiny.init_cache(1 + per_seq * 3, ps),
+                                         *_packed(prompts, 32), table)
+  assert got.shape == (4, tiny.config.vocab_size)
+  testing.assert_close(np.asarray(got)[:3], np.asarray(want)[:3], dtype=jnp.float32,
+                       what="packed logits")
+  for name in ("k", "v"):
+    testing.assert_close(np.asarray(getattr(cache, name)), np.asarray(getattr(want_cache, name)),
+                         dtype=jnp.float32, what=f"packed cache {name}")
 
 
 @pytest.mark.parametrize("folded", [True, False])

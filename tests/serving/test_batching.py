@@ -240,6 +240,56 @@ def _drain(handle) -> list[int]:
   return ids
 
 
+def test_packed_prefill_keeps_outputs_on_the_llama_decoder():
+  """packed_prefill: fresh prompts of ragged lengths go to the device packed in
+  one row, and a step with a prefix-cache hit continues in the row layout; the
+  greedy tokens are those of the row layout, steady state compiles nothing
+  after warm-up, and pages come back. A runner that cannot pack is refused."""
+  import models
+  from serving.engine import api, sampling
+
+  model = models.load("tiny", dtype="float32")
+  prompts = _prompts(10, seed=11)  # 1..53 tokens; 0, 3, 6, 9 share a 3-page prefix
+  waves = [[0, 1, 2, 3], [4, 5, 7, 8], [6, 9]]  # fresh, fresh, prefix-cache hits
+  outs, packed_calls = {}, []
+  for packed in (False, True):
+    runner = E.ModelRunner(model, num_pages=120, page_size=8)
+    engine = E.BatchingEngine(runner, E.EngineConfig(
+        max_batch=8, batch_buckets=(1, 8), prefill_rows=4, min_chunk=16, prefill_chunk=64,
+        token_budget=256, max_seq_len=128, warmup=packed, packed_prefill=packed))
+    if packed:
+      assert engine.packed_buckets == (16, 32, 64, 128, 256)
+      engine.warmup()
+      compiled = [f._cache_size() for f in runner._fast] + [sampling.greedy._cache_size()]
+      run_packed = runner.prefill_packed
+
+      def spy(tokens, tpos, seg, last, table):
+        live = int((seg > 0).sum())
+        packed_calls.append(live)
+        assert len(tokens) == min(b for b in engine.packed_buckets if b >= live)
+        return run_packed(tokens, tpos, seg, last, table)
+
+      runner.prefill_packed = spy
+    outs[packed] = {}
+    for wave in waves:
+      handles = {i: engine.submit(api.Request(
+          f"r{i}", prompt_ids=prompts[i], add_bos=False,
+          sampling=api.SamplingParams(max_tokens=5, ignore_eos=True))) for i in wave}
+      while engine.step():
+        pass
+      outs[packed].update({i: _drain(h) for i, h in handles.items()})
+    if packed:
+      assert [f._cache_size() for f in runner._fast] + [sampling.greedy._cache_size()] == compiled
+    assert engine.stats().pages_in_use == 0
+    engine.alloc.check()
+  # The two fresh waves packed (all four prompts each); the hits did not.
+  assert packed_calls == [sum(len(prompts[i]) for i in w) for w in waves[:2]], packed_calls
+  assert outs[True] == outs[False]
+  assert all(len(o) == 5 for o in outs[True].values())
+  with pytest.raises(ValueError, match="packed_prefill: .*no packed prefill"):
+    E.toy_engine(packed_prefill=True)
+
+
 def test_mixed_steps_keep_outputs_on_the_llama_decoder():
   """mixed_steps: prompts arriving while others decode share their steps (one
   call for both); greedy tokens must not change, and pages come back."""

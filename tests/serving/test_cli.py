@@ -121,6 +121,16 @@ def test_serve_refuses_bad_engine_flags_with_a_message(flag, value, field):
   assert str(e.value).startswith("serve: ") and field in str(e.value)
 
 
+def test_loadgen_refuses_a_range_ratio_outside_0_1(capsys):
+  from serving import cli
+
+  for bad in ("1", "-0.5"):
+    with pytest.raises(SystemExit) as e:
+      cli.main(["loadgen", "--target", "127.0.0.1:1", "--range-ratio", bad])
+    assert e.value.code == 2  # argparse's usage error, before any connection
+    assert "--range-ratio must be in [0, 1)" in capsys.readouterr().err
+
+
 def test_serve_kv_cache_dtype_flag():
   from serving import cli
 

@@ -29,10 +29,11 @@ def test_models_tiny_through_the_server_equals_models_generate(decode_steps):
     compiled = engine.counters()["compiled_shapes"]
     # prefill fresh, and continued at each page-table width (1, 4, 16 pages);
     # decode; decode_steps steps in one call (greedy, greedy with logprobs,
-    # sampled); no mixed step (mixed_steps off)
+    # sampled); no mixed step (mixed_steps off), no packed prefill (off)
     assert engine.table_buckets == (1, 4, 16)
     assert compiled == {"prefill": 4, "decode": 1,
-                        "decode_multi_step": 3 if decode_steps > 1 else 0, "mixed": 0}
+                        "decode_multi_step": 3 if decode_steps > 1 else 0, "mixed": 0,
+                        "prefill_packed": 0}
     assert c.model_info().model_name == model.config.name
     got = [list(c.generate(prompt, max_tokens=8, ignore_eos=True).token_ids) for _ in range(2)]
     assert got == [want, want]

@@ -433,6 +433,41 @@ def test_loadgen_splits_a_grouped_chunk_into_per_token_gaps():
   assert abs(r["tpot_mean_ms"] - r["itl_mean_ms"]) < 5, r
 
 
+def test_loadgen_range_ratio_draws_ragged_lengths():
+  """range_ratio r: each request's prompt and output lengths drawn from
+  [L(1-r), L(1+r)]; r = 0 sends every request at exactly L; r outside [0, 1)
+  is refused."""
+  from serving import loadgen
+
+  class Chunk:
+    token_ids = [7]
+
+  class FakeClient:
+    def __init__(self):
+      self.sent = []
+
+    def stream(self, prompt, *, max_tokens, **kw):
+      self.sent.append((len(prompt), max_tokens))
+      for _ in range(max_tokens):
+        yield Chunk()
+
+  c = FakeClient()
+  r = loadgen.run(c, num_requests=48, input_len=40, output_len=10, concurrency=8,
+                  range_ratio=0.5)
+  ins, outs = zip(*c.sent)
+  assert all(20 <= n <= 60 for n in ins) and all(5 <= n <= 15 for n in outs), c.sent
+  assert len(set(ins)) > 5 and len(set(outs)) > 3, c.sent  # drawn, not fixed
+  assert r["output_tokens"] == sum(outs) and r["input_tokens"] == sum(ins)
+  assert "x0.5..1.5" in loadgen.format_report(r)
+  c = FakeClient()
+  loadgen.run(c, num_requests=4, input_len=40, output_len=10, concurrency=2)
+  assert c.sent == [(40, 10)] * 4
+  for bad in (-0.1, 1.0):
+    with pytest.raises(ValueError, match="range_ratio"):
+      loadgen.run(c, num_requests=4, input_len=40, output_len=10, concurrency=2,
+                  range_ratio=bad)
+
+
 def test_step_times_split_out_the_launch_and_the_tokens():
   """step_times hold the time spent building inputs and dispatching the
   device calls, and on the tokens read back: a runner that takes 20 ms per
