@@ -240,27 +240,40 @@ def _drain(handle) -> list[int]:
   return ids
 
 
+def _llama_engine(model, **config):
+  """(runner, engine) of the tiny Llama on 120 pages of 8, batch 8, chunks 16..64."""
+  runner = E.ModelRunner(model, num_pages=120, page_size=8)
+  return runner, E.BatchingEngine(runner, E.EngineConfig(
+      max_batch=8, batch_buckets=(1, 8), min_chunk=16, prefill_chunk=64, max_seq_len=128,
+      **config))
+
+
+def _compiled(runner):
+  """Shapes compiled so far by the runner's jitted steps and greedy sampling."""
+  from serving.engine import sampling
+
+  return [f._cache_size() for f in runner._fast] + [sampling.greedy._cache_size()]
+
+
 def test_packed_prefill_keeps_outputs_on_the_llama_decoder():
   """packed_prefill: fresh prompts of ragged lengths go to the device packed in
   one row, and a step with a prefix-cache hit continues in the row layout; the
   greedy tokens are those of the row layout, steady state compiles nothing
   after warm-up, and pages come back. A runner that cannot pack is refused."""
   import models
-  from serving.engine import api, sampling
+  from serving.engine import api
 
   model = models.load("tiny", dtype="float32")
   prompts = _prompts(10, seed=11)  # 1..53 tokens; 0, 3, 6, 9 share a 3-page prefix
   waves = [[0, 1, 2, 3], [4, 5, 7, 8], [6, 9]]  # fresh, fresh, prefix-cache hits
   outs, packed_calls = {}, []
   for packed in (False, True):
-    runner = E.ModelRunner(model, num_pages=120, page_size=8)
-    engine = E.BatchingEngine(runner, E.EngineConfig(
-        max_batch=8, batch_buckets=(1, 8), prefill_rows=4, min_chunk=16, prefill_chunk=64,
-        token_budget=256, max_seq_len=128, warmup=packed, packed_prefill=packed))
+    runner, engine = _llama_engine(model, prefill_rows=4, token_budget=256, warmup=packed,
+                                   packed_prefill=packed)
     if packed:
       assert engine.packed_buckets == (16, 32, 64, 128, 256)
       engine.warmup()
-      compiled = [f._cache_size() for f in runner._fast] + [sampling.greedy._cache_size()]
+      compiled = _compiled(runner)
       run_packed = runner.prefill_packed
 
       def spy(tokens, tpos, seg, last, table):
@@ -279,7 +292,7 @@ def test_packed_prefill_keeps_outputs_on_the_llama_decoder():
         pass
       outs[packed].update({i: _drain(h) for i, h in handles.items()})
     if packed:
-      assert [f._cache_size() for f in runner._fast] + [sampling.greedy._cache_size()] == compiled
+      assert _compiled(runner) == compiled
     assert engine.stats().pages_in_use == 0
     engine.alloc.check()
   # The two fresh waves packed (all four prompts each); the hits did not.
@@ -294,19 +307,17 @@ def test_mixed_steps_keep_outputs_on_the_llama_decoder():
   """mixed_steps: prompts arriving while others decode share their steps (one
   call for both); greedy tokens must not change, and pages come back."""
   import models
-  from serving.engine import api, sampling
+  from serving.engine import api
 
   model = models.load("tiny", dtype="float32")
   prompts = _prompts(9, seed=4)
   outs, calls = {}, {}
   for mixed in (False, True):
-    runner = E.ModelRunner(model, num_pages=120, page_size=8)
-    engine = E.BatchingEngine(runner, E.EngineConfig(
-        max_batch=8, batch_buckets=(1, 8), prefill_rows=2, min_chunk=16, prefill_chunk=64,
-        decode_prefill_budget=16, max_seq_len=128, warmup=mixed, mixed_steps=mixed))
+    runner, engine = _llama_engine(model, prefill_rows=2, decode_prefill_budget=16,
+                                   warmup=mixed, mixed_steps=mixed)
     if mixed:
       engine.warmup()  # the mixed shapes too: steady state must not compile
-      compiled = [f._cache_size() for f in runner._fast] + [sampling.greedy._cache_size()]
+      compiled = _compiled(runner)
       widths, run_mixed = [], runner.mixed
 
       def spy(*args):
@@ -331,7 +342,7 @@ def test_mixed_steps_keep_outputs_on_the_llama_decoder():
       pass
     outs[mixed] = [_drain(h) for h in handles]
     if mixed:
-      assert [f._cache_size() for f in runner._fast] + [sampling.greedy._cache_size()] == compiled
+      assert _compiled(runner) == compiled
     calls[mixed] = engine.mixed_steps_run
     assert engine.stats().pages_in_use == 0
   assert min(widths) < engine.max_pages, widths
