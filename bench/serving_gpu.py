@@ -370,7 +370,9 @@ def main():
   shape = f"{n_in}/{a.output_len}"
   if a.range_ratio:
     io["range_ratio"] = a.range_ratio
-    shape += f" x{1 - a.range_ratio:g}..{1 + a.range_ratio:g}"
+    from serving import loadgen as loadgen_lib  # (this file's loadgen runs its CLI)
+
+    shape += " " + loadgen_lib.spread(a.range_ratio)
   try:
     # Each run draws other prompts (--seed): a prefix-cache hit would time a
     # continued-chunk prefill, which the warm-up does not compile by default.

@@ -474,9 +474,8 @@ class Llama(nnx.Module):
     n = tokens.shape[0]
     ps = cache.page_size
     valid = seg > 0
-    idx = jnp.clip(tpos // ps, 0, page_table.shape[1] - 1)
-    page = jnp.where(valid, page_table[jnp.maximum(seg - 1, 0), idx], 0)[None]  # [1, N]
-    slot = jnp.where(valid, tpos % ps, 0)[None]
+    rows = page_table[jnp.maximum(seg - 1, 0)]  # each token's row's table [N, max_pages]
+    page, slot = (a.reshape(1, n) for a in _page_slot(tpos[:, None], valid[:, None], rows, ps))
     with jax.named_scope("rope"):
       rope = rope_angles(tpos[None], jnp.asarray(rope_inv_freq(self.cfg)))
     attention = self._prefill_attention(1, n, n, q_positions=tpos[None], kv_positions=tpos[None],

@@ -95,7 +95,8 @@ def run(client: Client, *, num_requests: int, input_len: int, output_len: int,
   tokens = sum(s.tokens for s in samples)
   out = {
       "num_requests": num_requests, "input_len": input_len, "output_len": output_len,
-      "range_ratio": range_ratio, "input_tokens": sum(in_lens), "concurrency": concurrency, "rate": rate, "wall_s": wall,
+      "range_ratio": range_ratio, "input_tokens": sum(in_lens), "concurrency": concurrency,
+      "rate": rate, "wall_s": wall,
       "output_tokens": tokens, "output_tok_s": tokens / wall,
       "requests_s": num_requests / wall,
   }
@@ -106,10 +107,15 @@ def run(client: Client, *, num_requests: int, input_len: int, output_len: int,
   return out
 
 
+def spread(range_ratio: float) -> str:
+  """The lengths' range as a factor of L ("x0.5..1.5"); "" for equal lengths."""
+  return f"x{1 - range_ratio:g}..{1 + range_ratio:g}" if range_ratio else ""
+
+
 def format_report(r: dict) -> str:
   mode = f"concurrency {r['concurrency']}" if r["concurrency"] else f"rate {r['rate']}/s"
-  spread = f" (x{1 - r['range_ratio']:g}..{1 + r['range_ratio']:g})" if r.get("range_ratio") else ""
-  lines = [f"{r['num_requests']} requests, {r['input_len']} in / {r['output_len']} out{spread}, "
+  lengths = f" ({spread(r['range_ratio'])})" if r.get("range_ratio") else ""
+  lines = [f"{r['num_requests']} requests, {r['input_len']} in / {r['output_len']} out{lengths}, "
            f"{mode}: "
            f"{r['output_tok_s']:.1f} output tok/s, {r['requests_s']:.2f} req/s",
            "           p50      p90      p99   (ms)"]

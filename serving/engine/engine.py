@@ -688,10 +688,7 @@ class BatchingEngine(api.Engine):
     for i, (seq, n) in enumerate(chunks):
       tokens[i, :n] = seq.tokens[seq.computed:seq.computed + n]
       positions[i], lengths[i], slots[i] = seq.computed, n, seq.slot
-      seq.computed += n
-      self._register_blocks(seq)
-      if seq.computed == seq.num_tokens:
-        finishing[i] = seq
+      finishing[i] = self._advance(seq, n)
     width = self.max_pages  # fresh chunks gather nothing: one shape
     if positions.any():
       width = _bucket(-(-int((positions + lengths).max()) // self.page_size), self.table_buckets)
@@ -714,13 +711,17 @@ class BatchingEngine(api.Engine):
       tokens[o:o + k] = seq.tokens[:k]
       tpos[o:o + k], seg[o:o + k], last[i], slots[i] = np.arange(k), i + 1, o + k - 1, seq.slot
       o += k
-      seq.computed += k
-      self._register_blocks(seq)
-      if seq.computed == seq.num_tokens:
-        finishing[i] = seq
+      finishing[i] = self._advance(seq, k)
     table = self._slot_table[slots]  # a copy
     table[len(chunks):] = 0
     return tokens, tpos, seg, last, table, finishing
+
+  def _advance(self, seq: _Seq, n: int) -> _Seq | None:
+    """Counts n more of ``seq``'s prompt as computed (its full pages go to the
+    prefix cache); ``seq`` if that completes the prompt, else None."""
+    seq.computed += n
+    self._register_blocks(seq)
+    return seq if seq.computed == seq.num_tokens else None
 
   def _register_blocks(self, seq: _Seq) -> None:
     full = min(seq.computed // self.page_size, len(seq.hashes or ()))

@@ -167,8 +167,7 @@ class ModelRunner:
       return llama.mixed_step(graphdef, params, cache, dec_tokens, dec_lengths, dec_table, tokens,
                               positions, lengths, page_table, backends=mb, fresh=fresh)
 
-    packed = prefill_packed if hasattr(llama, "prefill_packed_step") else None
-    return prefill, decode, decode_multi, mixed, packed
+    return prefill, decode, decode_multi, mixed, prefill_packed
 
   def prefill(self, tokens, positions, lengths, page_table):
     if self._fast is not None:
@@ -198,13 +197,13 @@ class ModelRunner:
     if self._fast is None:
       return None
     names = ("prefill", "decode", "decode_multi_step", "mixed", "prefill_packed")
-    return {name: f._cache_size() for name, f in zip(names, self._fast) if f is not None}
+    return {name: f._cache_size() for name, f in zip(names, self._fast)}
 
   @functools.cached_property
   def packed_why_not(self) -> str | None:
     """None if ``prefill_packed`` can run, else why not: it needs the direct
     path and a prefill attention that takes segment ids (cuDNN's does not)."""
-    if self._fast is None or self._fast[4] is None:
+    if self._fast is None:
       return f"{type(self.model).__name__} has no packed prefill step"
     name = self.backends.get("attention_prefill")
     if name is None:
