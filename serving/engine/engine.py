@@ -128,7 +128,9 @@ class EngineConfig:
   # causal within itself (the runner's ``prefill_packed``), instead of one
   # row each padded to the longest one's chunk bucket: ragged prompts cost
   # their own tokens (3 prompts of 700 tokens: 2,112 tokens, not 4 x 2,048).
-  # Continued chunks keep the row layout.
+  # Continued chunks keep the row layout, so a prompt that would not fit the
+  # step's budget whole waits for the next step rather than be split (unless
+  # it comes first: a prompt longer than the budget is still chunked).
   packed_prefill: bool = False
 
   def __post_init__(self):
@@ -627,6 +629,10 @@ class BatchingEngine(api.Engine):
     while (self._waiting and len(out) < self.config.prefill_rows and budget > 0
            and not self._stopping):
       seq = self._waiting[0]
+      if out and self.config.packed_prefill and seq.num_tokens > min(budget, cap):
+        # Split, its rest would be a continued chunk, which runs its whole step
+        # in the row layout (each row padded to its chunk's bucket): next step.
+        break
       if seq.pending or not self._admit(seq):  # preempted with a token in flight: next step
         break
       self._waiting.popleft()

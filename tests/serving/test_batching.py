@@ -303,6 +303,41 @@ def test_packed_prefill_keeps_outputs_on_the_llama_decoder():
     E.toy_engine(packed_prefill=True)
 
 
+def test_packed_prefill_does_not_split_a_prompt_to_fill_the_budget():
+  """A fresh prompt that would not fit what is left of the step's budget waits
+  for the next step whole: split, its rest would be a continued chunk, and a
+  step with one runs in the row layout, every row padded to its chunk bucket."""
+  import models
+  from serving.engine import api
+
+  model = models.load("tiny", dtype="float32")
+  lengths = (40, 30, 20, 10)
+  rng = np.random.default_rng(5)
+  prompts = [rng.integers(3, 200, n).tolist() for n in lengths]
+  runner, engine = _llama_engine(model, prefill_rows=4, token_budget=64, packed_prefill=True)
+  segments = []
+  run_packed = runner.prefill_packed
+
+  def spy(tokens, tpos, seg, last, table):
+    segments.append([int((seg == r + 1).sum()) for r in range(int(seg.max()))])
+    return run_packed(tokens, tpos, seg, last, table)
+
+  def row_prefill(*args):
+    raise AssertionError("a row-layout prefill ran")
+
+  runner.prefill_packed, runner.prefill = spy, row_prefill
+  handles = [engine.submit(api.Request(f"r{i}", prompt_ids=p, add_bos=False,
+                                       sampling=api.SamplingParams(max_tokens=3, ignore_eos=True)))
+             for i, p in enumerate(prompts)]
+  while engine.step():
+    pass
+  # 40 fits the first step's 64 tokens and 30 would not: it waits. The second
+  # step has 63 (one decode row): 30 + 20 + 10.
+  assert segments == [[40], [30, 20, 10]], segments
+  assert all(len(_drain(h)) == 3 for h in handles)
+  assert engine.stats().pages_in_use == 0
+
+
 def test_mixed_steps_keep_outputs_on_the_llama_decoder():
   """mixed_steps: prompts arriving while others decode share their steps (one
   call for both); greedy tokens must not change, and pages come back."""
