@@ -164,6 +164,8 @@ def candidates(m: int, n: int, k: int, sms: int, activation=None,
   else:
     cs = [h, rep(h, wg_dim="m"), rep(h, grid_width=16), rep(h, grid_width=4),
           rep(h, grid_minor="m"), C(tile_m=64, tile_n=256, stages=4, wg_dim="m", epi_n=64)]
+    # 2-CTA clusters: the pair's shared block is read from L2 once, multicast.
+    cs += [rep(h, cluster="m"), rep(h, cluster="n"), rep(h, cluster="m", grid_minor="m")]
     if n % 192 == 0 and n % 128:
       # SmolLM2's N = 576: 128- and 256-column tiles leave 10-25% of the last
       # column of tiles empty; 192-column ones (split by M) none.
@@ -188,7 +190,7 @@ def cfg_str(c: mm.Config) -> str:
             + (f" sk{c.split_k}" if c.split_k > 1 else ""))
   return (f"{c.tile_m}x{c.tile_n}x{c.tile_k}/{c.wg_dim} s{c.stages} w{c.grid_width}"
           f"{c.grid_minor}" + (f" sk{c.split_k}" if c.split_k > 1 else "")
-          + ("" if c.persistent else " np"))
+          + ("" if c.persistent else " np") + (f" c2{c.cluster}" if c.cluster else ""))
 
 
 def main(argv=None):

@@ -19,6 +19,11 @@ Hopper kernel (``mosaic`` backend), how data flows:
   block [cta_m, tile_k] and a B block [tile_k, cta_n] into a ring of
   ``stages`` swizzled SMEM buffers; two consumers each own half of the CTA
   tile (split along N or M) and accumulate it with wgmma in fp32 registers.
+- With ``Config.cluster`` the grid is of 2-CTA clusters whose CTAs own
+  neighbouring tiles along M (or N): each K step's B (or A) block is the
+  same for both, so each CTA's producer issues half of it and TMA multicasts
+  it into both SMEM rings (the pipeline's consumed-slot barriers span the
+  cluster, so neither CTA overwrites a slot its partner still reads).
 - The epilogue adds the bias (one TMA copy of the tile's slice, broadcast in
   registers) and the residual (TMA-copied into the output staging buffer),
   casts, and stores through SMEM with TMA in [epi_m, epi_n] pieces, double
@@ -102,6 +107,11 @@ class Config(tuning.KernelConfig):
   weight stream whose tile count is not a multiple of the SM count (decode
   shapes), where a persistent CTA with one tile more than its neighbours
   would finish last.
+  ``cluster`` ("m" or "n") pairs CTAs in 2-CTA clusters that own
+  neighbouring output tiles along that dimension, so they share the other
+  operand's block: "m" pairs share each B block [tile_k, cta_n], "n" pairs
+  each A block [cta_m, tile_k]. The shared block is read from L2 once and
+  TMA-multicast into both CTAs' SMEM, halving its L2 traffic.
   """
 
   tile_m: int = 128
@@ -116,6 +126,7 @@ class Config(tuning.KernelConfig):
   split_k: int = 1
   persistent: bool = True
   swap_ab: bool = False
+  cluster: str | None = None
 
   def __post_init__(self):
     if not isinstance(self.swap_ab, bool):
@@ -125,8 +136,10 @@ class Config(tuning.KernelConfig):
     if self.split_k < 1:
       raise ValueError(f"{self.split_k=} must be >= 1")
     if self.swap_ab:
-      # One warpgroup, one CTA per tile; wg_dim, grid_*, epi_* and
-      # persistent do not apply.
+      # One warpgroup, one CTA per tile; wg_dim, grid_*, epi_*, cluster
+      # and persistent do not apply.
+      if self.cluster is not None:
+        raise ValueError(f"swap_ab: {self.cluster=} must be None (one CTA per weight tile)")
       if self.tile_n not in (64, 128):
         raise ValueError(f"swap_ab: {self.tile_n=} must be 64 or 128 (the wgmma's M rows)")
       if self.tile_m not in (8, 16, 32, 64):
@@ -156,6 +169,13 @@ class Config(tuning.KernelConfig):
       raise ValueError(f"{self.grid_minor=} must be 'm' or 'n'")
     if self.grid_width < 1:
       raise ValueError(f"{self.grid_width=} must be >= 1")
+    if self.cluster not in (None, "m", "n"):
+      raise ValueError(f"{self.cluster=} must be None, 'm' or 'n'")
+    if self.cluster is not None and (self.split_k > 1 or not self.persistent):
+      # The pair walks the tiles together on a persistent grid; a split's
+      # partials or a CTA per tile have no partner to share a block with.
+      raise ValueError(f"cluster={self.cluster!r} needs split_k=1 and persistent=True; got "
+                       f"{self.split_k=}, {self.persistent=}")
 
   @property
   def cta_m(self) -> int:
@@ -200,6 +220,11 @@ def _kernel(layer_gmem, a_gmem, b_gmem, bias_gmem, res_gmem, out_gmem, *, cfg: C
   tm, tn, tk = cfg.tile_m, cfg.tile_n, cfg.tile_k
   cta_m, cta_n = cfg.cta_m, cfg.cta_n
   m_iters, n_iters = dsl.cdiv(m, cta_m), dsl.cdiv(n, cta_n)
+  # The tiles the grid walks: a cluster's pair of tiles counts as one (with an
+  # odd count, the last pair's second tile lies past the edge: TMA reads it as
+  # zeros and clips its store, so the partner only idles along).
+  walk_m = dsl.cdiv(m_iters, 2) if cfg.cluster == "m" else m_iters
+  walk_n = dsl.cdiv(n_iters, 2) if cfg.cluster == "n" else n_iters
   splits = cfg.split_k
   kps = dsl.cdiv(k_iters, splits)  # k blocks per split
   split_out = splits > 1
@@ -217,13 +242,18 @@ def _kernel(layer_gmem, a_gmem, b_gmem, bias_gmem, res_gmem, out_gmem, *, cfg: C
   b_tr = dsl.smem_transforms((tk, cta_n), dtype)
   out_tr = dsl.smem_transforms((epi_m, epi_n), acc_out_dtype)
 
+  # The operand block a cluster's pair shares is multicast to both CTAs.
+  shared = lambda dim: dict(collective_axes=("cluster",)) if cfg.cluster == dim else {}
+
   def make_pipeline(body, compute_context):
     return dsl.warp_specialized_pipeline(
         body,
         grid=(kps,),
         in_specs=[
-            plgpu.BlockSpec((cta_m, tk), lambda k: (0, k), transforms=a_tr),
-            plgpu.BlockSpec((tk, cta_n), lambda k: (k, 0), transforms=b_tr),
+            plgpu.BlockSpec((cta_m, tk), lambda k: (0, k), transforms=a_tr,
+                            **shared("n")),
+            plgpu.BlockSpec((tk, cta_n), lambda k: (k, 0), transforms=b_tr,
+                            **shared("m")),
         ],
         stages=min(cfg.stages, kps) if kps > 1 else 2,
         num_compute_wgs=2,
@@ -245,13 +275,17 @@ def _kernel(layer_gmem, a_gmem, b_gmem, bias_gmem, res_gmem, out_gmem, *, cfg: C
     res_bar = lambda slot: barriers.at[wg * (slots + 1) + slot]
     bias_bar = barriers.at[wg * (slots + 1) + slots]
 
-    @plgpu.nd_loop((m_iters * n_iters * splits,), collective_axes="sm")
+    @plgpu.nd_loop((walk_m * walk_n * splits,), collective_axes="sm")
     def _tiles(info: plgpu.NDLoopInfo):
       (lin,) = info.index
       split = lin % splits
       mn = lin // splits
       mi, ni = plgpu.planar_snake(
-          mn, (m_iters, n_iters), 1 if cfg.grid_minor == "n" else 0, cfg.grid_width)
+          mn, (walk_m, walk_n), 1 if cfg.grid_minor == "n" else 0, cfg.grid_width)
+      if cfg.cluster == "m":
+        mi = 2 * mi + lax.axis_index("cluster")
+      elif cfg.cluster == "n":
+        ni = 2 * ni + lax.axis_index("cluster")
       cta_ms = pl.ds(mi * cta_m, cta_m)
       cta_ns = pl.ds(ni * cta_n, cta_n)
       out_cta_ns = pl.ds(ni * (cta_n // out_ratio), cta_n // out_ratio)
@@ -507,6 +541,12 @@ def _run_persistent(layer_arr, a, b, bias, residual, *, cfg: Config, k_iters: in
   split_out = cfg.split_k > 1
   tiles = dsl.cdiv(m, cfg.cta_m) * dsl.cdiv(n, cfg.cta_n) * cfg.split_k
   grid = tiles if not cfg.persistent else max(1, min(_num_sms(), tiles))
+  cluster = {}
+  if cfg.cluster is not None:  # one grid entry per 2-CTA cluster and its pair of tiles
+    mt, nt = dsl.cdiv(m, cfg.cta_m), dsl.cdiv(n, cfg.cta_n)
+    pairs = dsl.cdiv(mt, 2) * nt if cfg.cluster == "m" else mt * dsl.cdiv(nt, 2)
+    grid = max(1, min(_num_sms() // 2, pairs))
+    cluster = dict(cluster=(2,), cluster_names=("cluster",))
   out_n = n // 2 if activation == "swiglu" else n
   out_shape = (cfg.split_k, m, n) if split_out else (m, out_n)
   body = functools.partial(_kernel, cfg=cfg, k_iters=k_iters, out_dtype=out_dtype,
@@ -528,6 +568,7 @@ def _run_persistent(layer_arr, a, b, bias, residual, *, cfg: Config, k_iters: in
       out_type=jax.ShapeDtypeStruct(out_shape, jnp.float32 if split_out else out_dtype),
       grid=(grid,),
       grid_names=("sm",),
+      **cluster,
       num_threads=3,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(

@@ -74,6 +74,12 @@ MOSAIC_CASES = [
     # 192-column tiles (SmolLM2's N = 576 in three), the warpgroups split by M.
     pytest.param(136, 384, 128, C(tile_m=64, tile_n=192, epi_n=64, stages=2, wg_dim="m"), True,
                  False, None, jnp.bfloat16, id="192-column-tile"),
+    # 2-CTA clusters sharing a multicast block: B for pairs along M, A along N.
+    # 3 x 2 tiles: the pair over the 3 row tiles has a partner past the edge.
+    pytest.param(136, 256, 192, C(tile_m=64, tile_n=64, stages=2, cluster="m"), True, True,
+                 None, jnp.bfloat16, id="cluster-m-odd-pairs-bias-residual"),
+    pytest.param(72, 384, 128, C(tile_m=64, tile_n=64, stages=2, cluster="n", grid_minor="m"),
+                 False, False, None, jnp.bfloat16, id="cluster-n-odd-pairs"),
     # swap_ab: weight columns as the wgmma's M, token rows as its N.
     # 4.5 K blocks: the 2-slot ring wraps, the last block is half zero fill.
     pytest.param(1, 128, 576, C(tile_m=8, tile_n=64, tile_k=128, stages=2, swap_ab=True), True,
@@ -111,6 +117,8 @@ LAYER_CASES = [
                  id="split-k"),
     pytest.param(8, 128, 128, C(tile_m=8, tile_n=64, stages=2, swap_ab=True), True, True,
                  id="swap-ab"),
+    pytest.param(136, 128, 128, C(tile_m=64, tile_n=64, stages=2, cluster="m"), True, True,
+                 id="cluster"),
 ]
 
 
@@ -367,6 +375,8 @@ def test_bad_inputs_are_rejected():
     dict(tile_n=32), dict(tile_k=32), dict(tile_n=64, epi_n=8),
     dict(swap_ab=True, tile_m=8, tile_n=256), dict(swap_ab=True, tile_n=64, tile_m=12),
     dict(swap_ab=True, tile_n=64, tile_m=8, tile_k=32), dict(swap_ab=1),
+    dict(cluster="k"), dict(cluster="m", split_k=2), dict(cluster="n", persistent=False),
+    dict(swap_ab=True, tile_m=8, tile_n=64, cluster="m"),
 ])
 def test_config_validation(bad):
   with pytest.raises(ValueError):
@@ -383,6 +393,19 @@ def test_config_validation(bad):
 def test_mosaic_gpu_full_size(m, n, k):
   a, b, bias, res = _inputs(m, n, k)
   out = registry.get_op("matmul")(a, b, bias=bias, residual=res, backend="mosaic")
+  testing.assert_close(out, mm.matmul_reference(a, b, bias=bias, residual=res), jnp.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cluster", ["m", "n"])
+@pytest.mark.parametrize("m,n,k", [(8192, 8192, 8192), (2048, 28672, 4096), (304, 1088, 1088)])
+def test_cluster_multicast_gpu_full_size(m, n, k, cluster):
+  # 2-CTA clusters on the card: the multicast block and the cluster barriers
+  # are the hardware's (the interpreter checks the tiling only); 304 x 1088
+  # leaves an odd count of tiles along both dimensions.
+  a, b, bias, res = _inputs(m, n, k)
+  cfg = mm.Config(stages=4, cluster=cluster)
+  out = registry.get_op("matmul")(a, b, bias=bias, residual=res, config=cfg, backend="mosaic")
   testing.assert_close(out, mm.matmul_reference(a, b, bias=bias, residual=res), jnp.bfloat16)
 
 
