@@ -461,31 +461,58 @@ class Llama(nnx.Module):
       x = jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]  # [B, D]
     return self._logits(x), cache
 
-  def prefill_packed(self, cache: KVCache, tokens, tpos, seg, last, page_table):
-    """Fresh prompts packed into one row, without padding rows or chunk buckets.
+  def prefill_packed(self, cache: KVCache, tokens, tpos, seg, last, page_table, *,
+                     fresh: bool = True):
+    """Prompt chunks packed into one row, without padding rows or chunk buckets.
 
-    tokens/tpos/seg [N]: each token, its position in its prompt and its
-    prompt's row + 1 (0: padding, which writes and sees nothing); last [R]:
-    the index in N of each prompt's last token; page_table [R, max_pages].
-    N is the prompts' total rounded up to a bucket, so ragged prompts cost
-    their own tokens, not R x the longest one's bucket. Attention is causal
-    within each prompt (segment ids). Returns logits [R, vocab] and the cache.
+    tokens/tpos/seg [N]: each token, its position in its sequence and its
+    chunk's row + 1 (0: padding, which writes and sees nothing); last [R]:
+    the index in N of each chunk's last token; page_table [R, W]. N is the
+    chunks' total rounded up to a bucket, so ragged chunks cost their own
+    tokens, not R x the longest one's bucket. Returns logits [R, vocab] at
+    each row's last token and the cache.
+
+    ``fresh`` (static; every chunk starts its prompt): attention is causal
+    within each chunk (segment ids), over the packed row itself. Otherwise
+    some row continues a prompt whose prefix is in the cache: each row's W
+    pages are gathered (after this chunk's writes) and laid end to end,
+    [R * W * page_size] keys, each row's live keys carrying its segment id, so
+    a query block visits only its own row's keys.
     """
     n = tokens.shape[0]
+    r, w = page_table.shape
     ps = cache.page_size
     valid = seg > 0
-    rows = page_table[jnp.maximum(seg - 1, 0)]  # each token's row's table [N, max_pages]
+    rows = page_table[jnp.maximum(seg - 1, 0)]  # each token's row's table [N, W]
     page, slot = (a.reshape(1, n) for a in _page_slot(tpos[:, None], valid[:, None], rows, ps))
     with jax.named_scope("rope"):
       rope = rope_angles(tpos[None], jnp.asarray(rope_inv_freq(self.cfg)))
-    attention = self._prefill_attention(1, n, n, q_positions=tpos[None], kv_positions=tpos[None],
-                                        q_segment_ids=seg[None], kv_segment_ids=seg[None])
+    q_masks = dict(q_positions=tpos[None], q_segment_ids=seg[None])
+    if fresh:
+      attention = self._prefill_attention(1, n, n, kv_positions=tpos[None],
+                                          kv_segment_ids=seg[None], **q_masks)
+      attend_kv = lambda q, k, v, kc, vc, layer: attention(q, k, v)
+    else:
+      skv = w * ps
+      kv_pos = jnp.broadcast_to(jnp.arange(skv, dtype=jnp.int32), (r, skv))
+      # Keys each row holds after this chunk: its last token's position + 1.
+      total = jnp.maximum(jax.ops.segment_max(jnp.where(valid, tpos + 1, 0), seg,
+                                              num_segments=r + 1)[1:], 0)
+      kv_seg = jnp.where(kv_pos < total[:, None], jnp.arange(1, r + 1, dtype=jnp.int32)[:, None],
+                         0)
+      attention = self._prefill_attention(1, n, r * skv, kv_positions=kv_pos.reshape(1, -1),
+                                          kv_segment_ids=kv_seg.reshape(1, -1), **q_masks)
+
+      def attend_kv(q, k, v, kc, vc, layer):
+        kg, vg = _gather_pages(kc, vc, layer, page_table, q.dtype)  # [R, W * ps, Hkv, hd]
+        return attention(q, kg.reshape(1, r * skv, *kg.shape[2:]),
+                         vg.reshape(1, r * skv, *vg.shape[2:]))
 
     def attend(block, h, kc, vc, layer, rms_eps):
       q, k, v = block.attn.qkv(h, rope, rms_eps)  # [1, N, H, hd]
       kc, vc = _write_kv(kc, vc, layer, page, slot, valid[None], k, v)
       with jax.named_scope("attention"):
-        o = attention(q, k, v)
+        o = attend_kv(q, k, v, kc, vc, layer)
       return o.reshape(1, n, -1).astype(h.dtype), kc, vc
 
     with jax.named_scope("embed"):
@@ -769,15 +796,15 @@ def prefill_step(graphdef, params, cache, tokens, positions, lengths, page_table
   return _maybe_sharded(step, mesh, params, cache, tokens, positions, lengths, page_table)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "backends", "mesh"),
+@functools.partial(jax.jit, static_argnames=("graphdef", "backends", "fresh", "mesh"),
                    donate_argnames=("cache",))
 def prefill_packed_step(graphdef, params, cache, tokens, tpos, seg, last, page_table, *,
-                        backends=(), mesh=None):
-  """Llama.prefill_packed: fresh prompts in one row -> (logits [R, vocab], cache)."""
+                        backends=(), fresh=True, mesh=None):
+  """Llama.prefill_packed: prompt chunks in one row -> (logits [R, vocab], cache)."""
   def step(params, cache, *rest):
     model = nnx.merge(graphdef, params)
     with registry.use(**dict(backends)):
-      return model.prefill_packed(cache, *rest)
+      return model.prefill_packed(cache, *rest, fresh=fresh)
 
   return _maybe_sharded(step, mesh, params, cache, tokens, tpos, seg, last, page_table)
 

@@ -24,9 +24,9 @@ work: the chunk's tokens join the decode batch's pass over the weights.
 With ``EngineConfig.prefill_first``, step 4 dispatches no decodes while it
 has prefill chunks: decoding requests keep their pages and wait.
 
-With ``EngineConfig.packed_prefill``, a prefill batch of fresh prompts goes
-to the device as one row of their tokens (segment ids keep each prompt's
-attention to itself) rather than one padded row each.
+With ``EngineConfig.packed_prefill``, a prefill batch goes to the device as
+one row of its chunks' tokens (segment ids keep each chunk's attention to its
+own sequence) rather than one padded row each.
 
 With ``EngineConfig.decode_steps`` = n > 1, an iteration with no prompt
 waiting runs n decode steps in one device call (sampling on the device, each
@@ -124,13 +124,13 @@ class EngineConfig:
   # of inter-token gaps as long as the prefill phase for requests already
   # decoding (a long prompt's chunks hold them all up).
   prefill_first: bool = False
-  # Fresh prompts (no cached prefix) go to the device packed in one row, each
-  # causal within itself (the runner's ``prefill_packed``), instead of one
-  # row each padded to the longest one's chunk bucket: ragged prompts cost
-  # their own tokens (3 prompts of 700 tokens: 2,112 tokens, not 4 x 2,048).
-  # Continued chunks keep the row layout, so a prompt that would not fit the
-  # step's budget whole waits for the next step rather than be split (unless
-  # it comes first: a prompt longer than the budget is still chunked).
+  # A step's prompt chunks go to the device packed in one row, each causal
+  # within itself (the runner's ``prefill_packed``), instead of one row each
+  # padded to the longest one's chunk bucket: ragged prompts cost their own
+  # tokens (3 prompts of 700 tokens: 2,112 tokens, not 4 x 2,048). A step
+  # that continues a prompt (a cached prefix, or the rest of a prompt split
+  # by the budget) also gathers its rows' pages for attention. Mixed steps
+  # keep the row layout.
   packed_prefill: bool = False
 
   def __post_init__(self):
@@ -629,10 +629,6 @@ class BatchingEngine(api.Engine):
     while (self._waiting and len(out) < self.config.prefill_rows and budget > 0
            and not self._stopping):
       seq = self._waiting[0]
-      if out and self.config.packed_prefill and seq.num_tokens > min(budget, cap):
-        # Split, its rest would be a continued chunk, which runs its whole step
-        # in the row layout (each row padded to its chunk's bucket): next step.
-        break
       if seq.pending or not self._admit(seq):  # preempted with a token in flight: next step
         break
       self._waiting.popleft()
@@ -666,9 +662,10 @@ class BatchingEngine(api.Engine):
     return out[:4], want_lp
 
   def _run_prefill(self, chunks: list[tuple[_Seq, int]]):
-    if self.config.packed_prefill and not any(seq.computed for seq, _ in chunks):
+    if self.config.packed_prefill:
+      fresh = not any(seq.computed for seq, _ in chunks)
       tokens, tpos, seg, last, table, finishing = self._packed_inputs(chunks)
-      logits = self.runner.prefill_packed(tokens, tpos, seg, last, table)
+      logits = self.runner.prefill_packed(tokens, tpos, seg, last, table, fresh=fresh)
     else:
       tokens, positions, lengths, table, finishing = self._prefill_inputs(chunks)
       logits = self.runner.prefill(tokens, positions, lengths, table)
@@ -703,22 +700,29 @@ class BatchingEngine(api.Engine):
     return tokens, positions, lengths, table, finishing
 
   def _packed_inputs(self, chunks: list[tuple[_Seq, int]]):
-    """Fresh chunks one after another in one row of a packed bucket's length:
-    (tokens, positions in their prompts, row + 1 (0: padding) [N]; each row's
-    last token's index [prefill_rows]; page table [prefill_rows, max_pages];
-    finishing as in ``_prefill_inputs``). Advances each request's computed tokens."""
+    """Chunks one after another in one row of a packed bucket's length:
+    (tokens, positions in their sequences, row + 1 (0: padding) [N]; each
+    row's last token's index [prefill_rows]; page table [prefill_rows, W];
+    finishing as in ``_prefill_inputs``). W is max_pages when every chunk is
+    fresh (nothing is gathered: one shape), else the table width bucket that
+    covers the longest row, as in the row layout. Advances each request's
+    computed tokens."""
     rows = self.config.prefill_rows
     n = _bucket(sum(k for _, k in chunks), self.packed_buckets)
     tokens, tpos, seg = (np.zeros((n,), np.int32) for _ in range(3))
     last, slots = np.zeros((rows,), np.int32), np.zeros((rows,), np.int32)
     finishing: list[_Seq | None] = [None] * rows
-    o = 0
+    width, o = self.max_pages, 0
+    if any(seq.computed for seq, _ in chunks):
+      most = max(seq.computed + k for seq, k in chunks)
+      width = _bucket(-(-most // self.page_size), self.table_buckets)
     for i, (seq, k) in enumerate(chunks):
-      tokens[o:o + k] = seq.tokens[:k]
-      tpos[o:o + k], seg[o:o + k], last[i], slots[i] = np.arange(k), i + 1, o + k - 1, seq.slot
+      c = seq.computed
+      tokens[o:o + k] = seq.tokens[c:c + k]
+      tpos[o:o + k], seg[o:o + k], last[i], slots[i] = c + np.arange(k), i + 1, o + k - 1, seq.slot
       o += k
       finishing[i] = self._advance(seq, k)
-    table = self._slot_table[slots]  # a copy
+    table = self._slot_table[slots, :width]  # a copy
     table[len(chunks):] = 0
     return tokens, tpos, seg, last, table, finishing
 
@@ -931,13 +935,14 @@ class BatchingEngine(api.Engine):
     chunk_tables = ((0, table_w),) + tuple((1, w) for w in self.table_buckets)
     prefill_tables = chunk_tables if self.config.warmup_continued else chunk_tables[:1]
     packed = self.config.packed_prefill
-    if packed:  # fresh chunks go packed: the row layout only continues prompts
-      prefill_tables = prefill_tables[1:]
+    if packed:  # every prefill call is packed: no row-layout prefill shapes
+      packed_tables, prefill_tables = prefill_tables, ()
       rows = self.config.prefill_rows
       for n in self.packed_buckets:  # segment 0 everywhere: nothing is written
         z = np.zeros((n,), np.int32)
-        logits = self.runner.prefill_packed(z, z, z, np.zeros((rows,), np.int32),
-                                            np.zeros((rows, table_w), np.int32))
+        for pos, w in packed_tables:
+          logits = self.runner.prefill_packed(z, z, z, np.zeros((rows,), np.int32),
+                                              np.zeros((rows, w), np.int32), fresh=pos == 0)
       self._warm_sampling(logits, rows)
     for rows in self.row_buckets:
       for t in self.chunk_buckets:
@@ -963,7 +968,7 @@ class BatchingEngine(api.Engine):
     log.info("warm-up compiled %d decode, %d prefill and %d mixed shapes in %.1f s",
              len(self.batch_buckets),
              len(self.row_buckets) * len(self.chunk_buckets) * len(prefill_tables)
-             + len(self.packed_buckets) * packed,
+             + len(self.packed_buckets) * len(packed_tables if packed else ()),
              len(self.row_buckets) * len(self._mixed_chunks) * len(chunk_tables) * self.mixed,
              time.perf_counter() - t0)
 

@@ -126,10 +126,10 @@ class ModelRunner:
       return llama.prefill_step(graphdef, params, cache, tokens, positions, lengths, page_table,
                                 backends=pb, **kw)
 
-    @functools.partial(jax.jit, donate_argnums=(1,))
-    def prefill_packed(params, cache, tokens, tpos, seg, last, page_table):
+    @functools.partial(jax.jit, static_argnames=("fresh",), donate_argnums=(1,))
+    def prefill_packed(params, cache, tokens, tpos, seg, last, page_table, fresh=True):
       return llama.prefill_packed_step(graphdef, params, cache, tokens, tpos, seg, last,
-                                       page_table, backends=pb)
+                                       page_table, backends=pb, fresh=fresh)
 
     @functools.partial(jax.jit, donate_argnums=(1,))
     def decode(params, cache, tokens, lengths, page_table):
@@ -222,11 +222,12 @@ class ModelRunner:
         kv_segment_ids=vec)
     return None if why is None else f"attention_prefill={name}: {why}"
 
-  def prefill_packed(self, tokens, tpos, seg, last, page_table):
-    """Fresh prompts packed in one row (models.Model only; llama.prefill_packed):
-    logits [R, V] at each row's ``last`` token."""
+  def prefill_packed(self, tokens, tpos, seg, last, page_table, fresh=True):
+    """Prompt chunks packed in one row (models.Model only; llama.prefill_packed):
+    logits [R, V] at each row's ``last`` token. ``fresh``: no chunk has a
+    cached prefix (no page gather)."""
     logits, self.cache = self._fast[4](self.model.params, self.cache, tokens, tpos, seg, last,
-                                       page_table)
+                                       page_table, fresh=fresh)
     return logits
 
   @property
@@ -296,8 +297,8 @@ class CountingRunner:
   supports_mixed = True
   packed_why_not = None  # it can
 
-  def prefill_packed(self, tokens, tpos, seg, last, page_table):
-    del tpos, seg, page_table
+  def prefill_packed(self, tokens, tpos, seg, last, page_table, fresh=True):
+    del tpos, seg, page_table, fresh
     time.sleep(self.step_delay)
     return self._logits(np.asarray(tokens)[np.asarray(last)])
 

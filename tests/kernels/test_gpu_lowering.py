@@ -424,19 +424,22 @@ def _llama_8b(cache_dtype="bfloat16", folded=False, decode_append=True):
     ("decode", "bfloat16", False, 64), ("prefill", "bfloat16", False, 1),
     ("decode", "float8_e4m3fn", False, 64), ("decode", "bfloat16", True, 1),
     ("decode", "bfloat16", True, 64), ("prefill", "bfloat16", True, 1),
-    ("prefill_packed", "bfloat16", True, 4)])
+    ("prefill_packed", "bfloat16", True, 4), ("prefill_packed_continued", "bfloat16", True, 4)])
 def test_llama_8b_steps_lower_for_h200_on_mosaic_kernels(step, cache_dtype, folded, b):
   llama, graphdef, params, cache = _llama_8b(cache_dtype, folded)
   names = llama.backends(attention_prefill="mosaic", attention_decode="mosaic",
                          matmul="mosaic", rms_norm="mosaic")
-  # Packed: b prompts' 2048 tokens in one row (attention by segment ids).
+  # Packed: b prompts' 2048 tokens in one row (attention by segment ids);
+  # continued, over their 16 pages each laid end to end.
   t, width = (1, 64) if step == "decode" else (2048 // b, 32)
   if step == "decode":
     fn = lambda p, c, tok, n, tab: llama.decode_step(graphdef, p, c, tok, n, tab, backends=names)
     args = (S((b, 1), I32), S((b,), I32), S((b, width), I32))
-  elif step == "prefill_packed":
+  elif step.startswith("prefill_packed"):
+    fresh = step == "prefill_packed"
+    width = width if fresh else 16
     fn = lambda p, c, tok, tpos, seg, last, tab: llama.prefill_packed_step(
-        graphdef, p, c, tok, tpos, seg, last, tab, backends=names)
+        graphdef, p, c, tok, tpos, seg, last, tab, backends=names, fresh=fresh)
     args = (S((b * t,), I32),) * 3 + (S((b,), I32), S((b, width), I32))
   else:
     fn = lambda p, c, tok, pos, n, tab: llama.prefill_step(graphdef, p, c, tok, pos, n, tab,
@@ -489,7 +492,8 @@ def _primitives(jaxpr) -> list[str]:
   return [e.primitive.name for e in _eqns(jaxpr)]
 
 
-@pytest.mark.parametrize("step", ["prefill_continued", "mixed", "prefill_packed"])
+@pytest.mark.parametrize("step", ["prefill_continued", "mixed", "prefill_packed",
+                                  "prefill_packed_continued"])
 def test_fa3_block_ranges_are_planned_once_per_step_not_per_layer(step):
   # The FA3 kernel's kv block ranges depend on positions only. Built inside
   # the layer scan, XLA's GPU pipeline left them there (5 small kernels a
@@ -502,10 +506,12 @@ def test_fa3_block_ranges_are_planned_once_per_step_not_per_layer(step):
         graphdef, p, c, dt, dl, dtab, tok, pos, n, tab, backends=names)
     args = (S((64,), I32), S((64,), I32), S((64, 64), I32), S((1, 128), I32), S((1,), I32),
             S((1,), I32), S((1, 16), I32))
-  elif step == "prefill_packed":  # 2048 prompt tokens in one row, segment ids
+  elif step.startswith("prefill_packed"):  # 2048 prompt tokens in one row, segment ids
+    fresh = step == "prefill_packed"
     fn = lambda p, c, tok, tpos, seg, last, tab: llama.prefill_packed_step(
-        graphdef, p, c, tok, tpos, seg, last, tab, backends=names)
-    args = (S((2048,), I32), S((2048,), I32), S((2048,), I32), S((4,), I32), S((4, 32), I32))
+        graphdef, p, c, tok, tpos, seg, last, tab, backends=names, fresh=fresh)
+    args = (S((2048,), I32), S((2048,), I32), S((2048,), I32), S((4,), I32),
+            S((4, 32 if fresh else 16), I32))
   else:
     fn = lambda p, c, tok, pos, n, tab: llama.prefill_step(graphdef, p, c, tok, pos, n, tab,
                                                           backends=names)

@@ -306,16 +306,18 @@ def test_padding_tokens_write_nothing(tiny, step):
     assert changed == live, f"{step}: {name} written at {changed - live}, not at {live - changed}"
 
 
-def _packed(prompts, n):
-  """Prompts packed in one row of n tokens: (tokens, tpos, seg, last [len(prompts) + 1]);
-  an empty prompt is a padding row, and so is the last row."""
+def _packed(prompts, n, starts=None):
+  """Chunks packed in one row of n tokens: (tokens, tpos, seg, last [len(prompts) + 1]);
+  chunk i starts at position starts[i] (default 0); an empty chunk is a
+  padding row, and so is the last row."""
   rng = np.random.default_rng()
   tokens = rng.integers(3, 259, n).astype(np.int32)  # padding holds tokens too
   tpos, seg = np.zeros(n, np.int32), np.zeros(n, np.int32)
   last, o = np.zeros(len(prompts) + 1, np.int32), 0
   for i, p in enumerate(prompts):
     if len(p):
-      tokens[o:o + len(p)], tpos[o:o + len(p)], seg[o:o + len(p)] = p, np.arange(len(p)), i + 1
+      c = 0 if starts is None else starts[i]
+      tokens[o:o + len(p)], tpos[o:o + len(p)], seg[o:o + len(p)] = p, c + np.arange(len(p)), i + 1
       last[i] = o + len(p) - 1
       o += len(p)
   return tokens, tpos, seg, last
@@ -346,6 +348,44 @@ def test_packed_prefill_equals_row_prefill(tiny):
   for name in ("k", "v"):
     testing.assert_close(np.asarray(getattr(cache, name)), np.asarray(getattr(want_cache, name)),
                          dtype=jnp.float32, what=f"packed cache {name}")
+
+
+def test_packed_continued_chunks_equal_row_prefill(tiny):
+  """Chunks that continue prompts already in the cache (prefixes of 4, 8 and 0
+  tokens; the empty one starts its prompt in the same call), packed into one
+  row over the rows' gathered pages, give the logits and the cache that the
+  row layout's continued chunks give."""
+  rng = np.random.default_rng()
+  ps, per_seq = 4, 6
+  pre, rest = [4, 8, 0], [9, 5, 7]
+  pages = rng.permutation(np.arange(1, 1 + per_seq * 3)).reshape(3, per_seq).astype(np.int32)
+  table = np.concatenate([pages, np.zeros((1, per_seq), np.int32)])
+  prompts = [rng.integers(3, 259, a + b).astype(np.int32) for a, b in zip(pre, rest)]
+
+  def rows_of(parts, t):
+    rows = np.zeros((4, t), np.int32)
+    for i, p in enumerate(parts):
+      rows[i, :len(p)] = p
+    return rows
+
+  cache = tiny.init_cache(1 + per_seq * 3, ps)
+  _, cache = llama.prefill_step(tiny.graphdef, tiny.params, cache,
+                                rows_of([p[:a] for p, a in zip(prompts, pre)], 8),
+                                np.zeros(4, np.int32), np.asarray(pre + [0], np.int32), table)
+  # The row layout reads the cache it is given (donated): each run gets a copy.
+  copy = lambda c: jax.tree.map(jnp.array, c)
+  chunks = [p[a:] for p, a in zip(prompts, pre)]
+  want, want_cache = llama.prefill_step(
+      tiny.graphdef, tiny.params, copy(cache), rows_of(chunks, 16), np.asarray(pre + [0], np.int32),
+      np.asarray(rest + [0], np.int32), table)
+  got, got_cache = llama.prefill_packed_step(tiny.graphdef, tiny.params, copy(cache),
+                                             *_packed(chunks, 24, pre), table, fresh=False)
+  testing.assert_close(np.asarray(got)[:3], np.asarray(want)[:3], dtype=jnp.float32,
+                       what="packed continued logits")
+  for name in ("k", "v"):
+    testing.assert_close(np.asarray(getattr(got_cache, name)),
+                         np.asarray(getattr(want_cache, name)), dtype=jnp.float32,
+                         what=f"packed continued cache {name}")
 
 
 @pytest.mark.parametrize("folded", [True, False])

@@ -256,8 +256,8 @@ def _compiled(runner):
 
 
 def test_packed_prefill_keeps_outputs_on_the_llama_decoder():
-  """packed_prefill: fresh prompts of ragged lengths go to the device packed in
-  one row, and a step with a prefix-cache hit continues in the row layout; the
+  """packed_prefill: prompts of ragged lengths go to the device packed in one
+  row, fresh ones and prefix-cache hits (over their gathered pages) alike; the
   greedy tokens are those of the row layout, steady state compiles nothing
   after warm-up, and pages come back. A runner that cannot pack is refused."""
   import models
@@ -269,18 +269,18 @@ def test_packed_prefill_keeps_outputs_on_the_llama_decoder():
   outs, packed_calls = {}, []
   for packed in (False, True):
     runner, engine = _llama_engine(model, prefill_rows=4, token_budget=256, warmup=packed,
-                                   packed_prefill=packed)
+                                   warmup_continued=packed, packed_prefill=packed)
     if packed:
       assert engine.packed_buckets == (16, 32, 64, 128, 256)
       engine.warmup()
       compiled = _compiled(runner)
       run_packed = runner.prefill_packed
 
-      def spy(tokens, tpos, seg, last, table):
+      def spy(tokens, tpos, seg, last, table, fresh=True):
         live = int((seg > 0).sum())
-        packed_calls.append(live)
+        packed_calls.append((live, fresh))
         assert len(tokens) == min(b for b in engine.packed_buckets if b >= live)
-        return run_packed(tokens, tpos, seg, last, table)
+        return run_packed(tokens, tpos, seg, last, table, fresh=fresh)
 
       runner.prefill_packed = spy
     outs[packed] = {}
@@ -295,47 +295,55 @@ def test_packed_prefill_keeps_outputs_on_the_llama_decoder():
       assert _compiled(runner) == compiled
     assert engine.stats().pages_in_use == 0
     engine.alloc.check()
-  # The two fresh waves packed (all four prompts each); the hits did not.
-  assert packed_calls == [sum(len(prompts[i]) for i in w) for w in waves[:2]], packed_calls
+  # The two fresh waves packed (all four prompts each), then the hits' rests.
+  assert packed_calls[:2] == [(sum(len(prompts[i]) for i in w), True) for w in waves[:2]]
+  (hits, fresh), = packed_calls[2:]
+  assert not fresh and 0 < hits <= sum(len(prompts[i]) for i in waves[2]) - 2 * 24, packed_calls
   assert outs[True] == outs[False]
   assert all(len(o) == 5 for o in outs[True].values())
   with pytest.raises(ValueError, match="packed_prefill: .*no packed prefill"):
     E.toy_engine(packed_prefill=True)
 
 
-def test_packed_prefill_does_not_split_a_prompt_to_fill_the_budget():
-  """A fresh prompt that would not fit what is left of the step's budget waits
-  for the next step whole: split, its rest would be a continued chunk, and a
-  step with one runs in the row layout, every row padded to its chunk bucket."""
+def test_packed_prefill_continues_a_split_prompt_packed():
+  """A prompt split by the step's budget continues in the next step's packed
+  row (over its gathered pages), never in the row layout, whose rows would
+  each be padded to their chunk's bucket; the greedy tokens are the row
+  layout's."""
   import models
   from serving.engine import api
 
   model = models.load("tiny", dtype="float32")
-  lengths = (40, 30, 20, 10)
   rng = np.random.default_rng(5)
-  prompts = [rng.integers(3, 200, n).tolist() for n in lengths]
-  runner, engine = _llama_engine(model, prefill_rows=4, token_budget=64, packed_prefill=True)
-  segments = []
-  run_packed = runner.prefill_packed
+  prompts = [rng.integers(3, 200, n).tolist() for n in (40, 30, 20, 10)]
+  outs, calls = {}, []
+  for packed in (False, True):
+    runner, engine = _llama_engine(model, prefill_rows=4, token_budget=64, packed_prefill=packed)
+    if packed:
+      run_packed = runner.prefill_packed
 
-  def spy(tokens, tpos, seg, last, table):
-    segments.append([int((seg == r + 1).sum()) for r in range(int(seg.max()))])
-    return run_packed(tokens, tpos, seg, last, table)
+      def spy(tokens, tpos, seg, last, table, fresh=True):
+        calls.append(([int((seg == r + 1).sum()) for r in range(int(seg.max()))], fresh,
+                      table.shape[1]))
+        return run_packed(tokens, tpos, seg, last, table, fresh=fresh)
 
-  def row_prefill(*args):
-    raise AssertionError("a row-layout prefill ran")
+      def row_prefill(*args):
+        raise AssertionError("a row-layout prefill ran")
 
-  runner.prefill_packed, runner.prefill = spy, row_prefill
-  handles = [engine.submit(api.Request(f"r{i}", prompt_ids=p, add_bos=False,
-                                       sampling=api.SamplingParams(max_tokens=3, ignore_eos=True)))
-             for i, p in enumerate(prompts)]
-  while engine.step():
-    pass
-  # 40 fits the first step's 64 tokens and 30 would not: it waits. The second
-  # step has 63 (one decode row): 30 + 20 + 10.
-  assert segments == [[40], [30, 20, 10]], segments
-  assert all(len(_drain(h)) == 3 for h in handles)
-  assert engine.stats().pages_in_use == 0
+      runner.prefill_packed, runner.prefill = spy, row_prefill
+    handles = [engine.submit(api.Request(
+        f"r{i}", prompt_ids=p, add_bos=False,
+        sampling=api.SamplingParams(max_tokens=3, ignore_eos=True))) for i, p in enumerate(prompts)]
+    while engine.step():
+      pass
+    outs[packed] = [_drain(h) for h in handles]
+    assert engine.stats().pages_in_use == 0
+  # 64 tokens: 40 and the first 24 of 30. Then 63 (one decode row): the
+  # other 6 of them (a cached prefix of 24: 30 tokens, 4 pages of 8, in the
+  # table width bucket of 4) with 20 and 10.
+  assert calls == [([40, 24], True, engine.max_pages), ([6, 20, 10], False, 4)], calls
+  assert outs[True] == outs[False]
+  assert all(len(o) == 3 for o in outs[True])
 
 
 def test_mixed_steps_keep_outputs_on_the_llama_decoder():
