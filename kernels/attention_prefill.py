@@ -32,6 +32,8 @@ block j's softmax while the second wgmma is in flight. Blocks fully inside the v
 the mask; diagonal/boundary blocks apply it from the position vectors. A call
 with no mask at all (not causal, no window, no segments) never loads those
 vectors: its only masked block is the last, partial one, masked by key index.
+Head dims 64, 128 and 256; at 256 the kv blocks are 64 keys (two Q tiles and
+two stages of K and V are 192 KB of SMEM).
 """
 
 from __future__ import annotations
@@ -673,6 +675,8 @@ def _pick_config(D, dtype, causal) -> Config:
     # 4-deep ring of 128-key blocks by 8% (bench/results/attention_prefill_h200_run4/).
     if D <= 64:
       return Config(block_q=64, block_kv=256, stages=2)
+    if D > 128:  # D = 256: 64 KB of Q tiles and 64-key K/V blocks (64 KB a stage)
+      return Config(block_q=64, block_kv=64, stages=2)
     return Config(block_q=64, block_kv=128, stages=2)
 
   return tuning.lookup("attention_prefill", key, Config, heuristic)
@@ -696,8 +700,9 @@ def _mosaic_setup(q, k, v, causal, sm_scale, q_positions, kv_positions, q_segmen
                        f"(head dim {D}, {'no mask' if dense else 'masked'}, "
                        f"lse {'on' if has_lse else 'off'}); the limit is {limit}")
     # A tabled config tuned without the lse (or the vectors) may not fit
-    # with them: fall back to 128-key blocks in two stages, which always fit.
-    cfg = dataclasses.replace(cfg, block_kv=128, stages=2, p_smem=False)
+    # with them: fall back to the heuristic's blocks (128 keys, 64 at
+    # D = 256) in two stages, which always fit.
+    cfg = dataclasses.replace(cfg, block_kv=128 if D <= 128 else 64, stages=2, p_smem=False)
   if dsl.interpreting() and (not cfg.p_smem or cfg.acc_in_place):
     cfg = dataclasses.replace(cfg, p_smem=True, acc_in_place=False)
   if dsl.interpreting() and cfg.overlap and cfg.pingpong:
@@ -750,8 +755,8 @@ def _mosaic_why_not(q, k, v) -> str | None:
   if jnp.dtype(q.dtype).name not in DTYPES:
     return f"dtype {jnp.dtype(q.dtype).name} is not supported (supported: {', '.join(DTYPES)})"
   D = q.shape[-1]
-  if D not in (64, 128):
-    return f"head dim {D} is not supported (supported: 64, 128)"
+  if D not in (64, 128, 256):
+    return f"head dim {D} is not supported (supported: 64, 128, 256)"
   if target_lib.current().kind not in ("hopper", "cpu"):
     return f"the kernel uses Hopper wgmma; {target_lib.current().kind} is not supported"
   return None

@@ -110,12 +110,15 @@ def _case(name):
                                   q_positions=pos2, kv_positions=pos2), ap.Config(block_kv=64)),
       "model_chunk": (dict(B=3, Sq=100, Skv=skv, Hq=4, Hkv=1, D=128), dict(causal=True, **chunk),
                       None),
+      # Head dim 256 (the heuristic's 64-key blocks): GQA over a cached prefix,
+      # a partial last kv block.
+      "d256_prefix_gqa": (dict(B=1, Sq=70, Skv=150, Hq=2, Hkv=1, D=256), dict(causal=True), None),
   }
   return cases[name]
 
 
 CASES = ["noncausal", "noncausal_ragged", "noncausal_d128_192", "causal_skip", "prefix_gqa_pad",
-         "d128_window", "packed", "packed_empty_tiles", "model_chunk"]
+         "d128_window", "packed", "packed_empty_tiles", "model_chunk", "d256_prefix_gqa"]
 
 
 @pytest.mark.parametrize("overlap", [False, True])
@@ -212,7 +215,7 @@ def test_mosaic_rejects_what_it_cannot_run():
   with pytest.raises(registry.BackendError, match="dtype float32"):
     registry.get_op("attention_prefill")(q, q, q, backend="mosaic")
   q = jnp.ones((1, 16, 2, 96), jnp.bfloat16)
-  with pytest.raises(registry.BackendError, match="head dim 96"):
+  with pytest.raises(registry.BackendError, match="head dim 96 .*64, 128, 256"):
     registry.get_op("attention_prefill")(q, q, q, backend="mosaic")
   seg = jnp.ones((1, 17), jnp.int32)
   q = jnp.ones((1, 16, 2, 64), jnp.bfloat16)
@@ -260,7 +263,7 @@ def test_mosaic_cases_on_gpu(name, variant):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("hq,hkv,d", [(32, 32, 128), (32, 8, 128), (16, 16, 64)])
+@pytest.mark.parametrize("hq,hkv,d", [(32, 32, 128), (32, 8, 128), (16, 16, 64), (16, 8, 256)])
 def test_mosaic_full_size_on_gpu(causal, hq, hkv, d):
   q, k, v = _qkv(1, 4096, 4096, hq, hkv, d)
   ref = ap.attention_prefill_xla(q.astype(jnp.float32), k.astype(jnp.float32),

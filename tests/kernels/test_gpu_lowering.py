@@ -272,6 +272,8 @@ PREFILLS = {
     "d64_causal": (1, 1024, 1024, 32, 32, 64, dict(causal=True)),
     "gqa_64_8_lse": (2, 512, 512, 64, 8, 128, dict(causal=True, return_lse=True)),
     "cached_prefix": (1, 300, 1000, 32, 8, 128, dict(causal=True)),
+    "d256_gqa_noncausal_lse": (1, 1024, 1024, 16, 8, 256, dict(causal=False, return_lse=True)),
+    "d256_causal": (1, 1024, 1024, 16, 8, 256, dict(causal=True)),
     "sliding_window_fp16": (1, 1024, 1024, 32, 8, 128, dict(causal=True, sliding_window=256,
                                                            dtype=F16)),
 }
