@@ -663,8 +663,7 @@ class BatchingEngine(api.Engine):
 
   def _run_prefill(self, chunks: list[tuple[_Seq, int]]):
     if self.config.packed_prefill:
-      fresh = not any(seq.computed for seq, _ in chunks)
-      tokens, tpos, seg, last, table, finishing = self._packed_inputs(chunks)
+      tokens, tpos, seg, last, table, fresh, finishing = self._packed_inputs(chunks)
       logits = self.runner.prefill_packed(tokens, tpos, seg, last, table, fresh=fresh)
     else:
       tokens, positions, lengths, table, finishing = self._prefill_inputs(chunks)
@@ -703,17 +702,18 @@ class BatchingEngine(api.Engine):
     """Chunks one after another in one row of a packed bucket's length:
     (tokens, positions in their sequences, row + 1 (0: padding) [N]; each
     row's last token's index [prefill_rows]; page table [prefill_rows, W];
-    finishing as in ``_prefill_inputs``). W is max_pages when every chunk is
-    fresh (nothing is gathered: one shape), else the table width bucket that
-    covers the longest row, as in the row layout. Advances each request's
-    computed tokens."""
+    whether every chunk starts its prompt (fresh); finishing as in
+    ``_prefill_inputs``). W is max_pages when fresh (nothing is gathered: one
+    shape), else the table width bucket that covers the longest row, as in
+    the row layout. Advances each request's computed tokens."""
     rows = self.config.prefill_rows
     n = _bucket(sum(k for _, k in chunks), self.packed_buckets)
     tokens, tpos, seg = (np.zeros((n,), np.int32) for _ in range(3))
     last, slots = np.zeros((rows,), np.int32), np.zeros((rows,), np.int32)
     finishing: list[_Seq | None] = [None] * rows
     width, o = self.max_pages, 0
-    if any(seq.computed for seq, _ in chunks):
+    fresh = not any(seq.computed for seq, _ in chunks)
+    if not fresh:
       most = max(seq.computed + k for seq, k in chunks)
       width = _bucket(-(-most // self.page_size), self.table_buckets)
     for i, (seq, k) in enumerate(chunks):
@@ -724,7 +724,7 @@ class BatchingEngine(api.Engine):
       finishing[i] = self._advance(seq, k)
     table = self._slot_table[slots, :width]  # a copy
     table[len(chunks):] = 0
-    return tokens, tpos, seg, last, table, finishing
+    return tokens, tpos, seg, last, table, fresh, finishing
 
   def _advance(self, seq: _Seq, n: int) -> _Seq | None:
     """Counts n more of ``seq``'s prompt as computed (its full pages go to the
