@@ -145,6 +145,10 @@ def sweep(out_dir, rows, D, causal, S=4096, H=32):
            C(block_kv=256, stages=2, overlap=True), C(block_kv=128, stages=4, overlap=True),
            C(block_kv=128, stages=4), C(block_kv=256, stages=2, overlap=True, pingpong=False),
            C(block_kv=128, stages=4, overlap=True, pingpong=False)],
+      # 64 KB of Q tiles leave room for two stages of 64-key K/V blocks only.
+      256: [C(block_kv=64, stages=2), C(block_kv=64, stages=2, overlap=True),
+            C(block_kv=64, stages=2, overlap=True, pingpong=False),
+            C(block_kv=64, stages=2, pingpong=False)],
   }[D]
   sets = _inputs(1, S, H, H, D)
   names = [f"mosaic[{c.block_kv},{c.stages}" + "".join(
@@ -168,7 +172,8 @@ def main(argv=None):
   p.add_argument("--sweeps", default="128:0,128:1,64:1,64:0",
                  help="head_dim:causal pairs whose configs are swept and tabled")
   p.add_argument("--shapes", default="",
-                 help="S:Hq:Hkv:D shapes to compare (default: all; --quick: 4096:32:32:128)")
+                 help="S:Hq:Hkv:D shapes to compare (default: all; --quick: 4096:32:32:128; "
+                 "head dim 256: 4096:16:8:256 with --sweeps 256:0,256:1)")
   p.add_argument("--no-extras", action="store_true",
                  help="skip the GQA 64/8 and packed-batch cases")
   args = p.parse_args(argv)
