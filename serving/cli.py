@@ -227,8 +227,8 @@ def parser() -> argparse.ArgumentParser:
                  help="while prompt chunks wait, steps prefill them alone and decoding "
                       "requests wait (more tokens/s for bursts, longer inter-token gaps)")
   s.add_argument("--packed-prefill", action="store_true",
-                 help="prefill fresh prompts packed in one row (ragged prompts cost their "
-                      "own tokens, not the longest one's chunk bucket each)")
+                 help="prefill a step's prompt chunks packed in one row (ragged prompts "
+                      "cost their own tokens, not the longest one's chunk bucket each)")
   s.add_argument("--engine-process", action="store_true",
                  help="run the engine in a process of its own, so that the gRPC stream "
                       "threads do not share its interpreter (serving.engine.process)")
