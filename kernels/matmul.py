@@ -219,12 +219,7 @@ def _kernel(layer_gmem, a_gmem, b_gmem, bias_gmem, res_gmem, out_gmem, *, cfg: C
   n = b_gmem.shape[1]
   tm, tn, tk = cfg.tile_m, cfg.tile_n, cfg.tile_k
   cta_m, cta_n = cfg.cta_m, cfg.cta_n
-  m_iters, n_iters = dsl.cdiv(m, cta_m), dsl.cdiv(n, cta_n)
-  # The tiles the grid walks: a cluster's pair of tiles counts as one (with an
-  # odd count, the last pair's second tile lies past the edge: TMA reads it as
-  # zeros and clips its store, so the partner only idles along).
-  walk_m = dsl.cdiv(m_iters, 2) if cfg.cluster == "m" else m_iters
-  walk_n = dsl.cdiv(n_iters, 2) if cfg.cluster == "n" else n_iters
+  walk_m, walk_n = _walk(cfg, m, n)
   splits = cfg.split_k
   kps = dsl.cdiv(k_iters, splits)  # k blocks per split
   split_out = splits > 1
@@ -539,13 +534,12 @@ def _run_persistent(layer_arr, a, b, bias, residual, *, cfg: Config, k_iters: in
   m = a.shape[0]
   n = b.shape[-1]
   split_out = cfg.split_k > 1
-  tiles = dsl.cdiv(m, cfg.cta_m) * dsl.cdiv(n, cfg.cta_n) * cfg.split_k
+  walk_m, walk_n = _walk(cfg, m, n)
+  tiles = walk_m * walk_n * cfg.split_k
   grid = tiles if not cfg.persistent else max(1, min(_num_sms(), tiles))
   cluster = {}
   if cfg.cluster is not None:  # one grid entry per 2-CTA cluster and its pair of tiles
-    mt, nt = dsl.cdiv(m, cfg.cta_m), dsl.cdiv(n, cfg.cta_n)
-    pairs = dsl.cdiv(mt, 2) * nt if cfg.cluster == "m" else mt * dsl.cdiv(nt, 2)
-    grid = max(1, min(_num_sms() // 2, pairs))
+    grid = max(1, min(_num_sms() // 2, tiles))
     cluster = dict(cluster=(2,), cluster_names=("cluster",))
   out_n = n // 2 if activation == "swiglu" else n
   out_shape = (cfg.split_k, m, n) if split_out else (m, out_n)
@@ -574,6 +568,15 @@ def _run_persistent(layer_arr, a, b, bias, residual, *, cfg: Config, k_iters: in
       compiler_params=plgpu.CompilerParams(
           lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
   )(*operands)
+
+
+def _walk(cfg: Config, m: int, n: int) -> tuple[int, int]:
+  """Output tiles the grid walks along M and N: a 2-CTA cluster's pair counts
+  once (with an odd count, the last pair's second tile lies past the edge:
+  TMA reads it as zeros and clips its store, so the partner only idles along)."""
+  m_iters, n_iters = dsl.cdiv(m, cfg.cta_m), dsl.cdiv(n, cfg.cta_n)
+  return (dsl.cdiv(m_iters, 2) if cfg.cluster == "m" else m_iters,
+          dsl.cdiv(n_iters, 2) if cfg.cluster == "n" else n_iters)
 
 
 def _splits(cfg: Config, k: int) -> int:

@@ -498,8 +498,7 @@ class Llama(nnx.Module):
       # Keys each row holds after this chunk: its last token's position + 1.
       total = jnp.maximum(jax.ops.segment_max(jnp.where(valid, tpos + 1, 0), seg,
                                               num_segments=r + 1)[1:], 0)
-      kv_seg = jnp.where(kv_pos < total[:, None], jnp.arange(1, r + 1, dtype=jnp.int32)[:, None],
-                         0)
+      kv_seg = (kv_pos < total[:, None]) * jnp.arange(1, r + 1, dtype=jnp.int32)[:, None]
       attention = self._prefill_attention(1, n, r * skv, kv_positions=kv_pos.reshape(1, -1),
                                           kv_segment_ids=kv_seg.reshape(1, -1), **q_masks)
 

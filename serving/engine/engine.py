@@ -934,8 +934,8 @@ class BatchingEngine(api.Engine):
     # bucket (a model may compile the two apart).
     chunk_tables = ((0, table_w),) + tuple((1, w) for w in self.table_buckets)
     prefill_tables = chunk_tables if self.config.warmup_continued else chunk_tables[:1]
-    packed = self.config.packed_prefill
-    if packed:  # every prefill call is packed: no row-layout prefill shapes
+    packed_tables = ()
+    if self.config.packed_prefill:  # every prefill call is packed: no row-layout shapes
       packed_tables, prefill_tables = prefill_tables, ()
       rows = self.config.prefill_rows
       for n in self.packed_buckets:  # segment 0 everywhere: nothing is written
@@ -968,7 +968,7 @@ class BatchingEngine(api.Engine):
     log.info("warm-up compiled %d decode, %d prefill and %d mixed shapes in %.1f s",
              len(self.batch_buckets),
              len(self.row_buckets) * len(self.chunk_buckets) * len(prefill_tables)
-             + len(self.packed_buckets) * len(packed_tables if packed else ()),
+             + len(self.packed_buckets) * len(packed_tables),
              len(self.row_buckets) * len(self._mixed_chunks) * len(chunk_tables) * self.mixed,
              time.perf_counter() - t0)
 
