@@ -205,7 +205,8 @@ def parser() -> argparse.ArgumentParser:
   s.add_argument("--max-seq-len", type=int, help="context limit (default: the model's)")
   s.add_argument("--prefill-chunk", type=int, default=512)
   s.add_argument("--prefill-rows", type=int, default=4)
-  s.add_argument("--token-budget", type=int, help="tokens per step (default batch + chunk)")
+  s.add_argument("--token-budget", type=int,
+                 help="tokens per step, at least --max-batch (default batch + chunk)")
   s.add_argument("--default-max-tokens", type=int, default=256)
   s.add_argument("--decode-steps", type=int, default=1,
                  help="decode steps per dispatch, sampled on the device, when nothing waits "

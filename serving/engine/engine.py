@@ -31,7 +31,8 @@ own sequence) rather than one padded row each.
 With ``EngineConfig.decode_steps`` = n > 1, an iteration with no prompt
 waiting runs n decode steps in one device call (sampling on the device, each
 step's token fed to the next), so the host dispatches and reads once per n
-tokens; tokens computed past a request's end are dropped when read.
+tokens; tokens computed past a request's end are dropped when read. Once no
+request has more than n // 2 tokens left, it goes back to one step a call.
 """
 
 from __future__ import annotations
@@ -140,8 +141,11 @@ class EngineConfig:
         raise ValueError(f"EngineConfig.{f}={getattr(self, f)} must be >= 1")
     if self.min_chunk > self.prefill_chunk:
       raise ValueError(f"{self.min_chunk=} must be <= {self.prefill_chunk=}")
-    if self.token_budget is not None and self.token_budget < 1:
-      raise ValueError(f"{self.token_budget=} must be >= 1")
+    if self.token_budget is not None and self.token_budget < self.max_batch:
+      # A full decode batch takes one token of the budget per row: below
+      # max_batch, waiting prompts would get no tokens while it runs (vLLM
+      # refuses max_num_batched_tokens < max_num_seqs for the same reason).
+      raise ValueError(f"{self.token_budget=} must be >= {self.max_batch=}")
     if self.decode_prefill_budget is not None and self.decode_prefill_budget < 1:
       raise ValueError(f"{self.decode_prefill_budget=} must be >= 1")
     if self.prefill_first and (self.mixed_steps or self.decode_prefill_budget is not None):
@@ -530,15 +534,23 @@ class BatchingEngine(api.Engine):
   def _decode_steps(self) -> int:
     """Decode steps this iteration: config.decode_steps unless a prompt waits
     (its first token would wait for all the steps), a request is still in
-    prefill, or some request lacks the pages or the context for them."""
+    prefill, some request lacks the pages or the context for them, or no
+    request has more than half of them left to generate."""
     n = self.config.decode_steps
     if n == 1 or self._waiting:
       return 1
-    need = 0
+    need = most_left = 0
     for seq in self._running:
       if seq.state != _State.DECODE or seq.computed + n > self.max_pages * self.page_size:
         return 1
       need += max(0, -(-(seq.computed + n) // self.page_size) - len(seq.pages))
+      most_left = max(most_left, seq.max_tokens - len(seq.generated) - seq.pending)
+    # A call computes all its steps for every row. When each request ends
+    # within n // 2 tokens, one-step calls (a little dearer per token than a
+    # step of a multi-step call: each has its own dispatch and sampling call)
+    # waste less than the unused steps would.
+    if most_left <= n // 2:
+      return 1
     return n if need <= self.alloc.available else 1
 
   def _schedule_decodes(self, steps: int = 1) -> list[_Seq]:

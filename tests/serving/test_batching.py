@@ -212,6 +212,24 @@ def test_multi_step_decode_keeps_outputs_stops_and_pages(toy):
     engine.alloc.check()
 
 
+def test_multi_step_decode_ends_requests_in_one_step_calls():
+  """A multi-step call computes all its steps for every row: when no request
+  has more than half of them left, the engine dispatches one step at a time
+  instead, and the tokens are the same."""
+  engine = E.toy_engine(max_batch=8, num_pages=200, page_size=8,
+                        **{**_SMALL, "batch_buckets": (1, 8), "decode_steps": 4})
+  prompt = _prompts(1, seed=21)[0]
+  with running(engine) as (server, c):
+    for max_tokens, want_steps in ((11, [4, 4, 1, 1]), (12, [4, 4, 4]), (3, [1, 1])):
+      engine.step_times.clear()
+      got = _ids(c, prompt, max_tokens=max_tokens)
+      assert got == reference_greedy(prompt, max_tokens)
+      # The first token comes from prefill; then 10 left: 4, 4 and two one-step
+      # calls, where 3 left is over half of 4 and takes a (partly unused) call.
+      assert [t.steps for t in engine.step_times if t.decodes] == want_steps, max_tokens
+    wait_for(lambda: engine.stats().pages_in_use == 0, what="pages freed")
+
+
 def test_multi_step_decode_under_preemption_and_cancel():
   engine = E.toy_engine(max_batch=8, num_pages=11, page_size=8,
                         **{**_SMALL, "batch_buckets": (8,), "decode_steps": 4})

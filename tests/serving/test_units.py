@@ -203,6 +203,21 @@ def test_sampling_params_refuse_bad_values(kw, match):
     api.SamplingParams(**kw)
 
 
+@pytest.mark.parametrize("kw,match", [
+    (dict(max_batch=0), "max_batch"), (dict(decode_steps=0), "decode_steps"),
+    (dict(min_chunk=32, prefill_chunk=16), "min_chunk"),
+    # a full decode batch would leave waiting prompts no tokens
+    (dict(max_batch=8, token_budget=7), "token_budget"),
+    (dict(decode_prefill_budget=0), "decode_prefill_budget"),
+])
+def test_engine_config_refuses_bad_values(kw, match):
+  from serving.engine.engine import EngineConfig
+
+  with pytest.raises(ValueError, match=match):
+    EngineConfig(**kw)
+  EngineConfig(max_batch=8, token_budget=8)  # the smallest budget that always progresses
+
+
 def test_last_token_per_slot_feeds_the_next_decode():
   logits = np.full((4, 10), -1.0, np.float32)
   logits[np.arange(4), [3, 7, 1, 9]] = 1.0
