@@ -224,7 +224,8 @@ def build_engine(a):
                        warmup_continued=a.warmup_continued or a.range_ratio > 0,
                        decode_steps=a.decode_steps, stream_interval=a.stream_interval,
                        mixed_steps=a.mixed_steps, decode_prefill_budget=a.decode_prefill_budget,
-                       prefill_first=a.prefill_first, packed_prefill=a.packed_prefill)
+                       prefill_first=a.prefill_first, packed_prefill=a.packed_prefill,
+                       compile_threads=a.compile_threads)
   return E.BatchingEngine(runner, cfg)
 
 
@@ -244,6 +245,7 @@ def model_flags(ap: argparse.ArgumentParser) -> None:
                   help="EngineConfig.decode_prefill_budget (prompt tokens per decoding step)")
   ap.add_argument("--prefill-first", action="store_true", help="EngineConfig.prefill_first")
   ap.add_argument("--packed-prefill", action="store_true", help="EngineConfig.packed_prefill")
+  ap.add_argument("--compile-threads", type=int, default=1, help="EngineConfig.compile_threads")
   ap.add_argument("--compilation-cache", type=pathlib.Path,
                   help="jax's persistent compilation cache directory (as serve's flag)")
   ap.add_argument("--no-decode-append", dest="decode_append", action="store_false",
@@ -341,7 +343,7 @@ def main():
                        "mixed_steps": a.mixed_steps,
                        "decode_prefill_budget": a.decode_prefill_budget,
                        "prefill_first": a.prefill_first, "packed_prefill": a.packed_prefill,
-                       "profile_round": a.profile_round,
+                       "compile_threads": a.compile_threads, "profile_round": a.profile_round,
                        "engine_process": a.engine_process, "range_ratio": a.range_ratio,
                        "requests_per_stream": a.requests_per_stream}
 

@@ -139,7 +139,7 @@ def main():
                        warmup_continued=False, decode_steps=a.decode_steps,
                        stream_interval=a.stream_interval, mixed_steps=a.mixed_steps,
                        decode_prefill_budget=a.decode_prefill_budget,
-                       prefill_first=a.prefill_first)
+                       prefill_first=a.prefill_first, compile_threads=a.compile_threads)
   engine = E.BatchingEngine(runner, cfg)
   t0 = time.perf_counter()
   engine.warmup()

@@ -42,7 +42,7 @@ def _engine_config(a) -> dict:
              default_max_tokens=a.default_max_tokens, decode_steps=a.decode_steps,
              stream_interval=a.stream_interval, mixed_steps=a.mixed_steps,
              decode_prefill_budget=a.decode_prefill_budget, prefill_first=a.prefill_first,
-             packed_prefill=a.packed_prefill)
+             packed_prefill=a.packed_prefill, compile_threads=a.compile_threads)
   if a.token_budget:
     cfg["token_budget"] = a.token_budget
   if a.decode_unroll is not None and a.decode_unroll < 1:
@@ -230,6 +230,8 @@ def parser() -> argparse.ArgumentParser:
   s.add_argument("--packed-prefill", action="store_true",
                  help="prefill a step's prompt chunks packed in one row (ragged prompts "
                       "cost their own tokens, not the longest one's chunk bucket each)")
+  s.add_argument("--compile-threads", type=int, default=1,
+                 help="threads compiling the warm-up's shapes side by side (1: one at a time)")
   s.add_argument("--engine-process", action="store_true",
                  help="run the engine in a process of its own, so that the gRPC stream "
                       "threads do not share its interpreter (serving.engine.process)")

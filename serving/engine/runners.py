@@ -15,6 +15,7 @@ next token is the previous token + 1, so the service's output is known.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import time
@@ -190,6 +191,33 @@ class ModelRunner:
   @property
   def supports_multi_step(self) -> bool:
     return self._fast is not None
+
+  @property
+  def compiles_ahead(self) -> bool:
+    """Whether ``compiling_in`` can compile the steps without running them."""
+    return self._fast is not None
+
+  @contextlib.contextmanager
+  def compiling_in(self, pool):
+    """Inside, a step runs nothing: it is lowered on the calling thread and
+    compiled on ``pool``, and returns zeros of its outputs' shapes and the
+    cache it was given. Yields the compiles' futures. A later call with the
+    same shapes finds the executable in jax's caches and compiles nothing."""
+    fast, futures = self._fast, []
+
+    def compile_only(step):
+      def call(params, cache, *args, **kwargs):
+        lowered = step.lower(params, cache, *args, **kwargs)
+        futures.append(pool.submit(lowered.compile))
+        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), lowered.out_info[0])
+        return zeros, cache  # every step returns (outputs, cache)
+      return call
+
+    self._fast = tuple(map(compile_only, fast))
+    try:
+      yield futures
+    finally:
+      self._fast = fast
 
   def compiled_shapes(self) -> dict[str, int] | None:
     """Shapes compiled so far per jitted step (None off the direct path): after

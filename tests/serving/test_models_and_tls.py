@@ -56,6 +56,45 @@ def test_models_tiny_through_the_server_equals_models_generate(decode_steps):
     assert engine.counters()["compiled_shapes"] == compiled  # steady state: no compiles
 
 
+def test_warmup_compiles_on_threads_and_then_runs_without_compiling():
+  # compile_threads=2: a first pass lowers each step and compiles it on the
+  # threads without running it; the second pass runs every shape from those
+  # executables (no backend compile at all) and serving compiles nothing more.
+  jax = pytest.importorskip("jax")
+  models = pytest.importorskip("models")
+  model = models.load("tiny", dtype="float32")
+  prompt = [5, 17, 99, 3, 42, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19]  # 2 chunks
+  runner = E.ModelRunner(model, num_pages=32, page_size=8)
+  engine = E.BatchingEngine(runner, E.EngineConfig(
+      max_batch=4, batch_buckets=(4,), prefill_rows=1, min_chunk=16, prefill_chunk=16,
+      max_seq_len=128, warmup=True, decode_steps=3, compile_threads=2))
+  compiles, per_pass = [], []
+  listener = lambda event, secs, **kw: compiles.append(event) if "backend_compile" in event else None
+  warm_calls = engine._warm_calls
+
+  def counted():
+    n = len(compiles)
+    out = warm_calls()
+    per_pass.append(len(compiles) - n)
+    return out
+
+  engine._warm_calls = counted
+  jax.monitoring.register_event_duration_secs_listener(listener)
+  try:
+    with running(engine) as (server, c):
+      assert len(per_pass) == 2 and per_pass[0] >= 8 and per_pass[1] == 0, per_pass
+      compiled = engine.counters()["compiled_shapes"]
+      assert compiled == {"prefill": 4, "decode": 1, "decode_multi_step": 3, "mixed": 0,
+                          "prefill_packed": 0}
+      want = list(models.generate(model, prompt, 8))[-8:]
+      assert list(c.generate(prompt, max_tokens=8, ignore_eos=True).token_ids) == want
+      assert engine.counters()["compiled_shapes"] == compiled
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listener)
+  with pytest.raises(ValueError, match="compile_threads"):
+    E.EngineConfig(compile_threads=0)
+
+
 def test_fp8_kv_cache_through_the_server():
   # --kv-cache-dtype fp8: a cache of half the bytes, prompts in two chunks
   # (the second reads the first's fp8 pages), decode on fp8 pages, multi-step
