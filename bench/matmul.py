@@ -161,6 +161,12 @@ def candidates(m: int, n: int, k: int, sms: int, activation=None,
           cs.append(rep(base, split_k=split, stages=fits[-1]))
           if split == 1:
             cs.append(rep(base, stages=fits[-1], persistent=False))
+            # Narrow column tiles read the whole activation block once per
+            # tile: a pair along N reads it from L2 once (multicast), as a
+            # pair along M does each weight block when M has two row tiles.
+            for dim, count in (("n", -(-n // base.cta_n)), ("m", -(-m // base.cta_m))):
+              if count >= 2:
+                cs.append(rep(base, stages=fits[-1], cluster=dim))
   else:
     cs = [h, rep(h, wg_dim="m"), rep(h, grid_width=16), rep(h, grid_width=4),
           rep(h, grid_minor="m"), C(tile_m=64, tile_n=256, stages=4, wg_dim="m", epi_n=64)]

@@ -187,6 +187,7 @@ HOPPER_EDGES = [
     dict(tile_m=64, tile_n=128, tile_k=128, stages=2, split_k=2, persistent=False),
     # 2-CTA clusters: the shared block multicast (B along M, A along N).
     dict(stages=4, cluster="m"), dict(tile_n=256, stages=3, wg_dim="m", cluster="n"),
+    dict(tile_m=192, tile_n=64, stages=4, cluster="n"),  # the mixed step's 192-row tile
 ]
 
 

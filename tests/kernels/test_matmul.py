@@ -80,6 +80,9 @@ MOSAIC_CASES = [
                  None, jnp.bfloat16, id="cluster-m-odd-pairs-bias-residual"),
     pytest.param(72, 384, 128, C(tile_m=64, tile_n=64, stages=2, cluster="n", grid_minor="m"),
                  False, False, None, jnp.bfloat16, id="cluster-n-odd-pairs"),
+    # The mixed step's 192-row tile, pairs along N sharing its activation block.
+    pytest.param(136, 384, 128, C(tile_m=192, tile_n=64, stages=2, cluster="n"), True, False,
+                 None, jnp.bfloat16, id="cluster-n-192-row-tile-bias"),
     # swap_ab: weight columns as the wgmma's M, token rows as its N.
     # 4.5 K blocks: the 2-slot ring wraps, the last block is half zero fill.
     pytest.param(1, 128, 576, C(tile_m=8, tile_n=64, tile_k=128, stages=2, swap_ab=True), True,
@@ -405,6 +408,18 @@ def test_cluster_multicast_gpu_full_size(m, n, k, cluster):
   # leaves an odd count of tiles along both dimensions.
   a, b, bias, res = _inputs(m, n, k)
   cfg = mm.Config(stages=4, cluster=cluster)
+  out = registry.get_op("matmul")(a, b, bias=bias, residual=res, config=cfg, backend="mosaic")
+  testing.assert_close(out, mm.matmul_reference(a, b, bias=bias, residual=res), jnp.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile_n", [64, 128])
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336)])
+def test_cluster_192_row_tile_gpu_full_size(n, k, tile_n):
+  # The mixed step's M = 192 (64 decode rows and a 128-token chunk) in one row
+  # tile, pairs of column tiles sharing the multicast activation block.
+  a, b, bias, res = _inputs(192, n, k)
+  cfg = mm.Config(tile_m=192, tile_n=tile_n, stages=3, cluster="n")
   out = registry.get_op("matmul")(a, b, bias=bias, residual=res, config=cfg, backend="mosaic")
   testing.assert_close(out, mm.matmul_reference(a, b, bias=bias, residual=res), jnp.bfloat16)
 
