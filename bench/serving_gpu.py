@@ -195,6 +195,10 @@ def schedule(records) -> dict:
     k["prompt_tokens"] += t.prefill_tokens
   if records:
     out["span_s"] = records[-1].start + records[-1].wall - records[0].start
+    # Iterations that compiled something (none after a full warm-up), and their wall time.
+    compiled = [t for t in records if getattr(t, "compiles", 0)]
+    out["compiling_iterations"] = len(compiled)
+    out["compiling_wall_s"] = sum(t.wall for t in compiled)
   return out
 
 
@@ -442,6 +446,9 @@ def main():
       counters = engine.counters()
       summary["compiled_shapes"] = counters["compiled_shapes"]
       summary["mixed_steps_run"] = counters["mixed_steps_run"]
+      # Any backend compile after warm-up: model steps, sampling, the engine's jnp calls.
+      summary["compiles_after_start"] = counters["compiles_after_start"]
+      summary["compile_s_after_start"] = counters["compile_s_after_start"]
     except Exception as e:  # noqa: BLE001 - an engine process that died says so above
       summary["compiled_shapes"] = f"not known: {e!r}"
     server.stop(grace=1.0)

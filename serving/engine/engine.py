@@ -174,6 +174,33 @@ class StepRecord(NamedTuple):
   prefill_tokens: int = 0  # prompt tokens dispatched
   steps: int = 0  # decode steps in the decode call (0: none)
   start: float = 0.0  # time.perf_counter() at the iteration's start (this process's clock)
+  compiles: int = 0  # backend compiles during the iteration (none after a full warm-up)
+
+
+class _Compiles:
+  """Backend compiles in this process, heard through jax.monitoring: any
+  compile after warm-up shows in ``counters()`` and in the iteration that
+  paid for it, whether of a model step, sampling or the engine's own jnp
+  calls (a load from the persistent compilation cache counts too)."""
+
+  count = 0
+  seconds = 0.0
+  _lock = threading.Lock()
+  _listening = False
+
+  @classmethod
+  def listen(cls) -> None:
+    with cls._lock:
+      if not cls._listening:
+        jax.monitoring.register_event_duration_secs_listener(cls._heard)
+        cls._listening = True
+
+  @classmethod
+  def _heard(cls, event: str, seconds: float, **kwargs) -> None:
+    if event == "/jax/core/compile/backend_compile_duration":
+      with cls._lock:
+        cls.count += 1
+        cls.seconds += seconds
 
 
 class _State(enum.Enum):
@@ -306,6 +333,8 @@ class BatchingEngine(api.Engine):
     # The last iterations' timings and what they dispatched.
     self.step_times: collections.deque[StepRecord] = collections.deque(maxlen=4096)
     self.observer = None  # optional metrics sink: .on_step(engine, record), .on_final(final)
+    _Compiles.listen()
+    self._compiles_at_start: tuple[int, float] | None = None
 
   # -- the interface -------------------------------------------------------
 
@@ -314,6 +343,7 @@ class BatchingEngine(api.Engine):
       return
     if self.config.warmup:
       self.warmup()
+    self._compiles_at_start = (_Compiles.count, _Compiles.seconds)
     self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
     self._thread.start()
 
@@ -394,10 +424,15 @@ class BatchingEngine(api.Engine):
 
   def counters(self) -> dict:
     """Engine-internal counts for benchmarks and tests: steps, mixed steps run,
-    and the runner's compiled shapes (None where the runner does not say)."""
+    the runner's compiled shapes (None where the runner does not say), and
+    the backend compiles in this process since the engine started (after its
+    warm-up) and their seconds."""
     shapes = getattr(self.runner, "compiled_shapes", None)
+    n0, s0 = self._compiles_at_start or (_Compiles.count, _Compiles.seconds)
     return {"steps": self.steps, "mixed_steps_run": self.mixed_steps_run,
-            "compiled_shapes": shapes() if shapes is not None else None}
+            "compiled_shapes": shapes() if shapes is not None else None,
+            "compiles_after_start": _Compiles.count - n0,
+            "compile_s_after_start": _Compiles.seconds - s0}
 
   def start_profile(self, log_dir: str) -> None:
     # jax's profiler traces the whole process: the scheduler thread's host
@@ -464,6 +499,7 @@ class BatchingEngine(api.Engine):
     may have one more token computed here: it is dropped.
     """
     t0 = time.perf_counter()
+    compiles0 = _Compiles.count
     now = time.monotonic()
     with self._lock:
       inbox, self._inbox = self._inbox, []
@@ -529,7 +565,8 @@ class BatchingEngine(api.Engine):
       self.steps += 1
     dt = time.perf_counter() - t0
     record = StepRecord(dt, t_wait, len(decodes), bool(launched), t_launch, t_tokens,
-                        sum(n for _, n in prefills), steps if decodes else 0, t0)
+                        sum(n for _, n in prefills), steps if decodes else 0, t0,
+                        _Compiles.count - compiles0)
     self.step_times.append(record)
     if self.observer is not None:
       self.observer.on_step(self, record)

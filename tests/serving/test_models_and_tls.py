@@ -79,6 +79,7 @@ def test_warmup_compiles_on_threads_and_then_runs_without_compiling():
     return out
 
   engine._warm_calls = counted
+  want = list(models.generate(model, prompt, 8))[-8:]
   jax.monitoring.register_event_duration_secs_listener(listener)
   try:
     with running(engine) as (server, c):
@@ -86,13 +87,34 @@ def test_warmup_compiles_on_threads_and_then_runs_without_compiling():
       compiled = engine.counters()["compiled_shapes"]
       assert compiled == {"prefill": 4, "decode": 1, "decode_multi_step": 3, "mixed": 0,
                           "prefill_packed": 0}
-      want = list(models.generate(model, prompt, 8))[-8:]
-      assert list(c.generate(prompt, max_tokens=8, ignore_eos=True).token_ids) == want
-      assert engine.counters()["compiled_shapes"] == compiled
+      got = [list(c.generate(prompt, max_tokens=n, ignore_eos=True).token_ids) for n in (8, 5)]
+      assert got == [want, want[:5]]
+      counters = engine.counters()
+      assert counters["compiled_shapes"] == compiled
+      # Nothing at all compiled while serving: not a step, not sampling.
+      assert counters["compiles_after_start"] == 0, counters
+      assert all(t.compiles == 0 for t in engine.step_times)
   finally:
     jax.monitoring.unregister_event_duration_listener(listener)
   with pytest.raises(ValueError, match="compile_threads"):
     E.EngineConfig(compile_threads=0)
+
+
+def test_compiles_after_start_are_counted_and_pinned_to_their_iteration():
+  # Without warm-up the first requests compile: the counters and the step
+  # records say so (what bench/serving_gpu.py reports after a load).
+  models = pytest.importorskip("models")
+  model = models.load("tiny", dtype="float32")
+  engine = E.BatchingEngine(E.ModelRunner(model, num_pages=32, page_size=8), E.EngineConfig(
+      max_batch=4, batch_buckets=(4,), prefill_rows=1, min_chunk=16, prefill_chunk=16,
+      max_seq_len=128, warmup=False, decode_steps=3))
+  with running(engine) as (server, c):
+    c.generate([5, 17, 99], max_tokens=6, ignore_eos=True)
+    counters = engine.counters()
+    assert counters["compiles_after_start"] > 0 and counters["compile_s_after_start"] > 0
+    compiling = [t for t in engine.step_times if t.compiles]
+    assert compiling and sum(t.compiles for t in engine.step_times) <= (
+        counters["compiles_after_start"])
 
 
 def test_fp8_kv_cache_through_the_server():
