@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import pathlib
-import shutil
 from typing import Any, Callable
 
 import ml_dtypes
@@ -495,10 +494,3 @@ def _fuse_tree(params: dict, cfg: ModelConfig) -> dict:
     if all(p in flat for p in parts):  # a bias only where the model has one
       flat[key] = combine([flat.pop(p) for p in parts], cfg)
   return traverse_util.unflatten_dict(flat, sep=".")
-
-
-def copy_tokenizer_files(src: pathlib.Path, dst: pathlib.Path) -> None:
-  for name in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json",
-               "generation_config.json", "chat_template.jinja"):
-    if (src / name).exists():
-      shutil.copy(src / name, dst / name)
