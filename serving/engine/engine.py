@@ -834,17 +834,20 @@ class BatchingEngine(api.Engine):
     """``steps`` decode steps with sampling on the device: one call where the
     runner has it, else one call per step. Outputs are [steps, batch, ...]."""
     arrays, want_lp, greedy = self._sampling_inputs(rows, len(rows))
+    # Sampling computes logprobs whether asked or not: one variant, the one
+    # the warm-up compiled (a sampled call without them compiled anew).
+    lp = want_lp or not greedy
     if getattr(self.runner, "supports_multi_step", False):
       out = self.runner.decode_multi(slots, lengths, table, arrays, self._counts,
                                      self._prompt_mask, self._last_tok, steps=steps,
-                                     greedy_only=greedy, logprobs=want_lp)
+                                     greedy_only=greedy, logprobs=lp)
     else:
       outs, counts, last = [], self._counts, self._last_tok
       tok = sampling.take(last, slots)
       for i in range(steps):
         li = np.where(lengths > 0, lengths + i, 0).astype(np.int32)
         o = sampling.step_jit(self.runner.decode(tok, li, table), arrays, np.int32(i), counts,
-                              self._prompt_mask, last, greedy_only=greedy, logprobs=want_lp)
+                              self._prompt_mask, last, greedy_only=greedy, logprobs=lp)
         tok, counts, last = o[0], o[4], o[5]
         outs.append(o[:4])
       out = tuple(None if x[0] is None else jnp.stack(x) for x in zip(*outs)) + (counts, last)

@@ -89,6 +89,9 @@ def test_warmup_compiles_on_threads_and_then_runs_without_compiling():
                           "prefill_packed": 0}
       got = [list(c.generate(prompt, max_tokens=n, ignore_eos=True).token_ids) for n in (8, 5)]
       assert got == [want, want[:5]]
+      # Sampled, with and without logprobs: the variants the warm-up compiled.
+      for lp in (False, True):
+        c.generate(prompt, max_tokens=7, ignore_eos=True, temperature=0.8, seed=1, logprobs=lp)
       counters = engine.counters()
       assert counters["compiled_shapes"] == compiled
       # Nothing at all compiled while serving: not a step, not sampling.
