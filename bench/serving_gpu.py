@@ -77,12 +77,13 @@ class IdTokenizer:
 
 
 def random_model(config: str, dtype: str, fold_norms: bool = True,
-                 decode_append: bool = True, decode_unroll: int | None = None):
+                 decode_append: bool = True, decode_unroll: int | None = None, tp: int = 1):
   from flax import nnx
 
   import models
   from models import config as config_lib
   from models import llama
+  from models import model as model_lib
 
   cfg = config_lib.get(config)
   abstract = nnx.eval_shape(lambda: llama.Llama(cfg, dtype=jnp.dtype(dtype), rngs=nnx.Rngs(0)))
@@ -99,14 +100,18 @@ def random_model(config: str, dtype: str, fold_norms: bool = True,
 
   params = jax.tree.unflatten(
       treedef, [init(k, tuple(l.shape), jnp.dtype(dtype)) for k, l in zip(keys, leaves)])
+  if tp > 1:
+    llama.check_tp(cfg, tp)
   return models.Model(cfg, params, IdTokenizer(cfg.vocab_size), dtype=dtype,
                       fold_norms=fold_norms, decode_append=decode_append,
-                      decode_unroll=decode_unroll)
+                      decode_unroll=decode_unroll,
+                      mesh=model_lib.make_mesh(tp) if tp > 1 else None)
 
 
 def flags_model(a):
   """random_model with the model flags of ``model_flags``."""
-  return random_model(a.config, a.dtype, a.fold_norms, a.decode_append, a.decode_unroll)
+  return random_model(a.config, a.dtype, a.fold_norms, a.decode_append, a.decode_unroll,
+                      a.tp)
 
 
 def loadgen(target, out, name, **kw):
@@ -250,6 +255,8 @@ def model_flags(ap: argparse.ArgumentParser) -> None:
   ap.add_argument("--prefill-first", action="store_true", help="EngineConfig.prefill_first")
   ap.add_argument("--packed-prefill", action="store_true", help="EngineConfig.packed_prefill")
   ap.add_argument("--compile-threads", type=int, default=1, help="EngineConfig.compile_threads")
+  ap.add_argument("--tp", type=int, default=1,
+                  help="tensor parallelism: devices the weights and KV cache are split over")
   ap.add_argument("--compilation-cache", type=pathlib.Path,
                   help="jax's persistent compilation cache directory (as serve's flag)")
   ap.add_argument("--no-decode-append", dest="decode_append", action="store_false",
@@ -347,7 +354,7 @@ def main():
                        "mixed_steps": a.mixed_steps,
                        "decode_prefill_budget": a.decode_prefill_budget,
                        "prefill_first": a.prefill_first, "packed_prefill": a.packed_prefill,
-                       "compile_threads": a.compile_threads, "profile_round": a.profile_round,
+                       "compile_threads": a.compile_threads, "tp": a.tp, "profile_round": a.profile_round,
                        "engine_process": a.engine_process, "range_ratio": a.range_ratio,
                        "requests_per_stream": a.requests_per_stream}
 

@@ -45,6 +45,8 @@ def _engine_config(a) -> dict:
              packed_prefill=a.packed_prefill, compile_threads=a.compile_threads)
   if a.token_budget:
     cfg["token_budget"] = a.token_budget
+  if a.tensor_parallel_size < 1:
+    raise SystemExit(f"serve: --tensor-parallel-size {a.tensor_parallel_size} must be >= 1")
   if a.decode_unroll is not None and a.decode_unroll < 1:
     raise SystemExit(f"serve: --decode-unroll {a.decode_unroll}: layers per iteration must be >= 1")
   try:
@@ -84,7 +86,8 @@ def build_engine(a):
                         kv_cache_dtype=KV_CACHE_DTYPES[a.kv_cache_dtype],
                         attention=a.attention_backend,
                         decode_attention=a.decode_attention_backend, matmul=a.matmul_backend,
-                        decode_unroll=a.decode_unroll, **extra, **cfg)
+                        decode_unroll=a.decode_unroll, tp=a.tensor_parallel_size, **extra,
+                        **cfg)
 
 
 def cmd_serve(a) -> int:
@@ -193,6 +196,9 @@ def parser() -> argparse.ArgumentParser:
                  "also used for decode unless --decode-attention-backend is given")
   s.add_argument("--decode-attention-backend", help="attention_decode implementation")
   s.add_argument("--matmul-backend", help="matmul implementation (mosaic, xla, ...)")
+  s.add_argument("--tensor-parallel-size", "--tp", type=int, default=1,
+                 help="devices the weights and KV cache are split over (Megatron layout: "
+                      "heads and MLP features; two all-reduces a layer)")
   s.add_argument("--host", default="127.0.0.1")
   s.add_argument("--port", type=int, default=50051, help="0 picks a free port")
   s.add_argument("--max-batch", type=int, default=64)

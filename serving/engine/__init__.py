@@ -44,10 +44,13 @@ def model_engine(spec: str | None = None, *, dtype: str = "bfloat16", num_pages:
                  page_size: int | None = None, attention: str | None = None,
                  decode_attention: str | None = None, matmul: str | None = None,
                  step_delay: float = 0.0, kv_cache_dtype: str | None = None,
-                 decode_unroll: int | None = None, **config) -> BatchingEngine:
-  """An engine over ``models.load(spec)``; "toy" and "counting" are the test models."""
+                 decode_unroll: int | None = None, tp: int = 1, **config) -> BatchingEngine:
+  """An engine over ``models.load(spec)``; "toy" and "counting" are the test models.
+  ``tp`` > 1: the model's weights and KV cache split over that many devices
+  (Megatron layout), each step running per shard."""
   if spec in ("toy", "counting"):
-    for what, value in (("KV cache dtype", kv_cache_dtype), ("decode_unroll", decode_unroll)):
+    for what, value in (("KV cache dtype", kv_cache_dtype), ("decode_unroll", decode_unroll),
+                        ("tensor parallelism", None if tp == 1 else tp)):
       if value is not None:
         raise ValueError(f"the {spec} model has no {what} option")
   if spec == "toy":
@@ -57,7 +60,7 @@ def model_engine(spec: str | None = None, *, dtype: str = "bfloat16", num_pages:
                        **config)
   import models
 
-  model = models.load(spec, dtype=dtype, decode_unroll=decode_unroll)
+  model = models.load(spec, dtype=dtype, decode_unroll=decode_unroll, tp=tp)
   runner = ModelRunner(model, num_pages=num_pages, page_size=page_size or default_page_size(),
                        attention=attention, decode_attention=decode_attention, matmul=matmul,
                        kv_cache_dtype=kv_cache_dtype)

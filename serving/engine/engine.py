@@ -41,6 +41,7 @@ import collections
 import concurrent.futures
 import dataclasses
 import enum
+import functools
 import logging
 import queue
 import random
@@ -178,14 +179,15 @@ class StepRecord(NamedTuple):
 
 
 class _Compiles:
-  """Backend compiles in this process, heard through jax.monitoring: any
-  compile after warm-up shows in ``counters()`` and in the iteration that
-  paid for it, whether of a model step, sampling or the engine's own jnp
-  calls (a load from the persistent compilation cache counts too)."""
+  """Backend compiles per thread, heard through jax.monitoring (a listener
+  runs in the thread that compiles): any compile in an engine's loop, so
+  after its warm-up, shows in ``counters()`` and in the iteration that paid
+  for it, whether of a model step, sampling or the engine's own jnp calls (a
+  load from the persistent compilation cache counts too). Other threads of
+  the process (a benchmark's reference, another engine) do not count."""
 
-  count = 0
-  seconds = 0.0
   _lock = threading.Lock()
+  _by_thread: dict[int, list] = {}  # thread ident -> [compiles, seconds]
   _listening = False
 
   @classmethod
@@ -199,8 +201,20 @@ class _Compiles:
   def _heard(cls, event: str, seconds: float, **kwargs) -> None:
     if event == "/jax/core/compile/backend_compile_duration":
       with cls._lock:
-        cls.count += 1
-        cls.seconds += seconds
+        c = cls._by_thread.setdefault(threading.get_ident(), [0, 0.0])
+        c[0] += 1
+        c[1] += seconds
+
+  @classmethod
+  def of(cls, ident: int | None) -> tuple[int, float]:
+    with cls._lock:
+      n, secs = cls._by_thread.get(ident, (0, 0.0))
+    return n, secs
+
+  @classmethod
+  def reset(cls, ident: int) -> None:  # a thread's ident may be a dead thread's
+    with cls._lock:
+      cls._by_thread.pop(ident, None)
 
 
 class _State(enum.Enum):
@@ -292,9 +306,13 @@ class BatchingEngine(api.Engine):
         max_batch=config.max_batch, page_size=self.page_size, num_pages=runner.num_pages,
         dtype=runner.dtype, backends=dict(runner.backends))
     v = runner.vocab_size
-    self._counts = jnp.zeros((config.max_batch, v), jnp.int32)
-    self._prompt_mask = jnp.zeros((config.max_batch, v), bool)
-    self._last_tok = jnp.zeros((config.max_batch,), jnp.int32)
+    # Sampling state per slot, where the runner's steps put their outputs (on
+    # every device of a tensor-parallel mesh), so that the warm-up's calls see
+    # the inputs that steady state's will.
+    place = functools.partial(jax.device_put, device=getattr(runner, "state_sharding", None))
+    self._counts = place(jnp.zeros((config.max_batch, v), jnp.int32))
+    self._prompt_mask = place(jnp.zeros((config.max_batch, v), bool))
+    self._last_tok = place(jnp.zeros((config.max_batch,), jnp.int32))
     self._free_slots = list(range(config.max_batch - 1, -1, -1))
     # Per batch slot, kept up to date as pages and requests come and go, so that
     # building a step's inputs is a gather rather than a loop over requests.
@@ -334,7 +352,6 @@ class BatchingEngine(api.Engine):
     self.step_times: collections.deque[StepRecord] = collections.deque(maxlen=4096)
     self.observer = None  # optional metrics sink: .on_step(engine, record), .on_final(final)
     _Compiles.listen()
-    self._compiles_at_start: tuple[int, float] | None = None
 
   # -- the interface -------------------------------------------------------
 
@@ -343,7 +360,6 @@ class BatchingEngine(api.Engine):
       return
     if self.config.warmup:
       self.warmup()
-    self._compiles_at_start = (_Compiles.count, _Compiles.seconds)
     self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
     self._thread.start()
 
@@ -425,14 +441,13 @@ class BatchingEngine(api.Engine):
   def counters(self) -> dict:
     """Engine-internal counts for benchmarks and tests: steps, mixed steps run,
     the runner's compiled shapes (None where the runner does not say), and
-    the backend compiles in this process since the engine started (after its
-    warm-up) and their seconds."""
+    the backend compiles of the engine's loop, which starts after warm-up,
+    and their seconds."""
     shapes = getattr(self.runner, "compiled_shapes", None)
-    n0, s0 = self._compiles_at_start or (_Compiles.count, _Compiles.seconds)
+    n, secs = _Compiles.of(self._thread.ident if self._thread is not None else None)
     return {"steps": self.steps, "mixed_steps_run": self.mixed_steps_run,
             "compiled_shapes": shapes() if shapes is not None else None,
-            "compiles_after_start": _Compiles.count - n0,
-            "compile_s_after_start": _Compiles.seconds - s0}
+            "compiles_after_start": n, "compile_s_after_start": secs}
 
   def start_profile(self, log_dir: str) -> None:
     # jax's profiler traces the whole process: the scheduler thread's host
@@ -465,6 +480,7 @@ class BatchingEngine(api.Engine):
   # -- the scheduler -------------------------------------------------------
 
   def _loop(self) -> None:
+    _Compiles.reset(threading.get_ident())
     try:
       while True:
         with self._lock:
@@ -499,7 +515,7 @@ class BatchingEngine(api.Engine):
     may have one more token computed here: it is dropped.
     """
     t0 = time.perf_counter()
-    compiles0 = _Compiles.count
+    compiles0 = _Compiles.of(threading.get_ident())[0]
     now = time.monotonic()
     with self._lock:
       inbox, self._inbox = self._inbox, []
@@ -566,7 +582,7 @@ class BatchingEngine(api.Engine):
     dt = time.perf_counter() - t0
     record = StepRecord(dt, t_wait, len(decodes), bool(launched), t_launch, t_tokens,
                         sum(n for _, n in prefills), steps if decodes else 0, t0,
-                        _Compiles.count - compiles0)
+                        _Compiles.of(threading.get_ident())[0] - compiles0)
     self.step_times.append(record)
     if self.observer is not None:
       self.observer.on_step(self, record)

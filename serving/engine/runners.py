@@ -100,6 +100,11 @@ class ModelRunner:
                                        ("matmul", matmul)) if v}
 
     self._fast = self._direct_steps(attention, decode_attention, matmul)
+    # Where the engine keeps its sampling state: replicated over a
+    # tensor-parallel model's mesh (where the steps' logits are), else anywhere.
+    mesh = getattr(model, "mesh", None)
+    self.state_sharding = None if mesh is None else jax.sharding.NamedSharding(
+        mesh, jax.sharding.PartitionSpec())
 
   def _direct_steps(self, attention, decode_attention, matmul):
     """The jitted steps of models.llama with the graph definition closed over.
@@ -117,6 +122,7 @@ class ModelRunner:
     if not isinstance(self.model, Model):
       return None
     graphdef = self.model.graphdef
+    mesh = self.model.mesh  # tensor parallelism: each step runs per shard (shard_map)
     pb = llama.backends(attention_prefill=attention, matmul=matmul)
     db = llama.backends(attention_decode=decode_attention, matmul=matmul)
     has_fresh = "fresh" in inspect.signature(llama.prefill_step).parameters
@@ -125,17 +131,17 @@ class ModelRunner:
     def prefill(params, cache, tokens, positions, lengths, page_table, fresh=False):
       kw = {"fresh": fresh} if has_fresh else {}
       return llama.prefill_step(graphdef, params, cache, tokens, positions, lengths, page_table,
-                                backends=pb, **kw)
+                                backends=pb, mesh=mesh, **kw)
 
     @functools.partial(jax.jit, static_argnames=("fresh",), donate_argnums=(1,))
     def prefill_packed(params, cache, tokens, tpos, seg, last, page_table, fresh=True):
       return llama.prefill_packed_step(graphdef, params, cache, tokens, tpos, seg, last,
-                                       page_table, backends=pb, fresh=fresh)
+                                       page_table, backends=pb, fresh=fresh, mesh=mesh)
 
     @functools.partial(jax.jit, donate_argnums=(1,))
     def decode(params, cache, tokens, lengths, page_table):
       logits, cache = llama.decode_step(graphdef, params, cache, tokens[:, None], lengths,
-                                        page_table, backends=db)
+                                        page_table, backends=db, mesh=mesh)
       return logits[:, 0], cache
 
     @functools.partial(jax.jit, donate_argnums=(1, 3, 5),
@@ -150,7 +156,7 @@ class ModelRunner:
         # Padding rows (length 0) stay at 0: they write nothing.
         logits, cache = llama.decode_step(graphdef, params, cache, tok[:, None],
                                           jnp.where(lengths > 0, lengths + i, 0), page_table,
-                                          backends=db)
+                                          backends=db, mesh=mesh)
         out = sampling.step(logits[:, 0], arrays, i, counts, prompt_mask, last,
                             greedy_only=greedy_only, logprobs=logprobs)
         return (cache, out[0], out[4], out[5]), out[:4]
@@ -166,7 +172,7 @@ class ModelRunner:
     def mixed(params, cache, dec_tokens, dec_lengths, dec_table, tokens, positions, lengths,
               page_table, fresh=False):
       return llama.mixed_step(graphdef, params, cache, dec_tokens, dec_lengths, dec_table, tokens,
-                              positions, lengths, page_table, backends=mb, fresh=fresh)
+                              positions, lengths, page_table, backends=mb, fresh=fresh, mesh=mesh)
 
     return prefill, decode, decode_multi, mixed, prefill_packed
 
@@ -209,7 +215,8 @@ class ModelRunner:
       def call(params, cache, *args, **kwargs):
         lowered = step.lower(params, cache, *args, **kwargs)
         futures.append(pool.submit(lowered.compile))
-        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), lowered.out_info[0])
+        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype, device=s.sharding),
+                             lowered.out_info[0])
         return zeros, cache  # every step returns (outputs, cache)
       return call
 

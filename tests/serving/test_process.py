@@ -163,7 +163,7 @@ def test_a_step_leaves_as_one_message_and_late_events_on_idle_ticks():
   assert box.flush_stale(tick) is None  # waiting a whole tick: out of any step
   assert pickle.loads(box.ready.get_nowait()) == ("batch", [("event", "a", 1), ("event", "a", 2)])
 
-  step = E.StepRecord(0.1, 0.0, 1, True, 0.01, 0.02, 16, 1, 5.0)
+  step = E.StepRecord(0.1, 0.0, 1, True, 0.01, 0.02, 16, 1, 5.0, 2)
   box.add(("event", "b", 3))
   _StepObserver(box).on_step(None, step)  # the step's end sends at once
   assert pickle.loads(box.ready.get_nowait()) == ("batch", [("event", "b", 3)])
@@ -171,7 +171,7 @@ def test_a_step_leaves_as_one_message_and_late_events_on_idle_ticks():
   # Pickling the events is the step's host time too: wall and token times grow by it.
   pickled = record.wall - 0.1
   assert kind == "step" and pickled > 0 and record[1:5] == (0.0, 1, True, 0.01)
-  assert abs(record.tokens - 0.02 - pickled) < 1e-9 and record[6:] == (16, 1, 5.0)
+  assert abs(record.tokens - 0.02 - pickled) < 1e-9 and record[6:] == (16, 1, 5.0, 2)
   assert box.flush_stale(None) is None and box.ready.empty()
 
 

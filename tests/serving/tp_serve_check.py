@@ -1,0 +1,61 @@
+"""Run in a process with 2 host devices: the server over a tensor-parallel
+(TP=2) model streams what the server over the same model on one device
+streams, and compiles nothing after its warm-up.
+
+usage: XLA_FLAGS=--xla_force_host_platform_device_count=2 python tp_serve_check.py SEED
+Prints "ok" or raises.
+"""
+
+import concurrent.futures
+import sys
+
+import jax
+import numpy as np
+
+from serving import engine as E
+from serving.client import Client
+from serving.service import Server
+
+
+def serve(tp: int, prompts, **engine_kw):
+  engine = E.model_engine("tiny", dtype="float32", tp=tp, num_pages=48, page_size=8,
+                          max_batch=4, batch_buckets=(1, 4), prefill_rows=2, min_chunk=16,
+                          prefill_chunk=16, max_seq_len=128, **engine_kw)
+  server = Server(engine, host="127.0.0.1", port=0).start()
+  client = Client(server.address)
+  try:
+    def one(i):
+      kw = dict(temperature=0.8, seed=i, top_p=0.9) if i % 2 else {}  # greedy and seeded
+      return list(client.generate(prompts[i], max_tokens=9, ignore_eos=True, **kw).token_ids)
+
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+      outs = list(pool.map(one, range(len(prompts))))
+    runner = engine.runner
+    assert len(runner.cache.k.sharding.device_set) == tp, runner.cache.k.sharding
+    if tp > 1:  # the engine's steps run per shard, with all-reduces, not replicated
+      hlo = runner._fast[1].lower(runner.model.params, runner.cache, np.zeros(4, np.int32),
+                                  np.ones(4, np.int32), np.ones((4, 16), np.int32)).as_text()
+      assert "all_reduce" in hlo or "all-reduce" in hlo, "no all-reduce in the TP decode step"
+    counters = engine.counters()
+    assert counters["compiles_after_start"] == 0, counters  # steady state compiles nothing
+    assert engine.stats().pages_in_use == 0
+    return outs
+  finally:
+    client.close()
+    server.stop(grace=0.5)
+
+
+def main():
+  assert len(jax.devices()) >= 2, jax.devices()
+  rng = np.random.default_rng(int(sys.argv[1]))
+  # Two prompts of 2 chunks, two short ones: prefill rows, continued chunks, batches.
+  prompts = [rng.integers(3, 259, n).tolist() for n in (20, 5, 18, 3)]
+  for kw in (dict(decode_steps=3, compile_threads=2), dict(packed_prefill=True),
+             dict(mixed_steps=True)):
+    one, two = serve(1, prompts, **kw), serve(2, prompts, **kw)
+    assert one == two, (kw, one, two)
+  print("ok")
+
+
+if __name__ == "__main__":
+  main()
