@@ -46,7 +46,48 @@ def main():
       jnp.full((2,), 5, jnp.int32), jnp.ones((2, 4), jnp.int32),
       backends=llama.backends(), mesh=two.mesh).as_text()
   assert "all_reduce" in hlo or "all-reduce" in hlo, "no all-reduce in the TP decode step"
+  _llama_8b_tp2_lowers_for_h200()
   print("ok", err)
+
+
+def _llama_8b_tp2_lowers_for_h200():
+  """Llama-3-8B's decode (B=64) and prefill (2048 tokens) steps at TP=2 lower
+  for the H200 with our kernels on each device's shard: half the heads and
+  MLP features per kernel, the all-reduces between them."""
+  import jax.numpy as jnp
+  from flax import nnx
+  from jax.sharding import NamedSharding
+
+  from kernels import attention_decode as ad
+  from models import llama
+
+  S, BF16, I32 = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.int32
+  cfg = models.config.get("llama3.1-8b")
+  mesh = model_lib.make_mesh(2)
+  abstract = nnx.eval_shape(lambda: llama.Llama(cfg, dtype=BF16, rngs=nnx.Rngs(0),
+                                                norms_folded=True))
+  graphdef, state = nnx.split(abstract)
+  pure = nnx.to_pure_dict(state)
+  params = jax.tree.map(lambda x, spec: S(x.shape, x.dtype, sharding=NamedSharding(mesh, spec)),
+                        pure, llama.param_specs(pure))
+  cache = jax.tree.map(lambda x: S(x.shape, x.dtype, sharding=llama.cache_sharding(mesh)),
+                       jax.eval_shape(lambda: llama.init_cache(cfg, 64, ad.DEFAULT_PAGE_SIZE)))
+  names = llama.backends(attention_prefill="mosaic", attention_decode="mosaic", matmul="mosaic",
+                         rms_norm="mosaic")
+  decode = lambda p, c, tok, n, tab: llama.decode_step(graphdef, p, c, tok, n, tab,
+                                                        backends=names, mesh=mesh)
+  prefill = lambda p, c, tok, pos, n, tab: llama.prefill_step(graphdef, p, c, tok, pos, n, tab,
+                                                              backends=names, mesh=mesh)
+  for fn, args, rows in ((decode, (S((64, 1), I32), S((64,), I32), S((64, 32), I32)), 64),
+                         (prefill, (S((1, 2048), I32), S((1,), I32), S((1,), I32),
+                                    S((1, 32), I32)), 2048)):
+    low = testing.lower_for_gpu(fn, params, cache, *args)
+    assert "all_reduce" in low.text or "all-reduce" in low.text, "no all-reduce at TP=2"
+    outs = " ".join(low.kernel_results)
+    # Per shard: qkv's (32 + 2 x 8 heads) x 128 / 2 columns and half the
+    # vocabulary; no kernel sees a whole qkv, gate_up or lm_head.
+    assert low.mosaic_kernels >= 7 and f"{rows}x3072x" in outs and "x64128x" in outs, outs
+    assert not any(w in outs for w in ("x6144x", "x28672x", "x128256x")), outs
 
 
 if __name__ == "__main__":
