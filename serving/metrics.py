@@ -103,6 +103,8 @@ class Metrics:
     self.generated_tokens = Counter(p + "generation_tokens_total", "Tokens generated.")
     self.cached_tokens = Counter(p + "prefix_cache_hit_tokens_total",
                                  "Prompt tokens served from the prefix cache.")
+    self.compiles = Counter(p + "compiles_total", "Backend compiles in the engine's steps "
+                            "after its warm-up (each holds up the whole batch).")
     self.requests = Counter(p + "requests_total", "Requests finished (any reason).")
     self.rejected = Counter(p + "requests_rejected_total", "Requests refused (queue full, "
                             "invalid, draining).")
@@ -122,6 +124,8 @@ class Metrics:
     del engine
     self.step.observe(record.wall)
     self.step_host.observe(max(record.wall - record.wait, 0.0))
+    if record.compiles:
+      self.compiles.inc(record.compiles)
 
   def on_final(self, final) -> None:
     self.requests.inc()

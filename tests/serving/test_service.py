@@ -275,7 +275,8 @@ def test_metrics_are_exposed():
   for name in ("time_to_first_token_seconds_count 1", "generation_tokens_total 4.0",
                "kv_pages_total 63", "inter_token_latency_seconds_bucket",
                "queue_time_seconds_count 1", "request_latency_seconds_count 1",
-               "requests_running 0", "requests_waiting 0", "kv_pages_in_use 0"):
+               "requests_running 0", "requests_waiting 0", "kv_pages_in_use 0",
+               "compiles_total "):
     assert "mosaic_serving_" + name in body, name
 
 
