@@ -100,12 +100,9 @@ def random_model(config: str, dtype: str, fold_norms: bool = True,
 
   params = jax.tree.unflatten(
       treedef, [init(k, tuple(l.shape), jnp.dtype(dtype)) for k, l in zip(keys, leaves)])
-  if tp > 1:
-    llama.check_tp(cfg, tp)
   return models.Model(cfg, params, IdTokenizer(cfg.vocab_size), dtype=dtype,
                       fold_norms=fold_norms, decode_append=decode_append,
-                      decode_unroll=decode_unroll,
-                      mesh=model_lib.make_mesh(tp) if tp > 1 else None)
+                      decode_unroll=decode_unroll, mesh=model_lib.tp_mesh(cfg, tp))
 
 
 def flags_model(a):
@@ -201,7 +198,7 @@ def schedule(records) -> dict:
   if records:
     out["span_s"] = records[-1].start + records[-1].wall - records[0].start
     # Iterations that compiled something (none after a full warm-up), and their wall time.
-    compiled = [t for t in records if getattr(t, "compiles", 0)]
+    compiled = [t for t in records if t.compiles]
     out["compiling_iterations"] = len(compiled)
     out["compiling_wall_s"] = sum(t.wall for t in compiled)
   return out
@@ -354,7 +351,8 @@ def main():
                        "mixed_steps": a.mixed_steps,
                        "decode_prefill_budget": a.decode_prefill_budget,
                        "prefill_first": a.prefill_first, "packed_prefill": a.packed_prefill,
-                       "compile_threads": a.compile_threads, "tp": a.tp, "profile_round": a.profile_round,
+                       "compile_threads": a.compile_threads, "tp": a.tp,
+                       "profile_round": a.profile_round,
                        "engine_process": a.engine_process, "range_ratio": a.range_ratio,
                        "requests_per_stream": a.requests_per_stream}
 

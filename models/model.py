@@ -172,6 +172,15 @@ def make_mesh(tp: int):
   return jax.sharding.Mesh(np.array(devices[:tp]), ("tp",))
 
 
+def tp_mesh(cfg: config_lib.ModelConfig, tp: int):
+  """The mesh a model of ``cfg`` splits over for tensor parallelism ``tp``
+  (None for 1), once its heads and features divide by ``tp``."""
+  if tp == 1:
+    return None
+  llama.check_tp(cfg, tp)
+  return make_mesh(tp)
+
+
 def load(spec: str | os.PathLike | None = None, *, dtype="bfloat16", tp: int = 1,
          decode_unroll: int | None = None) -> Model:
   """A Model from: None/"default" (embedded SmolLM2-135M-Instruct), "tiny" or
@@ -211,10 +220,7 @@ def load(spec: str | os.PathLike | None = None, *, dtype="bfloat16", tp: int = 1
       cfg, params, tok = checkpoint.read_orbax(path, dtype)
     else:
       cfg, params, tok = checkpoint.read_hf(path, _np_dtype(dtype))
-  if tp > 1:
-    llama.check_tp(cfg, tp)
-  return Model(cfg, params, tok, dtype=dtype, mesh=make_mesh(tp) if tp > 1 else None,
-               decode_unroll=decode_unroll)
+  return Model(cfg, params, tok, dtype=dtype, mesh=tp_mesh(cfg, tp), decode_unroll=decode_unroll)
 
 
 def _np_dtype(dtype):

@@ -224,8 +224,9 @@ def test_multi_step_decode_ends_requests_in_one_step_calls():
       engine.step_times.clear()
       got = _ids(c, prompt, max_tokens=max_tokens)
       assert got == reference_greedy(prompt, max_tokens)
-      # The first token comes from prefill; then 10 left: 4, 4 and two one-step
-      # calls, where 3 left is over half of 4 and takes a (partly unused) call.
+      # The first token comes from prefill. 11 tokens: 10 left, so 4, 4, then
+      # 2 left (at most half of 4) in one-step calls; 12: after 4, 4 the 3
+      # left are over half, so a (partly unused) 4-step call; 3: 2 left.
       assert [t.steps for t in engine.step_times if t.decodes] == want_steps, max_tokens
     wait_for(lambda: engine.stats().pages_in_use == 0, what="pages freed")
 

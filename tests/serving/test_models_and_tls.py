@@ -69,7 +69,9 @@ def test_warmup_compiles_on_threads_and_then_runs_without_compiling():
       max_batch=4, batch_buckets=(4,), prefill_rows=1, min_chunk=16, prefill_chunk=16,
       max_seq_len=128, warmup=True, decode_steps=3, compile_threads=2))
   compiles, per_pass = [], []
-  listener = lambda event, secs, **kw: compiles.append(event) if "backend_compile" in event else None
+  def listener(event, secs, **kw):
+    if "backend_compile" in event:
+      compiles.append(event)
   warm_calls = engine._warm_calls
 
   def counted():
