@@ -15,7 +15,7 @@ KV_CACHE_DTYPES = {"auto": None, "fp8": "float8_e4m3fn"}
 _SAMPLING_FLAGS = (("temperature", float), ("top_k", int), ("top_p", float), ("min_p", float),
                    ("repetition_penalty", float), ("presence_penalty", float),
                    ("frequency_penalty", float), ("seed", int), ("max_tokens", int),
-                   ("top_logprobs", int))
+                   ("min_tokens", int), ("top_logprobs", int))
 
 
 def _client_args(p):

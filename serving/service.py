@@ -43,7 +43,8 @@ _POLL_S = 0.05
 def sampling_from_proto(s: pb.SamplingParams) -> api.SamplingParams:
   kw = {}
   for f in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
-            "frequency_penalty", "seed", "max_tokens", "logprobs", "top_logprobs", "ignore_eos"):
+            "frequency_penalty", "seed", "max_tokens", "min_tokens", "logprobs", "top_logprobs",
+            "ignore_eos"):
     if s.HasField(f):
       kw[f] = getattr(s, f)
   kw["stop"] = tuple(s.stop)
@@ -219,7 +220,8 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
     return pb.ModelInfoResponse(
         model_name=i.model_name, vocab_size=i.vocab_size, max_context=i.max_context,
         eos_token_id=i.eos_token_id, bos_token_id=i.bos_token_id, max_batch=i.max_batch,
-        page_size=i.page_size, num_pages=i.num_pages, backends=i.backends, dtype=i.dtype)
+        page_size=i.page_size, num_pages=i.num_pages, backends=i.backends, dtype=i.dtype,
+        tensor_parallel_size=i.tensor_parallel_size)
 
 
 class HealthServicer(health_pb2_grpc.HealthServicer):

@@ -59,6 +59,9 @@ class SamplingParams:
   frequency_penalty: float = 0.0
   seed: int | None = None
   max_tokens: int | None = None
+  # Tokens generated before EOS or a stop token id may be sampled, or a stop
+  # string may end the request (vLLM's min_tokens; SGLang's min_new_tokens).
+  min_tokens: int = 0
   stop: tuple[str, ...] = ()
   stop_token_ids: tuple[int, ...] = ()
   logprobs: bool = False
@@ -91,6 +94,11 @@ class SamplingParams:
       raise InvalidRequest(f"seed={self.seed} must be in [0, 2**64)")
     if self.max_tokens is not None and self.max_tokens < 1:
       raise InvalidRequest(f"max_tokens={self.max_tokens} must be >= 1")
+    if self.min_tokens < 0:
+      raise InvalidRequest(f"min_tokens={self.min_tokens} must be >= 0")
+    if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+      raise InvalidRequest(
+          f"min_tokens={self.min_tokens} must be <= max_tokens={self.max_tokens}")
     if len(self.stop) > 16 or any(not s or len(s) > 256 for s in self.stop):
       raise InvalidRequest(
           f"stop has {len(self.stop)} strings; at most 16 non-empty strings of <= 256 chars")
@@ -171,6 +179,7 @@ class EngineInfo:
   num_pages: int
   dtype: str
   backends: dict[str, str] = dataclasses.field(default_factory=dict)
+  tensor_parallel_size: int = 1
 
 
 @dataclasses.dataclass(frozen=True)

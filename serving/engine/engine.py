@@ -304,21 +304,22 @@ class BatchingEngine(api.Engine):
         model_name=runner.name, vocab_size=runner.vocab_size, max_context=self.max_seq_len,
         eos_token_id=eos[0] if eos else -1, bos_token_id=-1 if bos is None else bos,
         max_batch=config.max_batch, page_size=self.page_size, num_pages=runner.num_pages,
-        dtype=runner.dtype, backends=dict(runner.backends))
+        dtype=runner.dtype, backends=dict(runner.backends),
+        tensor_parallel_size=getattr(runner, "tensor_parallel_size", 1))
     v = runner.vocab_size
     # Sampling state per slot, where the runner's steps put their outputs (on
     # every device of a tensor-parallel mesh), so that the warm-up's calls see
     # the inputs that steady state's will.
     place = functools.partial(jax.device_put, device=getattr(runner, "state_sharding", None))
     self._counts = place(jnp.zeros((config.max_batch, v), jnp.int32))
-    self._prompt_mask = place(jnp.zeros((config.max_batch, v), bool))
+    self._flags = place(jnp.zeros((config.max_batch, v), jnp.uint8))  # sampling.IN_PROMPT, ENDS
     self._last_tok = place(jnp.zeros((config.max_batch,), jnp.int32))
     self._free_slots = list(range(config.max_batch - 1, -1, -1))
     # Per batch slot, kept up to date as pages and requests come and go, so that
     # building a step's inputs is a gather rather than a loop over requests.
     self._slot_table = np.zeros((config.max_batch, self.max_pages), np.int32)
-    self._slot_f = np.zeros((config.max_batch, 6), np.float32)
-    self._slot_i = np.zeros((config.max_batch, 5), np.int64)
+    self._slot_f = np.zeros((config.max_batch, sampling.F_COLS), np.float32)
+    self._slot_i = np.zeros((config.max_batch, sampling.I_COLS), np.int64)
     self._lock = threading.Lock()
     self._wake = threading.Condition(self._lock)
     self._inbox: list[_Seq] = []
@@ -383,14 +384,20 @@ class BatchingEngine(api.Engine):
       raise api.InvalidRequest(
           f"the prompt has {len(prompt)} tokens; at most {self.max_seq_len - 1} fit the "
           f"context of {self.max_seq_len}")
-    max_tokens = min(p.max_tokens or self.config.default_max_tokens, room)
-    if p.max_tokens is not None and p.max_tokens > room:
-      raise api.InvalidRequest(
-          f"prompt ({len(prompt)} tokens) + max_tokens ({p.max_tokens}) exceeds the "
-          f"context of {self.max_seq_len}")
+    # Without max_tokens a request gets the default, or min_tokens if more.
+    max_tokens = min(p.max_tokens or max(self.config.default_max_tokens, p.min_tokens), room)
+    for name in ("max_tokens", "min_tokens"):
+      if (getattr(p, name) or 0) > room:
+        raise api.InvalidRequest(
+            f"prompt ({len(prompt)} tokens) + {name} ({getattr(p, name)}) exceeds the "
+            f"context of {self.max_seq_len}")
     if len(prompt) >= self.capacity:
       raise api.InvalidRequest(
           f"the prompt has {len(prompt)} tokens; the KV cache holds {self.capacity}")
+    if len(prompt) + p.min_tokens > self.capacity:
+      raise api.InvalidRequest(
+          f"prompt ({len(prompt)} tokens) + min_tokens ({p.min_tokens}) exceeds the "
+          f"{self.capacity} tokens the KV cache holds")
     bad = [t for t in p.stop_token_ids if not 0 <= t < self.runner.vocab_size]
     if bad:
       raise api.InvalidRequest(f"stop_token_ids {bad} are outside the vocabulary "
@@ -675,13 +682,12 @@ class BatchingEngine(api.Engine):
         seq.params, seq.seed, seq.slot)
     if seq.scheduled_at is None:
       seq.scheduled_at = time.monotonic()
-    if seq.params.penalized:
+    if seq.params.penalized or seq.params.min_tokens:
       v = self.runner.vocab_size
       counts = np.bincount(np.asarray(seq.generated, np.int64), minlength=v)[:v].astype(np.int32)
-      mask = np.zeros(v, bool)
-      mask[np.asarray(seq.prompt)] = True
-      self._counts, self._prompt_mask = sampling.set_rows(
-          self._counts, self._prompt_mask, np.int32(seq.slot), counts, mask)
+      self._counts, self._flags = sampling.set_rows(
+          self._counts, self._flags, np.int32(seq.slot), counts,
+          sampling.flag_row(v, seq.prompt, seq.ends))
     self._running.append(seq)
     return True
 
@@ -715,7 +721,9 @@ class BatchingEngine(api.Engine):
     arrays = sampling.gather(self._slot_f[slots], self._slot_i[slots], np.asarray(rows, np.int32),
                              steps, batch)
     want_lp = any(s.params.logprobs or s.params.top_logprobs for s in live)
-    greedy = all(s.params.greedy and not s.params.penalized for s in live)
+    # The fast path has no penalties and no end-token ban (min_tokens).
+    greedy = all(s.params.greedy and not s.params.penalized
+                 and len(s.generated) + s.pending >= s.params.min_tokens for s in live)
     return arrays, want_lp, greedy
 
   def _sampling_call(self, seqs: list[_Seq | None], logits, batch: int):
@@ -723,7 +731,7 @@ class BatchingEngine(api.Engine):
     if greedy:
       out = sampling.greedy(logits, arrays, self._counts, self._last_tok, logprobs=want_lp)
     else:
-      out = sampling.sample(logits, arrays, self._counts, self._prompt_mask, self._last_tok)
+      out = sampling.sample(logits, arrays, self._counts, self._flags, self._last_tok)
     self._counts, self._last_tok = out[4], out[5]
     for seq in seqs:
       if seq is not None:
@@ -855,7 +863,7 @@ class BatchingEngine(api.Engine):
     lp = want_lp or not greedy
     if getattr(self.runner, "supports_multi_step", False):
       out = self.runner.decode_multi(slots, lengths, table, arrays, self._counts,
-                                     self._prompt_mask, self._last_tok, steps=steps,
+                                     self._flags, self._last_tok, steps=steps,
                                      greedy_only=greedy, logprobs=lp)
     else:
       outs, counts, last = [], self._counts, self._last_tok
@@ -863,7 +871,7 @@ class BatchingEngine(api.Engine):
       for i in range(steps):
         li = np.where(lengths > 0, lengths + i, 0).astype(np.int32)
         o = sampling.step_jit(self.runner.decode(tok, li, table), arrays, np.int32(i), counts,
-                              self._prompt_mask, last, greedy_only=greedy, logprobs=lp)
+                              self._flags, last, greedy_only=greedy, logprobs=lp)
         tok, counts, last = o[0], o[4], o[5]
         outs.append(o[:4])
       out = tuple(None if x[0] is None else jnp.stack(x) for x in zip(*outs)) + (counts, last)
@@ -891,8 +899,9 @@ class BatchingEngine(api.Engine):
       is_eos = tokens[n - 1] in self.eos_ids and not p.ignore_eos
       reason, silent = api.FinishReason.EOS if is_eos else api.FinishReason.STOP, True
     ids = tokens[:n]
+    self._deferred.append((seq, ids, None if lps is None else lps[:n], silent, reason,
+                           len(seq.generated)))
     seq.generated.extend(ids)
-    self._deferred.append((seq, ids, None if lps is None else lps[:n], silent, reason))
     if reason is not None:
       self._release(seq)
 
@@ -905,8 +914,10 @@ class BatchingEngine(api.Engine):
         self._flush_seq(*item)
     return bool(items)
 
-  def _flush_seq(self, seq: _Seq, ids: list[int], lps, silent: bool, reason) -> None:
-    """One request's tokens accepted from one call (``_accept``'s record)."""
+  def _flush_seq(self, seq: _Seq, ids: list[int], lps, silent: bool, reason,
+                 first: int) -> None:
+    """One request's tokens accepted from one call (``_accept``'s record);
+    ``first`` is the index of ids[0] in the request's output."""
     p = seq.params
     n = len(ids) - silent  # the tokens with text
     # A stop string ends the request at the token that completes it: with stop
@@ -914,7 +925,8 @@ class BatchingEngine(api.Engine):
     cuts = range(1, n + 1) if p.stop and n else (n,)
     done = 0
     for cut in cuts:
-      text = seq.text.push(ids[done:cut], skip=cut == done)
+      # No stop string ends the output before its min_tokens-th token.
+      text = seq.text.push(ids[done:cut], skip=cut == done, stops=first + cut >= p.min_tokens)
       done = cut
       if text:
         seq.out_text.append(text)
@@ -1009,6 +1021,11 @@ class BatchingEngine(api.Engine):
   def _warm_calls(self) -> tuple[int, int, int]:
     """Runs every bucketed shape once: (decode, prefill, mixed) shapes."""
     table_w = self.max_pages
+    # A slot's penalty and end-token state, as a penalized or min_tokens request
+    # sets it at admission (slot 0 is free: anything goes there until then).
+    v = self.runner.vocab_size
+    self._counts, self._flags = sampling.set_rows(self._counts, self._flags, np.int32(0),
+                                                  np.zeros(v, np.int32), np.zeros(v, np.uint8))
     for b in self.batch_buckets:
       logits = self.runner.decode(sampling.take(self._last_tok, np.zeros((b,), np.int32)),
                                   np.zeros((b,), np.int32), np.zeros((b, table_w), np.int32))
@@ -1018,7 +1035,7 @@ class BatchingEngine(api.Engine):
         for greedy_only, lp in ((True, False), (True, True), (False, True)):
           out = self.runner.decode_multi(
               np.zeros((b,), np.int32), np.zeros((b,), np.int32),
-              np.zeros((b, table_w), np.int32), arrays, self._counts, self._prompt_mask,
+              np.zeros((b, table_w), np.int32), arrays, self._counts, self._flags,
               self._last_tok, steps=self.config.decode_steps, greedy_only=greedy_only,
               logprobs=lp)
           self._counts, self._last_tok = out[4], out[5]
@@ -1067,6 +1084,6 @@ class BatchingEngine(api.Engine):
     for lp in (False, True):
       out = sampling.greedy(logits, arrays, self._counts, self._last_tok, logprobs=lp)
       self._counts, self._last_tok = out[4], out[5]
-    out = sampling.sample(logits, arrays, self._counts, self._prompt_mask, self._last_tok)
+    out = sampling.sample(logits, arrays, self._counts, self._flags, self._last_tok)
     self._counts, self._last_tok = out[4], out[5]
     jax.block_until_ready(sampling.take(self._last_tok, np.zeros((b,), np.int32)))

@@ -39,12 +39,12 @@ def _has_backend(op: str, name: str) -> bool:
 
 
 # A packed decode row: slot, length, the page table row (P columns), then the
-# sampling rows: SamplingArrays.i (5) and the float32 bits of SamplingArrays.f (6).
-_PACKED_COLS = 2 + 5 + 6  # besides the page table
+# sampling rows: SamplingArrays.i and the float32 bits of SamplingArrays.f.
+_PACKED_COLS = 2 + sampling.I_COLS + sampling.F_COLS  # besides the page table
 
 
 def pack_decode_inputs(slots, lengths, page_table, arrays: sampling.SamplingArrays) -> np.ndarray:
-  """A decode call's host inputs side by side in one int32 array [B, P + 13].
+  """A decode call's host inputs side by side in one int32 array [B, P + _PACKED_COLS].
   Each host array handed to a jitted call is a transfer of its own, and back
   to back with a running step each one cost the dispatching thread 0.3-0.6 ms
   on the H200 (bench/results/decode_merge_pack_h200/)."""
@@ -57,10 +57,10 @@ def pack_decode_inputs(slots, lengths, page_table, arrays: sampling.SamplingArra
 
 def _unpack_decode_inputs(host):
   """pack_decode_inputs, inverted on the device: (slots, lengths, page table, arrays)."""
-  p = host.shape[1] - _PACKED_COLS
-  f = jax.lax.bitcast_convert_type(host[:, 2 + p + 5:], jnp.float32)
+  p, ni = host.shape[1] - _PACKED_COLS, sampling.I_COLS
+  f = jax.lax.bitcast_convert_type(host[:, 2 + p + ni:], jnp.float32)
   return host[:, 0], host[:, 1], host[:, 2:2 + p], sampling.SamplingArrays(
-      f=f, i=host[:, 2 + p:2 + p + 5])
+      f=f, i=host[:, 2 + p:2 + p + ni])
 
 
 class ModelRunner:
@@ -105,6 +105,7 @@ class ModelRunner:
     mesh = getattr(model, "mesh", None)
     self.state_sharding = None if mesh is None else jax.sharding.NamedSharding(
         mesh, jax.sharding.PartitionSpec())
+    self.tensor_parallel_size = 1 if mesh is None else int(mesh.size)
 
   def _direct_steps(self, attention, decode_attention, matmul):
     """The jitted steps of models.llama with the graph definition closed over.
@@ -146,7 +147,7 @@ class ModelRunner:
 
     @functools.partial(jax.jit, donate_argnums=(1, 3, 5),
                        static_argnames=("steps", "greedy_only", "logprobs"))
-    def decode_multi(params, cache, host, counts, prompt_mask, last, steps, greedy_only,
+    def decode_multi(params, cache, host, counts, flags, last, steps, greedy_only,
                      logprobs):
       slots, lengths, page_table, arrays = _unpack_decode_inputs(host)
       tokens = sampling.take(last, slots)  # each row's input: its slot's last token
@@ -157,7 +158,7 @@ class ModelRunner:
         logits, cache = llama.decode_step(graphdef, params, cache, tok[:, None],
                                           jnp.where(lengths > 0, lengths + i, 0), page_table,
                                           backends=db, mesh=mesh)
-        out = sampling.step(logits[:, 0], arrays, i, counts, prompt_mask, last,
+        out = sampling.step(logits[:, 0], arrays, i, counts, flags, last,
                             greedy_only=greedy_only, logprobs=logprobs)
         return (cache, out[0], out[4], out[5]), out[:4]
 
@@ -277,14 +278,14 @@ class ModelRunner:
                                        fresh=not np.any(positions))
     return logits
 
-  def decode_multi(self, slots, lengths, page_table, arrays, counts, prompt_mask, last, *,
+  def decode_multi(self, slots, lengths, page_table, arrays, counts, flags, last, *,
                    steps: int, greedy_only: bool, logprobs: bool):
     """``steps`` decode steps with on-device sampling in one call (models.Model only),
     row r's first input token being ``last[slots[r]]`` (slot -1: a padding row):
     ((tokens, logprob, top ids, top logprobs) each [steps, B, ...], counts, last).
     The host inputs (slots, lengths, page table, sampling rows) travel as one array."""
     host = pack_decode_inputs(slots, lengths, page_table, arrays)
-    out, self.cache = self._fast[2](self.model.params, self.cache, host, counts, prompt_mask,
+    out, self.cache = self._fast[2](self.model.params, self.cache, host, counts, flags,
                                     last, steps=steps, greedy_only=greedy_only,
                                     logprobs=logprobs)
     return out

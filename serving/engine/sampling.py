@@ -1,8 +1,10 @@
 """Per-request sampling on the device, one row per sequence of the batch.
 
-``sample(logits[B, V], SamplingArrays, counts, prompt_mask)`` applies, per row:
+``sample(logits[B, V], SamplingArrays, counts, flags)`` applies, per row:
 repetition penalty (over prompt and generated tokens), presence and frequency
-penalties (generated tokens), temperature, top-k, top-p and min-p, then draws
+penalties (generated tokens), the ban on the request's end tokens (EOS and
+stop token ids) while it has fewer than min_tokens, temperature, top-k, top-p
+and min-p, then draws
 with a key derived from (seed, number of tokens generated so far), so a seeded
 request samples the same tokens whatever else shares its batch. Rows with
 temperature 0 take the argmax. It returns the token, its logprob and the
@@ -33,8 +35,9 @@ from serving.engine.api import MAX_TOP_LOGPROBS, SamplingParams
 class SamplingArrays:
   """Per-row parameters in two arrays, so a step moves two buffers to the device."""
 
-  f: jax.Array  # [B, 6] f32: temperature, top_p, min_p, repetition, presence, frequency
-  i: jax.Array  # [B, 5] i32: top_k (0 = off), seed hi, seed lo (bits), step, slot (-1 = pad)
+  f: jax.Array  # [B, F_COLS] f32: temperature, top_p, min_p, repetition, presence, frequency
+  # [B, I_COLS] i32: top_k (0 = off), seed hi, seed lo (bits), step, slot (-1 = pad), min_tokens
+  i: jax.Array
 
   temperature = property(lambda self: self.f[:, 0])
   top_p = property(lambda self: self.f[:, 1])
@@ -46,16 +49,22 @@ class SamplingArrays:
   seed = property(lambda self: self.i[:, 1:3])  # hi, lo
   step = property(lambda self: self.i[:, 3])
   slot = property(lambda self: self.i[:, 4])
+  min_tokens = property(lambda self: self.i[:, 5])
 
 
+F_COLS, I_COLS = 6, 6
 _PAD_F = (0.0, 1.0, 0.0, 1.0, 0.0, 0.0)
+# Bits of the per-slot token flags [slots, V] (uint8), set at admission: the
+# token is in the prompt (repetition penalty); the token ends the request (EOS
+# unless ignored, a stop token id), so it is banned while step < min_tokens.
+IN_PROMPT, ENDS = 1, 2
 
 
 def param_rows(p: SamplingParams, seed: int, slot: int) -> tuple[np.ndarray, np.ndarray]:
   """One request's rows of ``SamplingArrays.f`` and ``.i`` (its step column 0)."""
   f = np.asarray((p.temperature, p.top_p, p.min_p, p.repetition_penalty, p.presence_penalty,
                   p.frequency_penalty), np.float32)
-  i = np.asarray((p.top_k, seed >> 32, seed & 0xFFFFFFFF, 0, slot), np.int64)
+  i = np.asarray((p.top_k, seed >> 32, seed & 0xFFFFFFFF, 0, slot, p.min_tokens), np.int64)
   return f, i
 
 
@@ -64,7 +73,7 @@ def gather(f_rows: np.ndarray, i_rows: np.ndarray, rows: np.ndarray, steps: np.n
   """Arrays for ``batch`` rows: row ``rows[j]`` takes ``f_rows[j]``, ``i_rows[j]``;
   the others are padding."""
   f = np.tile(np.asarray(_PAD_F, np.float32), (batch, 1))
-  i = np.zeros((batch, 5), np.int64)
+  i = np.zeros((batch, I_COLS), np.int64)
   i[:, 4] = -1
   f[rows] = f_rows
   i[rows] = i_rows
@@ -76,13 +85,13 @@ def pack(params: list[SamplingParams | None], seeds: list[int], steps: list[int]
          slots: list[int], batch: int) -> SamplingArrays:
   """Host-side arrays for ``batch`` rows (rows past ``len(params)`` are padding)."""
   f = np.tile(np.asarray(_PAD_F, np.float32), (batch, 1))
-  i = np.zeros((batch, 5), np.int64)
+  i = np.zeros((batch, I_COLS), np.int64)
   i[:, 4] = -1
   for r, p in enumerate(params):
     if p is not None:
       f[r] = (p.temperature, p.top_p, p.min_p, p.repetition_penalty, p.presence_penalty,
               p.frequency_penalty)
-      i[r, 0] = p.top_k
+      i[r, 0], i[r, 5] = p.top_k, p.min_tokens
   n = len(params)
   s = np.asarray(seeds, np.uint64)
   i[:n, 1] = (s >> np.uint64(32)).astype(np.int64)
@@ -117,17 +126,20 @@ def _greedy(logits, s: SamplingArrays, counts, last=None, *, logprobs: bool = Tr
   return (tokens, chosen, top_ids, top_lp) + _update(counts, last, s.slot, tokens)
 
 
-def _penalize(logits, s, counts, prompt_mask):
+def _penalize(logits, s, counts, flags):
   rows = jnp.maximum(s.slot, 0)
   c = counts[rows]  # [B, V]
-  seen = prompt_mask[rows] | (c > 0)
+  f = flags[rows]  # [B, V]
+  seen = ((f & IN_PROMPT) != 0) | (c > 0)
   rep = s.repetition[:, None]
   logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
-  return logits - s.presence[:, None] * (c > 0) - s.frequency[:, None] * c
+  logits = logits - s.presence[:, None] * (c > 0) - s.frequency[:, None] * c
+  held = ((f & ENDS) != 0) & (s.step < s.min_tokens)[:, None]
+  return jnp.where(held, -jnp.inf, logits)
 
 
-def _sample(logits, s: SamplingArrays, counts, prompt_mask, last=None):
-  logits = _penalize(logits.astype(jnp.float32), s, counts, prompt_mask)
+def _sample(logits, s: SamplingArrays, counts, flags, last=None):
+  logits = _penalize(logits.astype(jnp.float32), s, counts, flags)
   argmax = jnp.argmax(logits, axis=-1).astype(jnp.int32)
   vocab = logits.shape[-1]
   t = jnp.maximum(s.temperature, 1e-6)[:, None]
@@ -157,7 +169,7 @@ greedy = jax.jit(_greedy, donate_argnames=("counts", "last"), static_argnames=("
 sample = jax.jit(_sample, donate_argnames=("counts", "last"))
 
 
-def step(logits, s: SamplingArrays, i, counts, prompt_mask, last, *, greedy_only: bool,
+def step(logits, s: SamplingArrays, i, counts, flags, last, *, greedy_only: bool,
          logprobs: bool = True):
   """Step ``i`` of a multi-step decode: ``greedy`` or ``sample`` with every
   row's step counter advanced by ``i`` (a seeded row draws what it would one
@@ -165,7 +177,7 @@ def step(logits, s: SamplingArrays, i, counts, prompt_mask, last, *, greedy_only
   s = SamplingArrays(f=s.f, i=s.i.at[:, 3].add(i))
   if greedy_only:
     return _greedy(logits, s, counts, last, logprobs=logprobs)
-  return _sample(logits, s, counts, prompt_mask, last)
+  return _sample(logits, s, counts, flags, last)
 
 
 step_jit = jax.jit(step, donate_argnames=("counts", "last"),
@@ -178,20 +190,32 @@ def take(last, slots):
   return last[jnp.maximum(slots, 0)]
 
 
-@functools.partial(jax.jit, donate_argnames=("counts", "prompt_mask"))
-def set_rows(counts, prompt_mask, slot, count_row, mask_row):
-  """Initializes one slot's penalty state (at admission or after preemption)."""
-  return counts.at[slot].set(count_row), prompt_mask.at[slot].set(mask_row)
+@functools.partial(jax.jit, donate_argnames=("counts", "flags"))
+def set_rows(counts, flags, slot, count_row, flag_row):
+  """Initializes one slot's penalty and end-token state (at admission or
+  after preemption)."""
+  return counts.at[slot].set(count_row), flags.at[slot].set(flag_row)
+
+
+def flag_row(vocab: int, prompt, ends) -> np.ndarray:
+  """A slot's token flags: IN_PROMPT on the prompt's tokens, ENDS on ``ends``."""
+  row = np.zeros(vocab, np.uint8)
+  row[np.asarray(prompt, np.int64)] |= IN_PROMPT
+  row[np.asarray(sorted(ends), np.int64)] |= ENDS
+  return row
 
 
 def reference(logits: np.ndarray, p: SamplingParams, counts: np.ndarray,
-              prompt_mask: np.ndarray) -> np.ndarray:
-  """The allowed set after penalties and cuts for one row, in numpy (tests)."""
+              prompt_mask: np.ndarray, ends=(), step: int = 0) -> np.ndarray:
+  """The allowed set after penalties, the end-token ban and cuts for one row,
+  in numpy (tests)."""
   x = logits.astype(np.float64)
   seen = prompt_mask | (counts > 0)
   r = p.repetition_penalty
   x = np.where(seen, np.where(x > 0, x / r, x * r), x)
   x = x - p.presence_penalty * (counts > 0) - p.frequency_penalty * counts
+  if step < p.min_tokens:
+    x[list(ends)] = -np.inf
   order = np.argsort(-x, kind="stable")
   xs = x[order] / max(p.temperature, 1e-6)
   e = np.exp(xs - xs.max())
@@ -204,4 +228,4 @@ def reference(logits: np.ndarray, p: SamplingParams, counts: np.ndarray,
   keep[0] = True
   allowed = np.zeros(x.shape, bool)
   allowed[order[keep]] = True
-  return allowed
+  return allowed & (x > -np.inf)

@@ -60,14 +60,18 @@ class IncrementalText:
     self._emitted = 0  # chars of self._text handed out
     self._stop = tuple(stop)
     self._hold = max((len(s) for s in self._stop), default=1) - 1
+    # A stop string must end past this many chars: the text pushed with
+    # stops=False (a request's first min_tokens - 1 tokens) cannot stop it.
+    self._floor = 0
     self.stopped = False
 
   @property
   def text(self) -> str:
     return self._text[:self._emitted]
 
-  def push(self, ids: Sequence[int], *, skip: bool = False) -> str:
-    """Adds tokens; returns newly final text. ``skip``: tokens add no text (EOS)."""
+  def push(self, ids: Sequence[int], *, skip: bool = False, stops: bool = True) -> str:
+    """Adds tokens; returns newly final text. ``skip``: tokens add no text
+    (EOS). ``stops=False``: no stop string ends in the text so far."""
     if self.stopped:
       return ""
     if not skip:
@@ -81,8 +85,12 @@ class IncrementalText:
             and len(self._ids) - self._prefix > _MAX_WINDOW):
         self._read = len(self._ids)
         self._prefix = self._read - _WINDOW
-    for s in self._stop:
-      i = self._text.find(s, max(0, self._emitted - len(s) + 1))
+    if not stops:
+      self._floor = len(self._text)
+    for s in self._stop if stops else ():
+      # A match ends in text no earlier search saw: it starts at or after
+      # self._emitted, as the held-back tail is at least len(s) - 1 chars.
+      i = self._text.find(s, max(0, self._emitted - len(s) + 1, self._floor - len(s) + 1))
       if i >= 0:
         self.stopped = True
         self._text = self._text[:i]

@@ -23,7 +23,7 @@ FINISH_REASON_CANCELLED: FinishReason
 FINISH_REASON_DEADLINE: FinishReason
 
 class SamplingParams(_message.Message):
-    __slots__ = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "max_tokens", "stop", "stop_token_ids", "logprobs", "top_logprobs", "ignore_eos")
+    __slots__ = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "max_tokens", "min_tokens", "stop", "stop_token_ids", "logprobs", "top_logprobs", "ignore_eos")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
@@ -33,6 +33,7 @@ class SamplingParams(_message.Message):
     FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -47,12 +48,13 @@ class SamplingParams(_message.Message):
     frequency_penalty: float
     seed: int
     max_tokens: int
+    min_tokens: int
     stop: _containers.RepeatedScalarFieldContainer[str]
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: bool
     top_logprobs: int
     ignore_eos: bool
-    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
 class TokenIds(_message.Message):
     __slots__ = ("ids",)
@@ -173,7 +175,7 @@ class ModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfoResponse(_message.Message):
-    __slots__ = ("model_name", "vocab_size", "max_context", "eos_token_id", "bos_token_id", "max_batch", "page_size", "num_pages", "backends", "dtype")
+    __slots__ = ("model_name", "vocab_size", "max_context", "eos_token_id", "bos_token_id", "max_batch", "page_size", "num_pages", "backends", "dtype", "tensor_parallel_size")
     class BackendsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -191,6 +193,7 @@ class ModelInfoResponse(_message.Message):
     NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
     BACKENDS_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     vocab_size: int
     max_context: int
@@ -201,4 +204,5 @@ class ModelInfoResponse(_message.Message):
     num_pages: int
     backends: _containers.ScalarMap[str, str]
     dtype: str
-    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., eos_token_id: _Optional[int] = ..., bos_token_id: _Optional[int] = ..., max_batch: _Optional[int] = ..., page_size: _Optional[int] = ..., num_pages: _Optional[int] = ..., backends: _Optional[_Mapping[str, str]] = ..., dtype: _Optional[str] = ...) -> None: ...
+    tensor_parallel_size: int
+    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., eos_token_id: _Optional[int] = ..., bos_token_id: _Optional[int] = ..., max_batch: _Optional[int] = ..., page_size: _Optional[int] = ..., num_pages: _Optional[int] = ..., backends: _Optional[_Mapping[str, str]] = ..., dtype: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...

@@ -172,7 +172,11 @@ def test_warmup_compiles_every_shape_steady_state_does_not():
     assert compiled == 2 + 2 * 2 * 3
     with concurrent.futures.ThreadPoolExecutor(6) as pool:
       list(pool.map(lambda p: _ids(c, p, max_tokens=5), _prompts(6, seed=9)))
+    # Penalties and min_tokens set the slot's state at admission (set_rows).
+    c.generate([5, 6, 7], max_tokens=5, temperature=0.7, seed=1, repetition_penalty=1.2,
+               min_tokens=2, logprobs=True)
     assert model._fwd._cache_size() == compiled
+    assert engine.counters()["compiles_after_start"] == 0, engine.counters()
 
 
 def test_multi_step_decode_keeps_outputs_stops_and_pages(toy):
@@ -411,3 +415,37 @@ def test_mixed_steps_keep_outputs_on_the_llama_decoder():
   assert calls[False] == 0 and calls[True] > 0
   assert outs[True] == outs[False]
   assert all(len(o) == 6 for o in outs[True])
+
+
+def test_min_tokens_in_a_fused_multi_step_call_on_the_llama_decoder():
+  """decode_steps=4 on models.Model (one device call per 4 steps, sampling
+  inside it): a stop token id below min_tokens is banned at every step of the
+  call; from min_tokens on it ends the request as without the ban."""
+  import models
+  from serving.engine import api
+
+  model = models.load("tiny", dtype="float32")
+  runner, engine = _llama_engine(model, decode_steps=4, warmup=False)
+  assert runner.supports_multi_step
+  prompt = _prompts(1, seed=8)[0]
+  multi, calls = runner.decode_multi, []
+  runner.decode_multi = lambda *a, **kw: calls.append(kw) or multi(*a, **kw)
+
+  def run(**kw):
+    h = engine.submit(api.Request("r", prompt_ids=prompt, add_bos=False,
+                                  sampling=api.SamplingParams(ignore_eos=True, **kw)))
+    while engine.step():
+      pass
+    return _drain(h)
+  free = run(max_tokens=16)
+  stop = free[6]
+  first = free.index(stop)
+  calls.clear()
+  held = run(max_tokens=16, stop_token_ids=[stop], min_tokens=first + 4)
+  # The ban needs the sampling path, then the greedy one is back.
+  assert [c["greedy_only"] for c in calls][0] is False and calls[-1]["greedy_only"]
+  assert held[:first] == free[:first] and stop not in held[:first + 4]
+  assert held[first] != free[first]  # the runner-up where the stop token was
+  ended = run(max_tokens=16, stop_token_ids=[stop], min_tokens=first)
+  assert ended == free[:first]  # at min_tokens the stop token may end it
+  assert engine.stats().pages_in_use == 0

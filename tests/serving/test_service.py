@@ -62,12 +62,40 @@ def test_eos_and_ignore_eos(counting):
   assert r.finish_reason == pb.FINISH_REASON_LENGTH
 
 
+@pytest.mark.parametrize("decode_steps", [1, 4])
+def test_min_tokens_holds_back_eos_stop_tokens_and_stop_strings(decode_steps):
+  """Before its min_tokens-th token a request samples no EOS or stop token id
+  (the counting model's argmax after them is byte 0) and no stop string ends
+  it; from there on they do. The bans hold within a multi-step call too."""
+  ids = lambda text: [ord(x) for x in text]  # noqa: E731
+  engine = E.tiny_engine(max_batch=8, decode_steps=decode_steps, default_max_tokens=16)
+  with running(engine) as (server, c):
+    for min_tokens, want, reason in ((6, ids("yz{|}~"), pb.FINISH_REASON_EOS),
+                                     (7, ids("yz{|}~") + [0, 1, 2], pb.FINISH_REASON_LENGTH)):
+      r = c.generate("x", max_tokens=9, min_tokens=min_tokens)
+      assert (list(r.token_ids), r.finish_reason) == (want, reason), min_tokens
+    for min_tokens, want, reason in ((2, ids("yz"), pb.FINISH_REASON_STOP),
+                                     (3, ids("yz") + [0, 1, 2], pb.FINISH_REASON_LENGTH)):
+      r = c.generate("x", max_tokens=5, min_tokens=min_tokens, stop_token_ids=[ord("{")])
+      assert (list(r.token_ids), r.finish_reason) == (want, reason), min_tokens
+    for min_tokens, text, reason in ((0, "y", pb.FINISH_REASON_STOP),
+                                     (4, "yz{|}~", pb.FINISH_REASON_EOS)):
+      r = c.generate("x", max_tokens=20, min_tokens=min_tokens, stop=["z{"])
+      assert (r.text, r.finish_reason) == (text, reason), min_tokens
+    # Without max_tokens a request may generate min_tokens, past the default.
+    r = c.generate("x", min_tokens=40)
+    assert r.usage.completion_tokens == 40 and r.finish_reason == pb.FINISH_REASON_LENGTH
+    assert 257 not in r.token_ids
+    wait_for(lambda: server.engine.stats().pages_in_use == 0, what="pages freed")
+
+
 def test_tokenize_model_info_health_reflection(counting):
   server, c = counting
   t = c.tokenize("hé", add_bos=True)
   assert list(t.token_ids) == [256, 104, 0xC3, 0xA9]
   info = c.model_info()
   assert info.model_name == "counting" and info.vocab_size == 258 and info.max_batch == 8
+  assert info.tensor_parallel_size == 1
   assert c.health() == SERVING and c.health("mosaic.serving.v1.TextGeneration") == SERVING
   with pytest.raises(grpc.RpcError) as e:
     c.health("nope")
@@ -86,6 +114,9 @@ def test_tokenize_model_info_health_reflection(counting):
     (dict(temperature=-1.0), "temperature"), (dict(top_p=1.5), "top_p"),
     (dict(max_tokens=5000), "exceeds the context"), (dict(top_logprobs=6), "top_logprobs"),
     (dict(stop_token_ids=[999]), "outside the vocabulary"),
+    (dict(min_tokens=4, max_tokens=3), "min_tokens=4 must be <= max_tokens"),
+    (dict(min_tokens=5000), "min_tokens (5000) exceeds the context"),
+    (dict(min_tokens=300), "exceeds the 252 tokens the KV cache holds"),
 ])
 def test_bad_parameters_are_invalid_argument(counting, kw, match):
   _, c = counting

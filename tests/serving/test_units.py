@@ -121,6 +121,20 @@ def test_incremental_text_holds_back_possible_stop_prefix():
   assert t.push(tok.encode("D")) == "" and t.stopped
 
 
+def test_incremental_text_ignores_stops_ending_in_text_pushed_without_them():
+  """min_tokens: a stop string inside the first tokens' text does not stop
+  the request; one that ends later does, and no text of it was handed out."""
+  tok = ByteTokenizer()
+  t = IncrementalText(tok, ("ab",))
+  out = [t.push([i], stops=False) for i in tok.encode("xab")]
+  out += [t.push([i]) for i in tok.encode("cdab")]
+  assert t.stopped and "".join(out) == "xabcd"
+  t = IncrementalText(tok, ("ab",))
+  out = [t.push([i], stops=False) for i in tok.encode("xa")]
+  out.append(t.push(tok.encode("b")))  # the match ends past the floor: it stops
+  assert t.stopped and "".join(out) == "x"
+
+
 def _arrays(params, batch, slots=None):
   slots = slots or list(range(len(params)))
   return sampling.pack(params, [p.seed or 0 for p in params], [0] * len(params), slots, batch)
@@ -130,7 +144,7 @@ def test_greedy_and_topk1_pick_the_argmax():
   rng = np.random.default_rng(0)
   logits = rng.normal(size=(4, 50)).astype(np.float32)
   counts = jnp.zeros((4, 50), jnp.int32)
-  mask = jnp.zeros((4, 50), bool)
+  mask = jnp.zeros((4, 50), jnp.uint8)
   params = [api.SamplingParams(), api.SamplingParams(temperature=1.0, top_k=1, seed=3),
             api.SamplingParams(temperature=0.5, min_p=1.0, seed=4)]
   tok, lp, top_ids, top_lp, counts, _ = sampling.sample(logits, _arrays(params, 4), counts, mask)
@@ -151,6 +165,7 @@ def test_greedy_and_topk1_pick_the_argmax():
     api.SamplingParams(temperature=1.3, min_p=0.2, seed=3),
     api.SamplingParams(temperature=1.0, top_k=8, repetition_penalty=1.8, presence_penalty=1.0,
                        frequency_penalty=0.5, seed=4),
+    api.SamplingParams(temperature=1.0, top_k=5, repetition_penalty=1.5, min_tokens=9, seed=5),
 ])
 def test_samples_stay_in_the_reference_allowed_set(p):
   v = 32
@@ -158,20 +173,50 @@ def test_samples_stay_in_the_reference_allowed_set(p):
   logits = rng.normal(size=(v,)).astype(np.float32) * 2
   counts = np.zeros((1, v), np.int32)
   counts[0, rng.integers(0, v, 6)] = rng.integers(1, 4, 6)
+  prompt = rng.integers(0, v, 5)
   mask = np.zeros((1, v), bool)
-  mask[0, rng.integers(0, v, 5)] = True
-  allowed = sampling.reference(logits, p, counts[0], mask[0])
-  assert 2 <= allowed.sum() < v  # the cut matters and leaves a choice
+  mask[0, prompt] = True
+  ends = set(np.argsort(-logits)[:2].tolist())  # the two likeliest end the request
+  flags = sampling.flag_row(v, prompt, ends)[None]
   batch = 16
   seen = set()
-  for step in range(8):
+  for step in range(8):  # all below min_tokens where it is set
+    allowed = sampling.reference(logits, p, counts[0], mask[0], ends, step)
+    assert 2 <= allowed.sum() < v  # the cut matters and leaves a choice
     arrays = sampling.pack([p] * batch, [p.seed * 100 + i for i in range(batch)], [step] * batch,
                            [0] * batch, batch)
     out = sampling.sample(np.repeat(logits[None], batch, 0), arrays,
-                          jnp.asarray(np.repeat(counts, 1, 0)), jnp.asarray(mask))
+                          jnp.asarray(np.repeat(counts, 1, 0)), jnp.asarray(flags))
     seen |= set(np.asarray(out[0]).tolist())
-  assert seen <= set(np.flatnonzero(allowed).tolist())
+    assert set(np.asarray(out[0]).tolist()) <= set(np.flatnonzero(allowed).tolist())
   assert len(seen) > 1  # it samples, not argmax
+  assert bool(seen & ends) == (p.min_tokens == 0)
+
+
+def test_min_tokens_bans_end_tokens_until_reached():
+  """Below min_tokens a row never draws EOS or its stop token ids (greedy,
+  sampled, and a multi-step call's later steps); from there on it may."""
+  v, eos, stop = 40, 7, 3
+  rng = np.random.default_rng(3)
+  logits = rng.normal(size=(v,)).astype(np.float32)
+  logits[eos], logits[stop] = 9.0, 8.0  # the argmax, then the runner-up
+  flags = jnp.asarray(np.stack([sampling.flag_row(v, [], {eos, stop})] * 2))
+  params = [api.SamplingParams(min_tokens=4),
+            api.SamplingParams(temperature=1.0, top_k=3, min_tokens=4, seed=1)]
+  x = np.repeat(logits[None], 2, 0)
+  order = [int(t) for t in np.argsort(-logits)]
+  for step in range(6):
+    arrays = sampling.pack(params, [0, 1], [step] * 2, [0, 1], 2)
+    tok = np.asarray(sampling.sample(x, arrays, jnp.zeros((2, v), jnp.int32), flags)[0])
+    if step < 4:
+      assert tok[0] == order[2] and tok[1] in order[2:5], step
+    else:
+      assert tok[0] == eos
+    for i in range(3):  # step i of a multi-step call that starts at `step`
+      out = sampling.step_jit(x, arrays, np.int32(i), jnp.zeros((2, v), jnp.int32), flags,
+                              jnp.zeros((2,), jnp.int32), greedy_only=False)
+      assert (int(out[0][0]) == eos) == (step + i >= 4)
+
 
 
 def test_seeded_sampling_ignores_batch_neighbours():
@@ -180,7 +225,7 @@ def test_seeded_sampling_ignores_batch_neighbours():
   row = rng.normal(size=(v,)).astype(np.float32)
   p = api.SamplingParams(temperature=1.0, seed=1234)
   other = api.SamplingParams(temperature=1.0, seed=99)
-  counts, mask = jnp.zeros((4, v), jnp.int32), jnp.zeros((4, v), bool)
+  counts, mask = jnp.zeros((4, v), jnp.int32), jnp.zeros((4, v), jnp.uint8)
   alone = sampling.sample(row[None].repeat(1, 0), sampling.pack([p], [p.seed], [5], [0], 1),
                           counts, mask)[0]
   logits = np.stack([rng.normal(size=v).astype(np.float32), row, row, row])
@@ -196,7 +241,8 @@ def test_seeded_sampling_ignores_batch_neighbours():
     (dict(repetition_penalty=0.0), "repetition_penalty"),
     (dict(presence_penalty=3.0), "presence_penalty"), (dict(max_tokens=0), "max_tokens"),
     (dict(top_logprobs=9), "top_logprobs"), (dict(temperature=float("nan")), "temperature"),
-    (dict(stop=("",)), "stop"),
+    (dict(stop=("",)), "stop"), (dict(min_tokens=-1), "min_tokens"),
+    (dict(min_tokens=5, max_tokens=4), "min_tokens"),
 ])
 def test_sampling_params_refuse_bad_values(kw, match):
   with pytest.raises(api.InvalidRequest, match=match):
@@ -241,10 +287,11 @@ def test_decode_inputs_travel_packed_and_unpack_exactly():
   lengths = rng.integers(0, 900, b).astype(np.int32)
   table = rng.integers(0, 1 << 20, (b, p)).astype(np.int32)
   params = [api.SamplingParams(temperature=0.7, top_p=0.9, top_k=40, min_p=0.05,
-                               presence_penalty=-1.5), api.SamplingParams(), None]
+                               presence_penalty=-1.5, min_tokens=3), api.SamplingParams(), None]
   arrays = sampling.pack(params, [2**63 + 12345, 7, 0], [3, 0, 0], [3, 0, -1], b)
   host = runners.pack_decode_inputs(slots, lengths, table, arrays)
-  assert host.dtype == np.int32 and host.shape == (b, 2 + p + 5 + 6)
+  assert host.dtype == np.int32 and host.shape == (b, 2 + p + 6 + 6)
+  assert np.asarray(arrays.min_tokens).tolist() == [3, 0, 0, 0, 0]
   got = jax.jit(runners._unpack_decode_inputs)(host)
   for want, x in zip((slots, lengths, table, arrays.i), got[:3] + (got[3].i,)):
     np.testing.assert_array_equal(np.asarray(x), want)

@@ -25,11 +25,13 @@ def serve(tp: int, prompts, **engine_kw):
   client = Client(server.address)
   try:
     def one(i):
-      kw = dict(temperature=0.8, seed=i, top_p=0.9) if i % 2 else {}  # greedy and seeded
+      # Greedy, and seeded with an end-token ban (per-slot flags, set at admission).
+      kw = dict(temperature=0.8, seed=i, top_p=0.9, min_tokens=2) if i % 2 else {}
       return list(client.generate(prompts[i], max_tokens=9, ignore_eos=True, **kw).token_ids)
 
     with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
       outs = list(pool.map(one, range(len(prompts))))
+    assert client.model_info().tensor_parallel_size == tp
     runner = engine.runner
     assert len(runner.cache.k.sharding.device_set) == tp, runner.cache.k.sharding
     if tp > 1:  # the engine's steps run per shard, with all-reduces, not replicated
