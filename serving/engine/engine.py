@@ -662,7 +662,7 @@ class BatchingEngine(api.Engine):
     if not self._free_slots:
       return False
     tokens = seq.tokens
-    seq.hashes = block_hashes(tokens, self.page_size)
+    self._hash_blocks(seq)
     # At least one token is computed, for the logits of the next token.
     cached = self.alloc.lookup(seq.hashes[:(len(tokens) - 1) // self.page_size])
     need = -(-len(tokens) // self.page_size) - len(cached)
@@ -701,16 +701,50 @@ class BatchingEngine(api.Engine):
         n = min(seq.num_tokens - seq.computed, budget, cap)
         out.append((seq, n))
         budget -= n
-    while (self._waiting and len(out) < self.config.prefill_rows and budget > 0
+    inflight = self._inflight_blocks()
+    i = 0
+    while (i < len(self._waiting) and len(out) < self.config.prefill_rows and budget > 0
            and not self._stopping):
-      seq = self._waiting[0]
+      seq = self._waiting[i]
+      if inflight and self._shares_inflight(seq, inflight):
+        i += 1  # it waits; the requests behind it need not
+        continue
       if seq.pending or not self._admit(seq):  # preempted with a token in flight: next step
         break
-      self._waiting.popleft()
+      del self._waiting[i]
+      inflight.update(seq.hashes[seq.registered // self.page_size:])
       n = min(seq.num_tokens - seq.computed, budget, cap)
       out.append((seq, n))
       budget -= n
     return out
+
+  # A prompt whose next uncached block another running request is prefilling
+  # waits until that block is in the prefix cache instead of computing it too
+  # (SGLang's in-batch prefix caching): n requests with one long prompt (a
+  # shared system prompt, or the n completions of one call) prefill it once.
+
+  def _inflight_blocks(self) -> set[bytes]:
+    """Hashes of the prompt blocks running requests are prefilling, not yet cached."""
+    if not self.alloc.prefix_caching or not self._waiting:
+      return set()
+    out = set()
+    for seq in self._running:
+      if seq.state == _State.PREFILL:
+        out.update(seq.hashes[seq.registered // self.page_size:])
+    return out
+
+  def _shares_inflight(self, seq: _Seq, inflight: set[bytes]) -> bool:
+    self._hash_blocks(seq)
+    hashes = seq.hashes[:(seq.num_tokens - 1) // self.page_size]
+    k = self.alloc.cached_prefix(hashes)
+    return k < len(hashes) and hashes[k] in inflight
+
+  def _hash_blocks(self, seq: _Seq) -> None:
+    """seq.hashes for its tokens now: tokens are only appended, so hashes of
+    as many full pages as it has are still right (a waiting request is
+    checked every step)."""
+    if seq.hashes is None or len(seq.hashes) != seq.num_tokens // self.page_size:
+      seq.hashes = block_hashes(seq.tokens, self.page_size)
 
   def _sampling_inputs(self, seqs: list[_Seq | None], batch: int):
     """(per-row sampling arrays, logprobs wanted, every row plain greedy)."""

@@ -102,6 +102,16 @@ class PageAllocator:
       self._refs[p] += 1
     return pages
 
+  def cached_prefix(self, hashes: Sequence[bytes]) -> int:
+    """How many leading blocks of ``hashes`` are cached (``lookup`` without
+    taking references)."""
+    if not self.prefix_caching:
+      return 0
+    n = 0
+    while n < len(hashes) and hashes[n] in self._by_hash:
+      n += 1
+    return n
+
   def register(self, page: int, h: bytes) -> None:
     """Marks a full, written page as holding the block with hash ``h``."""
     if not self.prefix_caching or h in self._by_hash or page in self._hash_of:

@@ -288,7 +288,7 @@ def test_packed_prefill_keeps_outputs_on_the_llama_decoder():
 
   model = models.load("tiny", dtype="float32")
   prompts = _prompts(10, seed=11)  # 1..53 tokens; 0, 3, 6, 9 share a 3-page prefix
-  waves = [[0, 1, 2, 3], [4, 5, 7, 8], [6, 9]]  # fresh, fresh, prefix-cache hits
+  waves = [[0, 1, 2, 3], [4, 5, 7, 8], [6, 9]]  # fresh (3 shares 0's prefix), fresh, hits
   outs, packed_calls = {}, []
   for packed in (False, True):
     runner, engine = _llama_engine(model, prefill_rows=4, token_budget=256, warmup=packed,
@@ -318,9 +318,13 @@ def test_packed_prefill_keeps_outputs_on_the_llama_decoder():
       assert _compiled(runner) == compiled
     assert engine.stats().pages_in_use == 0
     engine.alloc.check()
-  # The two fresh waves packed (all four prompts each), then the hits' rests.
-  assert packed_calls[:2] == [(sum(len(prompts[i]) for i in w), True) for w in waves[:2]]
-  (hits, fresh), = packed_calls[2:]
+  # Wave one: 3 shares 0's prefix, so it waits for 0's prefill and then
+  # computes its rest over the cached pages; wave two packs all four fresh;
+  # wave three's prefix-cache hits compute their rests.
+  assert packed_calls[:3] == [(sum(len(prompts[i]) for i in (0, 1, 2)), True),
+                              (len(prompts[3]) - 24, False),
+                              (sum(len(prompts[i]) for i in waves[1]), True)]
+  (hits, fresh), = packed_calls[3:]
   assert not fresh and 0 < hits <= sum(len(prompts[i]) for i in waves[2]) - 2 * 24, packed_calls
   assert outs[True] == outs[False]
   assert all(len(o) == 5 for o in outs[True].values())
@@ -449,3 +453,40 @@ def test_min_tokens_in_a_fused_multi_step_call_on_the_llama_decoder():
   ended = run(max_tokens=16, stop_token_ids=[stop], min_tokens=first)
   assert ended == free[:first]  # at min_tokens the stop token may end it
   assert engine.stats().pages_in_use == 0
+
+
+def test_a_prompt_prefilled_by_another_request_waits_for_its_pages():
+  """Requests with one long prompt arriving together prefill it once: the
+  others wait (in the step that admits the first, and in the steps after,
+  while its chunks run) for its pages to reach the prefix cache, then compute
+  only their last partial page. A request behind them with another prompt is
+  not held up. Outputs are the reference's."""
+  from serving.engine import api
+
+  engine = E.toy_engine(max_batch=8, num_pages=200, page_size=8, **{**_SMALL,
+                                                                    "batch_buckets": (1, 8)})
+  rng = random.Random(5)
+  shared = [rng.randrange(256) for _ in range(150)]  # 18 full pages and 6 tokens: 3 chunks
+  other = [rng.randrange(256) for _ in range(20)]
+  prompts = [shared] * 4 + [other]
+  handles = [engine.submit(api.Request(f"r{i}", prompt_ids=p, add_bos=False,
+                                       sampling=api.SamplingParams(max_tokens=4)))
+             for i, p in enumerate(prompts)]
+  engine.step()
+  # The first copy's chunk, and the other prompt in what the budget leaves.
+  assert engine.step_times[-1].prefill_tokens == engine.config.budget == 64 + 8
+  while engine.step():
+    pass
+  prefilled = sum(t.prefill_tokens for t in engine.step_times)
+  assert prefilled == 150 + 20 + 3 * (150 - 144)  # the copies: their last 6 tokens
+  cached = []
+  for h, p in zip(handles, prompts):
+    events = []
+    while not h.events.empty():
+      events.append(h.events.get_nowait())
+    assert [t for e in events if isinstance(e, api.Delta) for t in e.token_ids] == \
+        reference_greedy(p, 4)
+    cached += [e.cached_prompt_tokens for e in events if isinstance(e, api.Final)]
+  assert cached == [0, 144, 144, 144, 0]
+  assert engine.stats().pages_in_use == 0
+  engine.alloc.check()
