@@ -4,7 +4,8 @@
 serving/proto/generate.proto) to an ``Engine``: each RPC converts its request
 to an engine ``Request`` (bad fields -> INVALID_ARGUMENT), submits it (full
 queue -> RESOURCE_EXHAUSTED, draining -> UNAVAILABLE), then relays the
-request's events as stream chunks. The client's deadline becomes the
+request's events as stream chunks (a call for n completions submits n
+requests and relays their events merged). The client's deadline becomes the
 request's deadline (the engine ends it within one step: DEADLINE_EXCEEDED);
 a client that goes away cancels its request through the RPC's done callback,
 which frees its pages at the next step. ``drain`` flips health to
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import dataclasses
 import logging
 import queue
 import signal
@@ -37,7 +39,57 @@ log = logging.getLogger("serving.service")
 
 SERVICE_NAME = "mosaic.serving.v1.TextGeneration"
 MAX_PROMPT_CHARS = 1 << 20
+MAX_N = 64  # completions per call
 _POLL_S = 0.05
+
+
+def completion_seed(seed: int, i: int) -> int:
+  """Completion i's seed: ``seed`` itself for i = 0, else a 64-bit mix of both
+  (splitmix64), so that no two completions of nearby seeds share draws."""
+  if i == 0:
+    return seed
+  z = (seed + i * 0x9E3779B97F4A7C15) & (2**64 - 1)
+  z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & (2**64 - 1)
+  z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & (2**64 - 1)
+  return z ^ (z >> 31)
+
+
+class _Events:
+  """A call's events as (completion index, event). One request's queue is
+  read directly; with n > 1 a thread per request forwards its events into one
+  queue, until its last event or ``close``."""
+
+  def __init__(self, handles: list[api.RequestHandle]):
+    self.n = len(handles)
+    self._closed = threading.Event()
+    if self.n == 1:
+      self._q = handles[0].events
+      return
+    self._q = queue.SimpleQueue()
+    for i, h in enumerate(handles):
+      threading.Thread(target=self._forward, args=(i, h.events), daemon=True,
+                       name=f"events-{i}").start()
+
+  def _forward(self, i, events):
+    while not self._closed.is_set():
+      try:
+        ev = events.get(timeout=_POLL_S)
+      except queue.Empty:
+        continue
+      self._q.put((i, ev))
+      if isinstance(ev, (api.Final, api.Failed)):
+        return
+
+  def get(self, timeout: float):
+    ev = self._q.get(timeout=timeout)
+    return (0, ev) if self.n == 1 else ev
+
+  def get_nowait(self):
+    ev = self._q.get_nowait()
+    return (0, ev) if self.n == 1 else ev
+
+  def close(self) -> None:
+    self._closed.set()
 
 
 def sampling_from_proto(s: pb.SamplingParams) -> api.SamplingParams:
@@ -90,9 +142,12 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
     with self._idle:
       return self._idle.wait_for(lambda: self._active == 0, timeout=max(0.0, timeout))
 
-  def _submit(self, request: pb.GenerateRequest, context) -> tuple[str, str, api.RequestHandle]:
+  def _submit(self, request: pb.GenerateRequest, context):
+    """(request id, engine-side keys, handles): one engine request per
+    completion, all submitted or none (a refusal cancels those before it)."""
     rid = request.request_id or uuid.uuid4().hex
-    key = uuid.uuid4().hex  # engine-side id: clients may reuse theirs
+    keys: list[str] = []  # engine-side ids: clients may reuse theirs
+    handles: list[api.RequestHandle] = []
     try:
       which = request.WhichOneof("prompt")
       if which is None:
@@ -100,38 +155,45 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
       if which == "text" and len(request.text) > MAX_PROMPT_CHARS:
         raise api.InvalidRequest(f"the prompt text has {len(request.text)} chars; at most "
                                  f"{MAX_PROMPT_CHARS}")
+      n = request.sampling.n if request.sampling.HasField("n") else 1
+      if not 1 <= n <= MAX_N:
+        raise api.InvalidRequest(f"n={n} must be in [1, {MAX_N}]")
+      sampling = sampling_from_proto(request.sampling)
       remaining = context.time_remaining()
-      req = api.Request(
-          request_id=key,
-          prompt_text=request.text if which == "text" else None,
-          prompt_ids=list(request.token_ids.ids) if which == "token_ids" else None,
-          sampling=sampling_from_proto(request.sampling),
-          deadline=None if remaining is None else time.monotonic() + remaining)
-      handle = self.engine.submit(req)
-    except api.InvalidRequest as e:
+      for i in range(n):
+        keys.append(uuid.uuid4().hex)
+        if sampling.seed is not None and i:
+          sampling = dataclasses.replace(sampling, seed=completion_seed(request.sampling.seed, i))
+        handles.append(self.engine.submit(api.Request(
+            request_id=keys[-1],
+            prompt_text=request.text if which == "text" else None,
+            prompt_ids=list(request.token_ids.ids) if which == "token_ids" else None,
+            sampling=sampling,
+            deadline=None if remaining is None else time.monotonic() + remaining)))
+    except (api.InvalidRequest, api.QueueFull, api.Draining, api.EngineFailed) as e:
+      for key in keys[:len(handles)]:
+        self.engine.cancel(key)
+      if isinstance(e, api.EngineFailed):
+        context.abort(grpc.StatusCode.INTERNAL, str(e))
       self.metrics.rejected.inc()
-      context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-    except api.QueueFull as e:
-      self.metrics.rejected.inc()
-      context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
-    except api.Draining as e:
-      self.metrics.rejected.inc()
-      context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
-    except api.EngineFailed as e:
-      context.abort(grpc.StatusCode.INTERNAL, str(e))
-    context.add_callback(lambda: self.engine.cancel(key))
-    return rid, key, handle
+      context.abort(grpc.StatusCode.INVALID_ARGUMENT if isinstance(e, api.InvalidRequest) else
+                    grpc.StatusCode.RESOURCE_EXHAUSTED if isinstance(e, api.QueueFull) else
+                    grpc.StatusCode.UNAVAILABLE, str(e))
+    context.add_callback(lambda: [self.engine.cancel(k) for k in keys])
+    return rid, keys, _Events(handles)
 
-  def _events(self, handle: api.RequestHandle, context):
-    """The request's events; Deltas that queued up meanwhile are merged into one."""
-    last = None
+  def _events(self, events: _Events, context):
+    """(completion index, event) until every completion's Final; Deltas of a
+    completion that queued up meanwhile are merged into one."""
+    last: dict[int, float] = {}
+    finals = 0
     follow = None  # an event read while merging, handled next
     while True:
       if follow is not None:
-        ev, follow = follow, None
+        (i, ev), follow = follow, None
       else:
         try:
-          ev = handle.events.get(timeout=_POLL_S)
+          i, ev = events.get(timeout=_POLL_S)
         except queue.Empty:
           if not context.is_active():
             return
@@ -140,23 +202,23 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
         # Fewer, larger messages when many streams compete for the interpreter.
         while True:
           try:
-            nxt = handle.events.get_nowait()
+            nxt = events.get_nowait()
           except queue.Empty:
             break
-          if not isinstance(nxt, api.Delta):
+          if nxt[0] != i or not isinstance(nxt[1], api.Delta):
             follow = nxt
             break
-          ev = api.Delta(ev.token_ids + nxt.token_ids, ev.text + nxt.text,
-                         ev.logprobs + nxt.logprobs)
+          d = nxt[1]
+          ev = api.Delta(ev.token_ids + d.token_ids, ev.text + d.text, ev.logprobs + d.logprobs)
         now = time.monotonic()
         k = len(ev.token_ids)
-        if last is not None and k:
+        if i in last and k:
           # k tokens in one message: k inter-token gaps of equal share.
-          self.metrics.itl.observe((now - last) / k, k)
+          self.metrics.itl.observe((now - last[i]) / k, k)
         if k:
-          last = now
+          last[i] = now
       # An ended deadline or cancel is the call's status, not a response:
-      # abort before handing the Final on (Generate returns on a Final).
+      # abort before handing the Final on (Generate returns on the last Final).
       if isinstance(ev, api.Failed):
         context.abort(grpc.StatusCode.INTERNAL, ev.message)
       if isinstance(ev, api.Final) and ev.reason == api.FinishReason.DEADLINE:
@@ -164,49 +226,62 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
                       f"deadline exceeded after {ev.completion_tokens} tokens")
       if isinstance(ev, api.Final) and ev.reason == api.FinishReason.CANCELLED:
         context.abort(grpc.StatusCode.CANCELLED, "the request was cancelled")
-      yield ev
+      yield i, ev
       if isinstance(ev, api.Final):
-        return
+        finals += 1
+        if finals == events.n:
+          return
 
   def GenerateStream(self, request, context):
     with self._call():
       yield from self._generate_stream(request, context)
 
   def _generate_stream(self, request, context):
-    rid, key, handle = self._submit(request, context)
+    rid, keys, events = self._submit(request, context)
     try:
-      for ev in self._events(handle, context):
+      for i, ev in self._events(events, context):
         if isinstance(ev, api.Delta):
-          yield pb.GenerateStreamChunk(request_id=rid, token_ids=ev.token_ids, text=ev.text,
-                                       logprobs=_logprobs_proto(ev.logprobs))
+          yield pb.GenerateStreamChunk(request_id=rid, index=i, token_ids=ev.token_ids,
+                                       text=ev.text, logprobs=_logprobs_proto(ev.logprobs))
         elif isinstance(ev, api.Final):
           usage, timings = _final_proto(ev)
-          yield pb.GenerateStreamChunk(request_id=rid, final=pb.FinalInfo(
+          yield pb.GenerateStreamChunk(request_id=rid, index=i, final=pb.FinalInfo(
               finish_reason=int(ev.reason), usage=usage, timings=timings))
     finally:
-      self.engine.cancel(key)
+      events.close()
+      for key in keys:
+        self.engine.cancel(key)
 
   def Generate(self, request, context):
     with self._call():
       return self._generate(request, context)
 
   def _generate(self, request, context):
-    rid, key, handle = self._submit(request, context)
-    ids, text, lps = [], [], []
+    rid, keys, events = self._submit(request, context)
+    done: list[pb.Completion | None] = [None] * events.n
+    ids, text, lps = ([[] for _ in range(events.n)] for _ in range(3))
     try:
-      for ev in self._events(handle, context):
+      for i, ev in self._events(events, context):
         if isinstance(ev, api.Delta):
-          ids += ev.token_ids
-          text.append(ev.text)
-          lps += _logprobs_proto(ev.logprobs)
+          ids[i] += ev.token_ids
+          text[i].append(ev.text)
+          lps[i] += _logprobs_proto(ev.logprobs)
         elif isinstance(ev, api.Final):
           usage, timings = _final_proto(ev)
-          return pb.GenerateResponse(request_id=rid, text="".join(text), token_ids=ids,
-                                     logprobs=lps, finish_reason=int(ev.reason), usage=usage,
-                                     timings=timings)
+          done[i] = pb.Completion(index=i, text="".join(text[i]), token_ids=ids[i],
+                                  logprobs=lps[i], finish_reason=int(ev.reason), usage=usage,
+                                  timings=timings)
     finally:
-      self.engine.cancel(key)
-    context.abort(grpc.StatusCode.CANCELLED, "the request was cancelled")
+      events.close()
+      for key in keys:
+        self.engine.cancel(key)
+    if any(c is None for c in done):
+      context.abort(grpc.StatusCode.CANCELLED, "the request was cancelled")
+    first = done[0]
+    return pb.GenerateResponse(
+        request_id=rid, text=first.text, token_ids=first.token_ids, logprobs=first.logprobs,
+        finish_reason=first.finish_reason, usage=first.usage, timings=first.timings,
+        completions=done if events.n > 1 else ())
 
   def Tokenize(self, request, context):
     if len(request.text) > MAX_PROMPT_CHARS:

@@ -490,3 +490,22 @@ def test_a_prompt_prefilled_by_another_request_waits_for_its_pages():
   assert cached == [0, 144, 144, 144, 0]
   assert engine.stats().pages_in_use == 0
   engine.alloc.check()
+
+
+def test_n_completions_sample_apart_and_prefill_the_prompt_once(toy):
+  """n = 4 seeded completions: completion i draws what a lone request with
+  completion_seed(seed, i) draws; they differ; only completion 0 computes
+  the prompt's full pages, the others read them from the prefix cache."""
+  from serving.service import completion_seed
+
+  _, c = toy
+  rng = random.Random(31)
+  prompt = [rng.randrange(256) for _ in range(45)]  # 5 full pages of 8, and 5 tokens
+  kw = dict(temperature=1.0, top_k=50, max_tokens=8, ignore_eos=True)
+  r = c.generate(prompt, n=4, seed=7, **kw)
+  outs = [list(x.token_ids) for x in r.completions]
+  assert [x.usage.cached_prompt_tokens for x in r.completions] == [0, 40, 40, 40]
+  assert len({tuple(o) for o in outs}) > 1
+  for i, out in enumerate(outs):
+    assert list(c.generate(prompt, seed=completion_seed(7, i), **kw).token_ids) == out, i
+  assert list(r.token_ids) == outs[0]

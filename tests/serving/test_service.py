@@ -541,3 +541,57 @@ def test_mixed_steps_over_grpc_give_the_known_continuations():
     wait_for(lambda: engine.stats().pages_in_use == 0, what="pages freed")
   assert texts == [_expected(p[-1], 9) for p in prompts]
   assert engine.mixed_steps_run > 0
+
+
+def test_n_completions_unary_and_streamed(counting):
+  """n completions of one prompt: Generate returns them all (completion 0's
+  fields at the top too), GenerateStream tags each chunk with its completion
+  and ends each with its own final chunk."""
+  server, c = counting
+  r = c.generate("x", max_tokens=4, n=3, logprobs=True)
+  assert [x.index for x in r.completions] == [0, 1, 2]
+  for x in r.completions:
+    assert x.text == "yz{|" and list(x.token_ids) == [ord(ch) for ch in "yz{|"]
+    assert x.finish_reason == pb.FINISH_REASON_LENGTH and x.usage.completion_tokens == 4
+    assert len(x.logprobs) == 4
+  assert r.text == "yz{|" and r.usage.completion_tokens == 4 and len(r.logprobs) == 4
+  assert not c.generate("x", max_tokens=4).completions  # n = 1: the top-level fields only
+  chunks = list(c.stream("x", max_tokens=9, n=3))  # 3 stop at EOS after "~"
+  assert sorted({ch.index for ch in chunks}) == [0, 1, 2]
+  for i in range(3):
+    mine = [ch for ch in chunks if ch.index == i]
+    assert "".join(ch.text for ch in mine) == "yz{|}~"
+    assert [ch.HasField("final") for ch in mine] == [False] * (len(mine) - 1) + [True]
+    assert mine[-1].final.finish_reason == pb.FINISH_REASON_EOS
+  assert chunks[-1].HasField("final")
+  wait_for(lambda: server.engine.stats().pages_in_use == 0, what="pages freed")
+
+
+@pytest.mark.parametrize("n", [0, 65])
+def test_bad_n_is_invalid_argument(counting, n):
+  _, c = counting
+  with pytest.raises(grpc.RpcError) as e:
+    c.generate("a", n=n)
+  assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "n=" in e.value.details()
+
+
+def test_n_completions_are_accepted_all_or_none_and_cancelled_together():
+  """A call for n completions that the queue cannot take whole is refused and
+  leaves nothing queued; cancelling a call ends all of its completions."""
+  engine = E.tiny_engine(max_batch=1, max_waiting=2, step_delay=0.02)
+  with running(engine) as (server, c):
+    s = c.stream("a", max_tokens=1000, ignore_eos=True)
+    assert next(s).text == "b"  # it runs: the queue has room for 2
+    with pytest.raises(grpc.RpcError) as e:
+      c.generate("a", max_tokens=2, n=3)
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    wait_for(lambda: engine.stats().waiting == 0, what="the refused call's requests gone")
+    s.cancel()
+    many = c.stream("a", max_tokens=1000, ignore_eos=True, n=2)
+    assert next(many).token_ids
+    assert engine.stats().running + engine.stats().waiting == 2
+    many.cancel()
+    wait_for(lambda: engine.stats().running + engine.stats().waiting == 0, what="idle")
+    assert engine.stats().pages_in_use == 0
+    r = c.generate("a", max_tokens=2, n=2)
+    assert [x.text for x in r.completions] == ["bc", "bc"]
