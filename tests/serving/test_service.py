@@ -148,10 +148,11 @@ def _requests(draw):
     v = draw(_floats)
     if v is not None:
       sp[f] = v
-  for f in ("top_k", "max_tokens", "top_logprobs"):
+  for f in ("top_k", "max_tokens", "top_logprobs", "min_tokens", "n"):
     v = draw(_ints)
-    if v is not None:
-      sp[f] = v if f != "max_tokens" else (v % 64 if draw(st.booleans()) else v)
+    if v is not None:  # counts: in range half the time
+      sp[f] = v % (4 if f == "n" else 64) if f in ("max_tokens", "min_tokens", "n") and \
+          draw(st.booleans()) else v
   sp["seed"] = draw(st.integers(0, 2**64 - 1))
   sp["stop"] = draw(st.lists(st.text(max_size=4), max_size=3))
   sp["stop_token_ids"] = draw(st.lists(st.integers(-2**31, 2**31 - 1), max_size=3))
