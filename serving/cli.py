@@ -175,7 +175,8 @@ def cmd_loadgen(a) -> int:
     r = loadgen.run(c, num_requests=a.num_requests, input_len=a.input_len,
                     output_len=a.output_len, concurrency=a.concurrency, rate=a.rate,
                     vocab=min(info.vocab_size, 256) if a.byte_prompts else info.vocab_size,
-                    seed=a.seed, range_ratio=a.range_ratio)
+                    seed=a.seed, range_ratio=a.range_ratio,
+                    shared_prefix_len=a.shared_prefix_len, prefix_groups=a.prefix_groups)
   print(loadgen.format_report(r))
   if a.json:
     a.json.write_text(json.dumps(r, indent=1))
@@ -279,6 +280,10 @@ def parser() -> argparse.ArgumentParser:
   l.add_argument("--output-len", type=int, default=256)
   l.add_argument("--range-ratio", type=float, default=0.0,
                  help="draw each request's lengths from [L(1-r), L(1+r)] (0: all equal)")
+  l.add_argument("--shared-prefix-len", type=int, default=0,
+                 help="each prompt starts with one of --prefix-groups shared random prefixes "
+                 "of this many tokens (a system prompt)")
+  l.add_argument("--prefix-groups", type=int, default=1)
   l.add_argument("--byte-prompts", action="store_true", help="prompt ids below 256 only")
   l.add_argument("--seed", type=int, default=0)
   l.add_argument("--json", type=pathlib.Path, help="write the results here")

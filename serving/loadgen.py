@@ -6,7 +6,11 @@ tokens and exactly ``output_len`` generated tokens (ignore_eos) either with
 ``rate`` requests per second. With ``range_ratio`` r > 0 each request draws
 its lengths uniformly from [L(1-r), L(1+r)] instead (vLLM's
 --random-range-ratio): ragged prompts, as real traffic has, pad the
-server's batches. Times are measured at the client.
+server's batches. With ``shared_prefix_len`` P each prompt starts with one of
+``prefix_groups`` random prefixes of P tokens (a system prompt; SGLang's
+generated-shared-prefix data), then its own ``input_len`` tokens; the report
+counts the prompt tokens the server served from its prefix cache. Times are
+measured at the client.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ class Sample:
   itls: list[float]
   e2e: float
   tokens: int
+  cached: int = 0  # prompt tokens the server read from its prefix cache
 
 
 def _pct(xs, q):
@@ -38,11 +43,14 @@ def _pct(xs, q):
 def run(client: Client, *, num_requests: int, input_len: int, output_len: int,
         concurrency: int | None = None, rate: float | None = None, vocab: int = 256,
         token_range: tuple[int, int] | None = None, seed: int = 0,
-        timeout: float = 600.0, range_ratio: float = 0.0) -> dict:
+        timeout: float = 600.0, range_ratio: float = 0.0, shared_prefix_len: int = 0,
+        prefix_groups: int = 1) -> dict:
   if (concurrency is None) == (rate is None):
     raise ValueError(f"give exactly one of {concurrency=} or {rate=}")
   if num_requests < 1 or input_len < 1 or output_len < 1:
     raise ValueError(f"{num_requests=}, {input_len=} and {output_len=} must be >= 1")
+  if shared_prefix_len < 0 or prefix_groups < 1:
+    raise ValueError(f"{shared_prefix_len=} must be >= 0 and {prefix_groups=} >= 1")
   if not 0.0 <= range_ratio < 1.0:
     raise ValueError(f"{range_ratio=} must be in [0, 1)")
   rng = random.Random(seed)
@@ -56,12 +64,18 @@ def run(client: Client, *, num_requests: int, input_len: int, output_len: int,
   in_lens, out_lens = lengths(input_len), lengths(output_len)
   lo, hi = token_range or (0, vocab)
   prompts = [[rng.randrange(lo, hi) for _ in range(n)] for n in in_lens]
+  if shared_prefix_len:
+    prefixes = [[rng.randrange(lo, hi) for _ in range(shared_prefix_len)]
+                for _ in range(prefix_groups)]
+    prompts = [prefixes[i % prefix_groups] + p for i, p in enumerate(prompts)]
 
   def one(prompt, output_len) -> Sample:
     t0 = time.perf_counter()
     first = last = None
-    itls, n = [], 0
+    itls, n, cached = [], 0, 0
     for chunk in client.stream(prompt, timeout=timeout, max_tokens=output_len, ignore_eos=True):
+      if chunk.HasField("final"):
+        cached = chunk.final.usage.cached_prompt_tokens
       k = len(chunk.token_ids)
       if k:
         now = time.perf_counter()
@@ -74,7 +88,7 @@ def run(client: Client, *, num_requests: int, input_len: int, output_len: int,
         last = now
         n += k
     end = time.perf_counter()
-    return Sample(first - t0 if first is not None else float("nan"), itls, end - t0, n)
+    return Sample(first - t0 if first is not None else float("nan"), itls, end - t0, n, cached)
 
   t_start = time.perf_counter()
   workers = concurrency or min(num_requests, 1024)
@@ -95,7 +109,9 @@ def run(client: Client, *, num_requests: int, input_len: int, output_len: int,
   tokens = sum(s.tokens for s in samples)
   out = {
       "num_requests": num_requests, "input_len": input_len, "output_len": output_len,
-      "range_ratio": range_ratio, "input_tokens": sum(in_lens), "concurrency": concurrency,
+      "range_ratio": range_ratio, "shared_prefix_len": shared_prefix_len,
+      "prefix_groups": prefix_groups, "input_tokens": sum(map(len, prompts)),
+      "cached_prompt_tokens": sum(s.cached for s in samples), "concurrency": concurrency,
       "rate": rate, "wall_s": wall,
       "output_tokens": tokens, "output_tok_s": tokens / wall,
       "requests_s": num_requests / wall,
@@ -115,6 +131,9 @@ def spread(range_ratio: float) -> str:
 def format_report(r: dict) -> str:
   mode = f"concurrency {r['concurrency']}" if r["concurrency"] else f"rate {r['rate']}/s"
   lengths = f" ({spread(r['range_ratio'])})" if r.get("range_ratio") else ""
+  if r.get("shared_prefix_len"):
+    lengths += (f" after {r['prefix_groups']} shared prefix(es) of {r['shared_prefix_len']}; "
+                f"{r['cached_prompt_tokens']} of {r['input_tokens']} prompt tokens cached")
   lines = [f"{r['num_requests']} requests, {r['input_len']} in / {r['output_len']} out{lengths}, "
            f"{mode}: "
            f"{r['output_tok_s']:.1f} output tok/s, {r['requests_s']:.2f} req/s",

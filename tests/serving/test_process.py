@@ -45,6 +45,8 @@ def test_streams_calls_and_errors_cross_the_process(served):
   with pytest.raises(grpc.RpcError) as e:  # the engine's InvalidRequest, raised here
     c.generate("a", max_tokens=5000)
   assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+  r = c.generate("k", max_tokens=4, n=3, min_tokens=2)  # n requests' events, merged
+  assert [x.text for x in r.completions] == [_expected("k", 4)] * 3
 
 
 def test_a_profile_traces_the_engine_process(served, tmp_path):

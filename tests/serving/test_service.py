@@ -453,6 +453,9 @@ def test_loadgen_splits_a_grouped_chunk_into_per_token_gaps():
     def __init__(self, k):
       self.token_ids = [7] * k
 
+    def HasField(self, name):
+      return False
+
   class FakeClient:
     def stream(self, prompt, **kw):
       for k in (1, 4, 4):  # 9 tokens, a chunk every 40 ms after the first
@@ -474,6 +477,9 @@ def test_loadgen_range_ratio_draws_ragged_lengths():
 
   class Chunk:
     token_ids = [7]
+
+    def HasField(self, name):
+      return False
 
   class FakeClient:
     def __init__(self):
@@ -499,6 +505,29 @@ def test_loadgen_range_ratio_draws_ragged_lengths():
     with pytest.raises(ValueError, match="range_ratio"):
       loadgen.run(c, num_requests=4, input_len=40, output_len=10, concurrency=2,
                   range_ratio=bad)
+
+
+def test_loadgen_shared_prefixes_reach_the_prefix_cache(counting):
+  """shared_prefix_len P, G groups: request i's prompt is group i % G's prefix
+  and then its own tokens; the server computes each prefix once (the others
+  read it from the prefix cache, 16 tokens = 4 pages of 4 each) and the
+  report counts those tokens."""
+  from serving import loadgen
+
+  _, c = counting
+  sent = []
+
+  class Recording:
+    def stream(self, prompt, **kw):
+      sent.append(list(prompt))
+      return c.stream(prompt, **kw)
+
+  r = loadgen.run(Recording(), num_requests=8, input_len=5, output_len=3, concurrency=4,
+                  vocab=256, seed=123, shared_prefix_len=16, prefix_groups=2)
+  assert sorted(map(len, sent)) == [21] * 8 and len({tuple(p[:16]) for p in sent}) == 2
+  assert len({tuple(p[16:]) for p in sent}) == 8
+  assert r["input_tokens"] == 8 * 21 and r["cached_prompt_tokens"] == 6 * 16, r
+  assert "2 shared prefix(es) of 16; 96 of 168 prompt tokens cached" in loadgen.format_report(r)
 
 
 def test_step_times_split_out_the_launch_and_the_tokens():
