@@ -39,7 +39,7 @@ def _has_backend(op: str, name: str) -> bool:
 
 
 # A packed decode row: slot, length, the page table row (P columns), then the
-# sampling rows: SamplingArrays.i and the float32 bits of SamplingArrays.f.
+# row of SamplingArrays.rows.
 _PACKED_COLS = 2 + sampling.I_COLS + sampling.F_COLS  # besides the page table
 
 
@@ -51,16 +51,13 @@ def pack_decode_inputs(slots, lengths, page_table, arrays: sampling.SamplingArra
   b = len(lengths)
   return np.concatenate([
       np.asarray(slots, np.int32).reshape(b, 1), np.asarray(lengths, np.int32).reshape(b, 1),
-      np.asarray(page_table, np.int32), np.asarray(arrays.i, np.int32),
-      np.ascontiguousarray(arrays.f, np.float32).view(np.int32)], axis=1)
+      np.asarray(page_table, np.int32), np.asarray(arrays.rows, np.int32)], axis=1)
 
 
 def _unpack_decode_inputs(host):
   """pack_decode_inputs, inverted on the device: (slots, lengths, page table, arrays)."""
-  p, ni = host.shape[1] - _PACKED_COLS, sampling.I_COLS
-  f = jax.lax.bitcast_convert_type(host[:, 2 + p + ni:], jnp.float32)
-  return host[:, 0], host[:, 1], host[:, 2:2 + p], sampling.SamplingArrays(
-      f=f, i=host[:, 2 + p:2 + p + ni])
+  p = host.shape[1] - _PACKED_COLS
+  return host[:, 0], host[:, 1], host[:, 2:2 + p], sampling.SamplingArrays(rows=host[:, 2 + p:])
 
 
 class ModelRunner:

@@ -289,6 +289,7 @@ def test_decode_inputs_travel_packed_and_unpack_exactly():
   params = [api.SamplingParams(temperature=0.7, top_p=0.9, top_k=40, min_p=0.05,
                                presence_penalty=-1.5, min_tokens=3), api.SamplingParams(), None]
   arrays = sampling.pack(params, [2**63 + 12345, 7, 0], [3, 0, 0], [3, 0, -1], b)
+  assert len(jax.tree_util.tree_leaves(arrays)) == 1  # a sampling call: one transfer
   host = runners.pack_decode_inputs(slots, lengths, table, arrays)
   assert host.dtype == np.int32 and host.shape == (b, 2 + p + 6 + 6)
   assert np.asarray(arrays.min_tokens).tolist() == [3, 0, 0, 0, 0]
