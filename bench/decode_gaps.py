@@ -121,7 +121,7 @@ def main():
   table[:, :per_row] = 1 + np.arange(b * per_row, dtype=np.int32).reshape(b, per_row)
   ids = np.random.default_rng(0).integers(0, min(1000, runner.vocab_size), b)
   tokens = jax.numpy.asarray(ids, jax.numpy.int32)
-  lengths, table = jax.device_put(np.full((b,), a.context, np.int32)), jax.device_put(table)
+  lengths = np.full((b,), a.context, np.int32)
   f = lambda: runner.decode(tokens, lengths, table)
   logits = np.asarray(jax.block_until_ready(f()), np.float32)
   if not np.isfinite(logits).all():

@@ -54,6 +54,13 @@ def pack_decode_inputs(slots, lengths, page_table, arrays: sampling.SamplingArra
       np.asarray(page_table, np.int32), np.asarray(arrays.rows, np.int32)], axis=1)
 
 
+def _side_by_side(*cols) -> np.ndarray:
+  """Host int arrays with one leading dim as one int32 array [B, sum of widths]:
+  one transfer instead of one each (see pack_decode_inputs)."""
+  b = len(cols[0])
+  return np.concatenate([np.asarray(c, np.int32).reshape(b, -1) for c in cols], axis=1)
+
+
 def _unpack_decode_inputs(host):
   """pack_decode_inputs, inverted on the device: (slots, lengths, page table, arrays)."""
   p = host.shape[1] - _PACKED_COLS
@@ -125,21 +132,30 @@ class ModelRunner:
     db = llama.backends(attention_decode=decode_attention, matmul=matmul)
     has_fresh = "fresh" in inspect.signature(llama.prefill_step).parameters
 
-    @functools.partial(jax.jit, static_argnames=("fresh",), donate_argnums=(1,))
-    def prefill(params, cache, tokens, positions, lengths, page_table, fresh=False):
+    # Each step's host ints come side by side in as few arrays as their
+    # leading dims allow (_side_by_side), split again here: a chunk row is
+    # [tokens (chunk) | position | length | page table].
+    def chunk_rows(host, chunk):
+      return host[:, :chunk], host[:, chunk], host[:, chunk + 1], host[:, chunk + 2:]
+
+    @functools.partial(jax.jit, static_argnames=("chunk", "fresh"), donate_argnums=(1,))
+    def prefill(params, cache, host, chunk, fresh=False):
       kw = {"fresh": fresh} if has_fresh else {}
-      return llama.prefill_step(graphdef, params, cache, tokens, positions, lengths, page_table,
-                                backends=pb, mesh=mesh, **kw)
+      return llama.prefill_step(graphdef, params, cache, *chunk_rows(host, chunk), backends=pb,
+                                mesh=mesh, **kw)
 
     @functools.partial(jax.jit, static_argnames=("fresh",), donate_argnums=(1,))
-    def prefill_packed(params, cache, tokens, tpos, seg, last, page_table, fresh=True):
-      return llama.prefill_packed_step(graphdef, params, cache, tokens, tpos, seg, last,
-                                       page_table, backends=pb, fresh=fresh, mesh=mesh)
+    def prefill_packed(params, cache, tokens_pos_seg, last_table, fresh=True):
+      tokens, tpos, seg = tokens_pos_seg
+      return llama.prefill_packed_step(graphdef, params, cache, tokens, tpos, seg,
+                                       last_table[:, 0], last_table[:, 1:], backends=pb,
+                                       fresh=fresh, mesh=mesh)
 
     @functools.partial(jax.jit, donate_argnums=(1,))
-    def decode(params, cache, tokens, lengths, page_table):
-      logits, cache = llama.decode_step(graphdef, params, cache, tokens[:, None], lengths,
-                                        page_table, backends=db, mesh=mesh)
+    def decode(params, cache, tokens, length_table):
+      logits, cache = llama.decode_step(graphdef, params, cache, tokens[:, None],
+                                        length_table[:, 0], length_table[:, 1:], backends=db,
+                                        mesh=mesh)
       return logits[:, 0], cache
 
     @functools.partial(jax.jit, donate_argnums=(1, 3, 5),
@@ -166,19 +182,20 @@ class ModelRunner:
     mb = llama.backends(attention_prefill=attention, attention_decode=decode_attention,
                         matmul=matmul)
 
-    @functools.partial(jax.jit, static_argnames=("fresh",), donate_argnums=(1,))
-    def mixed(params, cache, dec_tokens, dec_lengths, dec_table, tokens, positions, lengths,
-              page_table, fresh=False):
-      return llama.mixed_step(graphdef, params, cache, dec_tokens, dec_lengths, dec_table, tokens,
-                              positions, lengths, page_table, backends=mb, fresh=fresh, mesh=mesh)
+    @functools.partial(jax.jit, static_argnames=("chunk", "fresh"), donate_argnums=(1,))
+    def mixed(params, cache, dec_tokens, dec_length_table, host, chunk, fresh=False):
+      return llama.mixed_step(graphdef, params, cache, dec_tokens, dec_length_table[:, 0],
+                              dec_length_table[:, 1:], *chunk_rows(host, chunk), backends=mb,
+                              fresh=fresh, mesh=mesh)
 
     return prefill, decode, decode_multi, mixed, prefill_packed
 
   def prefill(self, tokens, positions, lengths, page_table):
     if self._fast is not None:
       # A fresh batch (every row starts at position 0) attends within the chunk only.
-      logits, self.cache = self._fast[0](self.model.params, self.cache, tokens, positions,
-                                         lengths, page_table, fresh=not np.any(positions))
+      logits, self.cache = self._fast[0](
+          self.model.params, self.cache, _side_by_side(tokens, positions, lengths, page_table),
+          chunk=tokens.shape[1], fresh=not np.any(positions))
       return logits
     logits, self.cache = self.model.prefill(self.cache, tokens, positions, lengths, page_table,
                                             **self._pkw)
@@ -186,8 +203,8 @@ class ModelRunner:
 
   def decode(self, tokens, lengths, page_table):
     if self._fast is not None:
-      logits, self.cache = self._fast[1](self.model.params, self.cache, tokens, lengths,
-                                         page_table)
+      logits, self.cache = self._fast[1](self.model.params, self.cache, tokens,
+                                         _side_by_side(lengths, page_table))
       return logits
     logits, self.cache = self.model.decode(self.cache, tokens, lengths, page_table, **self._dkw)
     return logits
@@ -259,8 +276,9 @@ class ModelRunner:
     """Prompt chunks packed in one row (models.Model only; llama.prefill_packed):
     logits [R, V] at each row's ``last`` token. ``fresh``: no chunk has a
     cached prefix (no page gather)."""
-    logits, self.cache = self._fast[4](self.model.params, self.cache, tokens, tpos, seg, last,
-                                       page_table, fresh=fresh)
+    logits, self.cache = self._fast[4](
+        self.model.params, self.cache, np.stack([tokens, tpos, seg]).astype(np.int32),
+        _side_by_side(last, page_table), fresh=fresh)
     return logits
 
   @property
@@ -270,9 +288,10 @@ class ModelRunner:
   def mixed(self, dec_tokens, dec_lengths, dec_table, tokens, positions, lengths, page_table):
     """A decode batch and prefill chunks in one call (models.Model only):
     logits [Bd + B, V], the decode rows' then each chunk's last token's."""
-    logits, self.cache = self._fast[3](self.model.params, self.cache, dec_tokens, dec_lengths,
-                                       dec_table, tokens, positions, lengths, page_table,
-                                       fresh=not np.any(positions))
+    logits, self.cache = self._fast[3](
+        self.model.params, self.cache, dec_tokens, _side_by_side(dec_lengths, dec_table),
+        _side_by_side(tokens, positions, lengths, page_table), chunk=tokens.shape[1],
+        fresh=not np.any(positions))
     return logits
 
   def decode_multi(self, slots, lengths, page_table, arrays, counts, flags, last, *,

@@ -36,7 +36,7 @@ def serve(tp: int, prompts, **engine_kw):
     assert len(runner.cache.k.sharding.device_set) == tp, runner.cache.k.sharding
     if tp > 1:  # the engine's steps run per shard, with all-reduces, not replicated
       hlo = runner._fast[1].lower(runner.model.params, runner.cache, np.zeros(4, np.int32),
-                                  np.ones(4, np.int32), np.ones((4, 16), np.int32)).as_text()
+                                  np.ones((4, 17), np.int32)).as_text()  # lengths | table
       assert "all_reduce" in hlo or "all-reduce" in hlo, "no all-reduce in the TP decode step"
     counters = engine.counters()
     assert counters["compiles_after_start"] == 0, counters  # steady state compiles nothing
