@@ -855,14 +855,18 @@ class BatchingEngine(api.Engine):
     over the weights), sampled together: rows = decode rows, then chunk rows."""
     self.mixed_steps_run += 1
     rows, slots, lengths, table = self._decode_inputs(seqs, self.batch_buckets[-1])
-    tokens = sampling.take(self._last_tok, slots)
     for seq in seqs:
       seq.computed += 1
     p_tokens, positions, p_lengths, p_table, finishing = self._prefill_inputs(chunks)
-    logits = self.runner.mixed(tokens, lengths, table, p_tokens, positions, p_lengths, p_table)
+    logits = self._mixed_call(slots, lengths, table, p_tokens, positions, p_lengths, p_table)
     out, want_lp = self._sampling_call(rows + finishing, logits, len(rows) + len(finishing))
     self._start_decoding(finishing)
     return rows + finishing, out, want_lp
+
+  def _mixed_call(self, slots, *args):
+    if hasattr(self.runner, "mixed_slots"):
+      return self.runner.mixed_slots(self._last_tok, slots, *args)
+    return self.runner.mixed(sampling.take(self._last_tok, slots), *args)
 
   def _decode_inputs(self, seqs: list[_Seq], batch: int | None = None):
     """(rows padded to ``batch`` or the batch bucket, their slots (-1: padding),
@@ -884,9 +888,15 @@ class BatchingEngine(api.Engine):
       return (rows,) + self._run_decode_steps(rows, slots, lengths, table, steps)
     for seq in seqs:
       seq.computed += 1
-    logits = self.runner.decode(sampling.take(self._last_tok, slots), lengths, table)
+    logits = self._decode_call(slots, lengths, table)
     out, want_lp = self._sampling_call(rows, logits, len(rows))
     return rows, out, want_lp
+
+  def _decode_call(self, slots, lengths, table):
+    """The runner's decode step, each row's input the last token of its slot."""
+    if hasattr(self.runner, "decode_slots"):  # gathered inside the step: one call
+      return self.runner.decode_slots(self._last_tok, slots, lengths, table)
+    return self.runner.decode(sampling.take(self._last_tok, slots), lengths, table)
 
   def _run_decode_steps(self, rows, slots, lengths, table, steps: int):
     """``steps`` decode steps with sampling on the device: one call where the
@@ -1061,8 +1071,8 @@ class BatchingEngine(api.Engine):
     self._counts, self._flags = sampling.set_rows(self._counts, self._flags, np.int32(0),
                                                   np.zeros(v, np.int32), np.zeros(v, np.uint8))
     for b in self.batch_buckets:
-      logits = self.runner.decode(sampling.take(self._last_tok, np.zeros((b,), np.int32)),
-                                  np.zeros((b,), np.int32), np.zeros((b, table_w), np.int32))
+      logits = self._decode_call(np.zeros((b,), np.int32), np.zeros((b,), np.int32),
+                                 np.zeros((b, table_w), np.int32))
       self._warm_sampling(logits, b)
       if self.config.decode_steps > 1 and getattr(self.runner, "supports_multi_step", False):
         arrays = sampling.pack([], [], [], [], b)
@@ -1101,9 +1111,9 @@ class BatchingEngine(api.Engine):
           b = self.batch_buckets[-1]
           # Mixed steps split prompts across steps: continued chunks are the rule.
           for pos, w in chunk_tables:
-            logits = self.runner.mixed(
-                sampling.take(self._last_tok, np.zeros((b,), np.int32)),
-                np.zeros((b,), np.int32), np.zeros((b, table_w), np.int32),
+            logits = self._mixed_call(
+                np.zeros((b,), np.int32), np.zeros((b,), np.int32),
+                np.zeros((b, table_w), np.int32),
                 np.zeros((rows, t), np.int32), np.full((rows,), pos, np.int32),
                 np.zeros((rows,), np.int32), np.zeros((rows, w), np.int32))
           self._warm_sampling(logits, b + rows)

@@ -152,10 +152,11 @@ class ModelRunner:
                                        fresh=fresh, mesh=mesh)
 
     @functools.partial(jax.jit, donate_argnums=(1,))
-    def decode(params, cache, tokens, length_table):
-      logits, cache = llama.decode_step(graphdef, params, cache, tokens[:, None],
-                                        length_table[:, 0], length_table[:, 1:], backends=db,
-                                        mesh=mesh)
+    def decode(params, cache, last, host):
+      # host: [slot | length | page table]; row r's input is its slot's last token.
+      tokens = sampling.take(last, host[:, 0])
+      logits, cache = llama.decode_step(graphdef, params, cache, tokens[:, None], host[:, 1],
+                                        host[:, 2:], backends=db, mesh=mesh)
       return logits[:, 0], cache
 
     @functools.partial(jax.jit, donate_argnums=(1, 3, 5),
@@ -183,10 +184,10 @@ class ModelRunner:
                         matmul=matmul)
 
     @functools.partial(jax.jit, static_argnames=("chunk", "fresh"), donate_argnums=(1,))
-    def mixed(params, cache, dec_tokens, dec_length_table, host, chunk, fresh=False):
-      return llama.mixed_step(graphdef, params, cache, dec_tokens, dec_length_table[:, 0],
-                              dec_length_table[:, 1:], *chunk_rows(host, chunk), backends=mb,
-                              fresh=fresh, mesh=mesh)
+    def mixed(params, cache, last, dec_host, host, chunk, fresh=False):
+      return llama.mixed_step(graphdef, params, cache, sampling.take(last, dec_host[:, 0]),
+                              dec_host[:, 1], dec_host[:, 2:], *chunk_rows(host, chunk),
+                              backends=mb, fresh=fresh, mesh=mesh)
 
     return prefill, decode, decode_multi, mixed, prefill_packed
 
@@ -203,10 +204,19 @@ class ModelRunner:
 
   def decode(self, tokens, lengths, page_table):
     if self._fast is not None:
-      logits, self.cache = self._fast[1](self.model.params, self.cache, tokens,
-                                         _side_by_side(lengths, page_table))
-      return logits
+      return self.decode_slots(tokens, np.arange(len(lengths), dtype=np.int32), lengths,
+                               page_table)
     logits, self.cache = self.model.decode(self.cache, tokens, lengths, page_table, **self._dkw)
+    return logits
+
+  def decode_slots(self, last, slots, lengths, page_table):
+    """``decode`` with row r's input token ``last[slots[r]]`` (slot -1: a
+    padding row): the engine's last sampled tokens stay on the device, and
+    the gather runs in the step's own call."""
+    if self._fast is None:
+      return self.decode(sampling.take(last, slots), lengths, page_table)
+    logits, self.cache = self._fast[1](self.model.params, self.cache, last,
+                                       _side_by_side(slots, lengths, page_table))
     return logits
 
   @property
@@ -288,8 +298,14 @@ class ModelRunner:
   def mixed(self, dec_tokens, dec_lengths, dec_table, tokens, positions, lengths, page_table):
     """A decode batch and prefill chunks in one call (models.Model only):
     logits [Bd + B, V], the decode rows' then each chunk's last token's."""
+    return self.mixed_slots(dec_tokens, np.arange(len(dec_lengths), dtype=np.int32), dec_lengths,
+                            dec_table, tokens, positions, lengths, page_table)
+
+  def mixed_slots(self, last, slots, dec_lengths, dec_table, tokens, positions, lengths,
+                  page_table):
+    """``mixed`` with decode row r's input token ``last[slots[r]]`` (as decode_slots)."""
     logits, self.cache = self._fast[3](
-        self.model.params, self.cache, dec_tokens, _side_by_side(dec_lengths, dec_table),
+        self.model.params, self.cache, last, _side_by_side(slots, dec_lengths, dec_table),
         _side_by_side(tokens, positions, lengths, page_table), chunk=tokens.shape[1],
         fresh=not np.any(positions))
     return logits

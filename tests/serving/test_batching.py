@@ -388,10 +388,10 @@ def test_mixed_steps_keep_outputs_on_the_llama_decoder():
     if mixed:
       engine.warmup()  # the mixed shapes too: steady state must not compile
       compiled = _compiled(runner)
-      widths, run_mixed = [], runner.mixed
+      widths, run_mixed = [], runner.mixed_slots
 
-      def spy(*args):
-        positions, lengths, table = args[4:]
+      def spy(*args):  # last, slots, decode lengths and table, then the chunks'
+        positions, lengths, table = args[5:]
         # A continued chunk gets the bucketed width its rows need, not the
         # whole context's (its attention gathers that many pages per row).
         if positions.any():
@@ -400,7 +400,7 @@ def test_mixed_steps_keep_outputs_on_the_llama_decoder():
           assert table.shape[1] in engine.table_buckets and table.shape[1] >= need
         return run_mixed(*args)
 
-      runner.mixed = spy
+      runner.mixed_slots = spy
     sub = lambda i: engine.submit(api.Request(  # noqa: E731
         f"r{i}", prompt_ids=prompts[i], add_bos=False,
         sampling=api.SamplingParams(max_tokens=6, ignore_eos=True)))
@@ -534,10 +534,20 @@ def test_model_runner_steps_take_their_host_ints_in_few_arrays():
                           np.array([16, 9], np.int32), table)
   got = runner.prefill(tokens, np.zeros(2, np.int32), np.array([16, 9], np.int32), table)
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
-  runner.decode(jax.numpy.asarray([5, 6], jax.numpy.int32), np.array([17, 10], np.int32), table)
+  direct = runner.decode(jax.numpy.asarray([5, 6], jax.numpy.int32), np.array([17, 10], np.int32),
+                         table)
   z = np.zeros(16, np.int32)
   runner.prefill_packed(z, z, z, np.zeros(2, np.int32), np.zeros((2, 4), np.int32))
   runner.mixed(jax.numpy.asarray([5, 6], jax.numpy.int32), np.array([18, 11], np.int32), table,
                np.zeros((2, 16), np.int32), np.zeros(2, np.int32), np.zeros(2, np.int32),
                np.zeros((2, 4), np.int32))
-  assert host_arrays == [1, 1, 2, 2]  # prefill, decode, packed prefill, mixed
+  # prefill, decode (its input tokens given on the device), packed prefill,
+  # mixed, then decode_slots (the slots' last tokens, on the device)
+  last = jax.numpy.asarray([9, 5, 6], jax.numpy.int32)
+  # The same rows and tokens (slots 1 and 2 of ``last``) after the same prefill:
+  # the direct decode's logits.
+  runner.prefill(tokens, np.zeros(2, np.int32), np.array([16, 9], np.int32), table)
+  logits = runner.decode_slots(last, np.array([1, 2], np.int32), np.array([17, 10], np.int32),
+                               table)
+  np.testing.assert_allclose(np.asarray(logits), np.asarray(direct), rtol=1e-5, atol=1e-5)
+  assert host_arrays == [1, 1, 2, 2, 1, 1]
