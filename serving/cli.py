@@ -15,7 +15,7 @@ KV_CACHE_DTYPES = {"auto": None, "fp8": "float8_e4m3fn"}
 _SAMPLING_FLAGS = (("temperature", float), ("top_k", int), ("top_p", float), ("min_p", float),
                    ("repetition_penalty", float), ("presence_penalty", float),
                    ("frequency_penalty", float), ("seed", int), ("max_tokens", int),
-                   ("min_tokens", int), ("top_logprobs", int))
+                   ("min_tokens", int), ("top_logprobs", int), ("n", int))
 
 
 def _client_args(p):
@@ -139,12 +139,18 @@ def _sampling(a) -> dict:
 
 
 def cmd_generate(a) -> int:
+  from serving.proto import generate_pb2 as pb
+
   with _client(a) as c:
     t0 = time.perf_counter()
     first = None
     n = 0
     final = None
+    others: dict[int, list] = {}  # with --n: completions 1.. print after completion 0
     for chunk in c.stream(a.prompt, timeout=a.timeout, **_sampling(a)):
+      if chunk.index:
+        others.setdefault(chunk.index, []).append(chunk)
+        continue
       if chunk.token_ids and first is None:
         first = time.perf_counter() - t0
       n += len(chunk.token_ids)
@@ -154,9 +160,12 @@ def cmd_generate(a) -> int:
         final = chunk.final
     total = time.perf_counter() - t0
   print()
+  for i, chunks in sorted(others.items()):
+    done = chunks[-1].final
+    print(f"--- completion {i} ({done.usage.completion_tokens} tokens, "
+          f"{pb.FinishReason.Name(done.finish_reason)}) ---")
+    print("".join(ch.text for ch in chunks))
   if final is not None:
-    from serving.proto import generate_pb2 as pb
-
     reason = pb.FinishReason.Name(final.finish_reason)
     per_tok = (total - (first or 0)) / max(n - 1, 1) * 1e3
     print(f"[{n} tokens, {reason}; prompt {final.usage.prompt_tokens} tokens "
