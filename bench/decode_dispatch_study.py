@@ -79,7 +79,7 @@ def main(argv=None) -> int:
   slots = np.arange(b, dtype=np.int32)
   arrays = sampling.pack([None] * b, [0] * b, [0] * b, list(range(b)), b)
   counts = jnp.zeros((b, v), jnp.int32)
-  prompt_mask = jnp.zeros((b, v), jnp.uint8)  # the engine's token flags
+  prompt_mask = sampling.slot_tokens(b, v)  # the engine's per-slot token state
   last = jnp.asarray(np.random.default_rng(0).integers(0, 1000, b), jnp.int32)
 
   def host_inputs(call):

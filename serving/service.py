@@ -101,6 +101,7 @@ def sampling_from_proto(s: pb.SamplingParams) -> api.SamplingParams:
       kw[f] = getattr(s, f)
   kw["stop"] = tuple(s.stop)
   kw["stop_token_ids"] = tuple(s.stop_token_ids)
+  kw["logit_bias"] = tuple(sorted(s.logit_bias.items()))
   return api.SamplingParams(**kw)
 
 

@@ -19,6 +19,7 @@ import time
 from collections.abc import Sequence
 
 MAX_TOP_LOGPROBS = 5
+MAX_LOGIT_BIAS = 300  # entries per request (OpenAI's limit)
 
 
 class InvalidRequest(ValueError):
@@ -67,6 +68,9 @@ class SamplingParams:
   logprobs: bool = False
   top_logprobs: int = 0
   ignore_eos: bool = False
+  # (token id, bias) pairs added to the logits before sampling (OpenAI's
+  # logit_bias): -100 all but bans a token, +100 all but forces it.
+  logit_bias: tuple[tuple[int, float], ...] = ()
 
   def __post_init__(self):
     def finite(name):
@@ -104,6 +108,14 @@ class SamplingParams:
           f"stop has {len(self.stop)} strings; at most 16 non-empty strings of <= 256 chars")
     if len(self.stop_token_ids) > 64:
       raise InvalidRequest(f"{len(self.stop_token_ids)=} stop token ids; at most 64")
+    if len(self.logit_bias) > MAX_LOGIT_BIAS:
+      raise InvalidRequest(f"logit_bias has {len(self.logit_bias)} entries; at most "
+                           f"{MAX_LOGIT_BIAS}")
+    for t, b in self.logit_bias:
+      if not isinstance(b, (int, float)) or not -100 <= b <= 100:  # NaN fails too
+        raise InvalidRequest(f"logit_bias[{t}]={b!r} must be in [-100, 100]")
+    if len({t for t, _ in self.logit_bias}) < len(self.logit_bias):
+      raise InvalidRequest("logit_bias names a token id twice")
     if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
       raise InvalidRequest(f"top_logprobs={self.top_logprobs} must be in [0, {MAX_TOP_LOGPROBS}]")
 
@@ -115,6 +127,12 @@ class SamplingParams:
   def penalized(self) -> bool:
     return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
             or self.frequency_penalty != 0.0)
+
+  @property
+  def slot_state(self) -> bool:
+    """Whether sampling needs the request's per-slot token state (counts,
+    prompt and end-token flags, logit bias), set at admission."""
+    return self.penalized or self.min_tokens > 0 or bool(self.logit_bias)
 
 
 @dataclasses.dataclass

@@ -312,12 +312,13 @@ class BatchingEngine(api.Engine):
     # the inputs that steady state's will.
     place = functools.partial(jax.device_put, device=getattr(runner, "state_sharding", None))
     self._counts = place(jnp.zeros((config.max_batch, v), jnp.int32))
-    self._flags = place(jnp.zeros((config.max_batch, v), jnp.uint8))  # sampling.IN_PROMPT, ENDS
+    self._slot_tokens = place(sampling.slot_tokens(config.max_batch, v))
     self._last_tok = place(jnp.zeros((config.max_batch,), jnp.int32))
     self._free_slots = list(range(config.max_batch - 1, -1, -1))
     # Per batch slot, kept up to date as pages and requests come and go, so that
     # building a step's inputs is a gather rather than a loop over requests.
     self._slot_table = np.zeros((config.max_batch, self.max_pages), np.int32)
+    self._slot_biased = np.zeros((config.max_batch,), bool)  # its SlotTokens.bias row is set
     self._slot_f = np.zeros((config.max_batch, sampling.F_COLS), np.float32)
     self._slot_i = np.zeros((config.max_batch, sampling.I_COLS), np.int64)
     self._lock = threading.Lock()
@@ -398,10 +399,12 @@ class BatchingEngine(api.Engine):
       raise api.InvalidRequest(
           f"prompt ({len(prompt)} tokens) + min_tokens ({p.min_tokens}) exceeds the "
           f"{self.capacity} tokens the KV cache holds")
-    bad = [t for t in p.stop_token_ids if not 0 <= t < self.runner.vocab_size]
-    if bad:
-      raise api.InvalidRequest(f"stop_token_ids {bad} are outside the vocabulary "
-                               f"[0, {self.runner.vocab_size})")
+    for name, ids in (("stop_token_ids", p.stop_token_ids),
+                      ("logit_bias", [t for t, _ in p.logit_bias])):
+      bad = [t for t in ids if not 0 <= t < self.runner.vocab_size]
+      if bad:
+        raise api.InvalidRequest(f"{name} {bad[:5]} are outside the vocabulary "
+                                 f"[0, {self.runner.vocab_size})")
     seed = p.seed if p.seed is not None else random.getrandbits(64)
     handle = api.RequestHandle(request.request_id, len(prompt),
                                self.make_events(request.request_id))
@@ -682,12 +685,16 @@ class BatchingEngine(api.Engine):
         seq.params, seq.seed, seq.slot)
     if seq.scheduled_at is None:
       seq.scheduled_at = time.monotonic()
-    if seq.params.penalized or seq.params.min_tokens:
+    # A sampled row reads its slot's bias whatever its own parameters (the
+    # other state is inert at its defaults): a slot a biased request left must
+    # be reset.
+    if seq.params.slot_state or self._slot_biased[seq.slot]:
+      self._slot_biased[seq.slot] = bool(seq.params.logit_bias)
       v = self.runner.vocab_size
       counts = np.bincount(np.asarray(seq.generated, np.int64), minlength=v)[:v].astype(np.int32)
-      self._counts, self._flags = sampling.set_rows(
-          self._counts, self._flags, np.int32(seq.slot), counts,
-          sampling.flag_row(v, seq.prompt, seq.ends))
+      self._counts, self._slot_tokens = sampling.set_rows(
+          self._counts, self._slot_tokens, np.int32(seq.slot), counts,
+          sampling.slot_row(v, seq.prompt, seq.ends, seq.params.logit_bias))
     self._running.append(seq)
     return True
 
@@ -755,8 +762,8 @@ class BatchingEngine(api.Engine):
     arrays = sampling.gather(self._slot_f[slots], self._slot_i[slots], np.asarray(rows, np.int32),
                              steps, batch)
     want_lp = any(s.params.logprobs or s.params.top_logprobs for s in live)
-    # The fast path has no penalties and no end-token ban (min_tokens).
-    greedy = all(s.params.greedy and not s.params.penalized
+    # The fast path has no penalties, logit bias or end-token ban (min_tokens).
+    greedy = all(s.params.greedy and not s.params.penalized and not s.params.logit_bias
                  and len(s.generated) + s.pending >= s.params.min_tokens for s in live)
     return arrays, want_lp, greedy
 
@@ -765,7 +772,7 @@ class BatchingEngine(api.Engine):
     if greedy:
       out = sampling.greedy(logits, arrays, self._counts, self._last_tok, logprobs=want_lp)
     else:
-      out = sampling.sample(logits, arrays, self._counts, self._flags, self._last_tok)
+      out = sampling.sample(logits, arrays, self._counts, self._slot_tokens, self._last_tok)
     self._counts, self._last_tok = out[4], out[5]
     for seq in seqs:
       if seq is not None:
@@ -907,7 +914,7 @@ class BatchingEngine(api.Engine):
     lp = want_lp or not greedy
     if getattr(self.runner, "supports_multi_step", False):
       out = self.runner.decode_multi(slots, lengths, table, arrays, self._counts,
-                                     self._flags, self._last_tok, steps=steps,
+                                     self._slot_tokens, self._last_tok, steps=steps,
                                      greedy_only=greedy, logprobs=lp)
     else:
       outs, counts, last = [], self._counts, self._last_tok
@@ -915,7 +922,7 @@ class BatchingEngine(api.Engine):
       for i in range(steps):
         li = np.where(lengths > 0, lengths + i, 0).astype(np.int32)
         o = sampling.step_jit(self.runner.decode(tok, li, table), arrays, np.int32(i), counts,
-                              self._flags, last, greedy_only=greedy, logprobs=lp)
+                              self._slot_tokens, last, greedy_only=greedy, logprobs=lp)
         tok, counts, last = o[0], o[4], o[5]
         outs.append(o[:4])
       out = tuple(None if x[0] is None else jnp.stack(x) for x in zip(*outs)) + (counts, last)
@@ -1068,8 +1075,9 @@ class BatchingEngine(api.Engine):
     # A slot's penalty and end-token state, as a penalized or min_tokens request
     # sets it at admission (slot 0 is free: anything goes there until then).
     v = self.runner.vocab_size
-    self._counts, self._flags = sampling.set_rows(self._counts, self._flags, np.int32(0),
-                                                  np.zeros(v, np.int32), np.zeros(v, np.uint8))
+    self._counts, self._slot_tokens = sampling.set_rows(
+        self._counts, self._slot_tokens, np.int32(0), np.zeros(v, np.int32),
+        sampling.slot_row(v))
     for b in self.batch_buckets:
       logits = self._decode_call(np.zeros((b,), np.int32), np.zeros((b,), np.int32),
                                  np.zeros((b, table_w), np.int32))
@@ -1079,7 +1087,7 @@ class BatchingEngine(api.Engine):
         for greedy_only, lp in ((True, False), (True, True), (False, True)):
           out = self.runner.decode_multi(
               np.zeros((b,), np.int32), np.zeros((b,), np.int32),
-              np.zeros((b, table_w), np.int32), arrays, self._counts, self._flags,
+              np.zeros((b, table_w), np.int32), arrays, self._counts, self._slot_tokens,
               self._last_tok, steps=self.config.decode_steps, greedy_only=greedy_only,
               logprobs=lp)
           self._counts, self._last_tok = out[4], out[5]
@@ -1128,6 +1136,6 @@ class BatchingEngine(api.Engine):
     for lp in (False, True):
       out = sampling.greedy(logits, arrays, self._counts, self._last_tok, logprobs=lp)
       self._counts, self._last_tok = out[4], out[5]
-    out = sampling.sample(logits, arrays, self._counts, self._flags, self._last_tok)
+    out = sampling.sample(logits, arrays, self._counts, self._slot_tokens, self._last_tok)
     self._counts, self._last_tok = out[4], out[5]
     jax.block_until_ready(sampling.take(self._last_tok, np.zeros((b,), np.int32)))

@@ -161,7 +161,7 @@ class ModelRunner:
 
     @functools.partial(jax.jit, donate_argnums=(1, 3, 5),
                        static_argnames=("steps", "greedy_only", "logprobs"))
-    def decode_multi(params, cache, host, counts, flags, last, steps, greedy_only,
+    def decode_multi(params, cache, host, counts, slot_tokens, last, steps, greedy_only,
                      logprobs):
       slots, lengths, page_table, arrays = _unpack_decode_inputs(host)
       tokens = sampling.take(last, slots)  # each row's input: its slot's last token
@@ -172,7 +172,7 @@ class ModelRunner:
         logits, cache = llama.decode_step(graphdef, params, cache, tok[:, None],
                                           jnp.where(lengths > 0, lengths + i, 0), page_table,
                                           backends=db, mesh=mesh)
-        out = sampling.step(logits[:, 0], arrays, i, counts, flags, last,
+        out = sampling.step(logits[:, 0], arrays, i, counts, slot_tokens, last,
                             greedy_only=greedy_only, logprobs=logprobs)
         return (cache, out[0], out[4], out[5]), out[:4]
 
@@ -310,14 +310,14 @@ class ModelRunner:
         fresh=not np.any(positions))
     return logits
 
-  def decode_multi(self, slots, lengths, page_table, arrays, counts, flags, last, *,
+  def decode_multi(self, slots, lengths, page_table, arrays, counts, slot_tokens, last, *,
                    steps: int, greedy_only: bool, logprobs: bool):
     """``steps`` decode steps with on-device sampling in one call (models.Model only),
     row r's first input token being ``last[slots[r]]`` (slot -1: a padding row):
     ((tokens, logprob, top ids, top logprobs) each [steps, B, ...], counts, last).
     The host inputs (slots, lengths, page table, sampling rows) travel as one array."""
     host = pack_decode_inputs(slots, lengths, page_table, arrays)
-    out, self.cache = self._fast[2](self.model.params, self.cache, host, counts, flags,
+    out, self.cache = self._fast[2](self.model.params, self.cache, host, counts, slot_tokens,
                                     last, steps=steps, greedy_only=greedy_only,
                                     logprobs=logprobs)
     return out

@@ -1,10 +1,10 @@
 """Per-request sampling on the device, one row per sequence of the batch.
 
-``sample(logits[B, V], SamplingArrays, counts, flags)`` applies, per row:
-repetition penalty (over prompt and generated tokens), presence and frequency
-penalties (generated tokens), the ban on the request's end tokens (EOS and
-stop token ids) while it has fewer than min_tokens, temperature, top-k, top-p
-and min-p, then draws
+``sample(logits[B, V], SamplingArrays, counts, SlotTokens)`` applies, per
+row: the request's logit bias, repetition penalty (over prompt and generated
+tokens), presence and frequency penalties (generated tokens), the ban on the
+request's end tokens (EOS and stop token ids) while it has fewer than
+min_tokens, temperature, top-k, top-p and min-p, then draws
 with a key derived from (seed, number of tokens generated so far), so a seeded
 request samples the same tokens whatever else shares its batch. Rows with
 temperature 0 take the argmax. It returns the token, its logprob and the
@@ -76,10 +76,36 @@ def _arrays(f: np.ndarray, i: np.ndarray) -> SamplingArrays:
 
 
 _PAD_F = (0.0, 1.0, 0.0, 1.0, 0.0, 0.0)
-# Bits of the per-slot token flags [slots, V] (uint8), set at admission: the
-# token is in the prompt (repetition penalty); the token ends the request (EOS
-# unless ignored, a stop token id), so it is banned while step < min_tokens.
+# Bits of SlotTokens.flags: the token is in the prompt (repetition penalty);
+# the token ends the request (EOS unless ignored, a stop token id), so it is
+# banned while step < min_tokens.
 IN_PROMPT, ENDS = 1, 2
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class SlotTokens:
+  """Per batch slot, over the vocabulary, set at a request's admission (only
+  for requests that need it: penalties, min_tokens, logit_bias)."""
+
+  flags: jax.Array  # [slots, V] uint8: IN_PROMPT | ENDS
+  bias: jax.Array  # [slots, V] float32: the request's logit_bias, 0 elsewhere
+
+
+def slot_tokens(slots: int, vocab: int) -> SlotTokens:
+  return SlotTokens(flags=jnp.zeros((slots, vocab), jnp.uint8),
+                    bias=jnp.zeros((slots, vocab), jnp.float32))
+
+
+def slot_row(vocab: int, prompt=(), ends=(), logit_bias=()) -> SlotTokens:
+  """One slot's SlotTokens row (numpy [V] each)."""
+  flags = np.zeros(vocab, np.uint8)
+  flags[np.asarray(prompt, np.int64)] |= IN_PROMPT
+  flags[np.asarray(sorted(ends), np.int64)] |= ENDS
+  bias = np.zeros(vocab, np.float32)
+  for t, b in logit_bias:
+    bias[t] = b
+  return SlotTokens(flags=flags, bias=bias)
 
 
 def param_rows(p: SamplingParams, seed: int, slot: int) -> tuple[np.ndarray, np.ndarray]:
@@ -147,10 +173,11 @@ def _greedy(logits, s: SamplingArrays, counts, last=None, *, logprobs: bool = Tr
   return (tokens, chosen, top_ids, top_lp) + _update(counts, last, s.slot, tokens)
 
 
-def _penalize(logits, s, counts, flags):
+def _penalize(logits, s, counts, tok: SlotTokens):
   rows = jnp.maximum(s.slot, 0)
   c = counts[rows]  # [B, V]
-  f = flags[rows]  # [B, V]
+  f = tok.flags[rows]  # [B, V]
+  logits = logits + tok.bias[rows]
   seen = ((f & IN_PROMPT) != 0) | (c > 0)
   rep = s.repetition[:, None]
   logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
@@ -159,8 +186,8 @@ def _penalize(logits, s, counts, flags):
   return jnp.where(held, -jnp.inf, logits)
 
 
-def _sample(logits, s: SamplingArrays, counts, flags, last=None):
-  logits = _penalize(logits.astype(jnp.float32), s, counts, flags)
+def _sample(logits, s: SamplingArrays, counts, tok: SlotTokens, last=None):
+  logits = _penalize(logits.astype(jnp.float32), s, counts, tok)
   argmax = jnp.argmax(logits, axis=-1).astype(jnp.int32)
   vocab = logits.shape[-1]
   t = jnp.maximum(s.temperature, 1e-6)[:, None]
@@ -190,7 +217,7 @@ greedy = jax.jit(_greedy, donate_argnames=("counts", "last"), static_argnames=("
 sample = jax.jit(_sample, donate_argnames=("counts", "last"))
 
 
-def step(logits, s: SamplingArrays, i, counts, flags, last, *, greedy_only: bool,
+def step(logits, s: SamplingArrays, i, counts, tok: SlotTokens, last, *, greedy_only: bool,
          logprobs: bool = True):
   """Step ``i`` of a multi-step decode: ``greedy`` or ``sample`` with every
   row's step counter advanced by ``i`` (a seeded row draws what it would one
@@ -198,7 +225,7 @@ def step(logits, s: SamplingArrays, i, counts, flags, last, *, greedy_only: bool
   s = SamplingArrays(rows=s.rows.at[:, 3].add(i))
   if greedy_only:
     return _greedy(logits, s, counts, last, logprobs=logprobs)
-  return _sample(logits, s, counts, flags, last)
+  return _sample(logits, s, counts, tok, last)
 
 
 step_jit = jax.jit(step, donate_argnames=("counts", "last"),
@@ -211,26 +238,20 @@ def take(last, slots):
   return last[jnp.maximum(slots, 0)]
 
 
-@functools.partial(jax.jit, donate_argnames=("counts", "flags"))
-def set_rows(counts, flags, slot, count_row, flag_row):
-  """Initializes one slot's penalty and end-token state (at admission or
+@functools.partial(jax.jit, donate_argnames=("counts", "tok"))
+def set_rows(counts, tok: SlotTokens, slot, count_row, row: SlotTokens):
+  """Initializes one slot's penalty counts and SlotTokens (at admission or
   after preemption)."""
-  return counts.at[slot].set(count_row), flags.at[slot].set(flag_row)
-
-
-def flag_row(vocab: int, prompt, ends) -> np.ndarray:
-  """A slot's token flags: IN_PROMPT on the prompt's tokens, ENDS on ``ends``."""
-  row = np.zeros(vocab, np.uint8)
-  row[np.asarray(prompt, np.int64)] |= IN_PROMPT
-  row[np.asarray(sorted(ends), np.int64)] |= ENDS
-  return row
+  return counts.at[slot].set(count_row), jax.tree.map(lambda a, r: a.at[slot].set(r), tok, row)
 
 
 def reference(logits: np.ndarray, p: SamplingParams, counts: np.ndarray,
               prompt_mask: np.ndarray, ends=(), step: int = 0) -> np.ndarray:
-  """The allowed set after penalties, the end-token ban and cuts for one row,
-  in numpy (tests)."""
+  """The allowed set after the logit bias, penalties, the end-token ban and
+  cuts for one row, in numpy (tests)."""
   x = logits.astype(np.float64)
+  for t, b in p.logit_bias:
+    x[t] += b
   seen = prompt_mask | (counts > 0)
   r = p.repetition_penalty
   x = np.where(seen, np.where(x > 0, x / r, x * r), x)

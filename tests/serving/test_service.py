@@ -89,6 +89,21 @@ def test_min_tokens_holds_back_eos_stop_tokens_and_stop_strings(decode_steps):
     wait_for(lambda: server.engine.stats().pages_in_use == 0, what="pages freed")
 
 
+def test_logit_bias_moves_greedy_and_sampled_picks(counting):
+  """+100 on "c" makes the counting model say "c" over its own next byte; -100
+  on its next byte leaves the runner-up (byte 0: the others tie), greedy or
+  seeded top-k sampling."""
+  _, c = counting
+  for kw in ({}, dict(temperature=1.0, top_k=1, seed=3)):
+    r = c.generate("a", max_tokens=4, logit_bias={ord("c"): 100.0}, **kw)
+    assert r.text == "cccc", kw
+    r = c.generate("a", max_tokens=3, logit_bias={ord("b"): -100.0}, **kw)
+    assert list(r.token_ids) == [0, 1, 2], kw
+  # The slot's bias does not linger (sequential requests reuse one slot).
+  assert c.generate("a", max_tokens=3, temperature=1.0, top_k=1, seed=1).text == "bcd"
+  assert c.generate("a", max_tokens=3).text == "bcd"
+
+
 def test_tokenize_model_info_health_reflection(counting):
   server, c = counting
   t = c.tokenize("hé", add_bos=True)
@@ -117,6 +132,10 @@ def test_tokenize_model_info_health_reflection(counting):
     (dict(min_tokens=4, max_tokens=3), "min_tokens=4 must be <= max_tokens"),
     (dict(min_tokens=5000), "min_tokens (5000) exceeds the context"),
     (dict(min_tokens=300), "exceeds the 252 tokens the KV cache holds"),
+    (dict(logit_bias={999: 1.0}), "logit_bias [999] are outside the vocabulary"),
+    (dict(logit_bias={5: 101.0}), "logit_bias[5]=101.0 must be in [-100, 100]"),
+    (dict(logit_bias={5: float("nan")}), "must be in [-100, 100]"),
+    (dict(logit_bias={i: 1.0 for i in range(301)}), "at most 300"),
 ])
 def test_bad_parameters_are_invalid_argument(counting, kw, match):
   _, c = counting
@@ -156,6 +175,7 @@ def _requests(draw):
   sp["seed"] = draw(st.integers(0, 2**64 - 1))
   sp["stop"] = draw(st.lists(st.text(max_size=4), max_size=3))
   sp["stop_token_ids"] = draw(st.lists(st.integers(-2**31, 2**31 - 1), max_size=3))
+  sp["logit_bias"] = draw(st.dictionaries(st.integers(-5, 300), st.floats(width=32), max_size=3))
   sp["logprobs"] = draw(st.booleans())
   sp["ignore_eos"] = draw(st.booleans())
   prompt = draw(st.one_of(
@@ -228,6 +248,10 @@ def test_cancel_and_deadline_free_all_pages():
     with pytest.raises(grpc.RpcError) as e:
       list(c.stream("abc", max_tokens=500, timeout=0.3, ignore_eos=True))
     assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    for call in (c.generate, lambda *a, **k: list(c.stream(*a, **k))):  # n = 3: all of them
+      with pytest.raises(grpc.RpcError) as e:
+        call("abc", max_tokens=500, timeout=0.3, ignore_eos=True, n=3)
+      assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     wait_for(lambda: engine.stats().pages_in_use == 0 and engine.stats().running == 0,
              what="pages freed after deadlines")
     engine.alloc.check()

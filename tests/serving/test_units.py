@@ -1,5 +1,6 @@
 """Engine parts on their own: page allocator, detokenization with stops, sampling."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -144,7 +145,7 @@ def test_greedy_and_topk1_pick_the_argmax():
   rng = np.random.default_rng(0)
   logits = rng.normal(size=(4, 50)).astype(np.float32)
   counts = jnp.zeros((4, 50), jnp.int32)
-  mask = jnp.zeros((4, 50), jnp.uint8)
+  mask = sampling.slot_tokens(4, 50)
   params = [api.SamplingParams(), api.SamplingParams(temperature=1.0, top_k=1, seed=3),
             api.SamplingParams(temperature=0.5, min_p=1.0, seed=4)]
   tok, lp, top_ids, top_lp, counts, _ = sampling.sample(logits, _arrays(params, 4), counts, mask)
@@ -166,6 +167,8 @@ def test_greedy_and_topk1_pick_the_argmax():
     api.SamplingParams(temperature=1.0, top_k=8, repetition_penalty=1.8, presence_penalty=1.0,
                        frequency_penalty=0.5, seed=4),
     api.SamplingParams(temperature=1.0, top_k=5, repetition_penalty=1.5, min_tokens=9, seed=5),
+    api.SamplingParams(temperature=1.0, top_k=6, logit_bias=((3, 4.0), (7, -100.0), (11, 2.5)),
+                       seed=6),
 ])
 def test_samples_stay_in_the_reference_allowed_set(p):
   v = 32
@@ -177,7 +180,8 @@ def test_samples_stay_in_the_reference_allowed_set(p):
   mask = np.zeros((1, v), bool)
   mask[0, prompt] = True
   ends = set(np.argsort(-logits)[:2].tolist())  # the two likeliest end the request
-  flags = sampling.flag_row(v, prompt, ends)[None]
+  tok = jax.tree.map(lambda a: jnp.asarray(a)[None], sampling.slot_row(v, prompt, ends,
+                                                                       p.logit_bias))
   batch = 16
   seen = set()
   for step in range(8):  # all below min_tokens where it is set
@@ -186,7 +190,7 @@ def test_samples_stay_in_the_reference_allowed_set(p):
     arrays = sampling.pack([p] * batch, [p.seed * 100 + i for i in range(batch)], [step] * batch,
                            [0] * batch, batch)
     out = sampling.sample(np.repeat(logits[None], batch, 0), arrays,
-                          jnp.asarray(np.repeat(counts, 1, 0)), jnp.asarray(flags))
+                          jnp.asarray(np.repeat(counts, 1, 0)), tok)
     seen |= set(np.asarray(out[0]).tolist())
     assert set(np.asarray(out[0]).tolist()) <= set(np.flatnonzero(allowed).tolist())
   assert len(seen) > 1  # it samples, not argmax
@@ -200,7 +204,8 @@ def test_min_tokens_bans_end_tokens_until_reached():
   rng = np.random.default_rng(3)
   logits = rng.normal(size=(v,)).astype(np.float32)
   logits[eos], logits[stop] = 9.0, 8.0  # the argmax, then the runner-up
-  flags = jnp.asarray(np.stack([sampling.flag_row(v, [], {eos, stop})] * 2))
+  row = sampling.slot_row(v, [], {eos, stop})
+  flags = jax.tree.map(lambda a: jnp.asarray(np.stack([a, a])), row)
   params = [api.SamplingParams(min_tokens=4),
             api.SamplingParams(temperature=1.0, top_k=3, min_tokens=4, seed=1)]
   x = np.repeat(logits[None], 2, 0)
@@ -225,7 +230,7 @@ def test_seeded_sampling_ignores_batch_neighbours():
   row = rng.normal(size=(v,)).astype(np.float32)
   p = api.SamplingParams(temperature=1.0, seed=1234)
   other = api.SamplingParams(temperature=1.0, seed=99)
-  counts, mask = jnp.zeros((4, v), jnp.int32), jnp.zeros((4, v), jnp.uint8)
+  counts, mask = jnp.zeros((4, v), jnp.int32), sampling.slot_tokens(4, v)
   alone = sampling.sample(row[None].repeat(1, 0), sampling.pack([p], [p.seed], [5], [0], 1),
                           counts, mask)[0]
   logits = np.stack([rng.normal(size=v).astype(np.float32), row, row, row])

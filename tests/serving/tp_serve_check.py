@@ -25,8 +25,10 @@ def serve(tp: int, prompts, **engine_kw):
   client = Client(server.address)
   try:
     def one(i):
-      # Greedy, and seeded with an end-token ban (per-slot flags, set at admission).
-      kw = dict(temperature=0.8, seed=i, top_p=0.9, min_tokens=2) if i % 2 else {}
+      # Greedy, and seeded with an end-token ban and a logit bias (per-slot
+      # state, set at admission).
+      kw = dict(temperature=0.8, seed=i, top_p=0.9, min_tokens=2,
+                logit_bias={7: 3.0}) if i % 2 else {}
       return list(client.generate(prompts[i], max_tokens=9, ignore_eos=True, **kw).token_ids)
 
     with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
