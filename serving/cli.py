@@ -135,7 +135,17 @@ def _sampling(a) -> dict:
     kw["ignore_eos"] = True
   if a.logprobs:
     kw["logprobs"] = True
+  if a.logit_bias:
+    kw["logit_bias"] = dict(a.logit_bias)
   return kw
+
+
+def _token_bias(text: str) -> tuple[int, float]:
+  tid, sep, bias = text.partition("=")
+  try:
+    return int(tid), float(bias)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"{text!r} is not TOKEN_ID=BIAS") from None
 
 
 def cmd_generate(a) -> int:
@@ -277,6 +287,8 @@ def parser() -> argparse.ArgumentParser:
   g.add_argument("--stop", action="append")
   g.add_argument("--ignore-eos", action="store_true")
   g.add_argument("--logprobs", action="store_true")
+  g.add_argument("--logit-bias", action="append", type=_token_bias, metavar="TOKEN_ID=BIAS",
+                 help="added to the token's logit, in [-100, 100]; repeatable")
   g.add_argument("--timeout", type=float, help="deadline in seconds")
   g.set_defaults(fn=cmd_generate)
 

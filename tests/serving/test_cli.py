@@ -105,6 +105,10 @@ def test_generate_and_loadgen_commands(server_proc, tmp_path):
   assert out.returncode == 0, out.stderr
   header = "--- completion 1 (3 tokens, FINISH_REASON_LENGTH) ---"
   assert out.stdout.split("\n")[:3] == ["bcd", header, "bcd"], out.stdout
+  out = subprocess.run([sys.executable, "-m", "serving", "generate", "--target", target,
+                        "hello a", "--max-tokens", "3", "--logit-bias", f"{ord('c')}=100"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+  assert out.returncode == 0 and out.stdout.strip() == "ccc", (out.stdout, out.stderr)
   js = tmp_path / "load.json"
   out = subprocess.run([sys.executable, "-m", "serving", "loadgen", "--target", target,
                         "--concurrency", "4", "--num-requests", "8", "--input-len", "8",
