@@ -180,6 +180,10 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
       context.abort(grpc.StatusCode.INVALID_ARGUMENT if isinstance(e, api.InvalidRequest) else
                     grpc.StatusCode.RESOURCE_EXHAUSTED if isinstance(e, api.QueueFull) else
                     grpc.StatusCode.UNAVAILABLE, str(e))
+    except BaseException:  # an unexpected failure: none of the call's requests runs on
+      for key in keys[:len(handles)]:
+        self.engine.cancel(key)
+      raise
     context.add_callback(lambda: [self.engine.cancel(k) for k in keys])
     return rid, keys, _Events(handles)
 

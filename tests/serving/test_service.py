@@ -649,3 +649,26 @@ def test_n_completions_are_accepted_all_or_none_and_cancelled_together():
     assert engine.stats().pages_in_use == 0
     r = c.generate("a", max_tokens=2, n=2)
     assert [x.text for x in r.completions] == ["bc", "bc"]
+
+
+def test_an_unexpected_submit_failure_cancels_the_completions_before_it():
+  """n = 3 where the third submission raises something the service does not
+  map to a status: the call fails, and the two accepted requests are ended."""
+  engine = E.tiny_engine(max_batch=4, step_delay=0.01)
+  submit, calls = engine.submit, []
+
+  def flaky(req):
+    calls.append(req.request_id)
+    if len(calls) == 3:
+      raise RuntimeError("submit broke")
+    return submit(req)
+
+  engine.submit = flaky
+  with running(engine) as (server, c):
+    with pytest.raises(grpc.RpcError) as e:
+      c.generate("a", max_tokens=1000, ignore_eos=True, n=3)
+    assert e.value.code() == grpc.StatusCode.UNKNOWN
+    # Within a few steps, not the ~10 s that 1000 tokens of 10 ms steps take.
+    wait_for(lambda: engine.stats().running + engine.stats().waiting == 0, timeout=3.0,
+             what="the accepted completions cancelled")
+    assert engine.stats().pages_in_use == 0
