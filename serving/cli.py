@@ -42,7 +42,8 @@ def _engine_config(a) -> dict:
              default_max_tokens=a.default_max_tokens, decode_steps=a.decode_steps,
              stream_interval=a.stream_interval, mixed_steps=a.mixed_steps,
              decode_prefill_budget=a.decode_prefill_budget, prefill_first=a.prefill_first,
-             packed_prefill=a.packed_prefill, compile_threads=a.compile_threads)
+             packed_prefill=a.packed_prefill, compile_threads=a.compile_threads,
+             scheduling=a.scheduling_policy)
   if a.token_budget:
     cfg["token_budget"] = a.token_budget
   if a.tensor_parallel_size < 1:
@@ -157,7 +158,7 @@ def cmd_generate(a) -> int:
     n = 0
     final = None
     others: dict[int, list] = {}  # with --n: completions 1.. print after completion 0
-    for chunk in c.stream(a.prompt, timeout=a.timeout, **_sampling(a)):
+    for chunk in c.stream(a.prompt, timeout=a.timeout, priority=a.priority, **_sampling(a)):
       if chunk.index:
         others.setdefault(chunk.index, []).append(chunk)
         continue
@@ -258,6 +259,9 @@ def parser() -> argparse.ArgumentParser:
                       "cost their own tokens, not the longest one's chunk bucket each)")
   s.add_argument("--compile-threads", type=int, default=1,
                  help="threads compiling the warm-up's shapes side by side (1: one at a time)")
+  s.add_argument("--scheduling-policy", default="fcfs", choices=("fcfs", "priority"),
+                 help="priority: requests are admitted by their priority (lower first), then "
+                 "arrival, and the least urgent is preempted first")
   s.add_argument("--engine-process", action="store_true",
                  help="run the engine in a process of its own, so that the gRPC stream "
                       "threads do not share its interpreter (serving.engine.process)")
@@ -290,6 +294,8 @@ def parser() -> argparse.ArgumentParser:
   g.add_argument("--logit-bias", action="append", type=_token_bias, metavar="TOKEN_ID=BIAS",
                  help="added to the token's logit, in [-100, 100]; repeatable")
   g.add_argument("--timeout", type=float, help="deadline in seconds")
+  g.add_argument("--priority", type=int, default=0,
+                 help="lower is more urgent (a server with --scheduling-policy priority)")
   g.set_defaults(fn=cmd_generate)
 
   l = sub.add_parser("loadgen", help="measure TTFT / ITL / throughput")

@@ -13,17 +13,16 @@ from serving.proto import health_pb2, health_pb2_grpc
 _SAMPLING_FIELDS = frozenset(pb.SamplingParams.DESCRIPTOR.fields_by_name)
 
 
-def make_request(prompt: str | Sequence[int], *, request_id: str = "",
+def make_request(prompt: str | Sequence[int], *, request_id: str = "", priority: int = 0,
                  **sampling) -> pb.GenerateRequest:
   """``prompt`` as text or token ids; ``sampling`` keys are SamplingParams fields."""
   unknown = set(sampling) - _SAMPLING_FIELDS
   if unknown:
     raise ValueError(f"unknown sampling fields {sorted(unknown)}; valid: {sorted(_SAMPLING_FIELDS)}")
   sp = pb.SamplingParams(**{k: v for k, v in sampling.items() if v is not None})
-  if isinstance(prompt, str):
-    return pb.GenerateRequest(request_id=request_id, text=prompt, sampling=sp)
-  return pb.GenerateRequest(request_id=request_id, token_ids=pb.TokenIds(ids=list(prompt)),
-                            sampling=sp)
+  prompt = dict(text=prompt) if isinstance(prompt, str) else dict(
+      token_ids=pb.TokenIds(ids=list(prompt)))
+  return pb.GenerateRequest(request_id=request_id, sampling=sp, priority=priority, **prompt)
 
 
 class Client:

@@ -169,7 +169,7 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
             request_id=keys[-1],
             prompt_text=request.text if which == "text" else None,
             prompt_ids=list(request.token_ids.ids) if which == "token_ids" else None,
-            sampling=sampling,
+            sampling=sampling, priority=request.priority,
             deadline=None if remaining is None else time.monotonic() + remaining)))
     except (api.InvalidRequest, api.QueueFull, api.Draining, api.EngineFailed) as e:
       for key in keys[:len(handles)]:

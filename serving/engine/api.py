@@ -143,6 +143,7 @@ class Request:
   sampling: SamplingParams = dataclasses.field(default_factory=SamplingParams)
   deadline: float | None = None  # time.monotonic() by which the request must end
   add_bos: bool = True
+  priority: int = 0  # lower is more urgent; needs EngineConfig.scheduling = "priority"
 
 
 @dataclasses.dataclass(frozen=True)

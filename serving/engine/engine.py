@@ -4,12 +4,15 @@ Each iteration (``step``):
 1. takes new submissions and cancellations from the other threads; ends the
    requests that were cancelled or ran past their deadline (pages freed now);
 2. gives every decoding request room for one more token, preempting the most
-   recently admitted request (its pages freed, its tokens recomputed later)
-   when the allocator runs dry;
+   recently admitted request (the least urgent one, under priority
+   scheduling) when the allocator runs dry: its pages are freed, its tokens
+   recomputed later;
 3. spends the rest of the step's token budget on prefill chunks: first the
    requests already part-way through their prompt, then new ones admitted in
-   arrival order while their whole prompt fits in free pages and a batch slot
-   is free; page-aligned prompt blocks seen before come from the prefix cache;
+   arrival order (by priority, then arrival, with ``EngineConfig.scheduling =
+   "priority"``) while their whole prompt fits in free pages and a batch slot
+   is free; page-aligned prompt blocks seen before come from the prefix cache,
+   and a prompt whose next block another request is computing waits for it;
 4. dispatches the prefill chunk batch and the decode batch (shapes padded to
    the configured buckets, all compiled by ``warmup`` at start) and samples
    on the device; the decode inputs are the last token of each batch slot,
@@ -77,6 +80,9 @@ def _bucket(n: int, buckets: Sequence[int]) -> int:
   raise ValueError(f"{n=} exceeds the largest bucket {buckets[-1]}")
 
 
+SCHEDULING = ("fcfs", "priority")
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
   max_batch: int = 64  # requests decoding together
@@ -138,6 +144,11 @@ class EngineConfig:
   # Threads that compile the warm-up's shapes side by side (1: each shape
   # compiles as it first runs). Not yet timed on a GPU, so not the default.
   compile_threads: int = 1
+  # "fcfs": requests are admitted in arrival order and the latest admitted is
+  # preempted first. "priority": by Request.priority (lower first), then
+  # arrival, both ways (vLLM's --scheduling-policy); a running request is not
+  # preempted to admit a more urgent one.
+  scheduling: str = "fcfs"
 
   def __post_init__(self):
     for f in ("max_batch", "max_waiting", "prefill_chunk", "min_chunk", "prefill_rows",
@@ -153,6 +164,8 @@ class EngineConfig:
       raise ValueError(f"{self.token_budget=} must be >= {self.max_batch=}")
     if self.decode_prefill_budget is not None and self.decode_prefill_budget < 1:
       raise ValueError(f"{self.decode_prefill_budget=} must be >= 1")
+    if self.scheduling not in SCHEDULING:
+      raise ValueError(f"{self.scheduling=} must be one of {SCHEDULING}")
     if self.prefill_first and (self.mixed_steps or self.decode_prefill_budget is not None):
       raise ValueError("prefill_first runs no decodes beside prompt chunks: it cannot be "
                        "combined with mixed_steps or decode_prefill_budget")
@@ -227,13 +240,17 @@ class _State(enum.Enum):
 class _Seq:
 
   def __init__(self, req: api.Request, handle: api.RequestHandle, prompt: list[int],
-               max_tokens: int, seed: int, tokenizer, order: int, eos_ids: frozenset[int]):
+               max_tokens: int, seed: int, tokenizer, order: int, eos_ids: frozenset[int],
+               by_priority: bool = False):
     self.req, self.handle, self.params = req, handle, req.sampling
     self.prompt = prompt
     self.generated: list[int] = []
     self.max_tokens = max_tokens
     self.seed = seed
     self.order = order  # arrival order: earlier requests are preempted last
+    # Admission order, and the reverse of preemption order: (0, order) in
+    # first-come-first-served scheduling, (priority, order) under priority.
+    self.rank = (req.priority if by_priority else 0, order)
     self.state = _State.WAITING
     self.pages: list[int] = []
     self.computed = 0  # tokens whose KV is in the cache
@@ -405,6 +422,9 @@ class BatchingEngine(api.Engine):
       if bad:
         raise api.InvalidRequest(f"{name} {bad[:5]} are outside the vocabulary "
                                  f"[0, {self.runner.vocab_size})")
+    if request.priority and self.config.scheduling != "priority":
+      raise api.InvalidRequest(f"priority={request.priority} needs priority scheduling "
+                               "(serve --scheduling-policy priority)")
     seed = p.seed if p.seed is not None else random.getrandbits(64)
     handle = api.RequestHandle(request.request_id, len(prompt),
                                self.make_events(request.request_id))
@@ -414,7 +434,8 @@ class BatchingEngine(api.Engine):
       if len(self._waiting) + len(self._inbox) >= self.config.max_waiting:
         raise api.QueueFull(f"{self.config.max_waiting} requests are waiting already")
       self._order += 1
-      seq = _Seq(request, handle, prompt, max_tokens, seed, self.tok, self._order, self.eos_ids)
+      seq = _Seq(request, handle, prompt, max_tokens, seed, self.tok, self._order, self.eos_ids,
+                 self.config.scheduling == "priority")
       self._by_id[request.request_id] = seq
       self._inbox.append(seq)
       self._wake.notify()
@@ -531,6 +552,8 @@ class BatchingEngine(api.Engine):
       inbox, self._inbox = self._inbox, []
       cancels, self._cancels = self._cancels, []
     self._waiting.extend(inbox)
+    if inbox and self.config.scheduling == "priority":
+      self._waiting = collections.deque(sorted(self._waiting, key=lambda s: s.rank))
     for rid in cancels:
       seq = self._by_id.get(rid)
       if seq is not None and seq.cancel is None:
@@ -623,7 +646,7 @@ class BatchingEngine(api.Engine):
   def _schedule_decodes(self, steps: int = 1) -> list[_Seq]:
     decodes = []
     for seq in sorted((s for s in self._running if s.state == _State.DECODE),
-                      key=lambda s: s.order):
+                      key=lambda s: s.rank):
       if seq.state != _State.DECODE:
         continue  # preempted below while making room for an earlier one
       n = len(seq.generated) + seq.pending
@@ -631,7 +654,7 @@ class BatchingEngine(api.Engine):
         continue  # its last token is in flight: it ends when that is read
       while not self._reserve(seq, seq.computed + steps):
         victim = max((s for s in self._running if s.state != _State.WAITING),
-                     key=lambda s: s.order)
+                     key=lambda s: s.rank)
         self._preempt(victim)
         if victim is seq:
           break
@@ -660,6 +683,8 @@ class BatchingEngine(api.Engine):
     self._free_slots.append(seq.slot)
     seq.slot = -1
     self._waiting.appendleft(seq)
+    if self.config.scheduling == "priority":
+      self._waiting = collections.deque(sorted(self._waiting, key=lambda s: s.rank))
 
   def _admit(self, seq: _Seq) -> bool:
     if not self._free_slots:

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cserving/proto/generate.proto\x12\x11mosaic.serving.v1\"\xce\x05\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_k\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x07\x88\x01\x01\x12\x17\n\nmax_tokens\x18\t \x01(\x05H\x08\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x0f \x01(\x05H\t\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\x05\x12\x15\n\x08logprobs\x18\x0c \x01(\x08H\n\x88\x01\x01\x12\x19\n\x0ctop_logprobs\x18\r \x01(\x05H\x0b\x88\x01\x01\x12\x17\n\nignore_eos\x18\x0e \x01(\x08H\x0c\x88\x01\x01\x12\x0e\n\x01n\x18\x10 \x01(\x05H\r\x88\x01\x01\x12\x44\n\nlogit_bias\x18\x11 \x03(\x0b\x32\x30.mosaic.serving.v1.SamplingParams.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seedB\r\n\x0b_max_tokensB\r\n\x0b_min_tokensB\x0b\n\t_logprobsB\x0f\n\r_top_logprobsB\r\n\x0b_ignore_eosB\x04\n\x02_n\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xa6\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12\x30\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x1b.mosaic.serving.v1.TokenIdsH\x00\x12\x33\n\x08sampling\x18\x04 \x01(\x0b\x32!.mosaic.serving.v1.SamplingParamsB\x08\n\x06prompt\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"]\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12*\n\x03top\x18\x03 \x03(\x0b\x32\x1d.mosaic.serving.v1.TopLogprob\"B\n\x07Timings\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x15\n\rfirst_token_s\x18\x02 \x01(\x01\x12\x0f\n\x07total_s\x18\x03 \x01(\x01\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\x05\"\xfd\x01\n\nCompletion\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x31\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1f.mosaic.serving.v1.TokenLogprob\x12\x36\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1f.mosaic.serving.v1.FinishReason\x12\'\n\x05usage\x18\x06 \x01(\x0b\x32\x18.mosaic.serving.v1.Usage\x12+\n\x07timings\x18\x07 \x01(\x0b\x32\x1a.mosaic.serving.v1.Timings\"\xbc\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x31\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1f.mosaic.serving.v1.TokenLogprob\x12\x36\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1f.mosaic.serving.v1.FinishReason\x12\'\n\x05usage\x18\x06 \x01(\x0b\x32\x18.mosaic.serving.v1.Usage\x12+\n\x07timings\x18\x07 \x01(\x0b\x32\x1a.mosaic.serving.v1.Timings\x12\x32\n\x0b\x63ompletions\x18\x08 \x03(\x0b\x32\x1d.mosaic.serving.v1.Completion\"\x99\x01\n\tFinalInfo\x12\x36\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x1f.mosaic.serving.v1.FinishReason\x12\'\n\x05usage\x18\x02 \x01(\x0b\x32\x18.mosaic.serving.v1.Usage\x12+\n\x07timings\x18\x03 \x01(\x0b\x32\x1a.mosaic.serving.v1.Timings\"\xb9\x01\n\x13GenerateStreamChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x31\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1f.mosaic.serving.v1.TokenLogprob\x12+\n\x05\x66inal\x18\x05 \x01(\x0b\x32\x1c.mosaic.serving.v1.FinalInfo\x12\r\n\x05index\x18\x06 \x01(\x05\"0\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64_bos\x18\x02 \x01(\x08\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0e\n\x06pieces\x18\x02 \x03(\t\"\x12\n\x10ModelInfoRequest\"\xd9\x02\n\x11ModelInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x13\n\x0bmax_context\x18\x03 \x01(\x05\x12\x14\n\x0c\x65os_token_id\x18\x04 \x01(\x05\x12\x14\n\x0c\x62os_token_id\x18\x05 \x01(\x05\x12\x11\n\tmax_batch\x18\x06 \x01(\x05\x12\x11\n\tpage_size\x18\x07 \x01(\x05\x12\x11\n\tnum_pages\x18\x08 \x01(\x05\x12\x44\n\x08\x62\x61\x63kends\x18\t \x03(\x0b\x32\x32.mosaic.serving.v1.ModelInfoResponse.BackendsEntry\x12\r\n\x05\x64type\x18\n \x01(\t\x12\x1c\n\x14tensor_parallel_size\x18\x0b \x01(\x05\x1a/\n\rBackendsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01*\xaf\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x03\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x04\x12\x1a\n\x16\x46INISH_REASON_DEADLINE\x10\x05\x32\xf2\x02\n\x0eTextGeneration\x12S\n\x08Generate\x12\".mosaic.serving.v1.GenerateRequest\x1a#.mosaic.serving.v1.GenerateResponse\x12^\n\x0eGenerateStream\x12\".mosaic.serving.v1.GenerateRequest\x1a&.mosaic.serving.v1.GenerateStreamChunk0\x01\x12S\n\x08Tokenize\x12\".mosaic.serving.v1.TokenizeRequest\x1a#.mosaic.serving.v1.TokenizeResponse\x12V\n\tModelInfo\x12#.mosaic.serving.v1.ModelInfoRequest\x1a$.mosaic.serving.v1.ModelInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cserving/proto/generate.proto\x12\x11mosaic.serving.v1\"\xce\x05\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_k\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x07\x88\x01\x01\x12\x17\n\nmax_tokens\x18\t \x01(\x05H\x08\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x0f \x01(\x05H\t\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\x05\x12\x15\n\x08logprobs\x18\x0c \x01(\x08H\n\x88\x01\x01\x12\x19\n\x0ctop_logprobs\x18\r \x01(\x05H\x0b\x88\x01\x01\x12\x17\n\nignore_eos\x18\x0e \x01(\x08H\x0c\x88\x01\x01\x12\x0e\n\x01n\x18\x10 \x01(\x05H\r\x88\x01\x01\x12\x44\n\nlogit_bias\x18\x11 \x03(\x0b\x32\x30.mosaic.serving.v1.SamplingParams.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seedB\r\n\x0b_max_tokensB\r\n\x0b_min_tokensB\x0b\n\t_logprobsB\x0f\n\r_top_logprobsB\r\n\x0b_ignore_eosB\x04\n\x02_n\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xb8\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12\x30\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x1b.mosaic.serving.v1.TokenIdsH\x00\x12\x33\n\x08sampling\x18\x04 \x01(\x0b\x32!.mosaic.serving.v1.SamplingParams\x12\x10\n\x08priority\x18\x05 \x01(\x05\x42\x08\n\x06prompt\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"]\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12*\n\x03top\x18\x03 \x03(\x0b\x32\x1d.mosaic.serving.v1.TopLogprob\"B\n\x07Timings\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x15\n\rfirst_token_s\x18\x02 \x01(\x01\x12\x0f\n\x07total_s\x18\x03 \x01(\x01\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\x05\"\xfd\x01\n\nCompletion\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x31\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1f.mosaic.serving.v1.TokenLogprob\x12\x36\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1f.mosaic.serving.v1.FinishReason\x12\'\n\x05usage\x18\x06 \x01(\x0b\x32\x18.mosaic.serving.v1.Usage\x12+\n\x07timings\x18\x07 \x01(\x0b\x32\x1a.mosaic.serving.v1.Timings\"\xbc\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x31\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1f.mosaic.serving.v1.TokenLogprob\x12\x36\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1f.mosaic.serving.v1.FinishReason\x12\'\n\x05usage\x18\x06 \x01(\x0b\x32\x18.mosaic.serving.v1.Usage\x12+\n\x07timings\x18\x07 \x01(\x0b\x32\x1a.mosaic.serving.v1.Timings\x12\x32\n\x0b\x63ompletions\x18\x08 \x03(\x0b\x32\x1d.mosaic.serving.v1.Completion\"\x99\x01\n\tFinalInfo\x12\x36\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x1f.mosaic.serving.v1.FinishReason\x12\'\n\x05usage\x18\x02 \x01(\x0b\x32\x18.mosaic.serving.v1.Usage\x12+\n\x07timings\x18\x03 \x01(\x0b\x32\x1a.mosaic.serving.v1.Timings\"\xb9\x01\n\x13GenerateStreamChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x31\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1f.mosaic.serving.v1.TokenLogprob\x12+\n\x05\x66inal\x18\x05 \x01(\x0b\x32\x1c.mosaic.serving.v1.FinalInfo\x12\r\n\x05index\x18\x06 \x01(\x05\"0\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64_bos\x18\x02 \x01(\x08\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0e\n\x06pieces\x18\x02 \x03(\t\"\x12\n\x10ModelInfoRequest\"\xd9\x02\n\x11ModelInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x13\n\x0bmax_context\x18\x03 \x01(\x05\x12\x14\n\x0c\x65os_token_id\x18\x04 \x01(\x05\x12\x14\n\x0c\x62os_token_id\x18\x05 \x01(\x05\x12\x11\n\tmax_batch\x18\x06 \x01(\x05\x12\x11\n\tpage_size\x18\x07 \x01(\x05\x12\x11\n\tnum_pages\x18\x08 \x01(\x05\x12\x44\n\x08\x62\x61\x63kends\x18\t \x03(\x0b\x32\x32.mosaic.serving.v1.ModelInfoResponse.BackendsEntry\x12\r\n\x05\x64type\x18\n \x01(\t\x12\x1c\n\x14tensor_parallel_size\x18\x0b \x01(\x05\x1a/\n\rBackendsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01*\xaf\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x03\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x04\x12\x1a\n\x16\x46INISH_REASON_DEADLINE\x10\x05\x32\xf2\x02\n\x0eTextGeneration\x12S\n\x08Generate\x12\".mosaic.serving.v1.GenerateRequest\x1a#.mosaic.serving.v1.GenerateResponse\x12^\n\x0eGenerateStream\x12\".mosaic.serving.v1.GenerateRequest\x1a&.mosaic.serving.v1.GenerateStreamChunk0\x01\x12S\n\x08Tokenize\x12\".mosaic.serving.v1.TokenizeRequest\x1a#.mosaic.serving.v1.TokenizeResponse\x12V\n\tModelInfo\x12#.mosaic.serving.v1.ModelInfoRequest\x1a$.mosaic.serving.v1.ModelInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,8 +35,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_MODELINFORESPONSE_BACKENDSENTRY']._loaded_options = None
   _globals['_MODELINFORESPONSE_BACKENDSENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=2660
-  _globals['_FINISHREASON']._serialized_end=2835
+  _globals['_FINISHREASON']._serialized_start=2678
+  _globals['_FINISHREASON']._serialized_end=2853
   _globals['_SAMPLINGPARAMS']._serialized_start=52
   _globals['_SAMPLINGPARAMS']._serialized_end=770
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=520
@@ -44,33 +44,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_start=772
   _globals['_TOKENIDS']._serialized_end=795
   _globals['_GENERATEREQUEST']._serialized_start=798
-  _globals['_GENERATEREQUEST']._serialized_end=964
-  _globals['_TOPLOGPROB']._serialized_start=966
-  _globals['_TOPLOGPROB']._serialized_end=1013
-  _globals['_TOKENLOGPROB']._serialized_start=1015
-  _globals['_TOKENLOGPROB']._serialized_end=1108
-  _globals['_TIMINGS']._serialized_start=1110
-  _globals['_TIMINGS']._serialized_end=1176
-  _globals['_USAGE']._serialized_start=1178
-  _globals['_USAGE']._serialized_end=1265
-  _globals['_COMPLETION']._serialized_start=1268
-  _globals['_COMPLETION']._serialized_end=1521
-  _globals['_GENERATERESPONSE']._serialized_start=1524
-  _globals['_GENERATERESPONSE']._serialized_end=1840
-  _globals['_FINALINFO']._serialized_start=1843
-  _globals['_FINALINFO']._serialized_end=1996
-  _globals['_GENERATESTREAMCHUNK']._serialized_start=1999
-  _globals['_GENERATESTREAMCHUNK']._serialized_end=2184
-  _globals['_TOKENIZEREQUEST']._serialized_start=2186
-  _globals['_TOKENIZEREQUEST']._serialized_end=2234
-  _globals['_TOKENIZERESPONSE']._serialized_start=2236
-  _globals['_TOKENIZERESPONSE']._serialized_end=2289
-  _globals['_MODELINFOREQUEST']._serialized_start=2291
-  _globals['_MODELINFOREQUEST']._serialized_end=2309
-  _globals['_MODELINFORESPONSE']._serialized_start=2312
-  _globals['_MODELINFORESPONSE']._serialized_end=2657
-  _globals['_MODELINFORESPONSE_BACKENDSENTRY']._serialized_start=2610
-  _globals['_MODELINFORESPONSE_BACKENDSENTRY']._serialized_end=2657
-  _globals['_TEXTGENERATION']._serialized_start=2838
-  _globals['_TEXTGENERATION']._serialized_end=3208
+  _globals['_GENERATEREQUEST']._serialized_end=982
+  _globals['_TOPLOGPROB']._serialized_start=984
+  _globals['_TOPLOGPROB']._serialized_end=1031
+  _globals['_TOKENLOGPROB']._serialized_start=1033
+  _globals['_TOKENLOGPROB']._serialized_end=1126
+  _globals['_TIMINGS']._serialized_start=1128
+  _globals['_TIMINGS']._serialized_end=1194
+  _globals['_USAGE']._serialized_start=1196
+  _globals['_USAGE']._serialized_end=1283
+  _globals['_COMPLETION']._serialized_start=1286
+  _globals['_COMPLETION']._serialized_end=1539
+  _globals['_GENERATERESPONSE']._serialized_start=1542
+  _globals['_GENERATERESPONSE']._serialized_end=1858
+  _globals['_FINALINFO']._serialized_start=1861
+  _globals['_FINALINFO']._serialized_end=2014
+  _globals['_GENERATESTREAMCHUNK']._serialized_start=2017
+  _globals['_GENERATESTREAMCHUNK']._serialized_end=2202
+  _globals['_TOKENIZEREQUEST']._serialized_start=2204
+  _globals['_TOKENIZEREQUEST']._serialized_end=2252
+  _globals['_TOKENIZERESPONSE']._serialized_start=2254
+  _globals['_TOKENIZERESPONSE']._serialized_end=2307
+  _globals['_MODELINFOREQUEST']._serialized_start=2309
+  _globals['_MODELINFOREQUEST']._serialized_end=2327
+  _globals['_MODELINFORESPONSE']._serialized_start=2330
+  _globals['_MODELINFORESPONSE']._serialized_end=2675
+  _globals['_MODELINFORESPONSE_BACKENDSENTRY']._serialized_start=2628
+  _globals['_MODELINFORESPONSE_BACKENDSENTRY']._serialized_end=2675
+  _globals['_TEXTGENERATION']._serialized_start=2856
+  _globals['_TEXTGENERATION']._serialized_end=3226
 # @@protoc_insertion_point(module_scope)

@@ -551,3 +551,52 @@ def test_model_runner_steps_take_their_host_ints_in_few_arrays():
                                table)
   np.testing.assert_allclose(np.asarray(logits), np.asarray(direct), rtol=1e-5, atol=1e-5)
   assert host_arrays == [1, 1, 2, 2, 1, 1]
+
+
+def _finish_order(engine, handles):
+  from serving.engine import api
+
+  while engine.step():
+    pass
+  finals = {}
+  for rid, h in handles.items():
+    while not h.events.empty():
+      ev = h.events.get_nowait()
+      if isinstance(ev, api.Final):
+        finals[rid] = ev
+  return sorted(finals, key=lambda r: handles[r].submitted + finals[r].total_s), finals
+
+
+def test_priority_scheduling_admits_by_priority_and_preempts_the_least_urgent():
+  """scheduling="priority": waiting requests are admitted by (priority,
+  arrival); when pages run out, the least urgent running request is
+  preempted, not the latest admitted. Under "fcfs" a priority is refused."""
+  from serving.engine import api
+
+  def sub(engine, rid, priority, max_tokens=3):
+    return engine.submit(api.Request(rid, prompt_ids=[ord("a")], add_bos=False,
+                                     priority=priority,
+                                     sampling=api.SamplingParams(max_tokens=max_tokens,
+                                                                 ignore_eos=True)))
+
+  engine = E.tiny_engine(max_batch=1, scheduling="priority")
+  handles = {rid: sub(engine, rid, p) for rid, p in
+             (("first", 0), ("low", 5), ("urgent", -1), ("second", 0))}
+  order, _ = _finish_order(engine, handles)
+  assert order == ["urgent", "first", "second", "low"]
+
+  for scheduling, survivor in (("priority", "urgent"), ("fcfs", "early")):
+    # 12 pages of 4 tokens: two requests of 1 + 30 tokens do not both fit.
+    engine = E.tiny_engine(max_batch=2, num_pages=13, scheduling=scheduling)
+    handles = {"early": sub(engine, "early", 5 if scheduling == "priority" else 0, 30)}
+    engine.step()  # admitted first
+    handles["urgent"] = sub(engine, "urgent", 0, 30)
+    order, finals = _finish_order(engine, handles)
+    assert engine.preemptions > 0 and order[0] == survivor, (scheduling, order)
+    assert all(f.completion_tokens == 30 for f in finals.values())
+    assert engine.stats().pages_in_use == 0
+
+  with pytest.raises(api.InvalidRequest, match="priority=3 needs priority scheduling"):
+    sub(E.tiny_engine(), "r", 3)
+  with pytest.raises(ValueError, match="scheduling"):
+    E.EngineConfig(scheduling="lifo")

@@ -136,6 +136,7 @@ def test_tokenize_model_info_health_reflection(counting):
     (dict(logit_bias={5: 101.0}), "logit_bias[5]=101.0 must be in [-100, 100]"),
     (dict(logit_bias={5: float("nan")}), "must be in [-100, 100]"),
     (dict(logit_bias={i: 1.0 for i in range(301)}), "at most 300"),
+    (dict(priority=3), "priority=3 needs priority scheduling"),
 ])
 def test_bad_parameters_are_invalid_argument(counting, kw, match):
   _, c = counting
