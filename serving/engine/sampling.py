@@ -4,17 +4,17 @@
 row: the request's logit bias, repetition penalty (over prompt and generated
 tokens), presence and frequency penalties (generated tokens), the ban on the
 request's end tokens (EOS and stop token ids) while it has fewer than
-min_tokens, temperature, top-k, top-p and min-p, then draws
-with a key derived from (seed, number of tokens generated so far), so a seeded
-request samples the same tokens whatever else shares its batch. Rows with
+min_tokens, temperature, top-k, top-p and min-p, then draws with a key derived
+from (seed, number of tokens generated so far), so a seeded request samples
+the same tokens whatever else shares its batch. Rows with
 temperature 0 take the argmax. It returns the token, its logprob and the
 ``MAX_TOP_LOGPROBS`` best alternatives (from the penalized distribution at
 temperature 1), the generated-token counts updated with the new tokens, and
 ``last`` (the last token of each batch slot, kept on the device so the next
 decode step can start before the host has read this one's tokens).
 
-``greedy`` is the fast path when no row of the step samples or penalizes:
-argmax (and logprobs if asked), no sort over the vocabulary. ``step`` is one
+``greedy`` is the fast path when no row of the step samples, penalizes,
+biases or bans: argmax (and logprobs if asked), no sort over the vocabulary. ``step`` is one
 of several decode steps run in one device call (EngineConfig.decode_steps).
 """
 
