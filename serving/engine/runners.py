@@ -48,15 +48,12 @@ def pack_decode_inputs(slots, lengths, page_table, arrays: sampling.SamplingArra
   Each host array handed to a jitted call is a transfer of its own, and back
   to back with a running step each one cost the dispatching thread 0.3-0.6 ms
   on the H200 (bench/results/decode_merge_pack_h200/)."""
-  b = len(lengths)
-  return np.concatenate([
-      np.asarray(slots, np.int32).reshape(b, 1), np.asarray(lengths, np.int32).reshape(b, 1),
-      np.asarray(page_table, np.int32), np.asarray(arrays.rows, np.int32)], axis=1)
+  return _side_by_side(slots, lengths, page_table, arrays.rows)
 
 
 def _side_by_side(*cols) -> np.ndarray:
   """Host int arrays with one leading dim as one int32 array [B, sum of widths]:
-  one transfer instead of one each (see pack_decode_inputs)."""
+  one transfer instead of one each (see pack_decode_inputs, the multi-step call's)."""
   b = len(cols[0])
   return np.concatenate([np.asarray(c, np.int32).reshape(b, -1) for c in cols], axis=1)
 
