@@ -253,7 +253,8 @@ def model_flags(ap: argparse.ArgumentParser) -> None:
                   help="EngineConfig.decode_prefill_budget (prompt tokens per decoding step)")
   ap.add_argument("--prefill-first", action="store_true", help="EngineConfig.prefill_first")
   ap.add_argument("--packed-prefill", action="store_true", help="EngineConfig.packed_prefill")
-  ap.add_argument("--compile-threads", type=int, default=1, help="EngineConfig.compile_threads")
+  ap.add_argument("--compile-threads", type=int,
+                  help="EngineConfig.compile_threads (default: one per core, up to 8)")
   ap.add_argument("--tp", type=int, default=1,
                   help="tensor parallelism: devices the weights and KV cache are split over")
   ap.add_argument("--compilation-cache", type=pathlib.Path,
@@ -313,6 +314,10 @@ def main():
                   help="the engine in a process of its own (serving.engine.process)")
   a = ap.parse_args()
   apply_model_flags(a)
+  if a.compile_threads is None:
+    from serving.engine.engine import auto_compile_threads
+
+    a.compile_threads = auto_compile_threads()  # resolved here: an engine process gets `a`
   if a.requests_per_stream < 1:
     ap.error(f"--requests-per-stream must be >= 1, got {a.requests_per_stream}")
   if a.rounds < 1:

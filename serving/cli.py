@@ -46,6 +46,8 @@ def _engine_config(a) -> dict:
              scheduling=a.scheduling_policy)
   if a.token_budget:
     cfg["token_budget"] = a.token_budget
+  if a.compile_threads is None:
+    cfg["compile_threads"] = E.auto_compile_threads()
   if a.tensor_parallel_size < 1:
     raise SystemExit(f"serve: --tensor-parallel-size {a.tensor_parallel_size} must be >= 1")
   if a.decode_unroll is not None and a.decode_unroll < 1:
@@ -257,8 +259,9 @@ def parser() -> argparse.ArgumentParser:
   s.add_argument("--packed-prefill", action="store_true",
                  help="prefill a step's prompt chunks packed in one row (ragged prompts "
                       "cost their own tokens, not the longest one's chunk bucket each)")
-  s.add_argument("--compile-threads", type=int, default=1,
-                 help="threads compiling the warm-up's shapes side by side (1: one at a time)")
+  s.add_argument("--compile-threads", type=int,
+                 help="threads compiling the warm-up's shapes side by side (1: one at a time; "
+                      "default: one per core, up to 8)")
   s.add_argument("--scheduling-policy", default="fcfs", choices=("fcfs", "priority"),
                  help="priority: requests are admitted by their priority (lower first), then "
                  "arrival, and the least urgent is preempted first")

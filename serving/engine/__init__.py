@@ -12,7 +12,8 @@ from __future__ import annotations
 from serving.engine.api import (  # noqa: F401
     Delta, Draining, Engine, EngineFailed, EngineInfo, EngineStats, Failed, Final, FinishReason,
     InvalidRequest, QueueFull, Request, RequestHandle, SamplingParams, TokenLogprob)
-from serving.engine.engine import BatchingEngine, EngineConfig, StepRecord  # noqa: F401
+from serving.engine.engine import (  # noqa: F401
+    BatchingEngine, EngineConfig, StepRecord, auto_compile_threads)
 from serving.engine.runners import CountingRunner, ModelRunner  # noqa: F401
 
 

@@ -44,6 +44,7 @@ import collections
 import concurrent.futures
 import dataclasses
 import enum
+import os
 import functools
 import logging
 import queue
@@ -81,6 +82,14 @@ def _bucket(n: int, buckets: Sequence[int]) -> int:
 
 
 SCHEDULING = ("fcfs", "priority")
+
+
+def auto_compile_threads() -> int:
+  """The entry points' default for EngineConfig.compile_threads: one per core
+  up to 8. With 8 on the H200 host the 8B warm-up took 68-111 s against
+  91-241 s on one thread, and no step compiled after it
+  (bench/results/serving_h200/threads_rounds_mixed_prefix/)."""
+  return max(1, min(8, os.cpu_count() or 1))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,7 +152,8 @@ class EngineConfig:
   packed_prefill: bool = False
   # Threads that compile the warm-up's shapes side by side (1: each shape
   # compiles as it first runs). 8 took the 8B ragged packed warm-up from 241 s
-  # to 111 s on the H200 host (bench/results/serving_h200/transfers_and_threads/).
+  # to 111 s on the H200 host (bench/results/serving_h200/transfers_and_threads/);
+  # the entry points default to auto_compile_threads().
   compile_threads: int = 1
   # "fcfs": requests are admitted in arrival order and the latest admitted is
   # preempted first. "priority": by Request.priority (lower first), then
