@@ -204,6 +204,52 @@ def schedule(records) -> dict:
   return out
 
 
+def check_prompt_logprobs(target, model, prompt, got, page) -> dict:
+  """The served prompt logprobs of ``prompt`` against a float32 XLA forward
+  over it (all positions): ‖served - ref‖ / ‖ref‖ over the prompt tokens'
+  logprobs, and the same greedy token as the unscored request."""
+  import models
+  from serving.client import Client
+
+  with Client(target) as c:
+    r = c.generate(prompt, max_tokens=1, prompt_logprobs=5)
+  pages = -(-len(prompt) // page)
+  table = np.arange(1, pages + 1, dtype=np.int32)[None]
+  logits, _ = models.Model.prefill(model, model.init_cache(pages + 1, page_size=page), np.asarray([prompt], np.int32),
+                                   np.zeros(1, np.int32), np.array([len(prompt)], np.int32),
+                                   table, attention="xla", matmul="xla", all_logits=True)
+  ref = np.asarray(jax.nn.log_softmax(jnp.asarray(logits[0], jnp.float32), axis=-1))
+  want = ref[np.arange(len(prompt) - 1), prompt[1:]]
+  served = np.array([x.logprob for x in r.prompt_logprobs])
+  ids_ok = [x.token_id for x in r.prompt_logprobs] == prompt[1:]
+  err = float(np.linalg.norm(served - want) / np.linalg.norm(want)) if ids_ok else float("inf")
+  top1 = float(np.mean([x.top[0].token_id == int(np.argmax(ref[i]))
+                        for i, x in enumerate(r.prompt_logprobs)])) if ids_ok else 0.0
+  ok = ids_ok and np.isfinite(served).all() and err < 2e-2 and r.token_ids[0] == got
+  print(f"prompt logprobs: {len(served)} positions, rel. err {err:.2e} against xla float32, "
+        f"top-1 agrees at {top1:.1%}, token {r.token_ids[0]}: {'ok' if ok else 'MISMATCH'}",
+        flush=True)
+  return {"prompt_logprobs_rel_err": err, "prompt_logprobs_top1_agree": top1,
+          "prompt_logprobs_correct": bool(ok)}
+
+
+def time_scored(target, vocab, n, requests=5) -> float:
+  """Median wall time (ms) of a unary call scoring an n-token random prompt
+  and generating one token (the time to its first token)."""
+  from serving.client import Client
+
+  rng = np.random.default_rng(11)
+  times = []
+  with Client(target) as c:
+    for _ in range(requests):
+      prompt = rng.integers(0, vocab, n).tolist()
+      t0 = time.perf_counter()
+      r = c.generate(prompt, max_tokens=1, prompt_logprobs=5)
+      times.append((time.perf_counter() - t0) * 1e3)
+      assert len(r.prompt_logprobs) == n - 1
+  return float(statistics.median(times))
+
+
 def build_engine(a):
   """The benchmark's engine (random weights of ``a.config``); module-level, so
   that an engine process can build it from ``a``."""
@@ -233,7 +279,8 @@ def build_engine(a):
                        decode_steps=a.decode_steps, stream_interval=a.stream_interval,
                        mixed_steps=a.mixed_steps, decode_prefill_budget=a.decode_prefill_budget,
                        prefill_first=a.prefill_first, packed_prefill=a.packed_prefill,
-                       compile_threads=a.compile_threads)
+                       compile_threads=a.compile_threads,
+                       prompt_logprobs=a.prompt_logprobs)
   return E.BatchingEngine(runner, cfg)
 
 
@@ -255,6 +302,8 @@ def model_flags(ap: argparse.ArgumentParser) -> None:
   ap.add_argument("--packed-prefill", action="store_true", help="EngineConfig.packed_prefill")
   ap.add_argument("--compile-threads", type=int,
                   help="EngineConfig.compile_threads (default: one per core, up to 8)")
+  ap.add_argument("--prompt-logprobs", action="store_true",
+                  help="EngineConfig.prompt_logprobs: also check and time scored prompts")
   ap.add_argument("--tp", type=int, default=1,
                   help="tensor parallelism: devices the weights and KV cache are split over")
   ap.add_argument("--compilation-cache", type=pathlib.Path,
@@ -389,6 +438,9 @@ def main():
   summary["correct"] = bool(got in top5)
   print(f"correctness: server token {got}, xla top-5 {top5}: "
         f"{'ok' if summary['correct'] else 'MISMATCH'}", flush=True)
+  if a.prompt_logprobs:
+    summary.update(check_prompt_logprobs(target, model, prompt, got, page))
+    summary["correct"] = summary["correct"] and summary["prompt_logprobs_correct"]
   del ref_cache
 
   n1, n64 = (2, cmax) if a.quick else (4, a.requests_per_stream * cmax)
@@ -410,6 +462,12 @@ def main():
     summary[f"ttft_{chunk}_ms_p50"] = r["ttft_p50_ms"]
     rows.append({"case": f"TTFT, {chunk}-token prompt, c=1", "ours": r["ttft_p50_ms"],
                  "target": 60.0, "anchor_hf": 63.3, "unit": "ms"})
+
+    if a.prompt_logprobs:
+      ms = time_scored(target, model.config.vocab_size, chunk)
+      summary[f"ttft_{chunk}_scored_ms_p50"] = ms
+      rows.append({"case": f"TTFT, {chunk}-token prompt with prompt_logprobs=5, c=1",
+                   "ours": ms, "target": "", "anchor_hf": "", "unit": "ms"})
 
     engine.step_times.clear()
     r = loadgen(target, out, "c1", concurrency=1, num_requests=n1, seed=2, **io)

@@ -15,7 +15,8 @@ KV_CACHE_DTYPES = {"auto": None, "fp8": "float8_e4m3fn"}
 _SAMPLING_FLAGS = (("temperature", float), ("top_k", int), ("top_p", float), ("min_p", float),
                    ("repetition_penalty", float), ("presence_penalty", float),
                    ("frequency_penalty", float), ("seed", int), ("max_tokens", int),
-                   ("min_tokens", int), ("top_logprobs", int), ("n", int))
+                   ("min_tokens", int), ("top_logprobs", int), ("n", int),
+                   ("prompt_logprobs", int))
 
 
 def _client_args(p):
@@ -43,7 +44,7 @@ def _engine_config(a) -> dict:
              stream_interval=a.stream_interval, mixed_steps=a.mixed_steps,
              decode_prefill_budget=a.decode_prefill_budget, prefill_first=a.prefill_first,
              packed_prefill=a.packed_prefill, compile_threads=a.compile_threads,
-             scheduling=a.scheduling_policy)
+             scheduling=a.scheduling_policy, prompt_logprobs=a.enable_prompt_logprobs)
   if a.token_budget:
     cfg["token_budget"] = a.token_budget
   if a.compile_threads is None:
@@ -178,6 +179,14 @@ def cmd_generate(a) -> int:
     print(f"--- completion {i} ({done.usage.completion_tokens} tokens, "
           f"{pb.FinishReason.Name(done.finish_reason)}) ---")
     print("".join(ch.text for ch in chunks))
+  if final is not None and final.prompt_logprobs:
+    lps = final.prompt_logprobs
+    print(f"prompt logprobs ({len(lps)} tokens, sum {sum(x.logprob for x in lps):.4f}):",
+          file=sys.stderr)
+    for x in lps:
+      top = ", ".join(f"{t.token_id}: {t.logprob:.4f}" for t in x.top)
+      print(f"  {x.token_id:>8} {x.logprob:10.4f}" + (f"   [{top}]" if top else ""),
+            file=sys.stderr)
   if final is not None:
     reason = pb.FinishReason.Name(final.finish_reason)
     per_tok = (total - (first or 0)) / max(n - 1, 1) * 1e3
@@ -265,6 +274,9 @@ def parser() -> argparse.ArgumentParser:
   s.add_argument("--scheduling-policy", default="fcfs", choices=("fcfs", "priority"),
                  help="priority: requests are admitted by their priority (lower first), then "
                  "arrival, and the least urgent is preempted first")
+  s.add_argument("--enable-prompt-logprobs", action="store_true",
+                 help="requests may ask for their prompt's logprobs (prompt_logprobs); "
+                      "warm-up then also compiles the calls that score a prompt")
   s.add_argument("--engine-process", action="store_true",
                  help="run the engine in a process of its own, so that the gRPC stream "
                       "threads do not share its interpreter (serving.engine.process)")

@@ -96,7 +96,7 @@ def sampling_from_proto(s: pb.SamplingParams) -> api.SamplingParams:
   kw = {}
   for f in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
             "frequency_penalty", "seed", "max_tokens", "min_tokens", "logprobs", "top_logprobs",
-            "ignore_eos"):
+            "ignore_eos", "prompt_logprobs"):
     if s.HasField(f):
       kw[f] = getattr(s, f)
   kw["stop"] = tuple(s.stop)
@@ -165,6 +165,8 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
         keys.append(uuid.uuid4().hex)
         if sampling.seed is not None and i:
           sampling = dataclasses.replace(sampling, seed=completion_seed(request.sampling.seed, i))
+        if i == 1:  # the prompt is scored once, by completion 0
+          sampling = dataclasses.replace(sampling, prompt_logprobs=None)
         handles.append(self.engine.submit(api.Request(
             request_id=keys[-1],
             prompt_text=request.text if which == "text" else None,
@@ -251,7 +253,8 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
         elif isinstance(ev, api.Final):
           usage, timings = _final_proto(ev)
           yield pb.GenerateStreamChunk(request_id=rid, index=i, final=pb.FinalInfo(
-              finish_reason=int(ev.reason), usage=usage, timings=timings))
+              finish_reason=int(ev.reason), usage=usage, timings=timings,
+              prompt_logprobs=_logprobs_proto(ev.prompt_logprobs)))
     finally:
       events.close()
       for key in keys:
@@ -275,7 +278,8 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
           usage, timings = _final_proto(ev)
           done[i] = pb.Completion(index=i, text="".join(text[i]), token_ids=ids[i],
                                   logprobs=lps[i], finish_reason=int(ev.reason), usage=usage,
-                                  timings=timings)
+                                  timings=timings,
+                                  prompt_logprobs=_logprobs_proto(ev.prompt_logprobs))
     finally:
       events.close()
       for key in keys:
@@ -286,7 +290,7 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
     return pb.GenerateResponse(
         request_id=rid, text=first.text, token_ids=first.token_ids, logprobs=first.logprobs,
         finish_reason=first.finish_reason, usage=first.usage, timings=first.timings,
-        completions=done if events.n > 1 else ())
+        completions=done if events.n > 1 else (), prompt_logprobs=first.prompt_logprobs)
 
   def Tokenize(self, request, context):
     if len(request.text) > MAX_PROMPT_CHARS:

@@ -71,6 +71,10 @@ class SamplingParams:
   # (token id, bias) pairs added to the logits before sampling (OpenAI's
   # logit_bias): -100 all but bans a token, +100 all but forces it.
   logit_bias: tuple[tuple[int, float], ...] = ()
+  # The prompt's own logprobs (vLLM's prompt_logprobs): None for none, k >= 0
+  # for each prompt token's logprob given the tokens before it, with the k
+  # likeliest tokens there. Needs EngineConfig.prompt_logprobs.
+  prompt_logprobs: int | None = None
 
   def __post_init__(self):
     def finite(name):
@@ -118,6 +122,9 @@ class SamplingParams:
       raise InvalidRequest("logit_bias names a token id twice")
     if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
       raise InvalidRequest(f"top_logprobs={self.top_logprobs} must be in [0, {MAX_TOP_LOGPROBS}]")
+    if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS:
+      raise InvalidRequest(f"prompt_logprobs={self.prompt_logprobs} must be in "
+                           f"[0, {MAX_TOP_LOGPROBS}] (or unset)")
 
   @property
   def greedy(self) -> bool:
@@ -169,6 +176,9 @@ class Final:
   queue_s: float
   first_token_s: float
   total_s: float
+  # With SamplingParams.prompt_logprobs: entry i is prompt token i + 1's
+  # logprob given tokens 0..i (the first token has no context).
+  prompt_logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -160,6 +160,12 @@ class EngineConfig:
   # arrival, both ways (vLLM's --scheduling-policy); a running request is not
   # preempted to admit a more urgent one.
   scheduling: str = "fcfs"
+  # Requests may ask for their prompt's logprobs (SamplingParams.prompt_logprobs).
+  # Their prompt chunks run as calls of their own that keep every position's
+  # logits (a [T, vocab] float32 block a chunk: 1 GB for a 2,048-token chunk
+  # of a 128K vocabulary), never from the prefix cache; warm-up compiles
+  # those calls' shapes too, so it is off unless asked for.
+  prompt_logprobs: bool = False
 
   def __post_init__(self):
     for f in ("max_batch", "max_waiting", "prefill_chunk", "min_chunk", "prefill_rows",
@@ -283,6 +289,9 @@ class _Seq:
     self.out_text: list[str] = []
     self.out_lps: list[api.TokenLogprob] = []
     self.events_sent = 0
+    # Prompt logprobs asked for: (first position, tokens, device scores) per chunk.
+    self.scored = req.sampling.prompt_logprobs is not None
+    self.scores: list[tuple[int, int, tuple]] = []
 
   @property
   def tokens(self) -> list[int]:
@@ -321,6 +330,9 @@ class BatchingEngine(api.Engine):
     most = min(config.budget, config.prefill_rows * config.prefill_chunk)
     self.packed_buckets = tuple(sorted({-(-b // 8) * 8 for b in _pow2_buckets(
         min(config.min_chunk, most), most)}))
+    if config.prompt_logprobs and not getattr(runner, "supports_prompt_logprobs", False):
+      raise ValueError(f"prompt_logprobs: runner {runner.name} does not keep every "
+                       "position's logits")
     if config.packed_prefill:
       why = getattr(runner, "packed_why_not", f"runner {runner.name} has no packed prefill")
       if why is not None:
@@ -433,6 +445,9 @@ class BatchingEngine(api.Engine):
       if bad:
         raise api.InvalidRequest(f"{name} {bad[:5]} are outside the vocabulary "
                                  f"[0, {self.runner.vocab_size})")
+    if p.prompt_logprobs is not None and not self.config.prompt_logprobs:
+      raise api.InvalidRequest("prompt_logprobs needs a server started with "
+                               "--enable-prompt-logprobs")
     if request.priority and self.config.scheduling != "priority":
       raise api.InvalidRequest(f"priority={request.priority} needs priority scheduling "
                                "(serve --scheduling-policy priority)")
@@ -590,6 +605,10 @@ class BatchingEngine(api.Engine):
       prefills = self._schedule_prefills(budget)
     launched = []  # (rows, device outputs, logprobs wanted)
     t_launch = time.perf_counter()
+    for seq, n in prefills:
+      if seq.scored:
+        launched.append(self._run_scored(seq, n))
+    prefills = [(seq, n) for seq, n in prefills if not seq.scored]
     if prefills and decodes and steps == 1 and self.mixed:
       launched.append(self._run_mixed(prefills, decodes))
     else:
@@ -702,8 +721,10 @@ class BatchingEngine(api.Engine):
       return False
     tokens = seq.tokens
     self._hash_blocks(seq)
-    # At least one token is computed, for the logits of the next token.
-    cached = self.alloc.lookup(seq.hashes[:(len(tokens) - 1) // self.page_size])
+    # At least one token is computed, for the logits of the next token. A
+    # request that wants its prompt's logprobs computes every token.
+    cached = [] if seq.scored else self.alloc.lookup(
+        seq.hashes[:(len(tokens) - 1) // self.page_size])
     need = -(-len(tokens) // self.page_size) - len(cached)
     fresh = self.alloc.allocate(need)
     if fresh is None:
@@ -749,7 +770,7 @@ class BatchingEngine(api.Engine):
     while (i < len(self._waiting) and len(out) < self.config.prefill_rows and budget > 0
            and not self._stopping):
       seq = self._waiting[i]
-      if inflight and self._shares_inflight(seq, inflight):
+      if inflight and not seq.scored and self._shares_inflight(seq, inflight):
         i += 1  # it waits; the requests behind it need not
         continue
       if seq.pending or not self._admit(seq):  # preempted with a token in flight: next step
@@ -825,6 +846,32 @@ class BatchingEngine(api.Engine):
     out, want_lp = self._sampling_call(finishing, logits, len(finishing))
     self._start_decoding(finishing)
     return finishing, out, want_lp
+
+  def _run_scored(self, seq: _Seq, n: int):
+    """A prompt chunk of a request that wants its prompt's logprobs, in a call
+    of its own that scores each position's next prompt token."""
+    c = seq.computed
+    tokens, positions, lengths, table, finishing = self._prefill_inputs([(seq, n)])
+    targets = np.zeros_like(tokens)
+    nxt = seq.prompt[c + 1:c + 1 + n]  # past the prompt's end: nothing to score
+    targets[0, :len(nxt)] = nxt
+    logits, scores = self.runner.prefill_scores(tokens, positions, lengths, table, targets)
+    seq.scores.append((c, len(nxt), scores))
+    out, want_lp = self._sampling_call(finishing, logits, len(finishing))
+    self._start_decoding(finishing)
+    return finishing, out, want_lp
+
+  def _prompt_logprobs(self, seq: _Seq) -> tuple[api.TokenLogprob, ...]:
+    """The scored chunks' logprobs in prompt order; a prompt computed again
+    after preemption keeps its first scores."""
+    k, out = seq.params.prompt_logprobs, {}
+    for c, n, scores in seq.scores:
+      lp, ids, lps = (np.asarray(x)[0] for x in scores)  # indexing on the device compiles
+      for j in range(n):
+        if c + j not in out:
+          top = tuple(zip(ids[j, :k].tolist(), lps[j, :k].tolist()))
+          out[c + j] = api.TokenLogprob(seq.prompt[c + j + 1], float(lp[j]), top)
+    return tuple(out[i] for i in sorted(out))
 
   def _start_decoding(self, finishing: list[_Seq | None]) -> None:
     for seq in finishing:
@@ -1031,6 +1078,8 @@ class BatchingEngine(api.Engine):
       tail = seq.text.flush()  # the text held back for stop strings ('' after one)
       if tail:
         seq.out_text.append(tail)
+      if seq.text.stopped:  # (a stop string in text the flush decoded)
+        reason = api.FinishReason.STOP
       self._send_final(seq, reason)  # sends what is buffered first
     elif seq.events_sent == 0 or len(seq.out_ids) >= self.config.stream_interval:
       self._send_delta(seq)
@@ -1073,7 +1122,7 @@ class BatchingEngine(api.Engine):
         cached_prompt_tokens=seq.cached_tokens,
         queue_s=(seq.scheduled_at or now) - t0,
         first_token_s=(seq.first_token_at - t0) if seq.first_token_at else 0.0,
-        total_s=now - t0)
+        total_s=now - t0, prompt_logprobs=self._prompt_logprobs(seq) if seq.scored else ())
     seq.handle.events.put(final)
     with self._lock:
       self._by_id.pop(seq.req.request_id, None)
@@ -1161,10 +1210,20 @@ class BatchingEngine(api.Engine):
                 np.zeros((rows, t), np.int32), np.full((rows,), pos, np.int32),
                 np.zeros((rows,), np.int32), np.zeros((rows, w), np.int32))
           self._warm_sampling(logits, b + rows)
+    if self.config.prompt_logprobs:  # a scored chunk is a call of one row
+      rows = self.row_buckets[0]
+      for t in self.chunk_buckets:
+        z = np.zeros((rows, t), np.int32)
+        for pos, w in chunk_tables:
+          logits, _ = self.runner.prefill_scores(z, np.full((rows,), pos, np.int32),
+                                                 np.zeros((rows,), np.int32),
+                                                 np.zeros((rows, w), np.int32), z)
+      self._warm_sampling(logits, rows)
     jax.block_until_ready(self._counts)
     return (len(self.batch_buckets),
             len(self.row_buckets) * len(self.chunk_buckets) * len(prefill_tables)
-            + len(self.packed_buckets) * len(packed_tables),
+            + len(self.packed_buckets) * len(packed_tables)
+            + len(self.chunk_buckets) * len(chunk_tables) * self.config.prompt_logprobs,
             len(self.row_buckets) * len(self._mixed_chunks) * len(chunk_tables) * self.mixed)
 
   def _warm_sampling(self, logits, b):

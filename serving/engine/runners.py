@@ -186,7 +186,16 @@ class ModelRunner:
                               dec_host[:, 1], dec_host[:, 2:], *chunk_rows(host, chunk),
                               backends=mb, fresh=fresh, mesh=mesh)
 
-    return prefill, decode, decode_multi, mixed, prefill_packed
+    @functools.partial(jax.jit, static_argnames=("chunk", "fresh"), donate_argnums=(1,))
+    def prefill_scores(params, cache, host, targets, chunk, fresh=False):
+      kw = {"fresh": fresh} if has_fresh else {}
+      tokens, positions, lengths, table = chunk_rows(host, chunk)
+      logits, cache = llama.prefill_step(graphdef, params, cache, tokens, positions, lengths,
+                                         table, backends=pb, mesh=mesh, all_logits=True, **kw)
+      last = jnp.take_along_axis(logits, jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)
+      return (last[:, 0],) + sampling.prompt_scores(logits, targets), cache
+
+    return prefill, decode, decode_multi, mixed, prefill_packed, prefill_scores
 
   def prefill(self, tokens, positions, lengths, page_table):
     if self._fast is not None:
@@ -253,7 +262,8 @@ class ModelRunner:
     warm-up these must not grow, or steady state is paying for compiles."""
     if self._fast is None:
       return None
-    names = ("prefill", "decode", "decode_multi_step", "mixed", "prefill_packed")
+    names = ("prefill", "decode", "decode_multi_step", "mixed", "prefill_packed",
+             "prefill_scores")
     return {name: f._cache_size() for name, f in zip(names, self._fast)}
 
   @functools.cached_property
@@ -287,6 +297,18 @@ class ModelRunner:
         self.model.params, self.cache, np.stack([tokens, tpos, seg]).astype(np.int32),
         _side_by_side(last, page_table), fresh=fresh)
     return logits
+
+  @property
+  def supports_prompt_logprobs(self) -> bool:
+    return self._fast is not None
+
+  def prefill_scores(self, tokens, positions, lengths, page_table, targets):
+    """``prefill`` with every position's logits kept (models.Model only):
+    (last logits [B, V], and sampling.prompt_scores of ``targets`` [B, T])."""
+    (last, *scores), self.cache = self._fast[5](
+        self.model.params, self.cache, _side_by_side(tokens, positions, lengths, page_table),
+        np.asarray(targets, np.int32), chunk=tokens.shape[1], fresh=not np.any(positions))
+    return last, tuple(scores)
 
   @property
   def supports_mixed(self) -> bool:
@@ -361,6 +383,20 @@ class CountingRunner:
 
   supports_mixed = True
   packed_why_not = None  # it can
+  supports_prompt_logprobs = True
+
+  def prefill_scores(self, tokens, positions, lengths, page_table, targets):
+    del positions, page_table
+    time.sleep(self.step_delay)
+    tokens = np.asarray(tokens)
+    b, t = tokens.shape
+    logits = self._logits(tokens.reshape(-1))
+    lp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    chosen = np.take_along_axis(lp, np.asarray(targets).reshape(-1, 1), axis=-1)[:, 0]
+    top = np.argsort(-lp, axis=-1, kind="stable")[:, :sampling.MAX_TOP_LOGPROBS]
+    scores = (chosen, top, np.take_along_axis(lp, top, axis=-1))
+    return (self._logits(self._chunk_last(tokens, lengths)),
+            tuple(x.reshape(b, t, *x.shape[1:]) for x in scores))
 
   def prefill_packed(self, tokens, tpos, seg, last, page_table, fresh=True):
     del tpos, seg, page_table, fresh

@@ -165,6 +165,16 @@ def _logprobs(logits, tokens):
   return chosen, top_ids, top_lp
 
 
+def prompt_scores(logits, targets):
+  """logits [B, T, V] at every prompt position, targets [B, T] (the next
+  prompt token) -> (the targets' logprobs [B, T], the MAX_TOP_LOGPROBS
+  likeliest ids [B, T, K] and their logprobs): the model's own distribution,
+  no sampling parameters applied (vLLM's prompt_logprobs)."""
+  b, t, v = logits.shape
+  out = _logprobs(logits.reshape(b * t, v).astype(jnp.float32), targets.reshape(b * t))
+  return tuple(x.reshape(b, t, *x.shape[1:]) for x in out)
+
+
 def _greedy(logits, s: SamplingArrays, counts, last=None, *, logprobs: bool = True):
   tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
   if not logprobs:  # nothing but the ids leaves the device

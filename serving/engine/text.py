@@ -87,23 +87,36 @@ class IncrementalText:
         self._prefix = self._read - _WINDOW
     if not stops:
       self._floor = len(self._text)
-    for s in self._stop if stops else ():
+    else:
+      self._find_stop()
+    end = len(self._text) if self.stopped else max(self._emitted, len(self._text) - self._hold)
+    out = self._text[self._emitted:end]
+    self._emitted = end
+    return out
+
+  def _find_stop(self) -> None:
+    for s in self._stop:
       # A match ends in text no earlier search saw: it starts at or after
       # self._emitted, as the held-back tail is at least len(s) - 1 chars.
       i = self._text.find(s, max(0, self._emitted - len(s) + 1, self._floor - len(s) + 1))
       if i >= 0:
         self.stopped = True
         self._text = self._text[:i]
-        break
-    end = len(self._text) if self.stopped else max(self._emitted, len(self._text) - self._hold)
-    out = self._text[self._emitted:end]
-    self._emitted = end
-    return out
+        return
 
   def flush(self) -> str:
-    """The held-back tail, at the end of a request that did not stop on a string."""
+    """The rest, at the end of a request that did not stop on a string: the
+    held-back tail, and the tokens held back as an unfinished character,
+    which decode as the whole output's decode has them (U+FFFD; also a
+    real U+FFFD, which looks unfinished until a character follows it)."""
     if self.stopped:
       return ""
+    prev = self._tok.decode(self._ids[self._prefix:self._read])
+    cur = self._tok.decode(self._ids[self._prefix:])
+    if len(cur) > len(prev):
+      self._text += cur[len(prev):]
+      self._prefix, self._read = self._read, len(self._ids)
+      self._find_stop()
     out = self._text[self._emitted:]
     self._emitted = len(self._text)
     return out

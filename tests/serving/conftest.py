@@ -33,5 +33,5 @@ def wait_for(cond, timeout=60.0, what="condition"):
 @pytest.fixture(scope="module")
 def counting():
   """The counting model (next byte = previous + 1) behind the real server."""
-  with running(E.tiny_engine(max_batch=8, max_waiting=64)) as sc:
+  with running(E.tiny_engine(max_batch=8, max_waiting=64, prompt_logprobs=True)) as sc:
     yield sc

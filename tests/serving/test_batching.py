@@ -600,3 +600,101 @@ def test_priority_scheduling_admits_by_priority_and_preempts_the_least_urgent():
     sub(E.tiny_engine(), "r", 3)
   with pytest.raises(ValueError, match="scheduling"):
     E.EngineConfig(scheduling="lifo")
+
+
+def _reference_logprobs(model, prompt):
+  """log_softmax of a float32 forward over the whole prompt: [len(prompt), V]."""
+  cache = model.init_cache(16, page_size=8)
+  table = np.arange(1, 16, dtype=np.int32)[None]
+  logits, _ = model.prefill(cache, np.asarray([prompt], np.int32), np.zeros(1, np.int32),
+                            np.array([len(prompt)], np.int32), table, all_logits=True)
+  x = np.asarray(logits[0], np.float64)
+  return x - np.log(np.exp(x - x.max(-1, keepdims=True)).sum(-1, keepdims=True)) - x.max(
+      -1, keepdims=True)
+
+
+def test_prompt_logprobs_on_the_llama_decoder():
+  """prompt_logprobs=3: entry i is prompt token i + 1's logprob given tokens
+  0..i, with the 3 likeliest tokens there, as a float32 forward over the whole
+  prompt says. A 100-token prompt is scored in two chunks (64, then 36 over
+  the cache), in the same steps as a plain request with the same prompt, which
+  gets no scores; both completions equal a lone plain request's. The scored
+  request reads nothing from the prefix cache."""
+  import models
+  from serving.engine import api
+
+  model = models.load("tiny", dtype="float32")
+  runner, engine = _llama_engine(model, warmup=False, prompt_logprobs=True)
+  prompt = np.random.default_rng(3).integers(0, model.config.vocab_size, 100).tolist()
+  scored, calls = runner.prefill_scores, []
+  runner.prefill_scores = lambda *a: calls.append(a[0].shape) or scored(*a)
+
+  def submit(rid, **kw):
+    return engine.submit(api.Request(rid, prompt_ids=prompt, add_bos=False,
+                                     sampling=api.SamplingParams(max_tokens=6, **kw)))
+
+  plain = _drain_all(engine, [submit("alone")])[0]
+  handles = [submit("scored", prompt_logprobs=3), submit("plain")]
+  (ids, final), (ids2, final2) = _drain_all(engine, handles, finals=True)
+  assert ids == ids2 == plain and len(plain) == 6
+  assert calls == [(1, 64), (1, 64)]  # 36 tokens go to the 64 bucket
+  assert final.cached_prompt_tokens == 0 and final2.cached_prompt_tokens == 96
+  assert final2.prompt_logprobs == ()
+  lps = final.prompt_logprobs
+  assert [x.token_id for x in lps] == prompt[1:]
+  ref = _reference_logprobs(model, prompt)
+  got = np.array([x.logprob for x in lps])
+  want = ref[np.arange(99), prompt[1:]]
+  np.testing.assert_allclose(got, want, atol=2e-4)
+  for i, x in enumerate(lps):
+    assert len(x.top) == 3
+    np.testing.assert_allclose([v for _, v in x.top], np.sort(ref[i])[::-1][:3], atol=2e-4)
+    assert ref[i][[t for t, _ in x.top]].argmax() == 0  # the likeliest first
+  assert engine.stats().pages_in_use == 0
+
+
+def _drain_all(engine, handles, finals=False):
+  """Steps the engine until every handle's Final: (ids, Final) or ids each."""
+  from serving.engine import api
+
+  out = [([], None) for _ in handles]
+  while engine.step():
+    pass
+  for i, h in enumerate(handles):
+    ids, final = out[i]
+    while not h.events.empty():
+      ev = h.events.get_nowait()
+      assert not isinstance(ev, api.Failed), ev
+      if isinstance(ev, api.Delta):
+        ids.extend(ev.token_ids)
+      elif isinstance(ev, api.Final):
+        final = ev
+    assert final is not None
+    out[i] = (ids, final)
+  return out if finals else [ids for ids, _ in out]
+
+
+def test_prompt_logprobs_survive_preemption_once_each():
+  """A scored request preempted after its prompt was scored computes the
+  prompt again: its scores come back once per position, in order."""
+  from serving.engine import api
+
+  # 8 usable pages of 4 tokens: the first request grows to 7 pages, so the
+  # scored one (admitted second, 3 pages of prompt) is preempted.
+  engine = E.tiny_engine(num_pages=9, page_size=4, max_batch=2, prompt_logprobs=True)
+  scores, calls = engine.runner.prefill_scores, []
+  engine.runner.prefill_scores = lambda *a: calls.append(1) or scores(*a)
+  first = engine.submit(api.Request("a", prompt_ids=list(range(97, 105)), add_bos=False,
+                                    sampling=api.SamplingParams(max_tokens=20,
+                                                                ignore_eos=True)))
+  prompt = [97, 98, 99, 101, 102, 103, 104, 106, 107, 108, 109, 110]
+  scored = engine.submit(api.Request("b", prompt_ids=prompt, add_bos=False,
+                                     sampling=api.SamplingParams(max_tokens=6, ignore_eos=True,
+                                                                 prompt_logprobs=0)))
+  (_, fa), (ids, fb) = _drain_all(engine, [first, scored], finals=True)
+  assert engine.preemptions > 0 and len(calls) == 2  # the prompt scored twice
+  assert len(engine._by_id) == 0 and engine.stats().pages_in_use == 0
+  assert [x.token_id for x in fb.prompt_logprobs] == prompt[1:]
+  follows = [b == a + 1 for a, b in zip(prompt, prompt[1:])]
+  assert [x.logprob > -1 for x in fb.prompt_logprobs] == follows
+  assert ids == list(range(111, 117))

@@ -25,7 +25,8 @@ def server_proc(tmp_path, request):
   with open(log, "w") as out:
     proc = subprocess.Popen(
         [sys.executable, "-m", "serving", "serve", "--model", "counting", "--port", "0",
-         "--step-delay", "0.02", "--max-batch", "4", "--ready-file", str(ready)] + request.param,
+         "--step-delay", "0.02", "--max-batch", "4", "--enable-prompt-logprobs",
+         "--ready-file", str(ready)] + request.param,
         cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, text=True,
         env={**os.environ, "JAX_PLATFORMS": "cpu"})
   end = time.monotonic() + 120
@@ -109,6 +110,13 @@ def test_generate_and_loadgen_commands(server_proc, tmp_path):
                         "hello a", "--max-tokens", "3", "--logit-bias", f"{ord('c')}=100"],
                        cwd=ROOT, capture_output=True, text=True, timeout=120)
   assert out.returncode == 0 and out.stdout.strip() == "ccc", (out.stdout, out.stderr)
+  out = subprocess.run([sys.executable, "-m", "serving", "generate", "--target", target,
+                        "abcx", "--max-tokens", "2", "--prompt-logprobs", "1"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+  assert out.returncode == 0 and out.stdout.strip() == "yz", (out.stdout, out.stderr)
+  # After BOS: "b" and "c" follow their bytes (logprob ~0), "a" and "x" do not (~-20).
+  assert "prompt logprobs (4 tokens, sum -40.0000)" in out.stderr, out.stderr
+  assert f"{ord('c'):>8} {-0.0:10.4f}   [{ord('c')}: -0.0000]" in out.stderr, out.stderr
   js = tmp_path / "load.json"
   out = subprocess.run([sys.executable, "-m", "serving", "loadgen", "--target", target,
                         "--concurrency", "4", "--num-requests", "8", "--input-len", "8",

@@ -29,11 +29,12 @@ def test_models_tiny_through_the_server_equals_models_generate(decode_steps):
     compiled = engine.counters()["compiled_shapes"]
     # prefill fresh, and continued at each page-table width (1, 4, 16 pages);
     # decode; decode_steps steps in one call (greedy, greedy with logprobs,
-    # sampled); no mixed step (mixed_steps off), no packed prefill (off)
+    # sampled); no mixed step (mixed_steps off), no packed prefill (off), no
+    # scored prefill (prompt_logprobs off)
     assert engine.table_buckets == (1, 4, 16)
     assert compiled == {"prefill": 4, "decode": 1,
                         "decode_multi_step": 3 if decode_steps > 1 else 0, "mixed": 0,
-                        "prefill_packed": 0}
+                        "prefill_packed": 0, "prefill_scores": 0}
     assert c.model_info().model_name == model.config.name
     got = [list(c.generate(prompt, max_tokens=8, ignore_eos=True).token_ids) for _ in range(2)]
     assert got == [want, want]
@@ -67,7 +68,7 @@ def test_warmup_compiles_on_threads_and_then_runs_without_compiling():
   runner = E.ModelRunner(model, num_pages=32, page_size=8)
   engine = E.BatchingEngine(runner, E.EngineConfig(
       max_batch=4, batch_buckets=(4,), prefill_rows=1, min_chunk=16, prefill_chunk=16,
-      max_seq_len=128, warmup=True, decode_steps=3, compile_threads=2))
+      max_seq_len=128, warmup=True, decode_steps=3, compile_threads=2, prompt_logprobs=True))
   compiles, marks = [], []
   def listener(event, secs, **kw):
     if "backend_compile" in event:
@@ -91,13 +92,18 @@ def test_warmup_compiles_on_threads_and_then_runs_without_compiling():
       per_pass = [marks[2] - marks[0], marks[3] - marks[2]]
       assert per_pass[0] >= 8 and per_pass[1] == 0, per_pass
       compiled = engine.counters()["compiled_shapes"]
+      # prefill_scores: a chunk of one row, fresh and continued at 3 table widths.
       assert compiled == {"prefill": 4, "decode": 1, "decode_multi_step": 3, "mixed": 0,
-                          "prefill_packed": 0}
+                          "prefill_packed": 0, "prefill_scores": 4}
       got = [list(c.generate(prompt, max_tokens=n, ignore_eos=True).token_ids) for n in (8, 5)]
       assert got == [want, want[:5]]
       # Sampled, with and without logprobs: the variants the warm-up compiled.
       for lp in (False, True):
         c.generate(prompt, max_tokens=7, ignore_eos=True, temperature=0.8, seed=1, logprobs=lp)
+      # The prompt scored in two chunks (16, then 2 over the cache).
+      r = c.generate(prompt, max_tokens=5, ignore_eos=True, prompt_logprobs=2)
+      assert [x.token_id for x in r.prompt_logprobs] == prompt[1:]
+      assert list(r.token_ids) == want[:5]
       counters = engine.counters()
       assert counters["compiled_shapes"] == compiled
       # Nothing at all compiled while serving: not a step, not sampling.

@@ -4,6 +4,7 @@ import threading
 import time
 
 import grpc
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
@@ -168,10 +169,11 @@ def _requests(draw):
     v = draw(_floats)
     if v is not None:
       sp[f] = v
-  for f in ("top_k", "max_tokens", "top_logprobs", "min_tokens", "n"):
+  for f in ("top_k", "max_tokens", "top_logprobs", "min_tokens", "n", "prompt_logprobs"):
     v = draw(_ints)
     if v is not None:  # counts: in range half the time
-      sp[f] = v % (4 if f == "n" else 64) if f in ("max_tokens", "min_tokens", "n") and \
+      mod = {"n": 4, "prompt_logprobs": 6}.get(f, 64)
+      sp[f] = v % mod if f in ("max_tokens", "min_tokens", "n", "prompt_logprobs") and \
           draw(st.booleans()) else v
   sp["seed"] = draw(st.integers(0, 2**64 - 1))
   sp["stop"] = draw(st.lists(st.text(max_size=4), max_size=3))
@@ -673,3 +675,44 @@ def test_an_unexpected_submit_failure_cancels_the_completions_before_it():
     wait_for(lambda: engine.stats().running + engine.stats().waiting == 0, timeout=3.0,
              what="the accepted completions cancelled")
     assert engine.stats().pages_in_use == 0
+
+
+def test_prompt_logprobs_unary_streamed_and_refused_unless_enabled():
+  """The counting model puts logit 10 on the next byte and -10 elsewhere, so a
+  prompt byte that follows its predecessor has logprob ~0 and one that does
+  not ~-20. Unary and streamed calls carry them (streamed: in the final
+  chunk); with n = 2 completion 0 alone does. A server not started with
+  --enable-prompt-logprobs refuses the field, and so does a bad value."""
+  with running(E.tiny_engine(max_batch=2)) as (_, plain):
+    with pytest.raises(grpc.RpcError) as e:
+      plain.generate("ab", prompt_logprobs=1)
+  assert (e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+          and "--enable-prompt-logprobs" in e.value.details())
+  lz = np.log(np.exp(10.0) + 257 * np.exp(-10.0))  # the log partition of a position
+
+  def check(lps, k):
+    assert [x.token_id for x in lps] == [98, 100, 101]  # "b", "d", "e" after "a"
+    np.testing.assert_allclose([x.logprob for x in lps], [10 - lz, -10 - lz, 10 - lz],
+                               atol=1e-5)
+    # The likeliest after "a", "b", "d" are "b", "c", "e"; then the lowest id of the rest.
+    assert [[t.token_id for t in x.top] for x in lps] == [[98, 0][:k], [99, 0][:k],
+                                                          [101, 0][:k]]
+
+  with running(E.tiny_engine(max_batch=4, prompt_logprobs=True)) as (server, c):
+    r = c.generate([97, 98, 100, 101], max_tokens=3, prompt_logprobs=2)
+    check(r.prompt_logprobs, 2)
+    assert r.text == "fgh" and r.usage.cached_prompt_tokens == 0
+    chunks = list(c.stream([97, 98, 100, 101], max_tokens=3, prompt_logprobs=0))
+    assert all(not ch.final.prompt_logprobs for ch in chunks[:-1])
+    check(chunks[-1].final.prompt_logprobs, 0)
+    r = c.generate([97, 98, 100, 101], max_tokens=3, n=2, prompt_logprobs=1)
+    check(r.completions[0].prompt_logprobs, 1)
+    check(r.prompt_logprobs, 1)
+    assert not r.completions[1].prompt_logprobs
+    assert not c.generate([97, 98], max_tokens=2).prompt_logprobs  # not asked for
+    for bad in (-1, 6):
+      with pytest.raises(grpc.RpcError) as e:
+        c.generate("ab", prompt_logprobs=bad)
+      assert (e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+              and "prompt_logprobs=" in e.value.details())
+    wait_for(lambda: server.engine.stats().pages_in_use == 0, what="pages freed")

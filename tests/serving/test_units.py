@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import example, given, settings, strategies as st
 
 from serving.engine import api, sampling
 from serving.engine.pages import PageAllocator, block_hashes
@@ -99,6 +99,10 @@ def test_incremental_text_decodes_a_bounded_window_over_tokens_without_text():
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.one_of(st.text(max_size=3), st.integers(1, 80)), max_size=20),
        st.lists(st.integers(1, 9), min_size=1, max_size=8))
+# A real U+FFFD at the end looks like an unfinished character: the flush must
+# still hand it out.
+@example(parts=["\ufffd"], chunks=[1])
+@example(parts=["a\ufffd", 2], chunks=[2])
 def test_incremental_text_equals_the_whole_decode(parts, chunks):
   """Text and runs of ids without text, pushed in any chunking: the pieces
   add up to the decode of all of them."""

@@ -29,7 +29,10 @@ def serve(tp: int, prompts, **engine_kw):
       # state, set at admission).
       kw = dict(temperature=0.8, seed=i, top_p=0.9, min_tokens=2,
                 logit_bias={7: 3.0}) if i % 2 else {}
-      return list(client.generate(prompts[i], max_tokens=9, ignore_eos=True, **kw).token_ids)
+      if i == 0 and engine_kw.get("prompt_logprobs"):
+        kw["prompt_logprobs"] = 2  # scored in 2 chunks, all logits gathered over the shards
+      r = client.generate(prompts[i], max_tokens=9, ignore_eos=True, **kw)
+      return list(r.token_ids), [(x.token_id, x.logprob) for x in r.prompt_logprobs]
 
     with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
       outs = list(pool.map(one, range(len(prompts))))
@@ -54,10 +57,15 @@ def main():
   rng = np.random.default_rng(int(sys.argv[1]))
   # Two prompts of 2 chunks, two short ones: prefill rows, continued chunks, batches.
   prompts = [rng.integers(3, 259, n).tolist() for n in (20, 5, 18, 3)]
-  for kw in (dict(decode_steps=3, compile_threads=2), dict(packed_prefill=True),
-             dict(mixed_steps=True)):
+  for kw in (dict(decode_steps=3, compile_threads=2, prompt_logprobs=True),
+             dict(packed_prefill=True), dict(mixed_steps=True)):
     one, two = serve(1, prompts, **kw), serve(2, prompts, **kw)
-    assert one == two, (kw, one, two)
+    assert [ids for ids, _ in one] == [ids for ids, _ in two], (kw, one, two)
+    scored = [(a, b) for (_, a), (_, b) in zip(one, two) if a or b]
+    assert len(scored) == bool(kw.get("prompt_logprobs")), scored
+    for a, b in scored:  # float32 sums in another order: close, not equal
+      assert [t for t, _ in a] == [t for t, _ in b] == prompts[0][1:]
+      np.testing.assert_allclose([v for _, v in a], [v for _, v in b], atol=1e-4)
   print("ok")
 
 
