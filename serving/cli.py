@@ -16,7 +16,7 @@ _SAMPLING_FLAGS = (("temperature", float), ("top_k", int), ("top_p", float), ("m
                    ("repetition_penalty", float), ("presence_penalty", float),
                    ("frequency_penalty", float), ("seed", int), ("max_tokens", int),
                    ("min_tokens", int), ("top_logprobs", int), ("n", int),
-                   ("prompt_logprobs", int))
+                   ("prompt_logprobs", int), ("truncate_prompt_tokens", int))
 
 
 def _client_args(p):
@@ -137,6 +137,8 @@ def _sampling(a) -> dict:
     kw["stop"] = a.stop
   if a.ignore_eos:
     kw["ignore_eos"] = True
+  if a.include_stop_str_in_output:
+    kw["include_stop_str_in_output"] = True
   if a.logprobs:
     kw["logprobs"] = True
   if a.logit_bias:
@@ -305,6 +307,8 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--" + f.replace("_", "-"), type=t)
   g.add_argument("--stop", action="append")
   g.add_argument("--ignore-eos", action="store_true")
+  g.add_argument("--include-stop-str-in-output", action="store_true",
+                 help="keep the stop string that ended the text")
   g.add_argument("--logprobs", action="store_true")
   g.add_argument("--logit-bias", action="append", type=_token_bias, metavar="TOKEN_ID=BIAS",
                  help="added to the token's logit, in [-100, 100]; repeatable")

@@ -96,7 +96,8 @@ def sampling_from_proto(s: pb.SamplingParams) -> api.SamplingParams:
   kw = {}
   for f in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
             "frequency_penalty", "seed", "max_tokens", "min_tokens", "logprobs", "top_logprobs",
-            "ignore_eos", "prompt_logprobs"):
+            "ignore_eos", "prompt_logprobs", "include_stop_str_in_output",
+            "truncate_prompt_tokens"):
     if s.HasField(f):
       kw[f] = getattr(s, f)
   kw["stop"] = tuple(s.stop)

@@ -75,6 +75,12 @@ class SamplingParams:
   # for each prompt token's logprob given the tokens before it, with the k
   # likeliest tokens there. Needs EngineConfig.prompt_logprobs.
   prompt_logprobs: int | None = None
+  # The stop string that ended the output stays at its end (vLLM's
+  # include_stop_str_in_output); by default the text stops before it.
+  include_stop_str_in_output: bool = False
+  # Keep only the prompt's last k tokens (vLLM's truncate_prompt_tokens): a
+  # prompt longer than the context is cut instead of refused.
+  truncate_prompt_tokens: int | None = None
 
   def __post_init__(self):
     def finite(name):
@@ -122,6 +128,8 @@ class SamplingParams:
       raise InvalidRequest("logit_bias names a token id twice")
     if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
       raise InvalidRequest(f"top_logprobs={self.top_logprobs} must be in [0, {MAX_TOP_LOGPROBS}]")
+    if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens < 1:
+      raise InvalidRequest(f"truncate_prompt_tokens={self.truncate_prompt_tokens} must be >= 1")
     if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS:
       raise InvalidRequest(f"prompt_logprobs={self.prompt_logprobs} must be in "
                            f"[0, {MAX_TOP_LOGPROBS}] (or unset)")

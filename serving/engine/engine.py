@@ -275,7 +275,8 @@ class _Seq:
     self.slot = -1
     self.cached_tokens = 0
     self.cancel: api.FinishReason | None = None
-    self.text = IncrementalText(tokenizer, req.sampling.stop, context=prompt)
+    self.text = IncrementalText(tokenizer, req.sampling.stop, context=prompt,
+                                include_stop=req.sampling.include_stop_str_in_output)
     self.scheduled_at: float | None = None
     self.first_token_at: float | None = None
     self.hashes: list[bytes] | None = None
@@ -420,6 +421,8 @@ class BatchingEngine(api.Engine):
       raise api.EngineFailed(f"the engine stopped after an error: {self.error!r}")
     prompt = self._prompt_ids(request)
     p = request.sampling
+    if p.truncate_prompt_tokens is not None:
+      prompt = prompt[-p.truncate_prompt_tokens:]
     room = self.max_seq_len - len(prompt)
     if room < 1:
       raise api.InvalidRequest(

@@ -5,7 +5,8 @@ those tokens. It decodes a short window of recent tokens rather than the
 whole output (a token's text can depend on its neighbours: byte fallback,
 leading spaces) and holds back an incomplete UTF-8 character. With stop
 strings it also holds back a tail that could be the start of a stop string,
-and reports the stop once the text contains one (text cut before it).
+and reports the stop once the text contains one (text cut before it, or
+after it with ``include_stop``).
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ _MAX_WINDOW = 32
 class IncrementalText:
 
   def __init__(self, tokenizer: Tokenizer, stop: Sequence[str] = (),
-               context: Sequence[int] = ()):
+               context: Sequence[int] = (), include_stop: bool = False):
     self._tok = tokenizer
     # The prompt's last tokens give the first new token its left context.
     self._ids: list[int] = list(context[-_WINDOW:])
@@ -59,6 +60,7 @@ class IncrementalText:
     self._text = ""  # everything decoded as final so far
     self._emitted = 0  # chars of self._text handed out
     self._stop = tuple(stop)
+    self._include_stop = include_stop  # the text ends after the stop string, not before
     self._hold = max((len(s) for s in self._stop), default=1) - 1
     # A stop string must end past this many chars: the text pushed with
     # stops=False (a request's first min_tokens - 1 tokens) cannot stop it.
@@ -101,7 +103,7 @@ class IncrementalText:
       i = self._text.find(s, max(0, self._emitted - len(s) + 1, self._floor - len(s) + 1))
       if i >= 0:
         self.stopped = True
-        self._text = self._text[:i]
+        self._text = self._text[:i + len(s) if self._include_stop else i]
         return
 
   def flush(self) -> str:

@@ -41,6 +41,12 @@ def test_token_id_prompts_stops_and_logprobs(counting):
   _, c = counting
   r = c.generate([ord("a")], max_tokens=20, stop=["ef"])
   assert r.text == "bcd" and r.finish_reason == pb.FINISH_REASON_STOP
+  assert list(r.token_ids) == [ord(x) for x in "bcdef"]  # the ids that made the stop
+  for stream in (False, True):  # the stop string kept, and nothing after it
+    kw = dict(max_tokens=20, stop=["xyz", "ef"], include_stop_str_in_output=True)
+    text = ("".join(ch.text for ch in c.stream([ord("a")], **kw)) if stream
+            else c.generate([ord("a")], **kw).text)
+    assert text == "bcdef", stream
   r = c.generate([ord("a")], max_tokens=20, stop_token_ids=[ord("e")])
   assert r.text == "bcd" and r.finish_reason == pb.FINISH_REASON_STOP
   # A stop token ends it while text is held back for a stop string that never came.
@@ -51,6 +57,21 @@ def test_token_id_prompts_stops_and_logprobs(counting):
   for lp, tid in zip(r.logprobs, r.token_ids):
     assert lp.token_id == tid and -1e-3 < lp.logprob <= 0 and len(lp.top) == 2
     assert lp.top[0].token_id == tid
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_end(counting):
+  """truncate_prompt_tokens=k: the prompt's last k tokens only, so a prompt
+  longer than the context (1,024) and the KV cache (252) runs instead of
+  being refused."""
+  _, c = counting
+  long = [ord("a") + i % 20 for i in range(1500)]  # ends in ..."s", "t"
+  with pytest.raises(grpc.RpcError) as e:
+    c.generate(long, max_tokens=3)
+  assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+  r = c.generate(long, max_tokens=3, truncate_prompt_tokens=10)
+  assert r.text == "uvw" and r.usage.prompt_tokens == 10
+  r = c.generate("hello", max_tokens=2, truncate_prompt_tokens=100)  # shorter: as is
+  assert r.usage.prompt_tokens == c.generate("hello", max_tokens=2).usage.prompt_tokens
 
 
 def test_eos_and_ignore_eos(counting):
@@ -138,6 +159,7 @@ def test_tokenize_model_info_health_reflection(counting):
     (dict(logit_bias={5: float("nan")}), "must be in [-100, 100]"),
     (dict(logit_bias={i: 1.0 for i in range(301)}), "at most 300"),
     (dict(priority=3), "priority=3 needs priority scheduling"),
+    (dict(truncate_prompt_tokens=0), "truncate_prompt_tokens=0 must be >= 1"),
 ])
 def test_bad_parameters_are_invalid_argument(counting, kw, match):
   _, c = counting
@@ -169,18 +191,19 @@ def _requests(draw):
     v = draw(_floats)
     if v is not None:
       sp[f] = v
-  for f in ("top_k", "max_tokens", "top_logprobs", "min_tokens", "n", "prompt_logprobs"):
+  counts = ("max_tokens", "min_tokens", "n", "prompt_logprobs", "truncate_prompt_tokens")
+  for f in ("top_k", "top_logprobs") + counts:
     v = draw(_ints)
     if v is not None:  # counts: in range half the time
       mod = {"n": 4, "prompt_logprobs": 6}.get(f, 64)
-      sp[f] = v % mod if f in ("max_tokens", "min_tokens", "n", "prompt_logprobs") and \
-          draw(st.booleans()) else v
+      sp[f] = v % mod if f in counts and draw(st.booleans()) else v
   sp["seed"] = draw(st.integers(0, 2**64 - 1))
   sp["stop"] = draw(st.lists(st.text(max_size=4), max_size=3))
   sp["stop_token_ids"] = draw(st.lists(st.integers(-2**31, 2**31 - 1), max_size=3))
   sp["logit_bias"] = draw(st.dictionaries(st.integers(-5, 300), st.floats(width=32), max_size=3))
   sp["logprobs"] = draw(st.booleans())
   sp["ignore_eos"] = draw(st.booleans())
+  sp["include_stop_str_in_output"] = draw(st.booleans())
   prompt = draw(st.one_of(
       st.text(max_size=20).map(lambda t: dict(text=t)),
       st.lists(st.integers(-5, 300), max_size=20).map(lambda i: dict(token_ids=pb.TokenIds(ids=i))),
