@@ -28,18 +28,27 @@ class _Metric:
 
 
 class Counter(_Metric):
+  """A count, or with ``label`` one count per label value (``inc(v, value)``);
+  with ``fn`` the count is read from it."""
   kind = "counter"
 
-  def __init__(self, name, doc):
+  def __init__(self, name, doc, fn=None, label: str | None = None):
     super().__init__(name, doc)
-    self.value = 0.0
+    self.value, self.fn, self.label = 0.0, fn, label
+    self.by_label: dict[str, float] = {}
 
-  def inc(self, v: float = 1.0) -> None:
+  def inc(self, v: float = 1.0, label_value: str | None = None) -> None:
     with self._lock:
       self.value += v
+      if self.label is not None:
+        self.by_label[label_value] = self.by_label.get(label_value, 0.0) + v
 
   def render(self) -> list[str]:
-    return self.header() + [f"{self.name} {self.value}"]
+    if self.label is None:
+      return self.header() + [f"{self.name} {float(self.fn()) if self.fn else self.value}"]
+    with self._lock:
+      items = sorted(self.by_label.items())
+    return self.header() + [f'{self.name}{{{self.label}="{k}"}} {v}' for k, v in items]
 
 
 class Gauge(_Metric):
@@ -96,6 +105,8 @@ class Metrics:
     self.itl = Histogram(p + "inter_token_latency_seconds", "Time between streamed tokens.")
     self.queue = Histogram(p + "queue_time_seconds", "Submission to first scheduled step.")
     self.e2e = Histogram(p + "request_latency_seconds", "Submission to the final token.")
+    self.tpot = Histogram(p + "time_per_output_token_seconds",
+                          "A request's mean time per token after its first.")
     self.step = Histogram(p + "step_seconds", "Wall time of one engine step.")
     self.step_host = Histogram(p + "step_host_seconds",
                                "Host time of one engine step (not waiting on the device).")
@@ -106,6 +117,10 @@ class Metrics:
     self.compiles = Counter(p + "compiles_total", "Backend compiles in the engine's steps "
                             "after its warm-up (each holds up the whole batch).")
     self.requests = Counter(p + "requests_total", "Requests finished (any reason).")
+    self.finished = Counter(p + "requests_finished_total", "Requests finished, by reason.",
+                            label="reason")
+    self.preemptions = Counter(p + "preemptions_total", "Running requests preempted to free "
+                               "KV pages (each computes its tokens again).", stat("preemptions"))
     self.rejected = Counter(p + "requests_rejected_total", "Requests refused (queue full, "
                             "invalid, draining).")
     self.running = Gauge(p + "requests_running", "Requests in the running batch.",
@@ -129,7 +144,10 @@ class Metrics:
 
   def on_final(self, final) -> None:
     self.requests.inc()
+    self.finished.inc(1, final.reason.name.lower())
     self.queue.observe(final.queue_s)
+    if final.completion_tokens > 1:
+      self.tpot.observe((final.total_s - final.first_token_s) / (final.completion_tokens - 1))
     self.e2e.observe(final.total_s)
     if final.completion_tokens:
       self.ttft.observe(final.first_token_s)

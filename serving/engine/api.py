@@ -228,6 +228,7 @@ class EngineStats:
   pages_total: int  # usable pages (page 0 excluded)
   steps: int
   draining: bool
+  preemptions: int = 0  # requests preempted (their pages freed) so far
 
 
 class Engine(abc.ABC):

@@ -496,7 +496,8 @@ class BatchingEngine(api.Engine):
       running = len(self._running)
     return api.EngineStats(running=running, waiting=waiting, pages_in_use=self.alloc.in_use,
                            pages_cached=self.alloc.cached, pages_total=self.alloc.usable,
-                           steps=self.steps, draining=self._draining)
+                           steps=self.steps, draining=self._draining,
+                           preemptions=self.preemptions)
 
   def counters(self) -> dict:
     """Engine-internal counts for benchmarks and tests: steps, mixed steps run,

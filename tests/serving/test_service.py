@@ -352,11 +352,16 @@ def test_metrics_are_exposed():
   engine = E.tiny_engine()
   with running(engine, metrics_port=0) as (server, c):
     c.generate("a", max_tokens=4)
+    c.generate("x", max_tokens=20)  # EOS after "~"
+    engine.preemptions = 3  # (what the engine counts as it preempts)
     body = urllib.request.urlopen(
         f"http://127.0.0.1:{server.metrics_http.server_port}/metrics").read().decode()
-  for name in ("time_to_first_token_seconds_count 1", "generation_tokens_total 4.0",
+  for name in ("time_to_first_token_seconds_count 2", "generation_tokens_total 11.0",
                "kv_pages_total 63", "inter_token_latency_seconds_bucket",
-               "queue_time_seconds_count 1", "request_latency_seconds_count 1",
+               "queue_time_seconds_count 2", "request_latency_seconds_count 2",
+               "time_per_output_token_seconds_count 2",
+               'requests_finished_total{reason="eos"} 1.0',
+               'requests_finished_total{reason="length"} 1.0', "preemptions_total 3.0",
                "requests_running 0", "requests_waiting 0", "kv_pages_in_use 0",
                "compiles_total "):
     assert "mosaic_serving_" + name in body, name
