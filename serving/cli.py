@@ -143,7 +143,16 @@ def _sampling(a) -> dict:
     kw["logprobs"] = True
   if a.logit_bias:
     kw["logit_bias"] = dict(a.logit_bias)
+  if a.allowed_token_ids:
+    kw["allowed_token_ids"] = a.allowed_token_ids
   return kw
+
+
+def _token_ids(text: str) -> list[int]:
+  try:
+    return [int(t) for t in text.split(",")]
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of ids") from None
 
 
 def _token_bias(text: str) -> tuple[int, float]:
@@ -310,6 +319,8 @@ def parser() -> argparse.ArgumentParser:
   g.add_argument("--include-stop-str-in-output", action="store_true",
                  help="keep the stop string that ended the text")
   g.add_argument("--logprobs", action="store_true")
+  g.add_argument("--allowed-token-ids", type=_token_ids, metavar="ID,ID,...",
+                 help="only these token ids may be generated")
   g.add_argument("--logit-bias", action="append", type=_token_bias, metavar="TOKEN_ID=BIAS",
                  help="added to the token's logit, in [-100, 100]; repeatable")
   g.add_argument("--timeout", type=float, help="deadline in seconds")

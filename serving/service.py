@@ -103,6 +103,7 @@ def sampling_from_proto(s: pb.SamplingParams) -> api.SamplingParams:
   kw["stop"] = tuple(s.stop)
   kw["stop_token_ids"] = tuple(s.stop_token_ids)
   kw["logit_bias"] = tuple(sorted(s.logit_bias.items()))
+  kw["allowed_token_ids"] = tuple(s.allowed_token_ids)
   return api.SamplingParams(**kw)
 
 

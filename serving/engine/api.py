@@ -20,6 +20,7 @@ from collections.abc import Sequence
 
 MAX_TOP_LOGPROBS = 5
 MAX_LOGIT_BIAS = 300  # entries per request (OpenAI's limit)
+MAX_ALLOWED_TOKENS = 1 << 17  # allowed_token_ids per request (a vocabulary's worth)
 
 
 class InvalidRequest(ValueError):
@@ -71,6 +72,8 @@ class SamplingParams:
   # (token id, bias) pairs added to the logits before sampling (OpenAI's
   # logit_bias): -100 all but bans a token, +100 all but forces it.
   logit_bias: tuple[tuple[int, float], ...] = ()
+  # Only these token ids may be picked (vLLM's allowed_token_ids; empty: any).
+  allowed_token_ids: tuple[int, ...] = ()
   # The prompt's own logprobs (vLLM's prompt_logprobs): None for none, k >= 0
   # for each prompt token's logprob given the tokens before it, with the k
   # likeliest tokens there. Needs EngineConfig.prompt_logprobs.
@@ -126,6 +129,9 @@ class SamplingParams:
         raise InvalidRequest(f"logit_bias[{t}]={b!r} must be in [-100, 100]")
     if len({t for t, _ in self.logit_bias}) < len(self.logit_bias):
       raise InvalidRequest("logit_bias names a token id twice")
+    if len(self.allowed_token_ids) > MAX_ALLOWED_TOKENS:
+      raise InvalidRequest(f"allowed_token_ids has {len(self.allowed_token_ids)} ids; at most "
+                           f"{MAX_ALLOWED_TOKENS}")
     if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
       raise InvalidRequest(f"top_logprobs={self.top_logprobs} must be in [0, {MAX_TOP_LOGPROBS}]")
     if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens < 1:
@@ -147,7 +153,12 @@ class SamplingParams:
   def slot_state(self) -> bool:
     """Whether sampling needs the request's per-slot token state (counts,
     prompt and end-token flags, logit bias), set at admission."""
-    return self.penalized or self.min_tokens > 0 or bool(self.logit_bias)
+    return self.penalized or self.min_tokens > 0 or self.biased
+
+  @property
+  def biased(self) -> bool:
+    """Whether its logits get a per-token bias row (logit_bias, allowed_token_ids)."""
+    return bool(self.logit_bias or self.allowed_token_ids)
 
 
 @dataclasses.dataclass

@@ -443,11 +443,17 @@ class BatchingEngine(api.Engine):
           f"prompt ({len(prompt)} tokens) + min_tokens ({p.min_tokens}) exceeds the "
           f"{self.capacity} tokens the KV cache holds")
     for name, ids in (("stop_token_ids", p.stop_token_ids),
-                      ("logit_bias", [t for t, _ in p.logit_bias])):
+                      ("logit_bias", [t for t, _ in p.logit_bias]),
+                      ("allowed_token_ids", p.allowed_token_ids)):
       bad = [t for t in ids if not 0 <= t < self.runner.vocab_size]
       if bad:
         raise api.InvalidRequest(f"{name} {bad[:5]} are outside the vocabulary "
                                  f"[0, {self.runner.vocab_size})")
+    if p.min_tokens and p.allowed_token_ids and not (
+        set(p.allowed_token_ids) - set(p.stop_token_ids)
+        - (set() if p.ignore_eos else self.eos_ids)):
+      raise api.InvalidRequest("every allowed token id ends the request: min_tokens="
+                               f"{p.min_tokens} cannot be met")
     if p.prompt_logprobs is not None and not self.config.prompt_logprobs:
       raise api.InvalidRequest("prompt_logprobs needs a server started with "
                                "--enable-prompt-logprobs")
@@ -750,12 +756,13 @@ class BatchingEngine(api.Engine):
     # other state is inert at its defaults): a slot a biased request left must
     # be reset.
     if seq.params.slot_state or self._slot_biased[seq.slot]:
-      self._slot_biased[seq.slot] = bool(seq.params.logit_bias)
+      self._slot_biased[seq.slot] = seq.params.biased
       v = self.runner.vocab_size
       counts = np.bincount(np.asarray(seq.generated, np.int64), minlength=v)[:v].astype(np.int32)
       self._counts, self._slot_tokens = sampling.set_rows(
           self._counts, self._slot_tokens, np.int32(seq.slot), counts,
-          sampling.slot_row(v, seq.prompt, seq.ends, seq.params.logit_bias))
+          sampling.slot_row(v, seq.prompt, seq.ends, seq.params.logit_bias,
+                            seq.params.allowed_token_ids))
     self._running.append(seq)
     return True
 
@@ -824,7 +831,7 @@ class BatchingEngine(api.Engine):
                              steps, batch)
     want_lp = any(s.params.logprobs or s.params.top_logprobs for s in live)
     # The fast path has no penalties, logit bias or end-token ban (min_tokens).
-    greedy = all(s.params.greedy and not s.params.penalized and not s.params.logit_bias
+    greedy = all(s.params.greedy and not s.params.penalized and not s.params.biased
                  and len(s.generated) + s.pending >= s.params.min_tokens for s in live)
     return arrays, want_lp, greedy
 

@@ -86,10 +86,13 @@ IN_PROMPT, ENDS = 1, 2
 @dataclasses.dataclass
 class SlotTokens:
   """Per batch slot, over the vocabulary, set at a request's admission (only
-  for requests that need it: penalties, min_tokens, logit_bias)."""
+  for requests that need it: penalties, min_tokens, logit_bias,
+  allowed_token_ids)."""
 
   flags: jax.Array  # [slots, V] uint8: IN_PROMPT | ENDS
-  bias: jax.Array  # [slots, V] float32: the request's logit_bias, 0 elsewhere
+  # [slots, V] float32: the request's logit_bias, 0 elsewhere; -inf on the
+  # ids outside its allowed_token_ids.
+  bias: jax.Array
 
 
 def slot_tokens(slots: int, vocab: int) -> SlotTokens:
@@ -97,12 +100,15 @@ def slot_tokens(slots: int, vocab: int) -> SlotTokens:
                     bias=jnp.zeros((slots, vocab), jnp.float32))
 
 
-def slot_row(vocab: int, prompt=(), ends=(), logit_bias=()) -> SlotTokens:
+def slot_row(vocab: int, prompt=(), ends=(), logit_bias=(), allowed=()) -> SlotTokens:
   """One slot's SlotTokens row (numpy [V] each)."""
   flags = np.zeros(vocab, np.uint8)
   flags[np.asarray(prompt, np.int64)] |= IN_PROMPT
   flags[np.asarray(sorted(ends), np.int64)] |= ENDS
   bias = np.zeros(vocab, np.float32)
+  if len(allowed):
+    bias[:] = -np.inf
+    bias[np.asarray(allowed, np.int64)] = 0.0
   for t, b in logit_bias:
     bias[t] = b
   return SlotTokens(flags=flags, bias=bias)
@@ -262,6 +268,8 @@ def reference(logits: np.ndarray, p: SamplingParams, counts: np.ndarray,
   x = logits.astype(np.float64)
   for t, b in p.logit_bias:
     x[t] += b
+  if p.allowed_token_ids:
+    x[np.setdiff1d(np.arange(len(x)), p.allowed_token_ids)] = -np.inf
   seen = prompt_mask | (counts > 0)
   r = p.repetition_penalty
   x = np.where(seen, np.where(x > 0, x / r, x * r), x)

@@ -121,6 +121,11 @@ def test_logit_bias_moves_greedy_and_sampled_picks(counting):
     assert r.text == "cccc", kw
     r = c.generate("a", max_tokens=3, logit_bias={ord("b"): -100.0}, **kw)
     assert list(r.token_ids) == [0, 1, 2], kw
+  # Only "x" and "y" allowed: the counting model's "b" is not, so the tie of
+  # the rest goes to the lower id ("x"); after "x" its own "y" is allowed.
+  for kw in ({}, dict(temperature=1.0, top_k=1, seed=3)):
+    r = c.generate("a", max_tokens=4, allowed_token_ids=[ord("y"), ord("x")], **kw)
+    assert r.text == "xyxy", kw
   # The slot's bias does not linger (sequential requests reuse one slot).
   assert c.generate("a", max_tokens=3, temperature=1.0, top_k=1, seed=1).text == "bcd"
   assert c.generate("a", max_tokens=3).text == "bcd"
@@ -160,6 +165,8 @@ def test_tokenize_model_info_health_reflection(counting):
     (dict(logit_bias={i: 1.0 for i in range(301)}), "at most 300"),
     (dict(priority=3), "priority=3 needs priority scheduling"),
     (dict(truncate_prompt_tokens=0), "truncate_prompt_tokens=0 must be >= 1"),
+    (dict(allowed_token_ids=[5, 999]), "allowed_token_ids [999] are outside the vocabulary"),
+    (dict(allowed_token_ids=[257], min_tokens=1), "every allowed token id ends the request"),
 ])
 def test_bad_parameters_are_invalid_argument(counting, kw, match):
   _, c = counting
@@ -201,6 +208,7 @@ def _requests(draw):
   sp["stop"] = draw(st.lists(st.text(max_size=4), max_size=3))
   sp["stop_token_ids"] = draw(st.lists(st.integers(-2**31, 2**31 - 1), max_size=3))
   sp["logit_bias"] = draw(st.dictionaries(st.integers(-5, 300), st.floats(width=32), max_size=3))
+  sp["allowed_token_ids"] = draw(st.lists(st.integers(-5, 300), max_size=3))
   sp["logprobs"] = draw(st.booleans())
   sp["ignore_eos"] = draw(st.booleans())
   sp["include_stop_str_in_output"] = draw(st.booleans())

@@ -173,6 +173,8 @@ def test_greedy_and_topk1_pick_the_argmax():
     api.SamplingParams(temperature=1.0, top_k=5, repetition_penalty=1.5, min_tokens=9, seed=5),
     api.SamplingParams(temperature=1.0, top_k=6, logit_bias=((3, 4.0), (7, -100.0), (11, 2.5)),
                        seed=6),
+    # The likeliest is not allowed; the second (an end token) is.
+    api.SamplingParams(temperature=1.0, allowed_token_ids=(22, 4, 1, 9, 16), seed=7),
 ])
 def test_samples_stay_in_the_reference_allowed_set(p):
   v = 32
@@ -184,8 +186,8 @@ def test_samples_stay_in_the_reference_allowed_set(p):
   mask = np.zeros((1, v), bool)
   mask[0, prompt] = True
   ends = set(np.argsort(-logits)[:2].tolist())  # the two likeliest end the request
-  tok = jax.tree.map(lambda a: jnp.asarray(a)[None], sampling.slot_row(v, prompt, ends,
-                                                                       p.logit_bias))
+  tok = jax.tree.map(lambda a: jnp.asarray(a)[None], sampling.slot_row(
+      v, prompt, ends, p.logit_bias, p.allowed_token_ids))
   batch = 16
   seen = set()
   for step in range(8):  # all below min_tokens where it is set
