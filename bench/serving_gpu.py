@@ -415,6 +415,7 @@ def main():
                        "decode_prefill_budget": a.decode_prefill_budget,
                        "prefill_first": a.prefill_first, "packed_prefill": a.packed_prefill,
                        "compile_threads": a.compile_threads, "tp": a.tp,
+                       "prompt_logprobs": a.prompt_logprobs,
                        "profile_round": a.profile_round,
                        "engine_process": a.engine_process, "range_ratio": a.range_ratio,
                        "shared_prefix_len": a.shared_prefix_len, "prefix_groups": a.prefix_groups,
