@@ -36,6 +36,11 @@ waiting runs n decode steps in one device call (sampling on the device, each
 step's token fed to the next), so the host dispatches and reads once per n
 tokens; tokens computed past a request's end are dropped when read. Once no
 request has more than n // 2 tokens left, it goes back to one step a call.
+
+With ``EngineConfig.prompt_logprobs``, a request that asks for its prompt's
+logprobs has each of its prompt chunks dispatched in step 4 as a call of its
+own that keeps every position's logits and scores the next prompt token; the
+scores stay on the device until the request's final event carries them.
 """
 
 from __future__ import annotations
