@@ -200,6 +200,9 @@ def cmd_generate(a) -> int:
             file=sys.stderr)
   if final is not None:
     reason = pb.FinishReason.Name(final.finish_reason)
+    which = final.WhichOneof("stop_reason")
+    if which:
+      reason += f" ({which} {getattr(final, which)!r})"
     per_tok = (total - (first or 0)) / max(n - 1, 1) * 1e3
     print(f"[{n} tokens, {reason}; prompt {final.usage.prompt_tokens} tokens "
           f"({final.usage.cached_prompt_tokens} cached); time to first token "

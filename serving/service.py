@@ -113,6 +113,13 @@ def _final_proto(f: api.Final) -> tuple[pb.Usage, pb.Timings]:
           pb.Timings(queue_s=f.queue_s, first_token_s=f.first_token_s, total_s=f.total_s))
 
 
+def _stop_reason(f: api.Final) -> dict:
+  """The proto's stop_reason oneof of a Final, as keyword arguments."""
+  if isinstance(f.stop_reason, str):
+    return {"stop_string": f.stop_reason}
+  return {} if f.stop_reason is None else {"stop_token_id": f.stop_reason}
+
+
 def _logprobs_proto(lps) -> list[pb.TokenLogprob]:
   return [pb.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob,
                           top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
@@ -256,7 +263,7 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
           usage, timings = _final_proto(ev)
           yield pb.GenerateStreamChunk(request_id=rid, index=i, final=pb.FinalInfo(
               finish_reason=int(ev.reason), usage=usage, timings=timings,
-              prompt_logprobs=_logprobs_proto(ev.prompt_logprobs)))
+              prompt_logprobs=_logprobs_proto(ev.prompt_logprobs), **_stop_reason(ev)))
     finally:
       events.close()
       for key in keys:
@@ -281,7 +288,8 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
           done[i] = pb.Completion(index=i, text="".join(text[i]), token_ids=ids[i],
                                   logprobs=lps[i], finish_reason=int(ev.reason), usage=usage,
                                   timings=timings,
-                                  prompt_logprobs=_logprobs_proto(ev.prompt_logprobs))
+                                  prompt_logprobs=_logprobs_proto(ev.prompt_logprobs),
+                                  **_stop_reason(ev))
     finally:
       events.close()
       for key in keys:
@@ -289,10 +297,13 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
     if any(c is None for c in done):
       context.abort(grpc.StatusCode.CANCELLED, "the request was cancelled")
     first = done[0]
+    which = first.WhichOneof("stop_reason")
+    stop = {which: getattr(first, which)} if which else {}
     return pb.GenerateResponse(
         request_id=rid, text=first.text, token_ids=first.token_ids, logprobs=first.logprobs,
         finish_reason=first.finish_reason, usage=first.usage, timings=first.timings,
-        completions=done if events.n > 1 else (), prompt_logprobs=first.prompt_logprobs)
+        completions=done if events.n > 1 else (), prompt_logprobs=first.prompt_logprobs,
+        **stop)
 
   def Tokenize(self, request, context):
     if len(request.text) > MAX_PROMPT_CHARS:

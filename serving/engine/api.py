@@ -198,6 +198,9 @@ class Final:
   # With SamplingParams.prompt_logprobs: entry i is prompt token i + 1's
   # logprob given tokens 0..i (the first token has no context).
   prompt_logprobs: tuple[TokenLogprob, ...] = ()
+  # With reason STOP: the stop string (str) or stop token id (int) that ended
+  # it (vLLM's stop_reason).
+  stop_reason: str | int | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -296,6 +296,7 @@ class _Seq:
     self.out_lps: list[api.TokenLogprob] = []
     self.events_sent = 0
     # Prompt logprobs asked for: (first position, tokens, device scores) per chunk.
+    self.stop_token: int | None = None  # the stop token id that ended it
     self.scored = req.sampling.prompt_logprobs is not None
     self.scores: list[tuple[int, int, tuple]] = []
 
@@ -1048,6 +1049,8 @@ class BatchingEngine(api.Engine):
       n = next(k for k in range(n) if tokens[k] in seq.ends) + 1
       is_eos = tokens[n - 1] in self.eos_ids and not p.ignore_eos
       reason, silent = api.FinishReason.EOS if is_eos else api.FinishReason.STOP, True
+      if not is_eos:
+        seq.stop_token = tokens[n - 1]
     ids = tokens[:n]
     self._deferred.append((seq, ids, None if lps is None else lps[:n], silent, reason,
                            len(seq.generated)))
@@ -1138,7 +1141,9 @@ class BatchingEngine(api.Engine):
         cached_prompt_tokens=seq.cached_tokens,
         queue_s=(seq.scheduled_at or now) - t0,
         first_token_s=(seq.first_token_at - t0) if seq.first_token_at else 0.0,
-        total_s=now - t0, prompt_logprobs=self._prompt_logprobs(seq) if seq.scored else ())
+        total_s=now - t0, prompt_logprobs=self._prompt_logprobs(seq) if seq.scored else (),
+        stop_reason=(None if reason != api.FinishReason.STOP else seq.text.stop_string
+                     if seq.text.stopped else seq.stop_token))
     seq.handle.events.put(final)
     with self._lock:
       self._by_id.pop(seq.req.request_id, None)

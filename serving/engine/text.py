@@ -66,6 +66,7 @@ class IncrementalText:
     # stops=False (a request's first min_tokens - 1 tokens) cannot stop it.
     self._floor = 0
     self.stopped = False
+    self.stop_string: str | None = None  # the one that stopped it
 
   @property
   def text(self) -> str:
@@ -102,7 +103,7 @@ class IncrementalText:
       # self._emitted, as the held-back tail is at least len(s) - 1 chars.
       i = self._text.find(s, max(0, self._emitted - len(s) + 1, self._floor - len(s) + 1))
       if i >= 0:
-        self.stopped = True
+        self.stopped, self.stop_string = True, s
         self._text = self._text[:i + len(s) if self._include_stop else i]
         return
 

@@ -111,6 +111,11 @@ def test_generate_and_loadgen_commands(server_proc, tmp_path):
                        cwd=ROOT, capture_output=True, text=True, timeout=120)
   assert out.returncode == 0 and out.stdout.strip() == "ccc", (out.stdout, out.stderr)
   out = subprocess.run([sys.executable, "-m", "serving", "generate", "--target", target,
+                        "hello a", "--stop", "de"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=120)
+  assert out.returncode == 0 and out.stdout.strip() == "bc", (out.stdout, out.stderr)
+  assert "FINISH_REASON_STOP (stop_string 'de')" in out.stderr, out.stderr
+  out = subprocess.run([sys.executable, "-m", "serving", "generate", "--target", target,
                         "abcx", "--max-tokens", "2", "--prompt-logprobs", "1"],
                        cwd=ROOT, capture_output=True, text=True, timeout=120)
   assert out.returncode == 0 and out.stdout.strip() == "yz", (out.stdout, out.stderr)

@@ -42,6 +42,7 @@ def test_token_id_prompts_stops_and_logprobs(counting):
   r = c.generate([ord("a")], max_tokens=20, stop=["ef"])
   assert r.text == "bcd" and r.finish_reason == pb.FINISH_REASON_STOP
   assert list(r.token_ids) == [ord(x) for x in "bcdef"]  # the ids that made the stop
+  assert r.WhichOneof("stop_reason") == "stop_string" and r.stop_string == "ef"
   for stream in (False, True):  # the stop string kept, and nothing after it
     kw = dict(max_tokens=20, stop=["xyz", "ef"], include_stop_str_in_output=True)
     text = ("".join(ch.text for ch in c.stream([ord("a")], **kw)) if stream
@@ -49,6 +50,10 @@ def test_token_id_prompts_stops_and_logprobs(counting):
     assert text == "bcdef", stream
   r = c.generate([ord("a")], max_tokens=20, stop_token_ids=[ord("e")])
   assert r.text == "bcd" and r.finish_reason == pb.FINISH_REASON_STOP
+  assert r.WhichOneof("stop_reason") == "stop_token_id" and r.stop_token_id == ord("e")
+  final = list(c.stream([ord("a")], max_tokens=20, stop=["zz", "de"]))[-1].final
+  assert final.stop_string == "de" and final.finish_reason == pb.FINISH_REASON_STOP
+  assert c.generate([ord("a")], max_tokens=2).WhichOneof("stop_reason") is None  # LENGTH
   # A stop token ends it while text is held back for a stop string that never came.
   r = c.generate([ord("a")], max_tokens=20, stop=["xyz"], stop_token_ids=[ord("e")])
   assert r.text == "bcd" and r.finish_reason == pb.FINISH_REASON_STOP
