@@ -205,9 +205,10 @@ def schedule(records) -> dict:
 
 
 def check_prompt_logprobs(target, model, prompt, got, page) -> dict:
-  """The served prompt logprobs of ``prompt`` against a float32 XLA forward
-  over it (all positions): ‖served - ref‖ / ‖ref‖ over the prompt tokens'
-  logprobs, and the same greedy token as the unscored request."""
+  """The served prompt logprobs of ``prompt`` against XLA's forward of the
+  same weights over it (xla backends, float32 logits at every position):
+  ‖served - ref‖ / ‖ref‖ over the prompt tokens' logprobs, and the same
+  greedy token as the unscored request."""
   import models
   from serving.client import Client
 
@@ -215,7 +216,8 @@ def check_prompt_logprobs(target, model, prompt, got, page) -> dict:
     r = c.generate(prompt, max_tokens=1, prompt_logprobs=5)
   pages = -(-len(prompt) // page)
   table = np.arange(1, pages + 1, dtype=np.int32)[None]
-  logits, _ = models.Model.prefill(model, model.init_cache(pages + 1, page_size=page), np.asarray([prompt], np.int32),
+  cache = model.init_cache(pages + 1, page_size=page)
+  logits, _ = models.Model.prefill(model, cache, np.asarray([prompt], np.int32),
                                    np.zeros(1, np.int32), np.array([len(prompt)], np.int32),
                                    table, attention="xla", matmul="xla", all_logits=True)
   ref = np.asarray(jax.nn.log_softmax(jnp.asarray(logits[0], jnp.float32), axis=-1))
@@ -226,7 +228,7 @@ def check_prompt_logprobs(target, model, prompt, got, page) -> dict:
   top1 = float(np.mean([x.top[0].token_id == int(np.argmax(ref[i]))
                         for i, x in enumerate(r.prompt_logprobs)])) if ids_ok else 0.0
   ok = ids_ok and np.isfinite(served).all() and err < 2e-2 and r.token_ids[0] == got
-  print(f"prompt logprobs: {len(served)} positions, rel. err {err:.2e} against xla float32, "
+  print(f"prompt logprobs: {len(served)} positions, rel. err {err:.2e} against xla, "
         f"top-1 agrees at {top1:.1%}, token {r.token_ids[0]}: {'ok' if ok else 'MISMATCH'}",
         flush=True)
   return {"prompt_logprobs_rel_err": err, "prompt_logprobs_top1_agree": top1,
