@@ -613,32 +613,41 @@ def _reference_logprobs(model, prompt):
       -1, keepdims=True)
 
 
-def test_prompt_logprobs_on_the_llama_decoder():
+@pytest.mark.parametrize("layout", [{}, {"packed_prefill": True}, {"mixed_steps": True}],
+                         ids=["rows", "packed", "mixed"])
+def test_prompt_logprobs_on_the_llama_decoder(layout):
   """prompt_logprobs=3: entry i is prompt token i + 1's logprob given tokens
   0..i, with the 3 likeliest tokens there, as a float32 forward over the whole
   prompt says. A 100-token prompt is scored in two chunks (64, then 36 over
-  the cache), in the same steps as a plain request with the same prompt, which
-  gets no scores; both completions equal a lone plain request's. The scored
-  request reads nothing from the prefix cache."""
+  the cache) beside a plain request with the same prompt, which gets no
+  scores; a third request's prompt arrives while the second chunk is due and
+  keeps its call layout (rows, packed, or mixed with the decodes). Every
+  completion equals a lone request's. The scored request reads nothing from
+  the prefix cache."""
   import models
   from serving.engine import api
 
   model = models.load("tiny", dtype="float32")
-  runner, engine = _llama_engine(model, warmup=False, prompt_logprobs=True)
-  prompt = np.random.default_rng(3).integers(0, model.config.vocab_size, 100).tolist()
+  runner, engine = _llama_engine(model, warmup=False, prompt_logprobs=True, **layout)
+  rng = np.random.default_rng(3)
+  prompt, other = (rng.integers(0, model.config.vocab_size, n).tolist() for n in (100, 20))
   scored, calls = runner.prefill_scores, []
   runner.prefill_scores = lambda *a: calls.append(a[0].shape) or scored(*a)
 
-  def submit(rid, **kw):
-    return engine.submit(api.Request(rid, prompt_ids=prompt, add_bos=False,
+  def submit(rid, p=prompt, **kw):
+    return engine.submit(api.Request(rid, prompt_ids=p, add_bos=False,
                                      sampling=api.SamplingParams(max_tokens=6, **kw)))
 
-  plain = _drain_all(engine, [submit("alone")])[0]
+  plain, alone_other = _drain_all(engine, [submit("alone"), submit("alone-other", other)])
   handles = [submit("scored", prompt_logprobs=3), submit("plain")]
-  (ids, final), (ids2, final2) = _drain_all(engine, handles, finals=True)
-  assert ids == ids2 == plain and len(plain) == 6
+  engine.step()  # the first chunks; the plain request has its prompt
+  handles.append(submit("other", other))
+  (ids, final), (ids2, final2), (ids3, _) = _drain_all(engine, handles, finals=True)
+  assert ids == ids2 == plain and len(plain) == 6 and ids3 == alone_other
   assert calls == [(1, 64), (1, 64)]  # 36 tokens go to the 64 bucket
   assert final.cached_prompt_tokens == 0 and final2.cached_prompt_tokens == 96
+  # With mixed steps, the other prompt rode with the plain request's decode.
+  assert engine.mixed_steps_run == (1 if layout.get("mixed_steps") else 0)
   assert final2.prompt_logprobs == ()
   lps = final.prompt_logprobs
   assert [x.token_id for x in lps] == prompt[1:]
