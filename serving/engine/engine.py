@@ -49,9 +49,9 @@ import collections
 import concurrent.futures
 import dataclasses
 import enum
-import os
 import functools
 import logging
+import os
 import queue
 import random
 import threading
@@ -269,9 +269,9 @@ class _Seq:
     self.generated: list[int] = []
     self.max_tokens = max_tokens
     self.seed = seed
-    self.order = order  # arrival order: earlier requests are preempted last
-    # Admission order, and the reverse of preemption order: (0, order) in
-    # first-come-first-served scheduling, (priority, order) under priority.
+    # Admission order, and the reverse of preemption order: (0, arrival order)
+    # in first-come-first-served scheduling, (priority, arrival order) under
+    # priority.
     self.rank = (req.priority if by_priority else 0, order)
     self.state = _State.WAITING
     self.pages: list[int] = []
@@ -295,8 +295,8 @@ class _Seq:
     self.out_text: list[str] = []
     self.out_lps: list[api.TokenLogprob] = []
     self.events_sent = 0
-    # Prompt logprobs asked for: (first position, tokens, device scores) per chunk.
     self.stop_token: int | None = None  # the stop token id that ended it
+    # Prompt logprobs asked for: (first position, tokens, device scores) per chunk.
     self.scored = req.sampling.prompt_logprobs is not None
     self.scores: list[tuple[int, int, tuple]] = []
 
@@ -594,8 +594,8 @@ class BatchingEngine(api.Engine):
       inbox, self._inbox = self._inbox, []
       cancels, self._cancels = self._cancels, []
     self._waiting.extend(inbox)
-    if inbox and self.config.scheduling == "priority":
-      self._waiting = collections.deque(sorted(self._waiting, key=lambda s: s.rank))
+    if inbox:
+      self._order_waiting()
     for rid in cancels:
       seq = self._by_id.get(rid)
       if seq is not None and seq.cancel is None:
@@ -729,6 +729,11 @@ class BatchingEngine(api.Engine):
     self._free_slots.append(seq.slot)
     seq.slot = -1
     self._waiting.appendleft(seq)
+    self._order_waiting()
+
+  def _order_waiting(self) -> None:
+    """Under priority scheduling, waiting requests in (priority, arrival)
+    order; first-come-first-served keeps them as they were queued."""
     if self.config.scheduling == "priority":
       self._waiting = collections.deque(sorted(self._waiting, key=lambda s: s.rank))
 
@@ -860,9 +865,7 @@ class BatchingEngine(api.Engine):
     else:
       tokens, positions, lengths, table, finishing = self._prefill_inputs(chunks)
       logits = self.runner.prefill(tokens, positions, lengths, table)
-    out, want_lp = self._sampling_call(finishing, logits, len(finishing))
-    self._start_decoding(finishing)
-    return finishing, out, want_lp
+    return self._sample_rows(finishing, logits, finishing)
 
   def _run_scored(self, seq: _Seq, n: int):
     """A prompt chunk of a request that wants its prompt's logprobs, in a call
@@ -874,9 +877,7 @@ class BatchingEngine(api.Engine):
     targets[0, :len(nxt)] = nxt
     logits, scores = self.runner.prefill_scores(tokens, positions, lengths, table, targets)
     seq.scores.append((c, len(nxt), scores))
-    out, want_lp = self._sampling_call(finishing, logits, len(finishing))
-    self._start_decoding(finishing)
-    return finishing, out, want_lp
+    return self._sample_rows(finishing, logits, finishing)
 
   def _prompt_logprobs(self, seq: _Seq) -> tuple[api.TokenLogprob, ...]:
     """The scored chunks' logprobs in prompt order; a prompt computed again
@@ -890,10 +891,15 @@ class BatchingEngine(api.Engine):
           out[c + j] = api.TokenLogprob(seq.prompt[c + j + 1], float(lp[j]), top)
     return tuple(out[i] for i in sorted(out))
 
-  def _start_decoding(self, finishing: list[_Seq | None]) -> None:
+  def _sample_rows(self, rows: list[_Seq | None], logits, finishing: list[_Seq | None]):
+    """Samples a call's rows (launched as (rows, device outputs, logprobs
+    wanted)); the requests in ``finishing`` completed their prompt and decode
+    from now on."""
+    out, want_lp = self._sampling_call(rows, logits, len(rows))
     for seq in finishing:
       if seq is not None:
         seq.state = _State.DECODE
+    return rows, out, want_lp
 
   def _prefill_inputs(self, chunks: list[tuple[_Seq, int]]):
     """Padded chunk arrays; advances each request's computed tokens. The last
@@ -966,9 +972,7 @@ class BatchingEngine(api.Engine):
       seq.computed += 1
     p_tokens, positions, p_lengths, p_table, finishing = self._prefill_inputs(chunks)
     logits = self._mixed_call(slots, lengths, table, p_tokens, positions, p_lengths, p_table)
-    out, want_lp = self._sampling_call(rows + finishing, logits, len(rows) + len(finishing))
-    self._start_decoding(finishing)
-    return rows + finishing, out, want_lp
+    return self._sample_rows(rows + finishing, logits, finishing)
 
   def _mixed_call(self, slots, *args):
     if hasattr(self.runner, "mixed_slots"):
@@ -1142,8 +1146,8 @@ class BatchingEngine(api.Engine):
         queue_s=(seq.scheduled_at or now) - t0,
         first_token_s=(seq.first_token_at - t0) if seq.first_token_at else 0.0,
         total_s=now - t0, prompt_logprobs=self._prompt_logprobs(seq) if seq.scored else (),
-        stop_reason=(None if reason != api.FinishReason.STOP else seq.text.stop_string
-                     if seq.text.stopped else seq.stop_token))
+        stop_reason=((seq.text.stop_string or seq.stop_token)
+                     if reason == api.FinishReason.STOP else None))
     seq.handle.events.put(final)
     with self._lock:
       self._by_id.pop(seq.req.request_id, None)

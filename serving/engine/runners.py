@@ -389,14 +389,9 @@ class CountingRunner:
     del positions, page_table
     time.sleep(self.step_delay)
     tokens = np.asarray(tokens)
-    b, t = tokens.shape
-    logits = self._logits(tokens.reshape(-1))
-    lp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
-    chosen = np.take_along_axis(lp, np.asarray(targets).reshape(-1, 1), axis=-1)[:, 0]
-    top = np.argsort(-lp, axis=-1, kind="stable")[:, :sampling.MAX_TOP_LOGPROBS]
-    scores = (chosen, top, np.take_along_axis(lp, top, axis=-1))
+    logits = self._logits(tokens.reshape(-1)).reshape(*tokens.shape, -1)
     return (self._logits(self._chunk_last(tokens, lengths)),
-            tuple(x.reshape(b, t, *x.shape[1:]) for x in scores))
+            sampling.prompt_scores(logits, np.asarray(targets, np.int32)))
 
   def prefill_packed(self, tokens, tpos, seg, last, page_table, fresh=True):
     del tpos, seg, page_table, fresh
