@@ -32,6 +32,11 @@ class Tokenizer:
   def decode(self, ids: Sequence[int]) -> str:
     raise NotImplementedError
 
+  def token_bytes(self) -> list[bytes | None]:
+    """Each id's bytes in the text (None: a special or control token): what
+    grammar-constrained decoding matches (serving.engine.structured)."""
+    raise NotImplementedError
+
   def apply_chat_template(self, messages: list[dict[str, str]], *,
                           add_generation_prompt: bool = True) -> str | None:
     if not self.chat_template:
@@ -69,6 +74,9 @@ class ByteTokenizer(Tokenizer):
   def decode(self, ids: Sequence[int]) -> str:
     return bytes(i - self.OFFSET for i in ids
                  if self.OFFSET <= i < 256 + self.OFFSET).decode("utf-8", "replace")
+
+  def token_bytes(self) -> list[bytes | None]:
+    return [None] * self.OFFSET + [bytes([b]) for b in range(256)]
 
 
 class HFTokenizer(Tokenizer):
@@ -109,6 +117,18 @@ class SentencePieceTokenizer(Tokenizer):
 
   def decode(self, ids: Sequence[int]) -> str:
     return self.sp.decode([int(i) for i in ids])
+
+  def token_bytes(self) -> list[bytes | None]:
+    out: list[bytes | None] = []
+    for i in range(self.sp.get_piece_size()):
+      piece = self.sp.id_to_piece(i)
+      if self.sp.is_byte(i):  # <0xNN>: byte fallback
+        out.append(bytes([int(piece[3:5], 16)]))
+      elif self.sp.is_control(i) or self.sp.is_unknown(i):
+        out.append(None)
+      else:
+        out.append(piece.replace("\u2581", " ").encode("utf-8"))
+    return out
 
 
 def _token_id(tk, value) -> int | None:

@@ -145,7 +145,27 @@ def _sampling(a) -> dict:
     kw["logit_bias"] = dict(a.logit_bias)
   if a.allowed_token_ids:
     kw["allowed_token_ids"] = a.allowed_token_ids
+  if a.json_schema is not None:
+    kw["structured_outputs"] = {"json": a.json_schema}
+  elif a.json_object:
+    kw["structured_outputs"] = {"json_object": True}
+  elif a.regex is not None:
+    kw["structured_outputs"] = {"regex": a.regex}
+  elif a.choice:
+    kw["structured_outputs"] = {"choice": {"choices": a.choice}}
+  elif a.grammar is not None:
+    kw["structured_outputs"] = {"grammar": a.grammar}
   return kw
+
+
+def _text_or_file(text: str) -> str:
+  """The argument itself, or the file's text for @path."""
+  if not text.startswith("@"):
+    return text
+  try:
+    return pathlib.Path(text[1:]).read_text()
+  except OSError as e:
+    raise argparse.ArgumentTypeError(f"{text[1:]}: {e.strerror}") from None
 
 
 def _token_ids(text: str) -> list[int]:
@@ -326,6 +346,14 @@ def parser() -> argparse.ArgumentParser:
                  help="only these token ids may be generated")
   g.add_argument("--logit-bias", action="append", type=_token_bias, metavar="TOKEN_ID=BIAS",
                  help="added to the token's logit, in [-100, 100]; repeatable")
+  so = g.add_argument_group("structured outputs (one of)").add_mutually_exclusive_group()
+  so.add_argument("--json-schema", type=_text_or_file, metavar="SCHEMA|@FILE",
+                  help="the output is JSON matching this JSON schema")
+  so.add_argument("--json-object", action="store_true", help="the output is a JSON object")
+  so.add_argument("--regex", help="the output matches this regular expression")
+  so.add_argument("--choice", action="append", help="the output is one of these; repeatable")
+  so.add_argument("--grammar", type=_text_or_file, metavar="LARK|@FILE",
+                  help="the output matches this Lark grammar")
   g.add_argument("--timeout", type=float, help="deadline in seconds")
   g.add_argument("--priority", type=int, default=0,
                  help="lower is more urgent (a server with --scheduling-policy priority)")

@@ -104,7 +104,16 @@ def sampling_from_proto(s: pb.SamplingParams) -> api.SamplingParams:
   kw["stop_token_ids"] = tuple(s.stop_token_ids)
   kw["logit_bias"] = tuple(sorted(s.logit_bias.items()))
   kw["allowed_token_ids"] = tuple(s.allowed_token_ids)
+  if s.HasField("structured_outputs"):
+    kw["structured"] = structured_from_proto(s.structured_outputs)
   return api.SamplingParams(**kw)
+
+
+def structured_from_proto(o: pb.StructuredOutputs) -> api.StructuredOutputs:
+  kind = o.WhichOneof("kind")
+  if kind == "choice":
+    return api.StructuredOutputs(choice=tuple(o.choice.choices))
+  return api.StructuredOutputs(**({kind: getattr(o, kind)} if kind else {}))
 
 
 def _final_proto(f: api.Final) -> tuple[pb.Usage, pb.Timings]:

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from serving.engine.api import (  # noqa: F401
     Delta, Draining, Engine, EngineFailed, EngineInfo, EngineStats, Failed, Final, FinishReason,
-    InvalidRequest, QueueFull, Request, RequestHandle, SamplingParams, TokenLogprob)
+    InvalidRequest, QueueFull, Request, RequestHandle, SamplingParams, StructuredOutputs,
+    TokenLogprob)
 from serving.engine.engine import (  # noqa: F401
     BatchingEngine, EngineConfig, StepRecord, auto_compile_threads)
 from serving.engine.runners import CountingRunner, ModelRunner  # noqa: F401

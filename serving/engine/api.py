@@ -21,6 +21,8 @@ from collections.abc import Sequence
 MAX_TOP_LOGPROBS = 5
 MAX_LOGIT_BIAS = 300  # entries per request (OpenAI's limit)
 MAX_ALLOWED_TOKENS = 1 << 17  # allowed_token_ids per request (a vocabulary's worth)
+MAX_GRAMMAR_CHARS = 1 << 16  # a structured output's schema, regex or grammar
+MAX_CHOICES = 1024
 
 
 class InvalidRequest(ValueError):
@@ -46,6 +48,42 @@ class FinishReason(enum.IntEnum):
   EOS = 3
   CANCELLED = 4
   DEADLINE = 5
+
+
+@dataclasses.dataclass(frozen=True)
+class StructuredOutputs:
+  """What the output must match (vLLM's structured_outputs); exactly one is set.
+
+  ``json``: a JSON schema (as JSON text); ``json_object``: any JSON object;
+  ``regex``: a regular expression (Rust regex syntax); ``choice``: one of
+  these strings; ``grammar``: a Lark grammar (llguidance's dialect).
+  """
+
+  json: str | None = None
+  regex: str | None = None
+  choice: tuple[str, ...] = ()
+  grammar: str | None = None
+  json_object: bool = False
+
+  def __post_init__(self):
+    kinds = [k for k in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, k)]
+    if len(kinds) != 1:
+      raise InvalidRequest("structured outputs: set exactly one of json, regex, choice, grammar, "
+                           f"json_object (got {kinds or 'none'})")
+    for k in ("json", "regex", "grammar"):
+      v = getattr(self, k)
+      if v is not None and len(v) > MAX_GRAMMAR_CHARS:
+        raise InvalidRequest(f"structured {k} has {len(v)} chars; at most {MAX_GRAMMAR_CHARS}")
+    if len(self.choice) > MAX_CHOICES or sum(map(len, self.choice)) > MAX_GRAMMAR_CHARS:
+      raise InvalidRequest(f"structured choice: at most {MAX_CHOICES} strings of "
+                           f"{MAX_GRAMMAR_CHARS} chars in all")
+    if any(not c for c in self.choice):
+      raise InvalidRequest("structured choice: the strings must not be empty")
+
+  @property
+  def kind(self) -> str:
+    return next(k for k in ("json", "regex", "choice", "grammar", "json_object")
+                if getattr(self, k))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,6 +122,9 @@ class SamplingParams:
   # Keep only the prompt's last k tokens (vLLM's truncate_prompt_tokens): a
   # prompt longer than the context is cut instead of refused.
   truncate_prompt_tokens: int | None = None
+  # The output must match this (a JSON schema, a regex, ...): each step may
+  # only take tokens the grammar admits; it ends when the grammar is complete.
+  structured: StructuredOutputs | None = None
 
   def __post_init__(self):
     def finite(name):
@@ -157,8 +198,9 @@ class SamplingParams:
 
   @property
   def biased(self) -> bool:
-    """Whether its logits get a per-token bias row (logit_bias, allowed_token_ids)."""
-    return bool(self.logit_bias or self.allowed_token_ids)
+    """Whether its logits get a per-token bias row (logit_bias, allowed_token_ids,
+    structured outputs)."""
+    return bool(self.logit_bias or self.allowed_token_ids or self.structured)
 
 
 @dataclasses.dataclass

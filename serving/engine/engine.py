@@ -37,6 +37,11 @@ step's token fed to the next), so the host dispatches and reads once per n
 tokens; tokens computed past a request's end are dropped when read. Once no
 request has more than n // 2 tokens left, it goes back to one step a call.
 
+A request with structured outputs (``SamplingParams.structured``) decodes one
+step a call, and the step after one of its tokens reads that token back
+before dispatching: its grammar's allowed set for the next token goes into
+its slot's bias row first. It ends (STOP) when the grammar is complete.
+
 With ``EngineConfig.prompt_logprobs``, a request that asks for its prompt's
 logprobs has each of its prompt chunks dispatched in step 4 as a call of its
 own that keeps every position's logits and scores the next prompt token; the
@@ -63,7 +68,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from serving.engine import api, sampling
+from serving.engine import api, sampling, structured
 from serving.engine.pages import PageAllocator, block_hashes
 from serving.engine.text import IncrementalText
 
@@ -299,6 +304,9 @@ class _Seq:
     # Prompt logprobs asked for: (first position, tokens, device scores) per chunk.
     self.scored = req.sampling.prompt_logprobs is not None
     self.scores: list[tuple[int, int, tuple]] = []
+    # Structured outputs: the grammar's state, and the bias row it narrows.
+    self.guide: structured.Guide | None = None
+    self.bias_base: np.ndarray | None = None
 
   @property
   def tokens(self) -> list[int]:
@@ -368,6 +376,7 @@ class BatchingEngine(api.Engine):
     self._slot_biased = np.zeros((config.max_batch,), bool)  # its SlotTokens.bias row is set
     self._slot_f = np.zeros((config.max_batch, sampling.F_COLS), np.float32)
     self._slot_i = np.zeros((config.max_batch, sampling.I_COLS), np.int64)
+    self._grammars = structured.Grammars(self.tok, runner.vocab_size)
     self._lock = threading.Lock()
     self._wake = threading.Condition(self._lock)
     self._inbox: list[_Seq] = []
@@ -466,6 +475,7 @@ class BatchingEngine(api.Engine):
     if request.priority and self.config.scheduling != "priority":
       raise api.InvalidRequest(f"priority={request.priority} needs priority scheduling "
                                "(serve --scheduling-policy priority)")
+    guide = self._grammars.guide(p.structured) if p.structured is not None else None
     seed = p.seed if p.seed is not None else random.getrandbits(64)
     handle = api.RequestHandle(request.request_id, len(prompt),
                                self.make_events(request.request_id))
@@ -477,6 +487,7 @@ class BatchingEngine(api.Engine):
       self._order += 1
       seq = _Seq(request, handle, prompt, max_tokens, seed, self.tok, self._order, self.eos_ids,
                  self.config.scheduling == "priority")
+      seq.guide = guide
       self._by_id[request.request_id] = seq
       self._inbox.append(seq)
       self._wake.notify()
@@ -606,6 +617,13 @@ class BatchingEngine(api.Engine):
       if seq.cancel is not None:
         self._finish(seq, seq.cancel)
 
+    t_wait = t_tokens = 0.0
+    flushed, previous = False, self._inflight
+    if previous and any(s.guide is not None and s.pending for s in self._running):
+      # A structured request's next step needs its grammar past the token in
+      # flight: read it now, before this step is dispatched.
+      t_wait, t_tokens, flushed = self._collect(previous)
+      self._inflight = []
     steps = self._decode_steps()
     # Decodes reserve their pages first, so that admitting prompts never takes
     # the pages a running request needs for its next token.
@@ -633,8 +651,26 @@ class BatchingEngine(api.Engine):
       if decodes:
         launched.append(self._run_decode(decodes, steps))
     t_launch = time.perf_counter() - t_launch
-    previous, self._inflight = self._inflight, launched
-    t_wait, t_tokens = 0.0, time.perf_counter()
+    tw, tt, fl = self._collect(self._inflight)
+    t_wait, t_tokens, flushed = t_wait + tw, t_tokens + tt, flushed or fl
+    self._inflight = launched
+    if not launched and not previous:
+      return flushed
+    if launched:
+      self.steps += 1
+    dt = time.perf_counter() - t0
+    record = StepRecord(dt, t_wait, len(decodes), bool(launched), t_launch, t_tokens,
+                        sum(n for _, n in prefills), steps if decodes else 0, t0,
+                        _Compiles.of(threading.get_ident())[0] - compiles0)
+    self.step_times.append(record)
+    if self.observer is not None:
+      self.observer.on_step(self, record)
+    return True
+
+  def _collect(self, previous) -> tuple[float, float, bool]:
+    """Reads a dispatched step's tokens back and hands them out: (seconds
+    waiting for the device, seconds on the tokens, whether anything was sent)."""
+    t_wait, t0 = 0.0, time.perf_counter()
     for seqs, out, want_lp in previous:
       tw = time.perf_counter()
       tokens = np.asarray(out[0])
@@ -653,19 +689,7 @@ class BatchingEngine(api.Engine):
           self._accept(seq, by_row[i], None if lp is None else
                        [(lp[0][j, i], lp[1][j, i], lp[2][j, i]) for j in range(n)])
     flushed = self._flush_deferred()
-    t_tokens = time.perf_counter() - t_tokens - t_wait
-    if not launched and not previous:
-      return flushed
-    if launched:
-      self.steps += 1
-    dt = time.perf_counter() - t0
-    record = StepRecord(dt, t_wait, len(decodes), bool(launched), t_launch, t_tokens,
-                        sum(n for _, n in prefills), steps if decodes else 0, t0,
-                        _Compiles.of(threading.get_ident())[0] - compiles0)
-    self.step_times.append(record)
-    if self.observer is not None:
-      self.observer.on_step(self, record)
-    return True
+    return t_wait, time.perf_counter() - t0 - t_wait, flushed
 
   def _decode_steps(self) -> int:
     """Decode steps this iteration: config.decode_steps unless a prompt waits
@@ -677,7 +701,8 @@ class BatchingEngine(api.Engine):
       return 1
     need = most_left = 0
     for seq in self._running:
-      if seq.state != _State.DECODE or seq.computed + n > self.max_pages * self.page_size:
+      if (seq.state != _State.DECODE or seq.guide is not None
+          or seq.computed + n > self.max_pages * self.page_size):
         return 1
       need += max(0, -(-(seq.computed + n) // self.page_size) - len(seq.pages))
       most_left = max(most_left, seq.max_tokens - len(seq.generated) - seq.pending)
@@ -770,10 +795,13 @@ class BatchingEngine(api.Engine):
       self._slot_biased[seq.slot] = seq.params.biased
       v = self.runner.vocab_size
       counts = np.bincount(np.asarray(seq.generated, np.int64), minlength=v)[:v].astype(np.int32)
+      row = sampling.slot_row(v, seq.prompt, seq.ends, seq.params.logit_bias,
+                              seq.params.allowed_token_ids)
+      if seq.guide is not None:  # what the grammar admits after the tokens so far
+        seq.bias_base = row.bias
+        row = dataclasses.replace(row, bias=seq.guide.bias(row.bias))
       self._counts, self._slot_tokens = sampling.set_rows(
-          self._counts, self._slot_tokens, np.int32(seq.slot), counts,
-          sampling.slot_row(v, seq.prompt, seq.ends, seq.params.logit_bias,
-                            seq.params.allowed_token_ids))
+          self._counts, self._slot_tokens, np.int32(seq.slot), counts, row)
     self._running.append(seq)
     return True
 
@@ -1056,11 +1084,28 @@ class BatchingEngine(api.Engine):
       if not is_eos:
         seq.stop_token = tokens[n - 1]
     ids = tokens[:n]
+    if seq.guide is not None:
+      reason = self._follow(seq, ids, reason)
     self._deferred.append((seq, ids, None if lps is None else lps[:n], silent, reason,
                            len(seq.generated)))
     seq.generated.extend(ids)
     if reason is not None:
       self._release(seq)
+
+  def _follow(self, seq: _Seq, ids: list[int], reason):
+    """Moves a structured request's grammar past its new tokens: it ends
+    (STOP) where the grammar is complete, else its slot's bias row becomes
+    what the grammar admits next. Returns the finish reason."""
+    g = seq.guide
+    if not g.accept(ids):  # cannot happen while the bias row holds: a limit, or a bug
+      log.error("request %s: structured output failed: %s", seq.req.request_id, g.error)
+      return reason or api.FinishReason.STOP
+    if g.stopped:
+      return reason or api.FinishReason.STOP
+    if reason is None and seq.state == _State.DECODE:
+      self._slot_tokens = sampling.set_bias(self._slot_tokens, np.int32(seq.slot),
+                                            g.bias(seq.bias_base))
+    return reason
 
   def _flush_deferred(self) -> bool:
     """Text, stop strings and events of the tokens accepted last step: each
@@ -1188,6 +1233,8 @@ class BatchingEngine(api.Engine):
     self._counts, self._slot_tokens = sampling.set_rows(
         self._counts, self._slot_tokens, np.int32(0), np.zeros(v, np.int32),
         sampling.slot_row(v))
+    # A structured request's bias row, as each of its steps sets it.
+    self._slot_tokens = sampling.set_bias(self._slot_tokens, np.int32(0), np.zeros(v, np.float32))
     for b in self.batch_buckets:
       logits = self._decode_call(np.zeros((b,), np.int32), np.zeros((b,), np.int32),
                                  np.zeros((b, table_w), np.int32))

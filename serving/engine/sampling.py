@@ -261,6 +261,12 @@ def set_rows(counts, tok: SlotTokens, slot, count_row, row: SlotTokens):
   return counts.at[slot].set(count_row), jax.tree.map(lambda a, r: a.at[slot].set(r), tok, row)
 
 
+@functools.partial(jax.jit, donate_argnames=("tok",))
+def set_bias(tok: SlotTokens, slot, bias_row):
+  """Sets one slot's bias row (a structured output's allowed set, each step)."""
+  return dataclasses.replace(tok, bias=tok.bias.at[slot].set(bias_row))
+
+
 def reference(logits: np.ndarray, p: SamplingParams, counts: np.ndarray,
               prompt_mask: np.ndarray, ends=(), step: int = 0) -> np.ndarray:
   """The allowed set after the logit bias, penalties, the end-token ban and

@@ -40,6 +40,10 @@ class ByteTokenizer:
   def decode(self, ids: Sequence[int]) -> str:
     return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
 
+  def token_bytes(self) -> list[bytes | None]:
+    """Each id's bytes; None for BOS, EOS and the ids past them."""
+    return [bytes([b]) for b in range(256)] + [None] * (self.vocab_size - 256)
+
 
 _WINDOW = 6  # prompt tokens of left context for the first new token
 # Tokens a window may hold before a run of them that adds no text (special

@@ -122,6 +122,14 @@ def test_generate_and_loadgen_commands(server_proc, tmp_path):
   # After BOS: "b" and "c" follow their bytes (logprob ~0), "a" and "x" do not (~-20).
   assert "prompt logprobs (4 tokens, sum -40.0000)" in out.stderr, out.stderr
   assert f"{ord('c'):>8} {-0.0:10.4f}   [{ord('c')}: -0.0000]" in out.stderr, out.stderr
+  schema = tmp_path / "schema.json"
+  schema.write_text('{"type": "object", "properties": {"ok": {"type": "boolean"}}, '
+                    '"required": ["ok"], "additionalProperties": false}')
+  for flags, want in ((["--regex", "[b-d]+0"], "bcd0"),
+                      (["--json-schema", f"@{schema}"], '{"ok":false}')):
+    out = subprocess.run([sys.executable, "-m", "serving", "generate", "--target", target,
+                          "a", *flags], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == want, (out.stdout, out.stderr)
   js = tmp_path / "load.json"
   out = subprocess.run([sys.executable, "-m", "serving", "loadgen", "--target", target,
                         "--concurrency", "4", "--num-requests", "8", "--input-len", "8",

@@ -217,6 +217,14 @@ def _requests(draw):
   sp["logprobs"] = draw(st.booleans())
   sp["ignore_eos"] = draw(st.booleans())
   sp["include_stop_str_in_output"] = draw(st.booleans())
+  kind = draw(st.sampled_from([None, "json", "regex", "grammar", "choice", "json_object"]))
+  if kind == "choice":
+    sp["structured_outputs"] = pb.StructuredOutputs(choice=pb.Choices(
+        choices=draw(st.lists(st.text(max_size=4), max_size=3))))
+  elif kind == "json_object":
+    sp["structured_outputs"] = pb.StructuredOutputs(json_object=draw(st.booleans()))
+  elif kind is not None:
+    sp["structured_outputs"] = pb.StructuredOutputs(**{kind: draw(st.text(max_size=8))})
   prompt = draw(st.one_of(
       st.text(max_size=20).map(lambda t: dict(text=t)),
       st.lists(st.integers(-5, 300), max_size=20).map(lambda i: dict(token_ids=pb.TokenIds(ids=i))),

@@ -1,0 +1,271 @@
+"""Structured outputs (serving.engine.structured): grammars over each
+tokenizer's bytes, and the engine writing each step's allowed set.
+
+The counting model (next byte = previous + 1, every other token tied) makes a
+constrained greedy output known by hand: the model's own byte where the
+grammar admits it, else the lowest allowed id.
+"""
+
+import concurrent.futures
+import json
+import re
+import subprocess
+import sys
+
+import grpc
+import numpy as np
+import pytest
+
+from serving import engine as E
+from serving.engine import api, structured
+from serving.proto import generate_pb2 as pb
+
+from tests.serving.conftest import running, wait_for
+
+pytest.importorskip("llguidance")
+
+_OK_SCHEMA = json.dumps({
+    "type": "object", "additionalProperties": False, "required": ["ok", "tag"],
+    "properties": {"ok": {"type": "boolean"}, "tag": {"enum": ["ab", "cd"]}}})
+
+
+# -- each tokenizer's bytes, as llguidance sees them ---------------------------
+
+def _hf_tokenizer(tmp_path):
+  import tokenizers
+  from tokenizers import decoders, models as tk_models, pre_tokenizers
+
+  from models import tokenizer as tok_lib
+
+  vocab = {"<s>": 0, "</s>": 1}
+  for ch in sorted(pre_tokenizers.ByteLevel.alphabet()):
+    vocab[ch] = len(vocab)
+  merges = [("t", "h"), ("th", "e"), ("Ġ", "c"), ("Ġc", "a"), ("Ġca", "t"), ("d", "o")]
+  for a, b in merges:
+    vocab[a + b] = len(vocab)
+  tk = tokenizers.Tokenizer(tk_models.BPE(vocab=vocab, merges=merges))
+  tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tk.decoder = decoders.ByteLevel()
+  tk.add_special_tokens(["<s>", "</s>"])
+  return tok_lib.HFTokenizer(tk, bos_id=0, eos_ids=(1,)), len(vocab) + 5  # a padded vocabulary
+
+
+def _sp_tokenizer(tmp_path):
+  import sentencepiece as spm
+
+  from models import tokenizer as tok_lib
+
+  text = tmp_path / "corpus.txt"
+  text.write_text("\n".join(f"the {w} sat on the mat {i}" for i, w in
+                            enumerate(["cat", "dog", "bird", "fox"] * 25)))
+  spm.SentencePieceTrainer.train(input=str(text), model_prefix=str(tmp_path / "sp"),
+                                 vocab_size=300, model_type="bpe", byte_fallback=True,
+                                 bos_id=1, eos_id=2, unk_id=0, pad_id=-1, minloglevel=2)
+  return tok_lib.SentencePieceTokenizer(tmp_path / "sp.model"), 300
+
+
+def _tokenizer(kind, tmp_path):
+  from models import tokenizer as tok_lib
+  from serving.engine.text import ByteTokenizer
+
+  if kind == "serving-bytes":
+    return ByteTokenizer(260), 260
+  if kind == "model-bytes":
+    return tok_lib.ByteTokenizer(), 300
+  return (_hf_tokenizer if kind == "hf" else _sp_tokenizer)(tmp_path)
+
+
+_SPECS = [
+    (api.StructuredOutputs(choice=("the cat", "the dog", "a.b(c)|d")),
+     lambda t: t in ("the cat", "the dog", "a.b(c)|d")),
+    (api.StructuredOutputs(regex="(the|a) [a-z]{1,4}[0-9]"),
+     lambda t: re.fullmatch("(the|a) [a-z]{1,4}[0-9]", t)),
+    (api.StructuredOutputs(json=_OK_SCHEMA),
+     lambda t: json.loads(t)["tag"] in ("ab", "cd") and isinstance(json.loads(t)["ok"], bool)),
+    (api.StructuredOutputs(grammar='start: "x" ("y" | "zz")+ "!"'),
+     lambda t: re.fullmatch("x(y|zz)+!", t)),
+]
+
+
+@pytest.mark.parametrize("kind", ["serving-bytes", "model-bytes", "hf", "sentencepiece"])
+def test_random_walks_through_the_allowed_sets_decode_to_matches(kind, tmp_path):
+  """Tokens drawn at random from each step's allowed set, until the grammar
+  is complete, decode (with the tokenizer's own decode) to a match; and the
+  sets do exclude tokens. A wrong byte mapping (a sentencepiece "▁" kept, an
+  offset lost) decodes to text the grammar never allowed."""
+  tok, vocab = _tokenizer(kind, tmp_path)
+  grammars = structured.Grammars(tok, vocab)
+  eos = set(tok.eos_ids)
+  rng = np.random.default_rng(0)
+  for spec, matches in _SPECS:
+    for walk in range(8):
+      g, ids = grammars.guide(spec), []
+      while not g.stopped:
+        allowed = np.flatnonzero(g.allowed())
+        assert 0 < len(allowed) < vocab, (spec, ids)
+        ends = [t for t in allowed if t in eos]
+        if ends and (len(ends) == len(allowed) or rng.random() < 0.3):
+          break
+        t = int(rng.choice([t for t in allowed if t not in eos]))
+        assert g.accept([t])
+        ids.append(t)
+        assert len(ids) < 64, (spec, tok.decode(ids))
+      text = tok.decode(ids)
+      assert matches(text), (kind, spec.kind, walk, text, ids)
+
+
+def test_a_choice_is_literal_text_and_bad_specs_are_refused():
+  from serving.engine.text import ByteTokenizer
+
+  grammars = structured.Grammars(ByteTokenizer(), 258)
+  g = grammars.guide(api.StructuredOutputs(choice=("a.b", "a+")))
+  assert g.accept([ord("a")])
+  assert sorted(np.flatnonzero(g.allowed())) == [ord("+"), ord(".")]  # not any byte, not "a"
+  for spec, match in [
+      (dict(regex="(ab"), "unclosed group"),
+      (dict(json="{not json"), "the schema is not JSON"),
+      (dict(json="[1]"), "must be a JSON object"),
+      (dict(grammar="start: foo"), "unknown name"),
+  ]:
+    with pytest.raises(api.InvalidRequest, match=re.escape(match)):
+      grammars.guide(api.StructuredOutputs(**spec))
+  for kw in ({}, dict(regex="a", choice=("a",)), dict(choice=("a", "")),
+             dict(regex="a" * (api.MAX_GRAMMAR_CHARS + 1)), dict(json_object=False)):
+    with pytest.raises(api.InvalidRequest, match="structured"):
+      api.StructuredOutputs(**kw)
+
+
+# -- the engine -----------------------------------------------------------------
+
+_KNOWN = [  # (spec, other sampling fields, the counting model's greedy output after "a")
+    (dict(choice={"choices": ["xyz", "bcq"]}), {}, "bcq"),  # b, c its own; then only q
+    (dict(regex="[b-d]+0"), {}, "bcd0"),  # e refused after d: the lowest allowed is "0"
+    (dict(json=_OK_SCHEMA), {}, '{"ok":false,"tag":"ab"}'),
+    (dict(grammar='start: "b" "c" /[0-9]/'), {}, "bc0"),
+    # "{" is the only start; then '"' (the lowest allowed) but for the bias on "}".
+    (dict(json_object=True), dict(logit_bias={ord("}"): 30.0}), "{}"),
+]
+
+
+@pytest.mark.parametrize("config", [dict(), dict(decode_steps=4), dict(mixed_steps=True)],
+                         ids=["one-step", "multi-step", "mixed"])
+def test_greedy_structured_outputs_beside_plain_requests(config):
+  """Each step's bias row is the grammar's set after the tokens so far: the
+  outputs are known by hand, they end (STOP) when the grammar is complete,
+  and the plain requests batched with them keep their own continuations,
+  whatever the engine's decode mode."""
+  engine = E.tiny_engine(max_batch=8, **config)
+  with running(engine) as (server, c):
+    with concurrent.futures.ThreadPoolExecutor(10) as pool:
+      plain = [pool.submit(c.generate, "hello " + ch, max_tokens=12, ignore_eos=True)
+               for ch in "ghij"]
+      guided = [pool.submit(c.generate, "a", max_tokens=40, structured_outputs=spec, **kw)
+                for spec, kw, _ in _KNOWN]
+      streamed = pool.submit(lambda: list(c.stream("a", structured_outputs=_KNOWN[1][0])))
+      for f, ch in zip(plain, "ghij"):
+        assert f.result().text == "".join(chr(ord(ch) + 1 + i) for i in range(12))
+      for f, (spec, _, want) in zip(guided, _KNOWN):
+        r = f.result()
+        assert r.text == want, spec
+        assert r.finish_reason == pb.FINISH_REASON_STOP and not r.HasField("stop_string")
+      chunks = streamed.result()
+      assert "".join(ch.text for ch in chunks) == "bcd0"
+      assert chunks[-1].final.finish_reason == pb.FINISH_REASON_STOP
+    # The slot's bias row does not outlive the request.
+    assert c.generate("a", max_tokens=5).text == "bcdef"
+    assert c.generate("a", max_tokens=3, temperature=1.0, top_k=1, seed=2).text == "bcd"
+    wait_for(lambda: engine.stats().pages_in_use == 0, what="pages freed")
+
+
+def test_sampled_structured_outputs_match_and_n_completions_each_match(counting):
+  """Sampling from the allowed set always matches; with n = 3 each completion
+  follows its own grammar. After a, c or e the model's own next byte is
+  refused, so the draw is among the tied allowed ones."""
+  _, c = counting
+  pattern = "[ace]{6}"
+  texts = set()
+  for seed in range(6):
+    r = c.generate("a", max_tokens=20, temperature=1.0, seed=seed,
+                   structured_outputs=dict(regex=pattern))
+    assert re.fullmatch(pattern, r.text), r.text
+    texts.add(r.text)
+  assert len(texts) > 1  # it did sample
+  r = c.generate("a", max_tokens=20, temperature=1.0, seed=7, n=3,
+                 structured_outputs=dict(choice={"choices": ["no", "yes", "maybe"]}))
+  assert all(x.text in ("no", "yes", "maybe") for x in r.completions)
+  # Cut at max_tokens: what came is the start of a match.
+  r = c.generate("a", max_tokens=3, structured_outputs=dict(regex="bcdefgh"))
+  assert r.text == "bcd" and r.finish_reason == pb.FINISH_REASON_LENGTH
+
+
+@pytest.mark.parametrize("spec, match", [
+    (dict(regex="(ab"), "unclosed group"),
+    (dict(json="{not json"), "not JSON"),
+    (dict(grammar="start: foo"), "unknown name"),
+    (dict(), "set exactly one of"),
+    (dict(json_object=False), "set exactly one of"),
+    (dict(choice={"choices": ["a", ""]}), "must not be empty"),
+])
+def test_bad_structured_outputs_are_invalid_argument(counting, spec, match):
+  _, c = counting
+  with pytest.raises(grpc.RpcError) as e:
+    c.generate("a", structured_outputs=spec)
+  assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+  assert match in e.value.details()
+
+
+def test_structured_outputs_survive_preemption():
+  """A structured request preempted part-way (its pages freed, its tokens
+  recomputed) goes on from its grammar's state: the output is the one it
+  gets alone. 40 letters from b..z: after z the model's "{" is refused, so
+  it starts again at "b"."""
+  want = "bcdefghijklmnopqrstuvwxyz" + "bcdefghijklmnop"
+  alone = E.tiny_engine(max_batch=4)
+  with running(alone) as (_, c):
+    assert c.generate("a", structured_outputs=dict(regex="[b-z]{40}")).text == want
+  engine = E.tiny_engine(max_batch=4, num_pages=17, page_size=4)  # 16 pages: 64 tokens
+  with running(engine) as (_, c):
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+      others = [pool.submit(c.generate, "k" * 10, max_tokens=30, ignore_eos=True)
+                for _ in range(2)]
+      r = c.generate("a", structured_outputs=dict(regex="[b-z]{40}"))
+      [f.result() for f in others]
+    assert engine.preemptions > 0
+    assert r.text == want and r.finish_reason == pb.FINISH_REASON_STOP
+    wait_for(lambda: engine.stats().pages_in_use == 0, what="pages freed")
+
+
+def test_greedy_json_on_the_llama_decoder_is_the_masked_argmax():
+  """On the tiny Llama (random weights, float32), a JSON schema's greedy
+  output is, token by token, the argmax of a whole-sequence forward over the
+  tokens the grammar allows there; and it parses to what the schema says."""
+  import models
+
+  from tests.serving.test_batching import _reference_logprobs
+
+  model = models.load("tiny", dtype="float32")
+  runner = E.ModelRunner(model, num_pages=64, page_size=8)
+  engine = E.BatchingEngine(runner, E.EngineConfig(
+      max_batch=4, batch_buckets=(1, 4), min_chunk=16, prefill_chunk=32, max_seq_len=128,
+      warmup=False))
+  prompt = [7, 300, 12, 45, 99, 3, 18]
+  spec = api.StructuredOutputs(json=_OK_SCHEMA)
+  h = engine.submit(api.Request("j", prompt_ids=prompt, add_bos=False,
+                                sampling=api.SamplingParams(max_tokens=40, structured=spec)))
+  while engine.step():
+    pass
+  ids, final = [], None
+  while not h.events.empty():
+    ev = h.events.get_nowait()
+    assert not isinstance(ev, api.Failed), ev
+    ids += ev.token_ids if isinstance(ev, api.Delta) else []
+    final = ev if isinstance(ev, api.Final) else final
+  assert final.reason == api.FinishReason.STOP
+  out = json.loads(model.tokenizer.decode(ids))
+  assert set(out) == {"ok", "tag"} and out["tag"] in ("ab", "cd")
+  g, want = structured.Grammars(model.tokenizer, model.config.vocab_size).guide(spec), []
+  while not g.stopped:
+    lp = _reference_logprobs(model, prompt + want)[-1]
+    want.append(int(np.argmax(np.where(g.allowed(), lp, -np.inf))))
+    assert g.accept(want[-1:])
+  assert ids == want
