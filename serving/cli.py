@@ -192,7 +192,11 @@ def cmd_generate(a) -> int:
     n = 0
     final = None
     others: dict[int, list] = {}  # with --n: completions 1.. print after completion 0
-    for chunk in c.stream(a.prompt, timeout=a.timeout, priority=a.priority, **_sampling(a)):
+    prompt = a.prompt
+    if a.chat or a.system is not None:  # one user turn, after the system message if any
+      prompt = ([{"role": "system", "content": a.system}] if a.system is not None else []) + [
+          {"role": "user", "content": a.prompt}]
+    for chunk in c.stream(prompt, timeout=a.timeout, priority=a.priority, **_sampling(a)):
       if chunk.index:
         others.setdefault(chunk.index, []).append(chunk)
         continue
@@ -335,6 +339,9 @@ def parser() -> argparse.ArgumentParser:
   g = sub.add_parser("generate", help="stream a completion to the terminal")
   _client_args(g)
   g.add_argument("prompt")
+  g.add_argument("--chat", action="store_true",
+                 help="send the prompt as a user message, through the model's chat template")
+  g.add_argument("--system", help="a system message before it (implies --chat)")
   for f, t in _SAMPLING_FLAGS:
     g.add_argument("--" + f.replace("_", "-"), type=t)
   g.add_argument("--stop", action="append")

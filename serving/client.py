@@ -13,15 +13,22 @@ from serving.proto import health_pb2, health_pb2_grpc
 _SAMPLING_FIELDS = frozenset(pb.SamplingParams.DESCRIPTOR.fields_by_name)
 
 
-def make_request(prompt: str | Sequence[int], *, request_id: str = "", priority: int = 0,
+def make_request(prompt: str | Sequence[int] | Sequence[dict], *, request_id: str = "",
+                 priority: int = 0, add_generation_prompt: bool | None = None,
                  **sampling) -> pb.GenerateRequest:
-  """``prompt`` as text or token ids; ``sampling`` keys are SamplingParams fields."""
+  """``prompt`` as text, token ids, or chat messages ({"role": ..., "content": ...}
+  each); ``sampling`` keys are SamplingParams fields."""
   unknown = set(sampling) - _SAMPLING_FIELDS
   if unknown:
     raise ValueError(f"unknown sampling fields {sorted(unknown)}; valid: {sorted(_SAMPLING_FIELDS)}")
   sp = pb.SamplingParams(**{k: v for k, v in sampling.items() if v is not None})
-  prompt = dict(text=prompt) if isinstance(prompt, str) else dict(
-      token_ids=pb.TokenIds(ids=list(prompt)))
+  if isinstance(prompt, str):
+    prompt = dict(text=prompt)
+  elif prompt and isinstance(prompt[0], dict):
+    prompt = dict(chat=pb.Chat(messages=[pb.ChatMessage(**m) for m in prompt],
+                               add_generation_prompt=add_generation_prompt))
+  else:
+    prompt = dict(token_ids=pb.TokenIds(ids=list(prompt)))
   return pb.GenerateRequest(request_id=request_id, sampling=sp, priority=priority, **prompt)
 
 

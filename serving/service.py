@@ -174,6 +174,12 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
       if which == "text" and len(request.text) > MAX_PROMPT_CHARS:
         raise api.InvalidRequest(f"the prompt text has {len(request.text)} chars; at most "
                                  f"{MAX_PROMPT_CHARS}")
+      messages = None
+      if which == "chat":
+        messages = tuple((m.role, m.content) for m in request.chat.messages)
+        chars = sum(len(r) + len(c) for r, c in messages)
+        if chars > MAX_PROMPT_CHARS:
+          raise api.InvalidRequest(f"the chat has {chars} chars; at most {MAX_PROMPT_CHARS}")
       n = request.sampling.n if request.sampling.HasField("n") else 1
       if not 1 <= n <= MAX_N:
         raise api.InvalidRequest(f"n={n} must be in [1, {MAX_N}]")
@@ -189,6 +195,9 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
             request_id=keys[-1],
             prompt_text=request.text if which == "text" else None,
             prompt_ids=list(request.token_ids.ids) if which == "token_ids" else None,
+            messages=messages, add_generation_prompt=(
+                request.chat.add_generation_prompt
+                if request.chat.HasField("add_generation_prompt") else True),
             sampling=sampling, priority=request.priority,
             deadline=None if remaining is None else time.monotonic() + remaining)))
     except (api.InvalidRequest, api.QueueFull, api.Draining, api.EngineFailed) as e:

@@ -209,6 +209,10 @@ class Request:
   prompt_ids: Sequence[int] | None = None
   prompt_text: str | None = None
   sampling: SamplingParams = dataclasses.field(default_factory=SamplingParams)
+  # Chat messages as (role, content) pairs, rendered by the model's chat
+  # template: the third form of the prompt.
+  messages: Sequence[tuple[str, str]] | None = None
+  add_generation_prompt: bool = True  # the template ends with the assistant's header
   deadline: float | None = None  # time.monotonic() by which the request must end
   add_bos: bool = True
   priority: int = 0  # lower is more urgent; needs EngineConfig.scheduling = "priority"

@@ -494,9 +494,13 @@ class BatchingEngine(api.Engine):
     return handle
 
   def _prompt_ids(self, request: api.Request) -> list[int]:
-    if (request.prompt_ids is None) == (request.prompt_text is None):
-      raise api.InvalidRequest("give the prompt as text or as token ids (exactly one)")
-    if request.prompt_text is not None:
+    forms = (request.prompt_ids, request.prompt_text, request.messages)
+    if sum(x is not None for x in forms) != 1:
+      raise api.InvalidRequest("give the prompt as text, token ids or chat messages "
+                               "(exactly one)")
+    if request.messages is not None:
+      ids = self._chat_ids(request)
+    elif request.prompt_text is not None:
       ids = self.tokenize(request.prompt_text, add_bos=request.add_bos)
     else:
       ids = [int(t) for t in request.prompt_ids]
@@ -507,6 +511,29 @@ class BatchingEngine(api.Engine):
     if not ids:
       raise api.InvalidRequest("the prompt is empty")
     return ids
+
+  def _chat_ids(self, request: api.Request) -> list[int]:
+    """Chat messages rendered by the model's chat template, then tokenized
+    without adding BOS (vLLM's way: the template writes it where the model
+    wants it; a BOS written as text becomes the BOS id)."""
+    if not request.messages:
+      raise api.InvalidRequest("the chat has no messages")
+    render = getattr(self.tok, "apply_chat_template", None)
+    messages = [{"role": role, "content": content} for role, content in request.messages]
+    import jinja2
+
+    try:
+      text = None if render is None else render(
+          messages, add_generation_prompt=request.add_generation_prompt)
+    except (ValueError, TypeError, jinja2.TemplateError) as e:  # raise_exception, a bad role
+      raise api.InvalidRequest(f"chat template: {e}") from None
+    if text is None:
+      raise api.InvalidRequest(f"the model {self.runner.name} has no chat template: send the "
+                               "prompt as text")
+    bos, bos_id = getattr(self.tok, "bos_token", ""), getattr(self.tok, "bos_id", None)
+    if bos and bos_id is not None and text.startswith(bos):
+      return [bos_id] + list(self.tok.encode(text[len(bos):]))
+    return list(self.tok.encode(text))
 
   def cancel(self, request_id: str) -> None:
     with self._lock:

@@ -40,6 +40,17 @@ class ByteTokenizer:
   def decode(self, ids: Sequence[int]) -> str:
     return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
 
+  bos_token = eos_token = ""  # the chat template's names for them: unused
+  # "role: content" lines, then "assistant: " for the model's turn.
+  chat_template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n"
+                   "{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}")
+
+  def apply_chat_template(self, messages, *, add_generation_prompt: bool = True) -> str:
+    from models.tokenizer import Tokenizer  # jinja2 in a sandbox, as every model renders
+
+    return Tokenizer.apply_chat_template(self, messages,
+                                         add_generation_prompt=add_generation_prompt)
+
   def token_bytes(self) -> list[bytes | None]:
     """Each id's bytes; None for BOS, EOS and the ids past them."""
     return [bytes([b]) for b in range(256)] + [None] * (self.vocab_size - 256)

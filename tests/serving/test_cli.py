@@ -122,6 +122,10 @@ def test_generate_and_loadgen_commands(server_proc, tmp_path):
   # After BOS: "b" and "c" follow their bytes (logprob ~0), "a" and "x" do not (~-20).
   assert "prompt logprobs (4 tokens, sum -40.0000)" in out.stderr, out.stderr
   assert f"{ord('c'):>8} {-0.0:10.4f}   [{ord('c')}: -0.0000]" in out.stderr, out.stderr
+  out = subprocess.run([sys.executable, "-m", "serving", "generate", "--target", target,
+                        "hi", "--system", "be brief", "--max-tokens", "5"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+  assert out.returncode == 0 and out.stdout.strip() == '!"#$%', (out.stdout, out.stderr)
   schema = tmp_path / "schema.json"
   schema.write_text('{"type": "object", "properties": {"ok": {"type": "boolean"}}, '
                     '"required": ["ok"], "additionalProperties": false}')

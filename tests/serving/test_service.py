@@ -228,6 +228,9 @@ def _requests(draw):
   prompt = draw(st.one_of(
       st.text(max_size=20).map(lambda t: dict(text=t)),
       st.lists(st.integers(-5, 300), max_size=20).map(lambda i: dict(token_ids=pb.TokenIds(ids=i))),
+      st.lists(st.tuples(st.text(max_size=6), st.text(max_size=12)), max_size=3).map(
+          lambda ms: dict(chat=pb.Chat(messages=[pb.ChatMessage(role=r, content=t)
+                                                 for r, t in ms]))),
       st.just({})))
   return pb.GenerateRequest(request_id=draw(st.text(max_size=8)), sampling=pb.SamplingParams(**sp),
                             **prompt)
@@ -765,3 +768,62 @@ def test_prompt_logprobs_unary_streamed_and_refused_unless_enabled():
       assert (e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
               and "prompt_logprobs=" in e.value.details())
     wait_for(lambda: server.engine.stats().pages_in_use == 0, what="pages freed")
+
+
+def test_chat_messages_go_through_the_chat_template(counting):
+  """A chat prompt is the template's text ("role: content" lines, then
+  "assistant: " for the counting model's byte tokenizer), tokenized without
+  BOS: the same tokens as that text sent as ids."""
+  _, c = counting
+  msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+  rendered = list(b"system: be brief\nuser: hi\nassistant: ")
+  r = c.generate(msgs, max_tokens=5)
+  assert r.text == '!"#$%' and r.usage.prompt_tokens == len(rendered)  # after " "
+  assert list(c.generate(rendered, max_tokens=5).token_ids) == list(r.token_ids)
+  chunks = list(c.stream(msgs, max_tokens=5))
+  assert "".join(ch.text for ch in chunks) == '!"#$%'
+  r = c.generate(msgs[1:], max_tokens=3, add_generation_prompt=False)  # ends in "\n"
+  assert list(r.token_ids) == [11, 12, 13] and r.usage.prompt_tokens == len("user: hi\n")
+  with pytest.raises(grpc.RpcError) as e:
+    c.stub.Generate(pb.GenerateRequest(chat=pb.Chat()))
+  assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+  assert "the chat has no messages" in e.value.details()
+
+
+def test_chat_templates_missing_refusing_or_writing_bos():
+  """No template, or one that raises on the messages: INVALID_ARGUMENT's
+  message says so. A template that writes BOS as text gets the BOS id once,
+  for a Hugging Face tokenizer as for a sentencepiece one (which would spell
+  "<s>" out)."""
+  import tokenizers
+  from tokenizers import models as tk_models, pre_tokenizers
+
+  from models import tokenizer as tok_lib
+
+  engine = E.tiny_engine()
+
+  def ids(messages=(("user", "hi"),)):
+    return engine._prompt_ids(E.Request("r", messages=messages))
+
+  engine.tok = type(engine.tok)()
+  engine.tok.chat_template = None
+  with pytest.raises(E.InvalidRequest, match="has no chat template"):
+    ids()
+  engine.tok.chat_template = ("{% if messages[0]['role'] != 'system' %}"
+                              "{{ raise_exception('start with a system message') }}{% endif %}")
+  with pytest.raises(E.InvalidRequest, match="chat template: .*start with a system message"):
+    ids()
+  with pytest.raises(E.InvalidRequest, match="exactly one"):
+    engine._prompt_ids(E.Request("r", prompt_text="a", messages=(("user", "hi"),)))
+  template = "{{ bos_token }}{% for m in messages %}[{{ m['content'] }}]{% endfor %}"
+  vocab = {"<s>": 0, "</s>": 1, **{ch: 2 + i for i, ch in enumerate("[]hi<s>/")}}
+  tk = tokenizers.Tokenizer(tk_models.WordLevel(vocab=vocab, unk_token="</s>"))
+  tk.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+  tk.add_special_tokens(["<s>", "</s>"])
+  engine.tok = tok_lib.HFTokenizer(tk, bos_id=0, eos_ids=(1,), chat_template=template)
+  assert ids() == [0] + [vocab[ch] for ch in "[hi]"]
+  sp = object.__new__(tok_lib.SentencePieceTokenizer)  # encode: one id a char
+  sp.bos_id, sp.bos_token, sp.chat_template = 7, "<s>", template
+  sp.encode = lambda text: [ord(ch) for ch in text]
+  engine.tok = sp
+  assert ids() == [7] + [ord(ch) for ch in "[hi]"]
