@@ -198,8 +198,8 @@ class SamplingParams:
 
   @property
   def biased(self) -> bool:
-    """Whether its logits get a per-token bias row (logit_bias, allowed_token_ids,
-    structured outputs)."""
+    """Whether its slot's per-token rows shape its logits (logit_bias,
+    allowed_token_ids, a structured output's allow bitmask)."""
     return bool(self.logit_bias or self.allowed_token_ids or self.structured)
 
 

@@ -40,7 +40,7 @@ request has more than n // 2 tokens left, it goes back to one step a call.
 A request with structured outputs (``SamplingParams.structured``) decodes one
 step a call, and the step after one of its tokens reads that token back
 before dispatching: its grammar's allowed set for the next token goes into
-its slot's bias row first. It ends (STOP) when the grammar is complete.
+its slot's allow bitmask first. It ends (STOP) when the grammar is complete.
 
 With ``EngineConfig.prompt_logprobs``, a request that asks for its prompt's
 logprobs has each of its prompt chunks dispatched in step 4 as a call of its
@@ -304,9 +304,7 @@ class _Seq:
     # Prompt logprobs asked for: (first position, tokens, device scores) per chunk.
     self.scored = req.sampling.prompt_logprobs is not None
     self.scores: list[tuple[int, int, tuple]] = []
-    # Structured outputs: the grammar's state, and the bias row it narrows.
-    self.guide: structured.Guide | None = None
-    self.bias_base: np.ndarray | None = None
+    self.guide: structured.Guide | None = None  # structured outputs: the grammar's state
 
   @property
   def tokens(self) -> list[int]:
@@ -373,10 +371,11 @@ class BatchingEngine(api.Engine):
     # Per batch slot, kept up to date as pages and requests come and go, so that
     # building a step's inputs is a gather rather than a loop over requests.
     self._slot_table = np.zeros((config.max_batch, self.max_pages), np.int32)
-    self._slot_biased = np.zeros((config.max_batch,), bool)  # its SlotTokens.bias row is set
+    self._slot_biased = np.zeros((config.max_batch,), bool)  # its bias or allow row is set
     self._slot_f = np.zeros((config.max_batch, sampling.F_COLS), np.float32)
     self._slot_i = np.zeros((config.max_batch, sampling.I_COLS), np.int64)
     self._grammars = structured.Grammars(self.tok, runner.vocab_size)
+    self._to_guide: list[_Seq] = []  # structured requests whose allow rows are due
     self._lock = threading.Lock()
     self._wake = threading.Condition(self._lock)
     self._inbox: list[_Seq] = []
@@ -716,6 +715,7 @@ class BatchingEngine(api.Engine):
           self._accept(seq, by_row[i], None if lp is None else
                        [(lp[0][j, i], lp[1][j, i], lp[2][j, i]) for j in range(n)])
     flushed = self._flush_deferred()
+    self._guide_next()
     return t_wait, time.perf_counter() - t0 - t_wait, flushed
 
   def _decode_steps(self) -> int:
@@ -823,10 +823,8 @@ class BatchingEngine(api.Engine):
       v = self.runner.vocab_size
       counts = np.bincount(np.asarray(seq.generated, np.int64), minlength=v)[:v].astype(np.int32)
       row = sampling.slot_row(v, seq.prompt, seq.ends, seq.params.logit_bias,
-                              seq.params.allowed_token_ids)
-      if seq.guide is not None:  # what the grammar admits after the tokens so far
-        seq.bias_base = row.bias
-        row = dataclasses.replace(row, bias=seq.guide.bias(row.bias))
+                              seq.params.allowed_token_ids,
+                              None if seq.guide is None else seq.guide.words())
       self._counts, self._slot_tokens = sampling.set_rows(
           self._counts, self._slot_tokens, np.int32(seq.slot), counts, row)
     self._running.append(seq)
@@ -1121,18 +1119,32 @@ class BatchingEngine(api.Engine):
 
   def _follow(self, seq: _Seq, ids: list[int], reason):
     """Moves a structured request's grammar past its new tokens: it ends
-    (STOP) where the grammar is complete, else its slot's bias row becomes
-    what the grammar admits next. Returns the finish reason."""
+    (STOP) where the grammar is complete, else its slot's allow row is due
+    (``_guide_next``). Returns the finish reason."""
     g = seq.guide
-    if not g.accept(ids):  # cannot happen while the bias row holds: a limit, or a bug
+    if not g.accept(ids):  # cannot happen while the allow row holds: a limit, or a bug
       log.error("request %s: structured output failed: %s", seq.req.request_id, g.error)
       return reason or api.FinishReason.STOP
     if g.stopped:
       return reason or api.FinishReason.STOP
-    if reason is None and seq.state == _State.DECODE:
-      self._slot_tokens = sampling.set_bias(self._slot_tokens, np.int32(seq.slot),
-                                            g.bias(seq.bias_base))
+    if reason is None:
+      self._to_guide.append(seq)
     return reason
+
+  def _guide_next(self) -> None:
+    """Writes the allowed sets of the structured requests that took tokens
+    into their slots' allow rows: one bitmask fill, one transfer and one
+    device update for all (rows padded to a batch bucket)."""
+    seqs = [s for s in self._to_guide if s.state == _State.DECODE]
+    self._to_guide = []
+    if not seqs:
+      return
+    b = _bucket(len(seqs), self.batch_buckets)
+    words = np.full((b, sampling.mask_words(self.runner.vocab_size)), -1, np.int32)
+    self._grammars.fill([s.guide for s in seqs], words)
+    slots = np.full((b,), self.config.max_batch, np.int32)  # out of range: dropped
+    slots[:len(seqs)] = [s.slot for s in seqs]
+    self._slot_tokens = sampling.set_allow(self._slot_tokens, slots, words)
 
   def _flush_deferred(self) -> bool:
     """Text, stop strings and events of the tokens accepted last step: each
@@ -1260,8 +1272,11 @@ class BatchingEngine(api.Engine):
     self._counts, self._slot_tokens = sampling.set_rows(
         self._counts, self._slot_tokens, np.int32(0), np.zeros(v, np.int32),
         sampling.slot_row(v))
-    # A structured request's bias row, as each of its steps sets it.
-    self._slot_tokens = sampling.set_bias(self._slot_tokens, np.int32(0), np.zeros(v, np.float32))
+    # Structured requests' allow rows, as each step sets them (padding rows only).
+    for b in self.batch_buckets:
+      self._slot_tokens = sampling.set_allow(
+          self._slot_tokens, np.full((b,), self.config.max_batch, np.int32),
+          np.full((b, sampling.mask_words(v)), -1, np.int32))
     for b in self.batch_buckets:
       logits = self._decode_call(np.zeros((b,), np.int32), np.zeros((b,), np.int32),
                                  np.zeros((b, table_w), np.int32))

@@ -4,9 +4,11 @@ A request's ``SamplingParams.structured`` (a JSON schema, any JSON object, a
 regex, a choice of strings, or a Lark grammar) becomes an llguidance grammar
 when it is submitted; ``Grammars.guide`` checks it against the model's
 vocabulary and refuses a bad one there (``InvalidRequest``). The request's
-``Guide`` then follows its accepted tokens: before each of its steps the
-engine writes ``Guide.allowed()`` into the slot's bias row (-inf outside the
-set), and the request ends (STOP) when the grammar admits nothing more.
+``Guide`` then follows its accepted tokens: before each step the engine
+computes the structured requests' allowed sets as bitmasks
+(``Grammars.fill``, on llguidance's threads) into their slots'
+``SlotTokens.allow`` rows, and a request ends (STOP) when its grammar admits
+nothing more.
 
 llguidance works on token bytes: a Hugging Face ``tokenizer.json`` is handed
 over whole; other tokenizers say what bytes each id stands for
@@ -115,14 +117,15 @@ class Guide:
     self._m = matcher
     self._vocab = vocab
 
+  def words(self) -> np.ndarray:
+    """[ceil(vocab / 32)] int32: bit t % 32 of word t // 32 set where token t may come next."""
+    # (compute_bitmask has a spare word when 32 divides the vocabulary)
+    return np.frombuffer(self._m.compute_bitmask(), np.int32)[:-(-self._vocab // 32)].copy()
+
   def allowed(self) -> np.ndarray:
     """[vocab] bool: the tokens the grammar admits next."""
     bits = np.frombuffer(self._m.compute_bitmask(), np.uint8)
     return np.unpackbits(bits, bitorder="little")[:self._vocab].astype(bool)
-
-  def bias(self, base: np.ndarray) -> np.ndarray:
-    """The slot's bias row: ``base`` (the request's logit bias) where allowed, -inf elsewhere."""
-    return np.where(self.allowed(), base, np.float32(-np.inf)).astype(np.float32)
 
   def accept(self, ids: list[int]) -> bool:
     """Follows the tokens; False if the grammar refused one (the matcher's error)."""
@@ -145,6 +148,7 @@ class Grammars:
   def __init__(self, tok, vocab: int):
     self._tok, self._vocab = tok, vocab
     self._ll = None
+    self._executor = None
     self._lock = threading.Lock()
 
   def _tokenizer(self):
@@ -152,6 +156,20 @@ class Grammars:
       if self._ll is None:
         self._ll = ll_tokenizer(self._tok, self._vocab)
       return self._ll
+
+  def fill(self, guides: list[Guide], words: np.ndarray) -> None:
+    """Row i of ``words`` [>= len(guides), W] int32 <- guides[i]'s bitmask,
+    computed side by side on llguidance's threads (without the GIL)."""
+    from llguidance.numpy import fill_next_token_bitmask_par
+
+    if words.shape[1] != -(-self._vocab // 32):  # llguidance's row stride
+      raise ValueError(f"{words.shape=}: rows of {-(-self._vocab // 32)} words expected")
+    if self._executor is None:
+      import llguidance
+
+      self._executor = llguidance.LLExecutor()
+    fill_next_token_bitmask_par(self._executor, [(g._m, i) for i, g in enumerate(guides)],
+                                words)
 
   def guide(self, spec: api.StructuredOutputs) -> Guide:
     """A fresh Guide for ``spec``; InvalidRequest if the spec does not compile."""
