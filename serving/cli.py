@@ -44,7 +44,8 @@ def _engine_config(a) -> dict:
              stream_interval=a.stream_interval, mixed_steps=a.mixed_steps,
              decode_prefill_budget=a.decode_prefill_budget, prefill_first=a.prefill_first,
              packed_prefill=a.packed_prefill, compile_threads=a.compile_threads,
-             scheduling=a.scheduling_policy, prompt_logprobs=a.enable_prompt_logprobs)
+             scheduling=a.scheduling_policy, prompt_logprobs=a.enable_prompt_logprobs,
+             jump_forward=a.jump_forward)
   if a.token_budget:
     cfg["token_budget"] = a.token_budget
   if a.compile_threads is None:
@@ -315,6 +316,9 @@ def parser() -> argparse.ArgumentParser:
   s.add_argument("--enable-prompt-logprobs", action="store_true",
                  help="requests may ask for their prompt's logprobs (prompt_logprobs); "
                       "warm-up then also compiles the calls that score a prompt")
+  s.add_argument("--jump-forward", action="store_true",
+                 help="structured outputs take the tokens their grammar forces without "
+                      "sampling them, computed as a prompt chunk (fewer steps)")
   s.add_argument("--engine-process", action="store_true",
                  help="run the engine in a process of its own, so that the gRPC stream "
                       "threads do not share its interpreter (serving.engine.process)")

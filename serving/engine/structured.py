@@ -127,6 +127,10 @@ class Guide:
     bits = np.frombuffer(self._m.compute_bitmask(), np.uint8)
     return np.unpackbits(bits, bitorder="little")[:self._vocab].astype(bool)
 
+  def forced(self) -> list[int]:
+    """The tokens that must come next whatever is sampled (may be none)."""
+    return self._m.compute_ff_tokens()
+
   def accept(self, ids: list[int]) -> bool:
     """Follows the tokens; False if the grammar refused one (the matcher's error)."""
     return self._m.consume_tokens(ids)

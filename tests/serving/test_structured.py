@@ -235,10 +235,13 @@ def test_structured_outputs_survive_preemption():
     wait_for(lambda: engine.stats().pages_in_use == 0, what="pages freed")
 
 
-def test_greedy_json_on_the_llama_decoder_is_the_masked_argmax():
+@pytest.mark.parametrize("jump_forward", [False, True])
+def test_greedy_json_on_the_llama_decoder_is_the_masked_argmax(jump_forward):
   """On the tiny Llama (random weights, float32), a JSON schema's greedy
   output is, token by token, the argmax of a whole-sequence forward over the
-  tokens the grammar allows there; and it parses to what the schema says."""
+  tokens the grammar allows there; and it parses to what the schema says.
+  With jump_forward the forced tokens' KV comes from prompt chunks over the
+  output: the tokens after them are the same."""
   import models
 
   from tests.serving.test_batching import _reference_logprobs
@@ -247,7 +250,7 @@ def test_greedy_json_on_the_llama_decoder_is_the_masked_argmax():
   runner = E.ModelRunner(model, num_pages=64, page_size=8)
   engine = E.BatchingEngine(runner, E.EngineConfig(
       max_batch=4, batch_buckets=(1, 4), min_chunk=16, prefill_chunk=32, max_seq_len=128,
-      warmup=False))
+      warmup=False, jump_forward=jump_forward))
   prompt = [7, 300, 12, 45, 99, 3, 18]
   spec = api.StructuredOutputs(json=_OK_SCHEMA)
   h = engine.submit(api.Request("j", prompt_ids=prompt, add_bos=False,
@@ -269,3 +272,29 @@ def test_greedy_json_on_the_llama_decoder_is_the_masked_argmax():
     want.append(int(np.argmax(np.where(g.allowed(), lp, -np.inf))))
     assert g.accept(want[-1:])
   assert ids == want
+  assert (engine.jump_forward_tokens > 10) == jump_forward
+
+
+@pytest.mark.parametrize("config", [dict(), dict(mixed_steps=True)], ids=["rows", "mixed"])
+def test_jump_forward_takes_forced_tokens_without_steps(config):
+  """jump_forward: the bytes a JSON schema forces ('"ok":', 'alse', ',"tag":"',
+  'b"}') are taken at once and computed as prompt chunks. The outputs are
+  those of one token a step (one tokenization per byte here), cut at
+  max_tokens alike, in a fraction of the iterations; a request asking for
+  logprobs, or with penalties, steps one token at a time."""
+  def run(jump, **kw):
+    engine = E.tiny_engine(max_batch=4, jump_forward=jump, **config)
+    with running(engine) as (_, c):
+      outs = [c.generate("a", structured_outputs=dict(json=_OK_SCHEMA), **kw),
+              c.generate("a", structured_outputs=dict(json=_OK_SCHEMA), max_tokens=4, **kw)]
+      wait_for(lambda: engine.stats().pages_in_use == 0, what="pages freed")
+      return [(r.text, r.finish_reason) for r in outs], engine.counters()
+
+  want = [('{"ok":false,"tag":"ab"}', pb.FINISH_REASON_STOP), ('{"ok', pb.FINISH_REASON_LENGTH)]
+  (plain, n_plain), (fast, n_fast) = run(False), run(True)
+  assert plain == fast == want
+  assert n_plain["jump_forward_tokens"] == 0 and n_fast["jump_forward_tokens"] == 20 + 2
+  assert n_fast["steps"] * 3 < n_plain["steps"], (n_fast["steps"], n_plain["steps"])
+  for kw in (dict(logprobs=True), dict(repetition_penalty=1.1)):
+    got, n = run(True, **kw)
+    assert got == run(False, **kw)[0] and n["jump_forward_tokens"] == 0, kw

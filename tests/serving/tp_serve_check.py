@@ -29,6 +29,9 @@ def serve(tp: int, prompts, **engine_kw):
       # state, set at admission).
       kw = dict(temperature=0.8, seed=i, top_p=0.9, min_tokens=2,
                 logit_bias={7: 3.0}) if i % 2 else {}
+      if i == 2:  # a structured output: its allow bitmask row, set each step
+        kw["structured_outputs"] = {"json": '{"type": "object", "required": ["k"], '
+                                    '"properties": {"k": {"type": "integer"}}}'}
       if i == 0 and engine_kw.get("prompt_logprobs"):
         kw["prompt_logprobs"] = 2  # scored in 2 chunks, all logits gathered over the shards
       r = client.generate(prompts[i], max_tokens=9, ignore_eos=True, **kw)
@@ -58,7 +61,7 @@ def main():
   # Two prompts of 2 chunks, two short ones: prefill rows, continued chunks, batches.
   prompts = [rng.integers(3, 259, n).tolist() for n in (20, 5, 18, 3)]
   for kw in (dict(decode_steps=3, compile_threads=2, prompt_logprobs=True),
-             dict(packed_prefill=True), dict(mixed_steps=True)):
+             dict(packed_prefill=True), dict(mixed_steps=True, jump_forward=True)):
     one, two = serve(1, prompts, **kw), serve(2, prompts, **kw)
     assert [ids for ids, _ in one] == [ids for ids, _ in two], (kw, one, two)
     scored = [(a, b) for (_, a), (_, b) in zip(one, two) if a or b]
