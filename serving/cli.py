@@ -246,7 +246,9 @@ def cmd_loadgen(a) -> int:
                     output_len=a.output_len, concurrency=a.concurrency, rate=a.rate,
                     vocab=min(info.vocab_size, 256) if a.byte_prompts else info.vocab_size,
                     seed=a.seed, range_ratio=a.range_ratio,
-                    shared_prefix_len=a.shared_prefix_len, prefix_groups=a.prefix_groups)
+                    shared_prefix_len=a.shared_prefix_len, prefix_groups=a.prefix_groups,
+                    structured=({"regex": a.regex} if a.regex is not None else
+                                {"json": a.json_schema} if a.json_schema is not None else None))
   print(loadgen.format_report(r))
   if a.json:
     a.json.write_text(json.dumps(r, indent=1))
@@ -384,6 +386,10 @@ def parser() -> argparse.ArgumentParser:
                  "of this many tokens (a system prompt)")
   l.add_argument("--prefix-groups", type=int, default=1)
   l.add_argument("--byte-prompts", action="store_true", help="prompt ids below 256 only")
+  lso = l.add_mutually_exclusive_group()
+  lso.add_argument("--regex", help="every request's output matches this (structured outputs)")
+  lso.add_argument("--json-schema", type=_text_or_file, metavar="SCHEMA|@FILE",
+                   help="every request's output is JSON matching this schema")
   l.add_argument("--seed", type=int, default=0)
   l.add_argument("--json", type=pathlib.Path, help="write the results here")
   l.set_defaults(fn=cmd_loadgen)

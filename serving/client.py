@@ -25,11 +25,15 @@ def make_request(prompt: str | Sequence[int] | Sequence[dict], *, request_id: st
   if isinstance(prompt, str):
     prompt = dict(text=prompt)
   elif prompt and isinstance(prompt[0], dict):
-    prompt = dict(chat=pb.Chat(messages=[pb.ChatMessage(**m) for m in prompt],
-                               add_generation_prompt=add_generation_prompt))
+    prompt = dict(chat=_chat(prompt, add_generation_prompt))
   else:
     prompt = dict(token_ids=pb.TokenIds(ids=list(prompt)))
   return pb.GenerateRequest(request_id=request_id, sampling=sp, priority=priority, **prompt)
+
+
+def _chat(messages: Sequence[dict], add_generation_prompt: bool | None) -> pb.Chat:
+  return pb.Chat(messages=[pb.ChatMessage(**m) for m in messages],
+                 add_generation_prompt=add_generation_prompt)
 
 
 class Client:
@@ -65,9 +69,14 @@ class Client:
     return self.stub.Generate(make_request(prompt, request_id=request_id, **sampling),
                               timeout=timeout, metadata=self.metadata)
 
-  def tokenize(self, text: str, add_bos: bool = False) -> pb.TokenizeResponse:
-    return self.stub.Tokenize(pb.TokenizeRequest(text=text, add_bos=add_bos),
-                              metadata=self.metadata)
+  def tokenize(self, text: str | Sequence[dict], add_bos: bool = False,
+               add_generation_prompt: bool | None = None) -> pb.TokenizeResponse:
+    """Token ids of text, or of chat messages as a chat prompt has them."""
+    if isinstance(text, str):
+      req = pb.TokenizeRequest(text=text, add_bos=add_bos)
+    else:
+      req = pb.TokenizeRequest(chat=_chat(text, add_generation_prompt))
+    return self.stub.Tokenize(req, metadata=self.metadata)
 
   def model_info(self) -> pb.ModelInfoResponse:
     return self.stub.ModelInfo(pb.ModelInfoRequest(), metadata=self.metadata)

@@ -44,7 +44,9 @@ def run(client: Client, *, num_requests: int, input_len: int, output_len: int,
         concurrency: int | None = None, rate: float | None = None, vocab: int = 256,
         token_range: tuple[int, int] | None = None, seed: int = 0,
         timeout: float = 600.0, range_ratio: float = 0.0, shared_prefix_len: int = 0,
-        prefix_groups: int = 1) -> dict:
+        prefix_groups: int = 1, structured: dict | None = None) -> dict:
+  """``structured``: every request's structured_outputs (e.g. {"regex": ...});
+  a request then ends where its grammar does, if before output_len."""
   if (concurrency is None) == (rate is None):
     raise ValueError(f"give exactly one of {concurrency=} or {rate=}")
   if num_requests < 1 or input_len < 1 or output_len < 1:
@@ -73,7 +75,8 @@ def run(client: Client, *, num_requests: int, input_len: int, output_len: int,
     t0 = time.perf_counter()
     first = last = None
     itls, n, cached = [], 0, 0
-    for chunk in client.stream(prompt, timeout=timeout, max_tokens=output_len, ignore_eos=True):
+    for chunk in client.stream(prompt, timeout=timeout, max_tokens=output_len, ignore_eos=True,
+                               structured_outputs=structured):
       if chunk.HasField("final"):
         cached = chunk.final.usage.cached_prompt_tokens
       k = len(chunk.token_ids)
@@ -112,7 +115,7 @@ def run(client: Client, *, num_requests: int, input_len: int, output_len: int,
       "range_ratio": range_ratio, "shared_prefix_len": shared_prefix_len,
       "prefix_groups": prefix_groups, "input_tokens": sum(map(len, prompts)),
       "cached_prompt_tokens": sum(s.cached for s in samples), "concurrency": concurrency,
-      "rate": rate, "wall_s": wall,
+      "rate": rate, "structured": structured, "wall_s": wall,
       "output_tokens": tokens, "output_tok_s": tokens / wall,
       "requests_s": num_requests / wall,
   }

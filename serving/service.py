@@ -116,6 +116,18 @@ def structured_from_proto(o: pb.StructuredOutputs) -> api.StructuredOutputs:
   return api.StructuredOutputs(**({kind: getattr(o, kind)} if kind else {}))
 
 
+def _chat_messages(chat: pb.Chat) -> tuple[tuple[str, str], ...]:
+  messages = tuple((m.role, m.content) for m in chat.messages)
+  chars = sum(len(r) + len(c) for r, c in messages)
+  if chars > MAX_PROMPT_CHARS:
+    raise api.InvalidRequest(f"the chat has {chars} chars; at most {MAX_PROMPT_CHARS}")
+  return messages
+
+
+def _generation_prompt(chat: pb.Chat) -> bool:
+  return chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
+
+
 def _final_proto(f: api.Final) -> tuple[pb.Usage, pb.Timings]:
   return (pb.Usage(prompt_tokens=f.prompt_tokens, completion_tokens=f.completion_tokens,
                    cached_prompt_tokens=f.cached_prompt_tokens),
@@ -129,10 +141,20 @@ def _stop_reason(f: api.Final) -> dict:
   return {} if f.stop_reason is None else {"stop_token_id": f.stop_reason}
 
 
-def _logprobs_proto(lps) -> list[pb.TokenLogprob]:
-  return [pb.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob,
-                          top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
-          for lp in lps]
+def _fill_logprobs(field, lps) -> None:
+  """Appends ``lps`` (TokenLogprobs, or a PromptLogprobs' arrays) to a repeated
+  TokenLogprob field in place: messages built apart and passed to a
+  constructor are copied, a third of the time for a long prompt's."""
+  if isinstance(lps, api.PromptLogprobs):
+    rows = zip(lps.token_ids.tolist(), lps.logprobs.tolist(), lps.top_ids.tolist(),
+               lps.top_logprobs.tolist())
+  else:
+    rows = ((lp.token_id, lp.logprob, [t for t, _ in lp.top], [v for _, v in lp.top])
+            for lp in lps)
+  for t, v, top_ids, top_lps in rows:
+    top = field.add(token_id=t, logprob=v).top
+    for a, b in zip(top_ids, top_lps):
+      top.add(token_id=a, logprob=b)
 
 
 class TextGenerationServicer(pb_grpc.TextGenerationServicer):
@@ -174,12 +196,7 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
       if which == "text" and len(request.text) > MAX_PROMPT_CHARS:
         raise api.InvalidRequest(f"the prompt text has {len(request.text)} chars; at most "
                                  f"{MAX_PROMPT_CHARS}")
-      messages = None
-      if which == "chat":
-        messages = tuple((m.role, m.content) for m in request.chat.messages)
-        chars = sum(len(r) + len(c) for r, c in messages)
-        if chars > MAX_PROMPT_CHARS:
-          raise api.InvalidRequest(f"the chat has {chars} chars; at most {MAX_PROMPT_CHARS}")
+      messages = _chat_messages(request.chat) if which == "chat" else None
       n = request.sampling.n if request.sampling.HasField("n") else 1
       if not 1 <= n <= MAX_N:
         raise api.InvalidRequest(f"n={n} must be in [1, {MAX_N}]")
@@ -195,9 +212,7 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
             request_id=keys[-1],
             prompt_text=request.text if which == "text" else None,
             prompt_ids=list(request.token_ids.ids) if which == "token_ids" else None,
-            messages=messages, add_generation_prompt=(
-                request.chat.add_generation_prompt
-                if request.chat.HasField("add_generation_prompt") else True),
+            messages=messages, add_generation_prompt=_generation_prompt(request.chat),
             sampling=sampling, priority=request.priority,
             deadline=None if remaining is None else time.monotonic() + remaining)))
     except (api.InvalidRequest, api.QueueFull, api.Draining, api.EngineFailed) as e:
@@ -275,13 +290,16 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
     try:
       for i, ev in self._events(events, context):
         if isinstance(ev, api.Delta):
-          yield pb.GenerateStreamChunk(request_id=rid, index=i, token_ids=ev.token_ids,
-                                       text=ev.text, logprobs=_logprobs_proto(ev.logprobs))
+          chunk = pb.GenerateStreamChunk(request_id=rid, index=i, token_ids=ev.token_ids,
+                                         text=ev.text)
+          _fill_logprobs(chunk.logprobs, ev.logprobs)
+          yield chunk
         elif isinstance(ev, api.Final):
           usage, timings = _final_proto(ev)
-          yield pb.GenerateStreamChunk(request_id=rid, index=i, final=pb.FinalInfo(
-              finish_reason=int(ev.reason), usage=usage, timings=timings,
-              prompt_logprobs=_logprobs_proto(ev.prompt_logprobs), **_stop_reason(ev)))
+          chunk = pb.GenerateStreamChunk(request_id=rid, index=i, final=pb.FinalInfo(
+              finish_reason=int(ev.reason), usage=usage, timings=timings, **_stop_reason(ev)))
+          _fill_logprobs(chunk.final.prompt_logprobs, ev.prompt_logprobs)
+          yield chunk
     finally:
       events.close()
       for key in keys:
@@ -293,42 +311,57 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
 
   def _generate(self, request, context):
     rid, keys, events = self._submit(request, context)
-    done: list[pb.Completion | None] = [None] * events.n
+    finals: list[api.Final | None] = [None] * events.n
     ids, text, lps = ([[] for _ in range(events.n)] for _ in range(3))
     try:
       for i, ev in self._events(events, context):
         if isinstance(ev, api.Delta):
           ids[i] += ev.token_ids
           text[i].append(ev.text)
-          lps[i] += _logprobs_proto(ev.logprobs)
+          lps[i] += ev.logprobs
         elif isinstance(ev, api.Final):
-          usage, timings = _final_proto(ev)
-          done[i] = pb.Completion(index=i, text="".join(text[i]), token_ids=ids[i],
-                                  logprobs=lps[i], finish_reason=int(ev.reason), usage=usage,
-                                  timings=timings,
-                                  prompt_logprobs=_logprobs_proto(ev.prompt_logprobs),
-                                  **_stop_reason(ev))
+          finals[i] = ev
     finally:
       events.close()
       for key in keys:
         self.engine.cancel(key)
-    if any(c is None for c in done):
+    if any(f is None for f in finals):
       context.abort(grpc.StatusCode.CANCELLED, "the request was cancelled")
-    first = done[0]
-    which = first.WhichOneof("stop_reason")
-    stop = {which: getattr(first, which)} if which else {}
-    return pb.GenerateResponse(
-        request_id=rid, text=first.text, token_ids=first.token_ids, logprobs=first.logprobs,
-        finish_reason=first.finish_reason, usage=first.usage, timings=first.timings,
-        completions=done if events.n > 1 else (), prompt_logprobs=first.prompt_logprobs,
-        **stop)
+
+    def fill(msg, i):  # a Completion, or the response's own fields (completion 0's)
+      f = finals[i]
+      usage, timings = _final_proto(f)
+      msg.text, msg.finish_reason = "".join(text[i]), int(f.reason)
+      msg.token_ids.extend(ids[i])
+      msg.usage.CopyFrom(usage)
+      msg.timings.CopyFrom(timings)
+      for name, value in _stop_reason(f).items():
+        setattr(msg, name, value)
+      _fill_logprobs(msg.logprobs, lps[i])
+      _fill_logprobs(msg.prompt_logprobs, f.prompt_logprobs)
+
+    response = pb.GenerateResponse(request_id=rid)
+    fill(response, 0)
+    if events.n > 1:
+      for i in range(events.n):
+        fill(response.completions.add(index=i), i)
+    return response
 
   def Tokenize(self, request, context):
-    if len(request.text) > MAX_PROMPT_CHARS:
-      context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                    f"the text has {len(request.text)} chars; at most {MAX_PROMPT_CHARS}")
-    ids = self.engine.tokenize(request.text, add_bos=request.add_bos)
-    return pb.TokenizeResponse(token_ids=ids, pieces=self.engine.token_pieces(ids))
+    prompt = ""
+    try:
+      if request.HasField("chat"):
+        messages = _chat_messages(request.chat)
+        prompt, ids = self.engine.render_chat(messages, _generation_prompt(request.chat))
+      else:
+        if len(request.text) > MAX_PROMPT_CHARS:
+          raise api.InvalidRequest(f"the text has {len(request.text)} chars; at most "
+                                   f"{MAX_PROMPT_CHARS}")
+        ids = self.engine.tokenize(request.text, add_bos=request.add_bos)
+    except api.InvalidRequest as e:
+      context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+    return pb.TokenizeResponse(token_ids=ids, pieces=self.engine.token_pieces(ids),
+                               prompt=prompt)
 
   def ModelInfo(self, request, context):
     i = self.engine.info

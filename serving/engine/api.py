@@ -18,6 +18,8 @@ import queue
 import time
 from collections.abc import Sequence
 
+import numpy as np
+
 MAX_TOP_LOGPROBS = 5
 MAX_LOGIT_BIAS = 300  # entries per request (OpenAI's limit)
 MAX_ALLOWED_TOKENS = 1 << 17  # allowed_token_ids per request (a vocabulary's worth)
@@ -225,6 +227,30 @@ class TokenLogprob:
   top: tuple[tuple[int, float], ...] = ()
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class PromptLogprobs(Sequence):
+  """A prompt's logprobs as arrays, read as a sequence of TokenLogprob: a
+  2,048-token prompt's 2,047 entries are built, sent across the engine
+  process and turned into protos without a Python object each."""
+
+  token_ids: np.ndarray  # [n] int32: prompt token i + 1
+  logprobs: np.ndarray  # [n] float32: its logprob given tokens 0..i
+  top_ids: np.ndarray  # [n, k] int32: the k likeliest tokens there
+  top_logprobs: np.ndarray  # [n, k] float32
+
+  def __len__(self) -> int:
+    return len(self.token_ids)
+
+  def __getitem__(self, i):
+    if isinstance(i, slice):
+      return tuple(self[j] for j in range(*i.indices(len(self))))
+    return TokenLogprob(int(self.token_ids[i]), float(self.logprobs[i]),
+                        tuple(zip(self.top_ids[i].tolist(), self.top_logprobs[i].tolist())))
+
+  def __eq__(self, other) -> bool:
+    return isinstance(other, Sequence) and tuple(self) == tuple(other)
+
+
 @dataclasses.dataclass(frozen=True)
 class Delta:
   token_ids: tuple[int, ...]
@@ -243,7 +269,7 @@ class Final:
   total_s: float
   # With SamplingParams.prompt_logprobs: entry i is prompt token i + 1's
   # logprob given tokens 0..i (the first token has no context).
-  prompt_logprobs: tuple[TokenLogprob, ...] = ()
+  prompt_logprobs: Sequence[TokenLogprob] = ()  # a PromptLogprobs when asked for
   # With reason STOP: the stop string (str) or stop token id (int) that ended
   # it (vLLM's stop_reason).
   stop_reason: str | int | None = None
@@ -315,6 +341,12 @@ class Engine(abc.ABC):
   @abc.abstractmethod
   def token_pieces(self, ids: Sequence[int]) -> list[str]:
     ...
+
+  def render_chat(self, messages: Sequence[tuple[str, str]],
+                  add_generation_prompt: bool = True) -> tuple[str, list[int]]:
+    """A chat prompt's text (the model's chat template) and token ids, as
+    ``Request.messages`` has them; InvalidRequest where it cannot."""
+    raise InvalidRequest(f"{type(self).__name__} renders no chat prompts")
 
   @abc.abstractmethod
   def stats(self) -> EngineStats:

@@ -505,7 +505,7 @@ class BatchingEngine(api.Engine):
       raise api.InvalidRequest("give the prompt as text, token ids or chat messages "
                                "(exactly one)")
     if request.messages is not None:
-      ids = self._chat_ids(request)
+      ids = self.render_chat(request.messages, request.add_generation_prompt)[1]
     elif request.prompt_text is not None:
       ids = self.tokenize(request.prompt_text, add_bos=request.add_bos)
     else:
@@ -518,19 +518,20 @@ class BatchingEngine(api.Engine):
       raise api.InvalidRequest("the prompt is empty")
     return ids
 
-  def _chat_ids(self, request: api.Request) -> list[int]:
+  def render_chat(self, messages: Sequence[tuple[str, str]],
+                  add_generation_prompt: bool = True) -> tuple[str, list[int]]:
     """Chat messages rendered by the model's chat template, then tokenized
     without adding BOS (vLLM's way: the template writes it where the model
     wants it; a BOS written as text becomes the BOS id)."""
-    if not request.messages:
+    if not messages:
       raise api.InvalidRequest("the chat has no messages")
     render = getattr(self.tok, "apply_chat_template", None)
-    messages = [{"role": role, "content": content} for role, content in request.messages]
+    messages = [{"role": role, "content": content} for role, content in messages]
     import jinja2
 
     try:
       text = None if render is None else render(
-          messages, add_generation_prompt=request.add_generation_prompt)
+          messages, add_generation_prompt=add_generation_prompt)
     except (ValueError, TypeError, jinja2.TemplateError) as e:  # raise_exception, a bad role
       raise api.InvalidRequest(f"chat template: {e}") from None
     if text is None:
@@ -538,8 +539,8 @@ class BatchingEngine(api.Engine):
                                "prompt as text")
     bos, bos_id = getattr(self.tok, "bos_token", ""), getattr(self.tok, "bos_id", None)
     if bos and bos_id is not None and text.startswith(bos):
-      return [bos_id] + list(self.tok.encode(text[len(bos):]))
-    return list(self.tok.encode(text))
+      return text, [bos_id] + list(self.tok.encode(text[len(bos):]))
+    return text, list(self.tok.encode(text))
 
   def cancel(self, request_id: str) -> None:
     with self._lock:
@@ -940,17 +941,20 @@ class BatchingEngine(api.Engine):
     seq.scores.append((c, len(nxt), scores))
     return self._sample_rows(finishing, logits, finishing)
 
-  def _prompt_logprobs(self, seq: _Seq) -> tuple[api.TokenLogprob, ...]:
+  def _prompt_logprobs(self, seq: _Seq) -> api.PromptLogprobs:
     """The scored chunks' logprobs in prompt order; a prompt computed again
     after preemption keeps its first scores."""
-    k, out = seq.params.prompt_logprobs, {}
-    for c, n, scores in seq.scores:
-      lp, ids, lps = (np.asarray(x)[0] for x in scores)  # indexing on the device compiles
-      for j in range(n):
-        if c + j not in out:
-          top = tuple(zip(ids[j, :k].tolist(), lps[j, :k].tolist()))
-          out[c + j] = api.TokenLogprob(seq.prompt[c + j + 1], float(lp[j]), top)
-    return tuple(out[i] for i in sorted(out))
+    k = seq.params.prompt_logprobs
+    # (to numpy first: indexing a device array compiles)
+    chunks = [(c, n, [np.asarray(x)[0][:n] for x in scores]) for c, n, scores in seq.scores]
+    pos = np.concatenate([np.arange(c, c + n) for c, n, _ in chunks] + [np.zeros(0, int)])
+    pos, first = np.unique(pos, return_index=True)  # each position's first score
+    lp, ids, lps = (np.concatenate([s[i] for _, _, s in chunks] + [np.zeros(shape)])[first]
+                    for i, shape in ((0, (0,)), (1, (0, api.MAX_TOP_LOGPROBS)),
+                                     (2, (0, api.MAX_TOP_LOGPROBS))))
+    return api.PromptLogprobs(token_ids=np.asarray(seq.prompt, np.int32)[pos + 1],
+                              logprobs=lp.astype(np.float32), top_ids=ids[:, :k].astype(np.int32),
+                              top_logprobs=lps[:, :k].astype(np.float32))
 
   def _sample_rows(self, rows: list[_Seq | None], logits, finishing: list[_Seq | None]):
     """Samples a call's rows (launched as (rows, device outputs, logprobs
@@ -1300,6 +1304,8 @@ class BatchingEngine(api.Engine):
     shapes = self._warm_calls()
     log.info("warm-up compiled %d decode, %d prefill and %d mixed shapes in %.1f s", *shapes,
              time.perf_counter() - t0)
+    if not self._grammars.prepare():  # (the first structured request would build it)
+      log.info("structured outputs are off: no llguidance package")
 
   def _warm_calls(self) -> tuple[int, int, int]:
     """Runs every bucketed shape once: (decode, prefill, mixed) shapes."""

@@ -314,6 +314,9 @@ class ProcessEngine(api.Engine):
   def tokenize(self, text: str, add_bos: bool = False) -> list[int]:
     return self._call("tokenize", text, add_bos)
 
+  def render_chat(self, messages, add_generation_prompt: bool = True):
+    return self._call("render_chat", list(messages), add_generation_prompt)
+
   def token_pieces(self, ids: Sequence[int]) -> list[str]:
     return self._call("token_pieces", list(ids))
 

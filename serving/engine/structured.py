@@ -161,6 +161,16 @@ class Grammars:
         self._ll = ll_tokenizer(self._tok, self._vocab)
       return self._ll
 
+  def prepare(self) -> bool:
+    """Builds the llguidance tokenizer now (at warm-up: half a second even for
+    a small vocabulary) if llguidance is installed; whether it is."""
+    try:
+      import llguidance  # noqa: F401
+    except ImportError:
+      return False
+    self._tokenizer()
+    return True
+
   def fill(self, guides: list[Guide], words: np.ndarray) -> None:
     """Row i of ``words`` [>= len(guides), W] int32 <- guides[i]'s bitmask,
     computed side by side on llguidance's threads (without the GIL)."""

@@ -256,20 +256,24 @@ class GenerateStreamChunk(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., final: _Optional[_Union[FinalInfo, _Mapping]] = ..., index: _Optional[int] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
-    __slots__ = ("text", "add_bos")
+    __slots__ = ("text", "add_bos", "chat")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     ADD_BOS_FIELD_NUMBER: _ClassVar[int]
+    CHAT_FIELD_NUMBER: _ClassVar[int]
     text: str
     add_bos: bool
-    def __init__(self, text: _Optional[str] = ..., add_bos: _Optional[bool] = ...) -> None: ...
+    chat: Chat
+    def __init__(self, text: _Optional[str] = ..., add_bos: _Optional[bool] = ..., chat: _Optional[_Union[Chat, _Mapping]] = ...) -> None: ...
 
 class TokenizeResponse(_message.Message):
-    __slots__ = ("token_ids", "pieces")
+    __slots__ = ("token_ids", "pieces", "prompt")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PIECES_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     pieces: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., pieces: _Optional[_Iterable[str]] = ...) -> None: ...
+    prompt: str
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., pieces: _Optional[_Iterable[str]] = ..., prompt: _Optional[str] = ...) -> None: ...
 
 class ModelInfoRequest(_message.Message):
     __slots__ = ()

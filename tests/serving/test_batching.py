@@ -175,7 +175,9 @@ def test_warmup_compiles_every_shape_steady_state_does_not():
     # Penalties and min_tokens set the slot's state at admission (set_rows).
     c.generate([5, 6, 7], max_tokens=5, temperature=0.7, seed=1, repetition_penalty=1.2,
                min_tokens=2, logprobs=True)
-    # Structured outputs set the slots' allow rows each step (set_allow).
+    # Structured outputs set the slots' allow rows each step (set_allow); their
+    # tokenizer for grammars was built at warm-up.
+    assert engine._grammars._ll is not None
     r = c.generate([5, 6, 7], max_tokens=8, structured_outputs={"regex": "[a-c]{3}"})
     assert len(r.token_ids) == 3 and r.text.strip("abc") == ""
     assert model._fwd._cache_size() == compiled

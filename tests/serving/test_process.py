@@ -49,6 +49,7 @@ def test_streams_calls_and_errors_cross_the_process(served):
   assert [x.text for x in r.completions] == [_expected("k", 4)] * 3
   r = c.generate([{"role": "user", "content": "hi"}], max_tokens=3)  # rendered there too
   assert r.text == '!"#' and r.usage.prompt_tokens == len("user: hi\nassistant: ")
+  assert c.tokenize([{"role": "user", "content": "hi"}]).prompt == "user: hi\nassistant: "
   # Structured outputs: the grammar is compiled and followed in the engine's process.
   r = c.generate("a", structured_outputs={"choice": {"choices": ["xyz", "bcq"]}})
   assert r.text == "bcq" and r.finish_reason == pb.FINISH_REASON_STOP

@@ -609,6 +609,17 @@ def test_loadgen_shared_prefixes_reach_the_prefix_cache(counting):
   assert "2 shared prefix(es) of 16; 96 of 168 prompt tokens cached" in loadgen.format_report(r)
 
 
+def test_loadgen_structured_requests_end_with_their_grammar(counting):
+  """structured: every request carries it; with "[a-c]{2}" each ends after 2
+  of its 8 tokens, and the report counts the tokens that came."""
+  from serving import loadgen
+
+  _, c = counting
+  r = loadgen.run(c, num_requests=6, input_len=5, output_len=8, concurrency=3, vocab=256,
+                  structured={"regex": "[a-c]{2}"})
+  assert r["output_tokens"] == 12 and r["structured"] == {"regex": "[a-c]{2}"}, r
+
+
 def test_step_times_split_out_the_launch_and_the_tokens():
   """step_times hold the time spent building inputs and dispatching the
   device calls, and on the tokens read back: a runner that takes 20 ms per
@@ -782,12 +793,17 @@ def test_chat_messages_go_through_the_chat_template(counting):
   assert list(c.generate(rendered, max_tokens=5).token_ids) == list(r.token_ids)
   chunks = list(c.stream(msgs, max_tokens=5))
   assert "".join(ch.text for ch in chunks) == '!"#$%'
+  t = c.tokenize(msgs)  # the tokens a Generate call gets, and the template's text
+  assert list(t.token_ids) == rendered and t.prompt == bytes(rendered).decode()
+  assert list(c.tokenize(msgs, add_generation_prompt=False).token_ids) == rendered[:-11]
   r = c.generate(msgs[1:], max_tokens=3, add_generation_prompt=False)  # ends in "\n"
   assert list(r.token_ids) == [11, 12, 13] and r.usage.prompt_tokens == len("user: hi\n")
-  with pytest.raises(grpc.RpcError) as e:
-    c.stub.Generate(pb.GenerateRequest(chat=pb.Chat()))
-  assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-  assert "the chat has no messages" in e.value.details()
+  for call, req in ((c.stub.Generate, pb.GenerateRequest(chat=pb.Chat())),
+                    (c.stub.Tokenize, pb.TokenizeRequest(chat=pb.Chat()))):
+    with pytest.raises(grpc.RpcError) as e:
+      call(req)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "the chat has no messages" in e.value.details()
 
 
 def test_chat_templates_missing_refusing_or_writing_bos():
