@@ -118,13 +118,15 @@ def cmd_serve(a) -> int:
     except (ValueError, FileNotFoundError) as e:  # a flag the model cannot take, a bad path
       raise SystemExit(f"serve: {e}") from None
   server = Server(engine, host=a.host, port=a.port, auth_token=a.auth_token, tls=tls,
-                  metrics_port=a.metrics_port)
+                  metrics_port=a.metrics_port, http_port=a.http_port)
   server.handle_signals(a.drain_timeout)
   server.start()
   print(f"serving {engine.info.model_name} on {server.address}", flush=True)
   if a.ready_file:
     tmp = a.ready_file.with_suffix(".tmp")
     tmp.write_text(json.dumps({"port": server.port, "pid": os.getpid(),
+                               "http_port": server.openai_http.server_port
+                               if server.openai_http else None,
                                "metrics_port": server.metrics_http.server_port
                                if server.metrics_http else None}))
     tmp.replace(a.ready_file)
@@ -335,6 +337,9 @@ def parser() -> argparse.ArgumentParser:
   s.add_argument("--tls-cert", type=pathlib.Path)
   s.add_argument("--tls-key", type=pathlib.Path)
   s.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port")
+  s.add_argument("--http-port", type=int,
+                 help="also serve OpenAI-compatible HTTP (/v1/completions, "
+                      "/v1/chat/completions, /v1/models) on this port")
   s.add_argument("--drain-timeout", type=float, default=30.0)
   s.add_argument("--step-delay", type=float, default=0.0,
                  help="counting model only: seconds per step (drain and timeout tests)")

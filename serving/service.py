@@ -29,6 +29,7 @@ from google.protobuf import descriptor_pool
 
 from serving.engine import api
 from serving.metrics import Metrics, serve_http
+from serving.openai_api import serve_openai
 from serving.proto import generate_pb2 as pb
 from serving.proto import generate_pb2_grpc as pb_grpc
 from serving.proto import health_pb2, health_pb2_grpc
@@ -168,7 +169,7 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
     self._idle = threading.Condition()
 
   @contextlib.contextmanager
-  def _call(self):
+  def call_in_progress(self):
     with self._idle:
       self._active += 1
     try:
@@ -282,7 +283,7 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
           return
 
   def GenerateStream(self, request, context):
-    with self._call():
+    with self.call_in_progress():
       yield from self._generate_stream(request, context)
 
   def _generate_stream(self, request, context):
@@ -306,7 +307,7 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
         self.engine.cancel(key)
 
   def Generate(self, request, context):
-    with self._call():
+    with self.call_in_progress():
       return self._generate(request, context)
 
   def _generate(self, request, context):
@@ -491,8 +492,10 @@ class Server:
 
   def __init__(self, engine: api.Engine, *, host: str = "127.0.0.1", port: int = 0,
                auth_token: str | None = None, tls: tuple[bytes, bytes] | None = None,
-               metrics_port: int | None = None, max_workers: int | None = None):
+               metrics_port: int | None = None, max_workers: int | None = None,
+               http_port: int | None = None):
     self.engine = engine
+    self._auth_token = auth_token
     self.host, self.port = host, port
     self.metrics = Metrics(engine)
     if hasattr(engine, "observer"):
@@ -526,6 +529,8 @@ class Server:
       raise OSError(f"cannot bind {addr}")
     self._metrics_port = metrics_port
     self.metrics_http = None
+    self._http_port = http_port
+    self.openai_http = None  # OpenAI-compatible endpoints (serving.openai_api)
     self._stopped = threading.Event()
     self._drain_lock = threading.Lock()
 
@@ -540,6 +545,9 @@ class Server:
     self.engine.start()  # warm-up compiles here: health says NOT_SERVING meanwhile
     if self._metrics_port is not None:
       self.metrics_http = serve_http(self.metrics, self.host, self._metrics_port)
+    if self._http_port is not None:
+      self.openai_http = serve_openai(self.engine, self.servicer, self.host, self._http_port,
+                                      self._auth_token)
     for s in ("", SERVICE_NAME):
       self.health.set(s, HealthServicer.Status.SERVING)
     log.info("serving %s on %s", self.engine.info.model_name, self.address)
@@ -565,8 +573,9 @@ class Server:
     self.health.set_all(HealthServicer.Status.NOT_SERVING)
     self.engine.stop()
     self._grpc.stop(grace).wait()
-    if self.metrics_http is not None:
-      self.metrics_http.shutdown()
+    for srv in (self.metrics_http, self.openai_http):
+      if srv is not None:
+        srv.shutdown()
     self._stopped.set()
 
   def wait(self) -> None:

@@ -1,5 +1,6 @@
 """The CLI end to end: a server process, SIGTERM drain, the generate client, loadgen."""
 
+import http.client
 import json
 import os
 import pathlib
@@ -26,7 +27,7 @@ def server_proc(tmp_path, request):
     proc = subprocess.Popen(
         [sys.executable, "-m", "serving", "serve", "--model", "counting", "--port", "0",
          "--step-delay", "0.02", "--max-batch", "4", "--enable-prompt-logprobs",
-         "--ready-file", str(ready)] + request.param,
+         "--http-port", "0", "--ready-file", str(ready)] + request.param,
         cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, text=True,
         env={**os.environ, "JAX_PLATFORMS": "cpu"})
   end = time.monotonic() + 120
@@ -36,6 +37,7 @@ def server_proc(tmp_path, request):
       raise AssertionError(f"server did not start:\n{log.read_text()}")
     time.sleep(0.1)
   info = json.loads(ready.read_text())
+  proc.http_port = info["http_port"]
   yield proc, f"127.0.0.1:{info['port']}"
   if proc.poll() is None:
     proc.kill()
@@ -93,7 +95,16 @@ def test_sigterm_taken_by_another_thread_still_drains(server_proc):
 
 
 def test_generate_and_loadgen_commands(server_proc, tmp_path):
-  _, target = server_proc
+  proc, target = server_proc
+  # serve --http-port: OpenAI-compatible chat completions beside gRPC.
+  conn = http.client.HTTPConnection("127.0.0.1", proc.http_port, timeout=60)
+  conn.request("POST", "/v1/chat/completions", body=json.dumps(
+      {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "temperature": 0,
+       "logprobs": True}))
+  r = json.loads(conn.getresponse().read())
+  conn.close()
+  assert r["choices"][0]["message"]["content"] == '!"#', r
+  assert [x["token"] for x in r["choices"][0]["logprobs"]["content"]] == ["!", '"', "#"]
   out = subprocess.run([sys.executable, "-m", "serving", "generate", "--target", target,
                         "hello a", "--max-tokens", "5"], cwd=ROOT, capture_output=True,
                        text=True, timeout=120)

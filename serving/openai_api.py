@@ -1,0 +1,353 @@
+"""OpenAI-compatible HTTP endpoints over the same engine, beside gRPC.
+
+``serve_openai(engine, servicer, host, port)`` answers what vLLM's and
+SGLang's OpenAI servers answer: ``POST /v1/completions``,
+``POST /v1/chat/completions`` (server-sent events with ``"stream": true``),
+``GET /v1/models`` and ``GET /health``. A request's JSON becomes engine
+requests as a gRPC call's does (n completions, each seed derived from the
+request's; vLLM's extra sampling fields and structured outputs, OpenAI's
+``response_format``), and their events become OpenAI objects. Errors are
+OpenAI error objects: 400 for a bad request, 401 without the bearer token,
+429 when the queue is full, 503 while draining, 500 when the engine failed.
+A client that goes away mid-stream cancels its requests. Calls count as
+in progress for the server's drain, like gRPC calls.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import http.server
+import json
+import logging
+import threading
+import time
+import uuid
+
+from serving.engine import api
+
+log = logging.getLogger("serving.openai")
+
+MAX_BODY = 1 << 24
+_FINISH = {api.FinishReason.LENGTH: "length", api.FinishReason.STOP: "stop",
+           api.FinishReason.EOS: "stop"}
+# OpenAI / vLLM request fields -> SamplingParams fields of the same meaning.
+_SAME = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+         "repetition_penalty", "seed", "min_tokens", "ignore_eos", "include_stop_str_in_output",
+         "truncate_prompt_tokens", "prompt_logprobs")
+
+
+class _HTTPError(Exception):
+
+  def __init__(self, status: int, message: str, kind: str = "invalid_request_error"):
+    super().__init__(message)
+    self.status, self.kind = status, kind
+
+
+def _structured(body: dict) -> api.StructuredOutputs | None:
+  """vLLM's structured_outputs / guided_* fields, or OpenAI's response_format."""
+  so = dict(body.get("structured_outputs") or {})
+  for k in ("json", "regex", "choice", "grammar"):
+    if body.get(f"guided_{k}") is not None:
+      so[k] = body[f"guided_{k}"]
+  rf = body.get("response_format") or {}
+  if rf.get("type") == "json_object":
+    so["json_object"] = True
+  elif rf.get("type") == "json_schema":
+    so["json"] = (rf.get("json_schema") or {}).get("schema", {})
+  elif rf.get("type") not in (None, "text"):
+    raise _HTTPError(400, f"response_format type {rf.get('type')!r}: one of text, "
+                     "json_object, json_schema")
+  if not so:
+    return None
+  if "json" in so and not isinstance(so["json"], str):
+    so["json"] = json.dumps(so["json"])
+  if "choice" in so:
+    so["choice"] = tuple(so["choice"])
+  unknown = set(so) - {"json", "regex", "choice", "grammar", "json_object"}
+  if unknown:
+    raise _HTTPError(400, f"structured_outputs: unknown fields {sorted(unknown)}")
+  return api.StructuredOutputs(**so)
+
+
+def sampling_from_json(body: dict, chat: bool) -> tuple[api.SamplingParams, int]:
+  """(SamplingParams, n) from an OpenAI request body; OpenAI's defaults
+  (temperature 1, 16 tokens for completions, the context for chat)."""
+  kw = {k: body[k] for k in _SAME if body.get(k) is not None}
+  kw.setdefault("temperature", 1.0)
+  max_tokens = body.get("max_completion_tokens") if chat else None
+  max_tokens = max_tokens if max_tokens is not None else body.get("max_tokens")
+  if max_tokens is None and not chat:
+    max_tokens = 16  # OpenAI's completions default
+  kw["max_tokens"] = max_tokens
+  stop = body.get("stop")
+  kw["stop"] = (stop,) if isinstance(stop, str) else tuple(stop or ())
+  kw["stop_token_ids"] = tuple(body.get("stop_token_ids") or ())
+  kw["allowed_token_ids"] = tuple(body.get("allowed_token_ids") or ())
+  kw["logit_bias"] = tuple(sorted((int(t), b) for t, b in (body.get("logit_bias") or {}).items()))
+  lp = body.get("logprobs")
+  if chat:
+    if lp:
+      kw["logprobs"], kw["top_logprobs"] = True, int(body.get("top_logprobs") or 0)
+  elif lp is not None:  # completions: logprobs is the number of alternatives
+    kw["logprobs"], kw["top_logprobs"] = True, int(lp)
+  kw["structured"] = _structured(body)
+  n = body.get("n", 1)
+  if not isinstance(n, int) or not 1 <= n <= 64:
+    raise _HTTPError(400, f"n={n!r} must be an integer in [1, 64]")
+  return api.SamplingParams(**kw), n
+
+
+class _Call:
+  """One HTTP call's engine requests and their merged events."""
+
+  def __init__(self, engine, body: dict, chat: bool):
+    from serving.service import _Events, completion_seed
+
+    self.engine, self.chat = engine, chat
+    sampling, self.n = sampling_from_json(body, chat)
+    prompt: dict = {}
+    if chat:
+      msgs = body.get("messages")
+      if not isinstance(msgs, list) or not msgs:
+        raise _HTTPError(400, "messages: a non-empty list of {role, content}")
+      prompt["messages"] = tuple((m["role"], _content(m.get("content"))) for m in msgs)
+      prompt["add_generation_prompt"] = bool(body.get("add_generation_prompt", True))
+    else:
+      p = body.get("prompt")
+      if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str):
+        p = p[0]
+      if isinstance(p, str):
+        prompt["prompt_text"] = p
+      elif isinstance(p, list) and p and all(isinstance(t, int) for t in p):
+        prompt["prompt_ids"] = p
+      else:
+        raise _HTTPError(400, "prompt: a string or a list of token ids (one prompt a request)")
+    self.keys, handles = [], []
+    try:
+      for i in range(self.n):
+        s = sampling
+        if i and s.seed is not None:
+          s = dataclasses.replace(s, seed=completion_seed(sampling.seed, i))
+        if i:
+          s = dataclasses.replace(s, prompt_logprobs=None)  # completion 0 scores it
+        self.keys.append(uuid.uuid4().hex)
+        handles.append(engine.submit(api.Request(request_id=self.keys[-1], sampling=s,
+                                                 **prompt)))
+    except BaseException:
+      self.cancel()
+      raise
+    self.events = _Events(handles)
+
+  def cancel(self) -> None:
+    for k in self.keys:
+      self.engine.cancel(k)
+
+  def __iter__(self):
+    """(index, Delta | Final) until every completion's Final."""
+    finals = 0
+    try:
+      while finals < self.n:
+        i, ev = self.events.get(timeout=3600)
+        if isinstance(ev, api.Failed):
+          raise _HTTPError(500, ev.message, "internal_error")
+        if isinstance(ev, api.Final) and ev.reason not in _FINISH:
+          raise _HTTPError(500, f"the request ended: {ev.reason.name.lower()}", "internal_error")
+        yield i, ev
+        finals += isinstance(ev, api.Final)
+    finally:
+      self.events.close()
+
+
+def _content(c) -> str:
+  """A message's content: a string, or OpenAI's list of text parts."""
+  if isinstance(c, str):
+    return c
+  if isinstance(c, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in c):
+    return "".join(p.get("text", "") for p in c)
+  raise _HTTPError(400, "message content: a string or a list of text parts")
+
+
+def _logprobs(engine, lps: list[api.TokenLogprob], chat: bool):
+  if not lps:
+    return None
+  pieces = engine.token_pieces([x.token_id for x in lps] +
+                               [t for x in lps for t, _ in x.top])
+  names = iter(pieces[len(lps):])
+  tops = [[(next(names), v) for _, v in x.top] for x in lps]
+  if chat:
+    return {"content": [{"token": pieces[j], "logprob": x.logprob,
+                         "bytes": list(pieces[j].encode()),
+                         "top_logprobs": [{"token": t, "logprob": v, "bytes": list(t.encode())}
+                                          for t, v in tops[j]]}
+                        for j, x in enumerate(lps)]}
+  return {"tokens": pieces[:len(lps)], "token_logprobs": [x.logprob for x in lps],
+          "top_logprobs": [dict(t) for t in tops]}
+
+
+def _usage(finals: list[api.Final]) -> dict:
+  prompt = finals[0].prompt_tokens
+  done = sum(f.completion_tokens for f in finals)
+  return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
+
+
+def _choice_end(f: api.Final) -> dict:
+  return {"finish_reason": _FINISH[f.reason], "stop_reason": f.stop_reason}
+
+
+def serve_openai(engine: api.Engine, servicer, host: str, port: int,
+                 auth_token: str | None = None) -> http.server.ThreadingHTTPServer:
+  """Serves the OpenAI endpoints in a daemon thread; returns the server."""
+  expected = f"Bearer {auth_token}" if auth_token else None
+
+  class Handler(http.server.BaseHTTPRequestHandler):
+
+    def _json(self, status: int, obj) -> None:
+      body = json.dumps(obj).encode()
+      self.send_response(status)
+      self.send_header("Content-Type", "application/json")
+      self.send_header("Content-Length", str(len(body)))
+      self.end_headers()
+      self.wfile.write(body)
+
+    def _error(self, e: _HTTPError) -> None:
+      self._json(e.status, {"error": {"message": str(e), "type": e.kind, "code": e.status}})
+
+    def _authorized(self) -> bool:
+      if expected is None or self.headers.get("Authorization") == expected:
+        return True
+      self._error(_HTTPError(401, "missing or wrong bearer token", "authentication_error"))
+      return False
+
+    def do_GET(self):  # noqa: N802
+      path = self.path.split("?")[0]
+      if path == "/health":
+        ok = getattr(engine, "error", None) is None and not engine.stats().draining
+        self._json(200 if ok else 503, {"status": "ok" if ok else "unavailable"})
+      elif path == "/v1/models":
+        if self._authorized():
+          i = engine.info
+          self._json(200, {"object": "list", "data": [{
+              "id": i.model_name, "object": "model", "created": 0, "owned_by": "mosaic-serve",
+              "max_model_len": i.max_context}]})
+      else:
+        self._error(_HTTPError(404, f"no route {path}", "not_found"))
+
+    def do_POST(self):  # noqa: N802
+      path = self.path.split("?")[0]
+      if path not in ("/v1/completions", "/v1/chat/completions"):
+        self._error(_HTTPError(404, f"no route {path}", "not_found"))
+        return
+      if not self._authorized():
+        return
+      with servicer.call_in_progress():
+        try:
+          length = int(self.headers.get("Content-Length") or 0)
+          if not 0 < length <= MAX_BODY:
+            raise _HTTPError(400, f"the body must be JSON of 1..{MAX_BODY} bytes")
+          try:
+            body = json.loads(self.rfile.read(length))
+          except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise _HTTPError(400, f"the body is not JSON: {e}") from None
+          if not isinstance(body, dict):
+            raise _HTTPError(400, "the body must be a JSON object")
+          chat = path == "/v1/chat/completions"
+          try:
+            call = _Call(engine, body, chat)
+          except api.InvalidRequest as e:
+            raise _HTTPError(400, str(e)) from None
+          except (TypeError, ValueError, KeyError) as e:  # a field of the wrong type
+            raise _HTTPError(400, f"bad request field: {e!r}") from None
+          except api.QueueFull as e:
+            raise _HTTPError(429, str(e), "rate_limit_error") from None
+          except api.Draining as e:
+            raise _HTTPError(503, str(e), "unavailable") from None
+          except api.EngineFailed as e:
+            raise _HTTPError(500, str(e), "internal_error") from None
+          if body.get("stream"):
+            self._stream(call, chat, bool((body.get("stream_options") or {}).get(
+                "include_usage")))
+          else:
+            self._whole(call, chat)
+        except _HTTPError as e:
+          self._error(e)
+
+    def _head(self, chat: bool) -> dict:
+      return {"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex,
+              "created": int(time.time()), "model": engine.info.model_name}
+
+    def _whole(self, call: _Call, chat: bool) -> None:
+      text = [[] for _ in range(call.n)]
+      lps = [[] for _ in range(call.n)]
+      finals: list[api.Final | None] = [None] * call.n
+      try:
+        for i, ev in call:
+          if isinstance(ev, api.Delta):
+            text[i].append(ev.text)
+            lps[i] += ev.logprobs
+          else:
+            finals[i] = ev
+      except BaseException:
+        call.cancel()
+        raise
+      choices = []
+      for i, f in enumerate(finals):
+        c = {"index": i, "logprobs": _logprobs(engine, lps[i], chat), **_choice_end(f)}
+        if chat:
+          c["message"] = {"role": "assistant", "content": "".join(text[i])}
+        else:
+          c["text"] = "".join(text[i])
+        if i == 0 and f.prompt_logprobs:
+          c["prompt_logprobs"] = [{"token_id": x.token_id, "logprob": x.logprob}
+                                  for x in f.prompt_logprobs]
+        choices.append(c)
+      self._json(200, {**self._head(chat), "object": "chat.completion" if chat else
+                       "text_completion", "choices": choices, "usage": _usage(finals)})
+
+    def _stream(self, call: _Call, chat: bool, include_usage: bool) -> None:
+      head = {**self._head(chat), "object": "chat.completion.chunk" if chat else
+              "text_completion"}
+      self.send_response(200)
+      self.send_header("Content-Type", "text/event-stream")
+      self.send_header("Cache-Control", "no-cache")
+      self.end_headers()
+
+      def send(obj) -> None:
+        self.wfile.write(b"data: " + (obj if isinstance(obj, bytes) else
+                                       json.dumps(obj).encode()) + b"\n\n")
+        self.wfile.flush()
+
+      finals: list[api.Final | None] = [None] * call.n
+      try:
+        if chat:
+          for i in range(call.n):
+            send({**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                       "logprobs": None, "finish_reason": None}]})
+        for i, ev in call:
+          if isinstance(ev, api.Delta):
+            c = {"index": i, "logprobs": _logprobs(engine, list(ev.logprobs), chat),
+                 "finish_reason": None}
+            c.update({"delta": {"content": ev.text}} if chat else {"text": ev.text})
+          else:
+            finals[i] = ev
+            c = {"index": i, "logprobs": None, **_choice_end(ev)}
+            c.update({"delta": {}} if chat else {"text": ""})
+          send({**head, "choices": [c]})
+        if include_usage:
+          send({**head, "choices": [], "usage": _usage(finals)})
+        send(b"[DONE]")
+      except _HTTPError as e:  # after the headers: the error is the stream's last event
+        send({"error": {"message": str(e), "type": e.kind, "code": e.status}})
+      except (BrokenPipeError, ConnectionResetError):
+        log.info("client went away mid-stream: cancelling its requests")
+        call.cancel()
+      except BaseException:
+        call.cancel()
+        raise
+
+    def log_message(self, *args):
+      pass
+
+  srv = http.server.ThreadingHTTPServer((host, port), Handler)
+  srv.daemon_threads = True
+  threading.Thread(target=srv.serve_forever, name="openai-http", daemon=True).start()
+  return srv

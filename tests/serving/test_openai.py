@@ -1,0 +1,179 @@
+"""The OpenAI-compatible HTTP endpoints (serving.openai_api) over the counting
+engine, whose output is known, through a plain HTTP client."""
+
+import http.client
+import json
+import math
+import socket
+
+import pytest
+
+from serving import engine as E
+
+from tests.serving.conftest import running, wait_for
+
+CHAT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+
+
+@pytest.fixture(scope="module")
+def openai():
+  with running(E.tiny_engine(max_batch=8, max_waiting=64, prompt_logprobs=True),
+               http_port=0) as (server, c):
+    yield server, server.openai_http.server_port
+
+
+def _post(port, path, body, token=None, raw=None):
+  """(status, parsed JSON) or (status, [SSE events]) for a stream."""
+  conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+  headers = {"Content-Type": "application/json"}
+  if token:
+    headers["Authorization"] = f"Bearer {token}"
+  conn.request("POST", path, body=raw if raw is not None else json.dumps(body), headers=headers)
+  r = conn.getresponse()
+  data = r.read().decode()
+  conn.close()
+  if r.getheader("Content-Type") == "text/event-stream":
+    events = [e[len("data: "):] for e in data.split("\n\n") if e]
+    assert events[-1] == "[DONE]", events[-3:]
+    return r.status, [json.loads(e) for e in events[:-1]]
+  return r.status, json.loads(data)
+
+
+def _get(port, path):
+  conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+  conn.request("GET", path)
+  r = conn.getresponse()
+  out = r.status, json.loads(r.read())
+  conn.close()
+  return out
+
+
+def test_models_health_and_completions(openai):
+  """/v1/completions: the counting model's known text, OpenAI's object
+  shape, usage (BOS + "a"), n completions, streamed text equal to unary."""
+  _, port = openai
+  assert _get(port, "/health") == (200, {"status": "ok"})
+  status, models = _get(port, "/v1/models")
+  assert status == 200 and models["data"][0]["id"] == "counting"
+  status, r = _post(port, "/v1/completions",
+                    {"model": "counting", "prompt": "a", "max_tokens": 5, "temperature": 0})
+  assert status == 200 and r["object"] == "text_completion" and r["id"].startswith("cmpl-")
+  assert r["choices"] == [{"index": 0, "text": "bcdef", "logprobs": None,
+                           "finish_reason": "length", "stop_reason": None}]
+  assert r["usage"] == {"prompt_tokens": 2, "completion_tokens": 5, "total_tokens": 7}
+  status, r = _post(port, "/v1/completions", {"prompt": [ord("k")], "max_tokens": 3,
+                                              "temperature": 0, "n": 2, "stop": "m"})
+  assert [(c["index"], c["text"], c["finish_reason"], c["stop_reason"])
+          for c in r["choices"]] == [(0, "l", "stop", "m"), (1, "l", "stop", "m")]
+  status, chunks = _post(port, "/v1/completions", {
+      "prompt": "a", "max_tokens": 5, "temperature": 0, "stream": True,
+      "stream_options": {"include_usage": True}})
+  assert status == 200 and "".join(c["choices"][0]["text"] for c in chunks[:-1]) == "bcdef"
+  assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+  assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 5
+
+
+def test_chat_completions_unary_and_streamed(openai):
+  """The messages go through the chat template (as over gRPC); the stream
+  starts with the assistant role and ends with the finish reason."""
+  _, port = openai
+  status, r = _post(port, "/v1/chat/completions",
+                    {"messages": CHAT, "max_tokens": 5, "temperature": 0})
+  assert status == 200 and r["object"] == "chat.completion"
+  assert r["choices"][0]["message"] == {"role": "assistant", "content": '!"#$%'}
+  assert r["usage"]["prompt_tokens"] == len("system: be brief\nuser: hi\nassistant: ")
+  status, chunks = _post(port, "/v1/chat/completions", {
+      "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+      "max_completion_tokens": 3, "temperature": 0, "stream": True})
+  assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+  assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == '!"#'
+  assert chunks[-1]["object"] == "chat.completion.chunk"
+  assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_logprobs_in_openai_shapes(openai):
+  """Completions: logprobs=k gives tokens, their logprobs and k alternatives
+  by text; chat: logprobs + top_logprobs per content token. The counting
+  model's next byte has logprob ~0 (+10 against -10 for the rest)."""
+  _, port = openai
+  _, r = _post(port, "/v1/completions", {"prompt": "a", "max_tokens": 3, "temperature": 0,
+                                          "logprobs": 2})
+  lp = r["choices"][0]["logprobs"]
+  assert lp["tokens"] == ["b", "c", "d"] and all(abs(v) < 1e-6 for v in lp["token_logprobs"])
+  assert [len(t) for t in lp["top_logprobs"]] == [2, 2, 2] and "c" in lp["top_logprobs"][1]
+  _, r = _post(port, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 2,
+                                               "temperature": 0, "logprobs": True,
+                                               "top_logprobs": 1})
+  content = r["choices"][0]["logprobs"]["content"]
+  assert [x["token"] for x in content] == ["!", '"']
+  assert content[0]["top_logprobs"][0]["token"] == "!" and content[0]["bytes"] == [33]
+  assert all(math.isfinite(x["logprob"]) for x in content)
+
+
+def test_structured_outputs_and_response_format(openai):
+  """vLLM's structured_outputs and guided_* fields, and OpenAI's
+  response_format, constrain the output (the counting model's greedy text
+  under each grammar is known)."""
+  _, port = openai
+  schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+            "additionalProperties": False}
+  for extra, want in [
+      ({"structured_outputs": {"regex": "[b-d]+0"}}, "bcd0"),
+      ({"guided_choice": ["xyz", "bcq"]}, "bcq"),
+      ({"response_format": {"type": "json_schema", "json_schema": {"name": "x",
+                                                                   "schema": schema}}},
+       '{"ok":false}'),
+  ]:
+    _, r = _post(port, "/v1/completions", {"prompt": "a", "max_tokens": 20, "temperature": 0,
+                                            **extra})
+    assert r["choices"][0]["text"] == want, extra
+    assert r["choices"][0]["finish_reason"] == "stop"
+
+
+@pytest.mark.parametrize("path, body, status, match", [
+    ("/v1/completions", {"prompt": "a", "temperature": -1}, 400, "temperature"),
+    ("/v1/completions", {"prompt": ["a", "b"]}, 400, "one prompt a request"),
+    ("/v1/completions", {"prompt": "a", "n": 0}, 400, "n=0"),
+    ("/v1/completions", {"prompt": "a", "max_tokens": "lots"}, 400, "bad request field"),
+    ("/v1/completions", {"prompt": "a", "guided_regex": "(ab"}, 400, "unclosed group"),
+    ("/v1/completions", {"prompt": "a", "response_format": {"type": "yaml"}}, 400, "yaml"),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"content": "hi"}]}, 400, "role"),
+    ("/v1/embeddings", {"input": "a"}, 404, "no route"),
+])
+def test_bad_requests_get_openai_errors(openai, path, body, status, match):
+  _, port = openai
+  got, r = _post(port, path, body)
+  assert got == status and r["error"]["code"] == status and match in r["error"]["message"], r
+
+
+def test_a_body_that_is_not_json_is_400(openai):
+  _, port = openai
+  status, r = _post(port, "/v1/completions", None, raw=b"{not json")
+  assert status == 400 and "not JSON" in r["error"]["message"]
+
+
+def test_bearer_token_and_a_client_gone_mid_stream():
+  """With a token, a call without it is 401. A stream whose client closes
+  the connection after the first chunk cancels its request: its pages come
+  back long before its 500 tokens would have."""
+  engine = E.tiny_engine(max_batch=4, step_delay=0.01, num_pages=200)  # 5 s for 500 tokens
+  with running(engine, http_port=0, auth_token="s3cret") as (server, c):
+    port = server.openai_http.server_port
+    status, r = _post(port, "/v1/completions", {"prompt": "a", "max_tokens": 2})
+    assert status == 401 and r["error"]["type"] == "authentication_error"
+    status, r = _post(port, "/v1/completions", {"prompt": "a", "max_tokens": 2,
+                                                 "temperature": 0}, token="s3cret")
+    assert status == 200 and r["choices"][0]["text"] == "bc"
+    body = json.dumps({"prompt": "a", "max_tokens": 500, "ignore_eos": True, "stream": True})
+    sock = socket.create_connection(("127.0.0.1", port), timeout=30)
+    sock.sendall((f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer s3cret"
+                  f"\r\nContent-Length: {len(body)}\r\n\r\n{body}").encode())
+    got = b""
+    while b"data: " not in got:
+      got += sock.recv(4096)
+    assert got.startswith(b"HTTP/1.0 200")
+    wait_for(lambda: engine.stats().running == 1, what="the stream's request running")
+    sock.close()
+    wait_for(lambda: engine.stats().running == 0 and engine.stats().pages_in_use == 0,
+             timeout=1.5, what="the request cancelled and its pages freed")
