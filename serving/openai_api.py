@@ -9,6 +9,7 @@ request's; vLLM's extra sampling fields and structured outputs, OpenAI's
 ``response_format``), and their events become OpenAI objects. Errors are
 OpenAI error objects: 400 for a bad request, 401 without the bearer token,
 429 when the queue is full, 503 while draining, 500 when the engine failed.
+With the server's TLS certificate, it speaks HTTPS only.
 A client that goes away mid-stream cancels its requests. Calls count as
 in progress for the server's drain, like gRPC calls.
 """
@@ -19,6 +20,9 @@ import dataclasses
 import http.server
 import json
 import logging
+import pathlib
+import ssl
+import tempfile
 import threading
 import time
 import uuid
@@ -194,9 +198,21 @@ def _choice_end(f: api.Final) -> dict:
   return {"finish_reason": _FINISH[f.reason], "stop_reason": f.stop_reason}
 
 
+def _tls_context(cert: bytes, key: bytes) -> ssl.SSLContext:
+  ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+  with tempfile.TemporaryDirectory() as d:  # a directory only its owner reads
+    c, k = pathlib.Path(d, "cert.pem"), pathlib.Path(d, "key.pem")
+    c.write_bytes(cert)
+    k.write_bytes(key)
+    ctx.load_cert_chain(c, k)
+  return ctx
+
+
 def serve_openai(engine: api.Engine, servicer, host: str, port: int,
-                 auth_token: str | None = None) -> http.server.ThreadingHTTPServer:
-  """Serves the OpenAI endpoints in a daemon thread; returns the server."""
+                 auth_token: str | None = None,
+                 tls: tuple[bytes, bytes] | None = None) -> http.server.ThreadingHTTPServer:
+  """Serves the OpenAI endpoints in a daemon thread; returns the server.
+  ``tls``: (certificate, key) in PEM, as the gRPC server takes them."""
   expected = f"Bearer {auth_token}" if auth_token else None
 
   class Handler(http.server.BaseHTTPRequestHandler):
@@ -349,5 +365,10 @@ def serve_openai(engine: api.Engine, servicer, host: str, port: int,
 
   srv = http.server.ThreadingHTTPServer((host, port), Handler)
   srv.daemon_threads = True
+  if tls is not None:
+    # The handshake happens on the handler's thread (its first read), not in
+    # the accept loop, where a slow client would hold up every other.
+    srv.socket = _tls_context(*tls).wrap_socket(srv.socket, server_side=True,
+                                                do_handshake_on_connect=False)
   threading.Thread(target=srv.serve_forever, name="openai-http", daemon=True).start()
   return srv

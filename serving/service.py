@@ -495,7 +495,7 @@ class Server:
                metrics_port: int | None = None, max_workers: int | None = None,
                http_port: int | None = None):
     self.engine = engine
-    self._auth_token = auth_token
+    self._auth_token, self._tls = auth_token, tls
     self.host, self.port = host, port
     self.metrics = Metrics(engine)
     if hasattr(engine, "observer"):
@@ -547,7 +547,7 @@ class Server:
       self.metrics_http = serve_http(self.metrics, self.host, self._metrics_port)
     if self._http_port is not None:
       self.openai_http = serve_openai(self.engine, self.servicer, self.host, self._http_port,
-                                      self._auth_token)
+                                      self._auth_token, self._tls)
     for s in ("", SERVICE_NAME):
       self.health.set(s, HealthServicer.Status.SERVING)
     log.info("serving %s on %s", self.engine.info.model_name, self.address)

@@ -1,7 +1,10 @@
 """The engine over the real models package, and the server over TLS."""
 
+import http.client
+import json
 import pathlib
 import shutil
+import ssl
 import subprocess
 
 import grpc
@@ -177,10 +180,23 @@ def test_tls(tmp_path: pathlib.Path):
                   "-out", str(cert), "-days", "1", "-subj", "/CN=localhost",
                   "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"],
                  check=True, capture_output=True)
-  server = Server(E.tiny_engine(), port=0, tls=(cert.read_bytes(), key.read_bytes())).start()
+  server = Server(E.tiny_engine(), port=0, tls=(cert.read_bytes(), key.read_bytes()),
+                  http_port=0).start()
   try:
     with Client(f"localhost:{server.port}", tls_ca=cert.read_bytes()) as c:
       assert c.generate("a", max_tokens=3).text == "bcd"
+    # The OpenAI endpoints speak HTTPS with the same certificate, and only that.
+    port = server.openai_http.server_port
+    body = json.dumps({"prompt": "a", "max_tokens": 3, "temperature": 0})
+    https = http.client.HTTPSConnection(
+        "localhost", port, timeout=30, context=ssl.create_default_context(cafile=str(cert)))
+    https.request("POST", "/v1/completions", body=body)
+    assert json.loads(https.getresponse().read())["choices"][0]["text"] == "bcd"
+    https.close()
+    plain_http = http.client.HTTPConnection("localhost", port, timeout=5)
+    with pytest.raises((http.client.HTTPException, OSError)):
+      plain_http.request("POST", "/v1/completions", body=body)
+      plain_http.getresponse().read()
     with Client(f"localhost:{server.port}") as plain:  # no TLS: refused
       with pytest.raises(grpc.RpcError) as e:
         plain.generate("a", max_tokens=3, timeout=5)
