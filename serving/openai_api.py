@@ -257,28 +257,8 @@ def serve_openai(engine: api.Engine, servicer, host: str, port: int,
         return
       with servicer.call_in_progress():
         try:
-          length = int(self.headers.get("Content-Length") or 0)
-          if not 0 < length <= MAX_BODY:
-            raise _HTTPError(400, f"the body must be JSON of 1..{MAX_BODY} bytes")
-          try:
-            body = json.loads(self.rfile.read(length))
-          except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise _HTTPError(400, f"the body is not JSON: {e}") from None
-          if not isinstance(body, dict):
-            raise _HTTPError(400, "the body must be a JSON object")
-          chat = path == "/v1/chat/completions"
-          try:
-            call = _Call(engine, body, chat)
-          except api.InvalidRequest as e:
-            raise _HTTPError(400, str(e)) from None
-          except (TypeError, ValueError, KeyError) as e:  # a field of the wrong type
-            raise _HTTPError(400, f"bad request field: {e!r}") from None
-          except api.QueueFull as e:
-            raise _HTTPError(429, str(e), "rate_limit_error") from None
-          except api.Draining as e:
-            raise _HTTPError(503, str(e), "unavailable") from None
-          except api.EngineFailed as e:
-            raise _HTTPError(500, str(e), "internal_error") from None
+          body, chat = self._body(), path == "/v1/chat/completions"
+          call = self._call(body, chat)
           if body.get("stream"):
             self._stream(call, chat, bool((body.get("stream_options") or {}).get(
                 "include_usage")))
@@ -286,6 +266,39 @@ def serve_openai(engine: api.Engine, servicer, host: str, port: int,
             self._whole(call, chat)
         except _HTTPError as e:
           self._error(e)
+
+    def _body(self) -> dict:
+      length = int(self.headers.get("Content-Length") or 0)
+      if not 0 < length <= MAX_BODY:
+        raise _HTTPError(400, f"the body must be JSON of 1..{MAX_BODY} bytes")
+      try:
+        body = json.loads(self.rfile.read(length))
+      except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise _HTTPError(400, f"the body is not JSON: {e}") from None
+      if not isinstance(body, dict):
+        raise _HTTPError(400, "the body must be a JSON object")
+      return body
+
+    def _call(self, body: dict, chat: bool) -> _Call:
+      """The call's engine requests, submitted; a refusal counts as a refused
+      gRPC call does (requests_rejected_total)."""
+      try:
+        try:
+          return _Call(engine, body, chat)
+        except api.InvalidRequest as e:
+          raise _HTTPError(400, str(e)) from None
+        except (TypeError, ValueError, KeyError, AttributeError) as e:  # a field's wrong type
+          raise _HTTPError(400, f"bad request field: {e!r}") from None
+        except api.QueueFull as e:
+          raise _HTTPError(429, str(e), "rate_limit_error") from None
+        except api.Draining as e:
+          raise _HTTPError(503, str(e), "unavailable") from None
+        except api.EngineFailed as e:
+          raise _HTTPError(500, str(e), "internal_error") from None
+      except _HTTPError as e:
+        if e.status != 500:
+          servicer.metrics.rejected.inc()
+        raise
 
     def _head(self, chat: bool) -> dict:
       return {"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex,

@@ -7,6 +7,7 @@ import math
 import socket
 
 import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from serving import engine as E
 
@@ -177,3 +178,41 @@ def test_bearer_token_and_a_client_gone_mid_stream():
     sock.close()
     wait_for(lambda: engine.stats().running == 0 and engine.stats().pages_in_use == 0,
              timeout=1.5, what="the request cancelled and its pages freed")
+
+
+_json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-2**40, 2**40) | st.floats(allow_nan=False)
+    | st.text(max_size=6),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner,
+                                                                 max_size=3),
+    max_leaves=6)
+_FIELDS = ["prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p",
+           "top_k", "min_p", "n", "stop", "seed", "logprobs", "top_logprobs", "logit_bias",
+           "stream", "stream_options", "response_format", "structured_outputs", "guided_regex",
+           "guided_choice", "guided_json", "stop_token_ids", "allowed_token_ids",
+           "prompt_logprobs", "ignore_eos", "min_tokens", "presence_penalty"]
+
+
+@st.composite
+def _bodies(draw):
+  body = draw(st.dictionaries(st.sampled_from(_FIELDS), _json_values, max_size=6))
+  if draw(st.booleans()):  # half of them with a well-formed prompt, to get past it
+    body["prompt"] = draw(st.text(max_size=8))
+    body["messages"] = [{"role": "user", "content": draw(st.text(max_size=8))}]
+  body.setdefault("max_tokens", 4)
+  return body
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=list(HealthCheck))
+@given(body=_bodies(), chat=st.booleans())
+def test_malformed_json_bodies_get_a_status_never_a_crash(openai, body, chat):
+  """Fields of any JSON type at the known names: each call answers 200 (a
+  complete response or stream) or an OpenAI error with status 400, and the
+  engine and server stay up."""
+  server, port = openai
+  status, r = _post(port, "/v1/chat/completions" if chat else "/v1/completions", body)
+  if status == 200:
+    assert isinstance(r, list) or r["choices"], r
+  else:
+    assert status == 400 and r["error"]["message"], (status, r)
+  assert server.engine.error is None and _get(port, "/health")[0] == 200
