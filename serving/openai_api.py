@@ -10,8 +10,9 @@ request's; vLLM's extra sampling fields and structured outputs, OpenAI's
 OpenAI error objects: 400 for a bad request, 401 without the bearer token,
 429 when the queue is full, 503 while draining, 500 when the engine failed.
 With the server's TLS certificate, it speaks HTTPS only.
-A client that goes away mid-stream cancels its requests. Calls count as
-in progress for the server's drain, like gRPC calls.
+A client that goes away (its connection closed, streaming or not) cancels
+its requests. Calls count as in progress for the server's drain, like gRPC
+calls.
 """
 
 from __future__ import annotations
@@ -21,6 +22,9 @@ import http.server
 import json
 import logging
 import pathlib
+import queue
+import select
+import socket
 import ssl
 import tempfile
 import threading
@@ -32,12 +36,17 @@ from serving.engine import api
 log = logging.getLogger("serving.openai")
 
 MAX_BODY = 1 << 24
+_POLL_S = 0.05  # how often a call waiting for events checks its client is still there
 _FINISH = {api.FinishReason.LENGTH: "length", api.FinishReason.STOP: "stop",
            api.FinishReason.EOS: "stop"}
 # OpenAI / vLLM request fields -> SamplingParams fields of the same meaning.
 _SAME = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
          "repetition_penalty", "seed", "min_tokens", "ignore_eos", "include_stop_str_in_output",
          "truncate_prompt_tokens", "prompt_logprobs")
+
+
+class _ClientGone(Exception):
+  """The client closed its connection: its requests were cancelled."""
 
 
 class _HTTPError(Exception):
@@ -146,12 +155,23 @@ class _Call:
     for k in self.keys:
       self.engine.cancel(k)
 
-  def __iter__(self):
-    """(index, Delta | Final) until every completion's Final."""
-    finals = 0
+  def follow(self, gone):
+    """(index, Delta | Final) until every completion's Final; ``gone()`` is
+    asked every _POLL_S: True cancels the requests (_ClientGone)."""
+    finals, check = 0, time.monotonic() + _POLL_S
     try:
       while finals < self.n:
-        i, ev = self.events.get(timeout=3600)
+        try:
+          i, ev = self.events.get(timeout=_POLL_S)
+        except queue.Empty:
+          i = ev = None
+        if time.monotonic() >= check:
+          check = time.monotonic() + _POLL_S
+          if gone():
+            self.cancel()
+            raise _ClientGone
+        if ev is None:
+          continue
         if isinstance(ev, api.Failed):
           raise _HTTPError(500, ev.message, "internal_error")
         if isinstance(ev, api.Final) and ev.reason not in _FINISH:
@@ -219,11 +239,14 @@ def serve_openai(engine: api.Engine, servicer, host: str, port: int,
 
     def _json(self, status: int, obj) -> None:
       body = json.dumps(obj).encode()
-      self.send_response(status)
-      self.send_header("Content-Type", "application/json")
-      self.send_header("Content-Length", str(len(body)))
-      self.end_headers()
-      self.wfile.write(body)
+      try:
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+      except (BrokenPipeError, ConnectionResetError):
+        log.info("client went away before its response")
 
     def _error(self, e: _HTTPError) -> None:
       self._json(e.status, {"error": {"message": str(e), "type": e.kind, "code": e.status}})
@@ -304,17 +327,32 @@ def serve_openai(engine: api.Engine, servicer, host: str, port: int,
       return {"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex,
               "created": int(time.time()), "model": engine.info.model_name}
 
+    def _client_gone(self) -> bool:
+      """Whether the client closed its connection: readable, and nothing to
+      read (the request was read whole). Not told apart over TLS."""
+      sock = self.connection
+      if isinstance(sock, ssl.SSLSocket):
+        return False
+      try:
+        readable, _, _ = select.select([sock], [], [], 0)
+        return bool(readable) and not sock.recv(1, socket.MSG_PEEK)
+      except OSError:
+        return True
+
     def _whole(self, call: _Call, chat: bool) -> None:
       text = [[] for _ in range(call.n)]
       lps = [[] for _ in range(call.n)]
       finals: list[api.Final | None] = [None] * call.n
       try:
-        for i, ev in call:
+        for i, ev in call.follow(self._client_gone):
           if isinstance(ev, api.Delta):
             text[i].append(ev.text)
             lps[i] += ev.logprobs
           else:
             finals[i] = ev
+      except _ClientGone:
+        log.info("client went away: its requests were cancelled")
+        return
       except BaseException:
         call.cancel()
         raise
@@ -351,7 +389,7 @@ def serve_openai(engine: api.Engine, servicer, host: str, port: int,
           for i in range(call.n):
             send({**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
                                        "logprobs": None, "finish_reason": None}]})
-        for i, ev in call:
+        for i, ev in call.follow(self._client_gone):
           if isinstance(ev, api.Delta):
             c = {"index": i, "logprobs": _logprobs(engine, list(ev.logprobs), chat),
                  "finish_reason": None}
@@ -365,8 +403,11 @@ def serve_openai(engine: api.Engine, servicer, host: str, port: int,
           send({**head, "choices": [], "usage": _usage(finals)})
         send(b"[DONE]")
       except _HTTPError as e:  # after the headers: the error is the stream's last event
-        send({"error": {"message": str(e), "type": e.kind, "code": e.status}})
-      except (BrokenPipeError, ConnectionResetError):
+        try:
+          send({"error": {"message": str(e), "type": e.kind, "code": e.status}})
+        except (BrokenPipeError, ConnectionResetError):
+          pass
+      except (BrokenPipeError, ConnectionResetError, _ClientGone):
         log.info("client went away mid-stream: cancelling its requests")
         call.cancel()
       except BaseException:

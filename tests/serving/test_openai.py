@@ -178,6 +178,15 @@ def test_bearer_token_and_a_client_gone_mid_stream():
     sock.close()
     wait_for(lambda: engine.stats().running == 0 and engine.stats().pages_in_use == 0,
              timeout=1.5, what="the request cancelled and its pages freed")
+    # Unary too: a client that closes while waiting for the whole response.
+    body = json.dumps({"prompt": "a", "max_tokens": 500, "ignore_eos": True})
+    sock = socket.create_connection(("127.0.0.1", port), timeout=30)
+    sock.sendall((f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer s3cret"
+                  f"\r\nContent-Length: {len(body)}\r\n\r\n{body}").encode())
+    wait_for(lambda: engine.stats().running == 1, what="the unary request running")
+    sock.close()
+    wait_for(lambda: engine.stats().running == 0 and engine.stats().pages_in_use == 0,
+             timeout=1.5, what="the unary request cancelled and its pages freed")
 
 
 _json_values = st.recursive(
