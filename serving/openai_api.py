@@ -3,7 +3,7 @@
 ``serve_openai(engine, servicer, host, port)`` answers what vLLM's and
 SGLang's OpenAI servers answer: ``POST /v1/completions``,
 ``POST /v1/chat/completions`` (server-sent events with ``"stream": true``),
-``GET /v1/models`` and ``GET /health``. A request's JSON becomes engine
+``GET /v1/models``, ``POST /tokenize``, ``GET /health`` and ``GET /metrics``. A request's JSON becomes engine
 requests as a gRPC call's does (n completions, each seed derived from the
 request's; vLLM's extra sampling fields and structured outputs, OpenAI's
 ``response_format``), and their events become OpenAI objects. Errors are
@@ -118,7 +118,8 @@ class _Call:
 
     self.engine, self.chat = engine, chat
     sampling, self.n = sampling_from_json(body, chat)
-    prompt: dict = {}
+    prompt: dict = {"priority": int(body.get("priority") or 0)}
+    self.echo = ""  # completions' echo: the prompt before each completion's text
     if chat:
       msgs = body.get("messages")
       if not isinstance(msgs, list) or not msgs:
@@ -135,6 +136,8 @@ class _Call:
         prompt["prompt_ids"] = p
       else:
         raise _HTTPError(400, "prompt: a string or a list of token ids (one prompt a request)")
+      if body.get("echo"):
+        self.echo = p if isinstance(p, str) else "".join(engine.token_pieces(p))
     self.keys, handles = [], []
     try:
       for i in range(self.n):
@@ -262,6 +265,13 @@ def serve_openai(engine: api.Engine, servicer, host: str, port: int,
       if path == "/health":
         ok = getattr(engine, "error", None) is None and not engine.stats().draining
         self._json(200 if ok else 503, {"status": "ok" if ok else "unavailable"})
+      elif path == "/metrics":
+        text = servicer.metrics.render().encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "text/plain; version=0.0.4")
+        self.send_header("Content-Length", str(len(text)))
+        self.end_headers()
+        self.wfile.write(text)
       elif path == "/v1/models":
         if self._authorized():
           i = engine.info
@@ -273,10 +283,16 @@ def serve_openai(engine: api.Engine, servicer, host: str, port: int,
 
     def do_POST(self):  # noqa: N802
       path = self.path.split("?")[0]
-      if path not in ("/v1/completions", "/v1/chat/completions"):
+      if path not in ("/v1/completions", "/v1/chat/completions", "/tokenize"):
         self._error(_HTTPError(404, f"no route {path}", "not_found"))
         return
       if not self._authorized():
+        return
+      if path == "/tokenize":
+        try:
+          self._tokenize(self._body())
+        except _HTTPError as e:
+          self._error(e)
         return
       with servicer.call_in_progress():
         try:
@@ -289,6 +305,25 @@ def serve_openai(engine: api.Engine, servicer, host: str, port: int,
             self._whole(call, chat)
         except _HTTPError as e:
           self._error(e)
+
+    def _tokenize(self, body: dict) -> None:
+      """vLLM's /tokenize: a prompt's tokens, or a chat's as a chat prompt has them."""
+      try:
+        if body.get("messages") is not None:
+          _, ids = engine.render_chat(
+              tuple((m["role"], _content(m.get("content"))) for m in body["messages"]),
+              bool(body.get("add_generation_prompt", True)))
+        elif isinstance(body.get("prompt"), str):
+          ids = engine.tokenize(body["prompt"], add_bos=bool(body.get("add_special_tokens",
+                                                                        True)))
+        else:
+          raise _HTTPError(400, "give a prompt (string) or messages")
+      except api.InvalidRequest as e:
+        raise _HTTPError(400, str(e)) from None
+      except (TypeError, KeyError, AttributeError) as e:
+        raise _HTTPError(400, f"bad request field: {e!r}") from None
+      self._json(200, {"count": len(ids), "max_model_len": engine.info.max_context,
+                       "tokens": ids})
 
     def _body(self) -> dict:
       length = int(self.headers.get("Content-Length") or 0)
@@ -362,7 +397,7 @@ def serve_openai(engine: api.Engine, servicer, host: str, port: int,
         if chat:
           c["message"] = {"role": "assistant", "content": "".join(text[i])}
         else:
-          c["text"] = "".join(text[i])
+          c["text"] = call.echo + "".join(text[i])
         if i == 0 and f.prompt_logprobs:
           c["prompt_logprobs"] = [{"token_id": x.token_id, "logprob": x.logprob}
                                   for x in f.prompt_logprobs]
@@ -385,10 +420,12 @@ def serve_openai(engine: api.Engine, servicer, host: str, port: int,
 
       finals: list[api.Final | None] = [None] * call.n
       try:
-        if chat:
-          for i in range(call.n):
-            send({**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
-                                       "logprobs": None, "finish_reason": None}]})
+        for i in range(call.n):  # chat: the role first; completions: the echo, if asked
+          if chat or call.echo:
+            c = ({"delta": {"role": "assistant", "content": ""}} if chat else
+                 {"text": call.echo})
+            send({**head, "choices": [{"index": i, **c, "logprobs": None,
+                                       "finish_reason": None}]})
         for i, ev in call.follow(self._client_gone):
           if isinstance(ev, api.Delta):
             c = {"index": i, "logprobs": _logprobs(engine, list(ev.logprobs), chat),

@@ -225,3 +225,28 @@ def test_malformed_json_bodies_get_a_status_never_a_crash(openai, body, chat):
   else:
     assert status == 400 and r["error"]["message"], (status, r)
   assert server.engine.error is None and _get(port, "/health")[0] == 200
+
+
+def test_echo_tokenize_metrics_and_priority(openai):
+  """Completions' echo puts the prompt before the text (unary and streamed);
+  /tokenize gives a prompt's or a chat's tokens as Generate gets them;
+  /metrics is served here too; a priority needs priority scheduling."""
+  server, port = openai
+  _, r = _post(port, "/v1/completions", {"prompt": "xa", "max_tokens": 2, "temperature": 0,
+                                          "echo": True})
+  assert r["choices"][0]["text"] == "xabc"
+  _, chunks = _post(port, "/v1/completions", {"prompt": "xa", "max_tokens": 2,
+                                               "temperature": 0, "echo": True, "stream": True})
+  assert "".join(c["choices"][0]["text"] for c in chunks) == "xabc"
+  status, t = _post(port, "/tokenize", {"prompt": "hi"})
+  assert status == 200 and t["tokens"] == [256, ord("h"), ord("i")] and t["count"] == 3
+  _, t = _post(port, "/tokenize", {"messages": CHAT})
+  assert t["tokens"] == list(b"system: be brief\nuser: hi\nassistant: ")
+  status, r = _post(port, "/tokenize", {"prompt": 3})
+  assert status == 400 and "prompt" in r["error"]["message"]
+  conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+  conn.request("GET", "/metrics")
+  text = conn.getresponse().read().decode()
+  assert "time_to_first_token_seconds" in text and "requests_finished_total" in text
+  status, r = _post(port, "/v1/completions", {"prompt": "a", "priority": 2})
+  assert status == 400 and "priority scheduling" in r["error"]["message"]
