@@ -45,6 +45,47 @@ _SAME = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequenc
          "truncate_prompt_tokens", "prompt_logprobs")
 
 
+_INTS = ("top_k", "seed", "min_tokens", "truncate_prompt_tokens", "prompt_logprobs",
+         "max_tokens", "max_completion_tokens", "n", "top_logprobs", "priority")
+_FLOATS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+           "repetition_penalty")
+_BOOLS = ("ignore_eos", "include_stop_str_in_output", "echo", "stream",
+          "add_generation_prompt", "add_special_tokens")
+
+
+def _check_types(body: dict, chat: bool) -> None:
+  """JSON types of the known fields, checked before anything uses them: the
+  engine's own checks assume the types a proto guarantees."""
+  def bad(name, what):
+    raise _HTTPError(400, f"{name}={body[name]!r} must be {what}")
+
+  def is_int(v):
+    return isinstance(v, int) and not isinstance(v, bool)
+
+  for k in _INTS + ((() if chat else ("logprobs",))):
+    if body.get(k) is not None and not is_int(body[k]):
+      bad(k, "an integer")
+  for k in _FLOATS:
+    if body.get(k) is not None and not (is_int(body[k]) or isinstance(body[k], float)):
+      bad(k, "a number")
+  for k in _BOOLS + (("logprobs",) if chat else ()):
+    if body.get(k) is not None and not isinstance(body[k], bool):
+      bad(k, "true or false")
+  stop = body.get("stop")
+  if stop is not None and not isinstance(stop, str) and not (
+      isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
+    bad("stop", "a string or a list of strings")
+  for k in ("stop_token_ids", "allowed_token_ids"):
+    v = body.get(k)
+    if v is not None and not (isinstance(v, list) and all(is_int(t) for t in v)):
+      bad(k, "a list of integers")
+  lb = body.get("logit_bias")
+  if lb is not None and not (isinstance(lb, dict) and all(
+      isinstance(t, str) and t.lstrip("-").isdigit() and (is_int(b) or isinstance(b, float))
+      for t, b in lb.items())):
+    bad("logit_bias", "an object of token id -> number")
+
+
 class _ClientGone(Exception):
   """The client closed its connection: its requests were cancelled."""
 
@@ -85,6 +126,7 @@ def _structured(body: dict) -> api.StructuredOutputs | None:
 def sampling_from_json(body: dict, chat: bool) -> tuple[api.SamplingParams, int]:
   """(SamplingParams, n) from an OpenAI request body; OpenAI's defaults
   (temperature 1, 16 tokens for completions, the context for chat)."""
+  _check_types(body, chat)
   kw = {k: body[k] for k in _SAME if body.get(k) is not None}
   kw.setdefault("temperature", 1.0)
   max_tokens = body.get("max_completion_tokens") if chat else None

@@ -14,6 +14,7 @@ import abc
 import dataclasses
 import enum
 import math
+import numbers
 import queue
 import time
 from collections.abc import Sequence
@@ -129,6 +130,24 @@ class SamplingParams:
   structured: StructuredOutputs | None = None
 
   def __post_init__(self):
+    def integral(v) -> bool:
+      return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+    # Types first (a JSON front end hands over whatever came): the checks
+    # below and the engine's thread assume them.
+    for name in ("top_k", "min_tokens", "top_logprobs", "max_tokens", "seed",
+                 "truncate_prompt_tokens", "prompt_logprobs"):
+      v = getattr(self, name)
+      if v is not None and not integral(v):
+        raise InvalidRequest(f"{name}={v!r} must be an integer")
+    if not all(isinstance(s, str) for s in self.stop):
+      raise InvalidRequest("stop must be strings")
+    for name in ("stop_token_ids", "allowed_token_ids"):
+      if not all(integral(t) for t in getattr(self, name)):
+        raise InvalidRequest(f"{name} must be integers")
+    if self.structured is not None and not isinstance(self.structured, StructuredOutputs):
+      raise InvalidRequest(f"structured={self.structured!r} must be StructuredOutputs")
+
     def finite(name):
       v = getattr(self, name)
       if not isinstance(v, (int, float)) or not math.isfinite(v):

@@ -135,7 +135,13 @@ def test_structured_outputs_and_response_format(openai):
     ("/v1/completions", {"prompt": "a", "temperature": -1}, 400, "temperature"),
     ("/v1/completions", {"prompt": ["a", "b"]}, 400, "one prompt a request"),
     ("/v1/completions", {"prompt": "a", "n": 0}, 400, "n=0"),
-    ("/v1/completions", {"prompt": "a", "max_tokens": "lots"}, 400, "bad request field"),
+    ("/v1/completions", {"prompt": "a", "max_tokens": "lots"}, 400, "must be an integer"),
+    ("/v1/completions", {"prompt": "a", "stop": [["x"]]}, 400, "a list of strings"),
+    ("/v1/completions", {"prompt": "a", "prompt_logprobs": 2.5}, 400, "an integer"),
+    ("/v1/completions", {"prompt": "a", "allowed_token_ids": [1.5]}, 400, "integers"),
+    ("/v1/completions", {"prompt": "a", "logit_bias": {"x": 1}}, 400, "token id -> number"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                              "logprobs": 3}, 400, "true or false"),
     ("/v1/completions", {"prompt": "a", "guided_regex": "(ab"}, 400, "unclosed group"),
     ("/v1/completions", {"prompt": "a", "response_format": {"type": "yaml"}}, 400, "yaml"),
     ("/v1/chat/completions", {"messages": []}, 400, "messages"),
@@ -212,7 +218,7 @@ def _bodies(draw):
   return body
 
 
-@settings(max_examples=80, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
 @given(body=_bodies(), chat=st.booleans())
 def test_malformed_json_bodies_get_a_status_never_a_crash(openai, body, chat):
   """Fields of any JSON type at the known names: each call answers 200 (a
