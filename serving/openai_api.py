@@ -36,6 +36,7 @@ from serving.engine import api
 log = logging.getLogger("serving.openai")
 
 MAX_BODY = 1 << 24
+MAX_COMPLETIONS = 256  # prompts x n in one call
 _POLL_S = 0.05  # how often a call waiting for events checks its client is still there
 _FINISH = {api.FinishReason.LENGTH: "length", api.FinishReason.STOP: "stop",
            api.FinishReason.EOS: "stop"}
@@ -159,42 +160,58 @@ class _Call:
     from serving.service import _Events, completion_seed
 
     self.engine, self.chat = engine, chat
-    sampling, self.n = sampling_from_json(body, chat)
-    prompt: dict = {"priority": int(body.get("priority") or 0)}
-    self.echo = ""  # completions' echo: the prompt before each completion's text
+    sampling, self.per = sampling_from_json(body, chat)  # completions per prompt
     if chat:
       msgs = body.get("messages")
       if not isinstance(msgs, list) or not msgs:
         raise _HTTPError(400, "messages: a non-empty list of {role, content}")
-      prompt["messages"] = tuple((m["role"], _content(m.get("content"))) for m in msgs)
-      prompt["add_generation_prompt"] = bool(body.get("add_generation_prompt", True))
+      prompts = [{"messages": tuple((m["role"], _content(m.get("content"))) for m in msgs),
+                  "add_generation_prompt": bool(body.get("add_generation_prompt", True))}]
     else:
-      p = body.get("prompt")
-      if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str):
-        p = p[0]
-      if isinstance(p, str):
-        prompt["prompt_text"] = p
-      elif isinstance(p, list) and p and all(isinstance(t, int) for t in p):
-        prompt["prompt_ids"] = p
-      else:
-        raise _HTTPError(400, "prompt: a string or a list of token ids (one prompt a request)")
-      if body.get("echo"):
-        self.echo = p if isinstance(p, str) else "".join(engine.token_pieces(p))
+      prompts = [_prompt(p) for p in _prompt_list(body.get("prompt"))]
+    self.n = len(prompts) * self.per  # choice i * per + j: prompt i's completion j
+    if self.n > MAX_COMPLETIONS:
+      raise _HTTPError(400, f"{len(prompts)} prompts x n={self.per}: at most "
+                       f"{MAX_COMPLETIONS} completions a call")
+    # Completions' echo: the prompt before each completion's text; with
+    # logprobs, its tokens' logprobs before the completion's (lm-eval's
+    # loglikelihood requests), which needs the server's prompt logprobs.
+    echo = bool(body.get("echo")) and not chat
+    self.echo = [self._text(p) if echo else "" for p in prompts]
+    self.echo_first = [self._first_id(p) if echo else None for p in prompts]
+    if echo and sampling.logprobs:
+      sampling = dataclasses.replace(sampling, prompt_logprobs=sampling.top_logprobs)
+    priority = int(body.get("priority") or 0)
     self.keys, handles = [], []
     try:
-      for i in range(self.n):
-        s = sampling
-        if i and s.seed is not None:
-          s = dataclasses.replace(s, seed=completion_seed(sampling.seed, i))
-        if i:
-          s = dataclasses.replace(s, prompt_logprobs=None)  # completion 0 scores it
-        self.keys.append(uuid.uuid4().hex)
-        handles.append(engine.submit(api.Request(request_id=self.keys[-1], sampling=s,
-                                                 **prompt)))
+      for prompt in prompts:
+        for j in range(self.per):
+          s = sampling
+          if j and s.seed is not None:
+            s = dataclasses.replace(s, seed=completion_seed(sampling.seed, j))
+          if j:
+            s = dataclasses.replace(s, prompt_logprobs=None)  # completion 0 scores it
+          self.keys.append(uuid.uuid4().hex)
+          handles.append(engine.submit(api.Request(request_id=self.keys[-1], sampling=s,
+                                                   priority=priority, **prompt)))
     except BaseException:
       self.cancel()
       raise
     self.events = _Events(handles)
+
+  def _text(self, prompt: dict) -> str:
+    if "prompt_text" in prompt:
+      return prompt["prompt_text"]
+    return "".join(self.engine.token_pieces(prompt["prompt_ids"]))
+
+  def _first_id(self, prompt: dict) -> int:
+    """The prompt's first token, which has no logprob (the engine's BOS rule)."""
+    if "prompt_ids" in prompt:
+      return prompt["prompt_ids"][0]
+    return self.engine.tokenize(prompt["prompt_text"], add_bos=True)[0]
+
+  def prompt_of(self, i: int) -> int:
+    return i // self.per
 
   def cancel(self) -> None:
     for k in self.keys:
@@ -227,6 +244,25 @@ class _Call:
       self.events.close()
 
 
+def _prompt_list(p) -> list:
+  """OpenAI's prompt: a string, token ids, or a list of either."""
+  if isinstance(p, str) or (isinstance(p, list) and p and all(
+      isinstance(t, int) and not isinstance(t, bool) for t in p)):
+    return [p]
+  if isinstance(p, list) and p:
+    return p
+  raise _HTTPError(400, "prompt: a string, a list of token ids, or a list of either")
+
+
+def _prompt(p) -> dict:
+  if isinstance(p, str):
+    return {"prompt_text": p}
+  if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool)
+                                       for t in p):
+    return {"prompt_ids": p}
+  raise _HTTPError(400, "prompt: a string, a list of token ids, or a list of either")
+
+
 def _content(c) -> str:
   """A message's content: a string, or OpenAI's list of text parts."""
   if isinstance(c, str):
@@ -253,8 +289,21 @@ def _logprobs(engine, lps: list[api.TokenLogprob], chat: bool):
           "top_logprobs": [dict(t) for t in tops]}
 
 
-def _usage(finals: list[api.Final]) -> dict:
-  prompt = finals[0].prompt_tokens
+def _echo_logprobs(engine, first: int, scored, completion: dict | None) -> dict:
+  """Completions' logprobs with echo: the prompt's tokens first (the first
+  one has none), then the completion's, as OpenAI's legacy API gives them."""
+  ids = [first] + [x.token_id for x in scored]
+  pieces = engine.token_pieces(ids + [t for x in scored for t, _ in x.top])
+  names = iter(pieces[len(ids):])
+  out = {"tokens": pieces[:len(ids)], "token_logprobs": [None] + [x.logprob for x in scored],
+         "top_logprobs": [None] + [{next(names): v for _, v in x.top} for x in scored]}
+  for k in out if completion else ():
+    out[k] += completion[k]
+  return out
+
+
+def _usage(finals: list[api.Final], per: int) -> dict:
+  prompt = sum(f.prompt_tokens for f in finals[::per])  # each prompt once
   done = sum(f.completion_tokens for f in finals)
   return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
 
@@ -435,17 +484,22 @@ def serve_openai(engine: api.Engine, servicer, host: str, port: int,
         raise
       choices = []
       for i, f in enumerate(finals):
+        p = call.prompt_of(i)
         c = {"index": i, "logprobs": _logprobs(engine, lps[i], chat), **_choice_end(f)}
         if chat:
           c["message"] = {"role": "assistant", "content": "".join(text[i])}
         else:
-          c["text"] = call.echo + "".join(text[i])
-        if i == 0 and f.prompt_logprobs:
+          c["text"] = call.echo[p] + "".join(text[i])
+          scored = finals[p * call.per].prompt_logprobs  # the prompt's completion 0 has them
+          if call.echo_first[p] is not None and scored:
+            c["logprobs"] = _echo_logprobs(engine, call.echo_first[p], scored, c["logprobs"])
+        if i % call.per == 0 and f.prompt_logprobs:
           c["prompt_logprobs"] = [{"token_id": x.token_id, "logprob": x.logprob}
                                   for x in f.prompt_logprobs]
         choices.append(c)
       self._json(200, {**self._head(chat), "object": "chat.completion" if chat else
-                       "text_completion", "choices": choices, "usage": _usage(finals)})
+                       "text_completion", "choices": choices,
+                       "usage": _usage(finals, call.per)})
 
     def _stream(self, call: _Call, chat: bool, include_usage: bool) -> None:
       head = {**self._head(chat), "object": "chat.completion.chunk" if chat else
@@ -463,9 +517,9 @@ def serve_openai(engine: api.Engine, servicer, host: str, port: int,
       finals: list[api.Final | None] = [None] * call.n
       try:
         for i in range(call.n):  # chat: the role first; completions: the echo, if asked
-          if chat or call.echo:
+          if chat or call.echo[call.prompt_of(i)]:
             c = ({"delta": {"role": "assistant", "content": ""}} if chat else
-                 {"text": call.echo})
+                 {"text": call.echo[call.prompt_of(i)]})
             send({**head, "choices": [{"index": i, **c, "logprobs": None,
                                        "finish_reason": None}]})
         for i, ev in call.follow(self._client_gone):
@@ -479,7 +533,7 @@ def serve_openai(engine: api.Engine, servicer, host: str, port: int,
             c.update({"delta": {}} if chat else {"text": ""})
           send({**head, "choices": [c]})
         if include_usage:
-          send({**head, "choices": [], "usage": _usage(finals)})
+          send({**head, "choices": [], "usage": _usage(finals, call.per)})
         send(b"[DONE]")
       except _HTTPError as e:  # after the headers: the error is the stream's last event
         try:

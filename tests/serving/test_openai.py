@@ -133,7 +133,8 @@ def test_structured_outputs_and_response_format(openai):
 
 @pytest.mark.parametrize("path, body, status, match", [
     ("/v1/completions", {"prompt": "a", "temperature": -1}, 400, "temperature"),
-    ("/v1/completions", {"prompt": ["a", "b"]}, 400, "one prompt a request"),
+    ("/v1/completions", {"prompt": ["a", ["b"]]}, 400, "a list of either"),
+    ("/v1/completions", {"prompt": []}, 400, "a list of either"),
     ("/v1/completions", {"prompt": "a", "n": 0}, 400, "n=0"),
     ("/v1/completions", {"prompt": "a", "max_tokens": "lots"}, 400, "must be an integer"),
     ("/v1/completions", {"prompt": "a", "stop": [["x"]]}, 400, "a list of strings"),
@@ -256,3 +257,26 @@ def test_echo_tokenize_metrics_and_priority(openai):
   assert "time_to_first_token_seconds" in text and "requests_finished_total" in text
   status, r = _post(port, "/v1/completions", {"prompt": "a", "priority": 2})
   assert status == 400 and "priority scheduling" in r["error"]["message"]
+
+
+def test_prompt_lists_and_echo_logprobs_for_scoring(openai):
+  """A list of prompts gives prompt i's completion j at choice i * n + j, and
+  usage counts each prompt once. echo with logprobs (lm-eval's loglikelihood
+  request) gives the prompt's tokens and logprobs (none for the first) before
+  the completion's: after "a" the counting model's "b" is ~0, "x" ~-20."""
+  _, port = openai
+  status, r = _post(port, "/v1/completions", {"prompt": ["a", [ord("k")]], "n": 2,
+                                               "max_tokens": 2, "temperature": 0})
+  assert status == 200 and [c["text"] for c in r["choices"]] == ["bc", "bc", "lm", "lm"]
+  assert r["usage"]["prompt_tokens"] == 2 + 1 and r["usage"]["completion_tokens"] == 8
+  _, r = _post(port, "/v1/completions", {"prompt": ["abx", "ab"], "max_tokens": 1,
+                                          "temperature": 0, "echo": True, "logprobs": 1})
+  first, second = (c["logprobs"] for c in r["choices"])
+  assert [c["text"] for c in r["choices"]] == ["abxy", "abc"]
+  assert first["tokens"][1:] == ["a", "b", "x", "y"] and first["token_logprobs"][0] is None
+  got = first["token_logprobs"][1:]
+  assert got[1] > -1e-3 and got[2] < -15 and got[3] > -1e-3, got  # b follows a; x not b
+  assert first["top_logprobs"][0] is None and list(first["top_logprobs"][3]) == ["c"]
+  assert len(second["tokens"]) == len(second["token_logprobs"]) == 4  # BOS a b + c
+  status, r = _post(port, "/v1/completions", {"prompt": ["a"] * 200, "n": 2})
+  assert status == 400 and "at most 256 completions" in r["error"]["message"]
