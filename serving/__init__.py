@@ -1,20 +1,23 @@
-"""serving: a continuous-batching engine behind a gRPC text-generation API.
+"""serving: a continuous-batching engine behind a gRPC text-generation API
+(and, with ``--http-port``, OpenAI-compatible HTTP: serving.openai_api).
 
 Data flows: a gRPC request (serving.service) becomes an engine ``Request``
 (serving.engine.api) that the engine's scheduler thread admits by free KV
 pages, prefills in chunks and decodes together with every other running
 request, one jitted model step at a time (serving.engine.engine). Sampled
 tokens go back to the request's output queue as ``Delta`` events and finally
-a ``Final`` event, which the service turns into stream chunks. The service
-depends only on the small ``Engine`` interface, so it is tested with a tiny
-engine whose output is known.
+a ``Final`` event, which the service turns into stream chunks. The services
+depend only on the small ``Engine`` interface, so they are tested with a tiny
+engine whose output is known. A request with structured outputs has its
+grammar followed by serving.engine.structured (llguidance), which narrows
+each of its steps to the tokens that keep the output a prefix of a match.
 
 Entry points (serving.cli; flags are parsed only there):
 
   python -m serving serve [--model default|tiny|toy|counting|PATH] [--port 50051]
       [--attention-backend mosaic] [--decode-attention-backend ...]
       [--matmul-backend mosaic] [--max-batch 64] [--num-pages 1024] [--page-size N]
-      [--auth-token T] [--tls-cert C --tls-key K] [--metrics-port P]
+      [--auth-token T] [--tls-cert C --tls-key K] [--metrics-port P] [--http-port P]
   python -m serving generate "prompt" [--target host:port] [--max-tokens N] ...
   python -m serving loadgen [--concurrency C | --rate R] [--input-len 512] ...
 
