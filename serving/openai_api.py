@@ -550,8 +550,13 @@ def serve_openai(engine: api.Engine, servicer, host: str, port: int,
     def log_message(self, *args):
       pass
 
-  srv = http.server.ThreadingHTTPServer((host, port), Handler)
-  srv.daemon_threads = True
+  class Server(http.server.ThreadingHTTPServer):
+    daemon_threads = True
+    # Connections waiting to be accepted (the default is 5): a load
+    # generator's streams connect at once.
+    request_queue_size = 1024
+
+  srv = Server((host, port), Handler)
   if tls is not None:
     # The handshake happens on the handler's thread (its first read), not in
     # the accept loop, where a slow client would hold up every other.

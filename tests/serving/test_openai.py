@@ -280,3 +280,26 @@ def test_prompt_lists_and_echo_logprobs_for_scoring(openai):
   assert len(second["tokens"]) == len(second["token_logprobs"]) == 4  # BOS a b + c
   status, r = _post(port, "/v1/completions", {"prompt": ["a"] * 200, "n": 2})
   assert status == 400 and "at most 256 completions" in r["error"]["message"]
+
+
+def test_64_concurrent_streams_get_what_64_sequential_calls_get(openai):
+  """64 streams at once give the texts that calls one after another give
+  (the gRPC service's done-criterion, over HTTP)."""
+  import concurrent.futures
+
+  _, port = openai
+  prompts = [chr(ord("a") + i % 16) * (1 + i % 5) for i in range(64)]  # no "~": no EOS
+
+  def stream(p):
+    _, chunks = _post(port, "/v1/completions", {"prompt": p, "max_tokens": 6, "temperature": 0,
+                                                 "stream": True})
+    return "".join(c["choices"][0]["text"] for c in chunks)
+
+  with concurrent.futures.ThreadPoolExecutor(64) as pool:
+    together = list(pool.map(stream, prompts))
+  alone = [_post(port, "/v1/completions", {"prompt": p, "max_tokens": 6,
+                                            "temperature": 0})[1]["choices"][0]["text"]
+           for p in prompts[:8]]
+  assert together[:8] == alone and all(len(t) == 6 for t in together)
+  assert together == ["".join(chr((ord(p[-1]) + 1 + k) % 256) for k in range(6))
+                      for p in prompts]
