@@ -160,6 +160,17 @@ class _Call:
     from serving.service import _Events, completion_seed
 
     self.engine, self.chat = engine, chat
+    model = body.get("model")
+    if model not in (None, "", engine.info.model_name):
+      raise _HTTPError(404, f"the model {model!r} does not exist; this server serves "
+                       f"{engine.info.model_name!r}", "not_found")
+    # What would change the output's meaning is refused, not ignored.
+    if body.get("tools") and body.get("tool_choice") != "none" or body.get("functions"):
+      raise _HTTPError(400, "tool and function calling are not supported")
+    if body.get("suffix"):
+      raise _HTTPError(400, "suffix (insertion) is not supported")
+    if body.get("best_of") not in (None, 1, body.get("n", 1)):
+      raise _HTTPError(400, "best_of is not supported (n completions are returned as such)")
     sampling, self.per = sampling_from_json(body, chat)  # completions per prompt
     if chat:
       msgs = body.get("messages")

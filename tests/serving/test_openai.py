@@ -148,6 +148,11 @@ def test_structured_outputs_and_response_format(openai):
     ("/v1/chat/completions", {"messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"messages": [{"content": "hi"}]}, 400, "role"),
     ("/v1/embeddings", {"input": "a"}, 404, "no route"),
+    ("/v1/completions", {"prompt": "a", "model": "gpt-4"}, 404, "serves 'counting'"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                              "tools": [{"type": "function"}]}, 400, "tool"),
+    ("/v1/completions", {"prompt": "a", "suffix": "z"}, 400, "suffix"),
+    ("/v1/completions", {"prompt": "a", "best_of": 3}, 400, "best_of"),
 ])
 def test_bad_requests_get_openai_errors(openai, path, body, status, match):
   _, port = openai
