@@ -121,6 +121,9 @@ class Metrics:
                             label="reason")
     self.preemptions = Counter(p + "preemptions_total", "Running requests preempted to free "
                                "KV pages (each computes its tokens again).", stat("preemptions"))
+    self.jump_forward = Counter(p + "jump_forward_tokens_total", "Tokens structured outputs "
+                                "took without sampling (serve --jump-forward).",
+                                stat("jump_forward_tokens"))
     self.rejected = Counter(p + "requests_rejected_total", "Requests refused (queue full, "
                             "invalid, draining).")
     self.running = Gauge(p + "requests_running", "Requests in the running batch.",

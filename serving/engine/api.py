@@ -334,6 +334,7 @@ class EngineStats:
   steps: int
   draining: bool
   preemptions: int = 0  # requests preempted (their pages freed) so far
+  jump_forward_tokens: int = 0  # tokens structured outputs took without sampling
 
 
 class Engine(abc.ABC):

@@ -554,7 +554,8 @@ class BatchingEngine(api.Engine):
     return api.EngineStats(running=running, waiting=waiting, pages_in_use=self.alloc.in_use,
                            pages_cached=self.alloc.cached, pages_total=self.alloc.usable,
                            steps=self.steps, draining=self._draining,
-                           preemptions=self.preemptions)
+                           preemptions=self.preemptions,
+                           jump_forward_tokens=self.jump_forward_tokens)
 
   def counters(self) -> dict:
     """Engine-internal counts for benchmarks and tests: steps, mixed steps run,

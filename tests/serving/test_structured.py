@@ -284,10 +284,12 @@ def test_jump_forward_takes_forced_tokens_without_steps(config):
   logprobs, or with penalties, steps one token at a time."""
   def run(jump, **kw):
     engine = E.tiny_engine(max_batch=4, jump_forward=jump, **config)
-    with running(engine) as (_, c):
+    with running(engine) as (server, c):
       outs = [c.generate("a", structured_outputs=dict(json=_OK_SCHEMA), **kw),
               c.generate("a", structured_outputs=dict(json=_OK_SCHEMA), max_tokens=4, **kw)]
       wait_for(lambda: engine.stats().pages_in_use == 0, what="pages freed")
+      n = engine.counters()["jump_forward_tokens"]
+      assert f"mosaic_serving_jump_forward_tokens_total {float(n)}" in server.metrics.render()
       return [(r.text, r.finish_reason) for r in outs], engine.counters()
 
   want = [('{"ok":false,"tag":"ab"}', pb.FINISH_REASON_STOP), ('{"ok', pb.FINISH_REASON_LENGTH)]
