@@ -157,7 +157,7 @@ class _Call:
   """One HTTP call's engine requests and their merged events."""
 
   def __init__(self, engine, body: dict, chat: bool):
-    from serving.service import _Events, completion_seed
+    from serving.service import _Events, completion_params
 
     self.engine, self.chat = engine, chat
     model = body.get("model")
@@ -197,14 +197,10 @@ class _Call:
     try:
       for prompt in prompts:
         for j in range(self.per):
-          s = sampling
-          if j and s.seed is not None:
-            s = dataclasses.replace(s, seed=completion_seed(sampling.seed, j))
-          if j:
-            s = dataclasses.replace(s, prompt_logprobs=None)  # completion 0 scores it
           self.keys.append(uuid.uuid4().hex)
-          handles.append(engine.submit(api.Request(request_id=self.keys[-1], sampling=s,
-                                                   priority=priority, **prompt)))
+          handles.append(engine.submit(api.Request(
+              request_id=self.keys[-1], sampling=completion_params(sampling, j),
+              priority=priority, **prompt)))
     except BaseException:
       self.cancel()
       raise

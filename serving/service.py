@@ -55,6 +55,15 @@ def completion_seed(seed: int, i: int) -> int:
   return z ^ (z >> 31)
 
 
+def completion_params(sampling: api.SamplingParams, i: int) -> api.SamplingParams:
+  """Completion i's parameters: its own seed (completion_seed), and no prompt
+  logprobs past completion 0 (the prompt is scored once)."""
+  if i == 0:
+    return sampling
+  seed = None if sampling.seed is None else completion_seed(sampling.seed, i)
+  return dataclasses.replace(sampling, seed=seed, prompt_logprobs=None)
+
+
 class _Events:
   """A call's events as (completion index, event). One request's queue is
   read directly; with n > 1 a thread per request forwards its events into one
@@ -205,16 +214,12 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
       remaining = context.time_remaining()
       for i in range(n):
         keys.append(uuid.uuid4().hex)
-        if sampling.seed is not None and i:
-          sampling = dataclasses.replace(sampling, seed=completion_seed(request.sampling.seed, i))
-        if i == 1:  # the prompt is scored once, by completion 0
-          sampling = dataclasses.replace(sampling, prompt_logprobs=None)
         handles.append(self.engine.submit(api.Request(
             request_id=keys[-1],
             prompt_text=request.text if which == "text" else None,
             prompt_ids=list(request.token_ids.ids) if which == "token_ids" else None,
             messages=messages, add_generation_prompt=_generation_prompt(request.chat),
-            sampling=sampling, priority=request.priority,
+            sampling=completion_params(sampling, i), priority=request.priority,
             deadline=None if remaining is None else time.monotonic() + remaining)))
     except (api.InvalidRequest, api.QueueFull, api.Draining, api.EngineFailed) as e:
       for key in keys[:len(handles)]:

@@ -191,12 +191,9 @@ class Grammars:
       import llguidance
     except ImportError:
       raise api.InvalidRequest(_MISSING) from None
-    text = grammar(spec)
-    ll = self._tokenizer()
-    err = llguidance.LLMatcher.validate_grammar(text, ll)
-    if err:
-      raise api.InvalidRequest(f"structured {spec.kind}: {err.strip()}")
-    m = llguidance.LLMatcher(ll, text, log_level=0)
+    # The matcher compiles the grammar and keeps any error (it never raises):
+    # one compile, where validate_grammar first would be two.
+    m = llguidance.LLMatcher(self._tokenizer(), grammar(spec), log_level=0)
     if m.is_error():
       raise api.InvalidRequest(f"structured {spec.kind}: {m.get_error().strip()}")
     return Guide(m, self._vocab)
