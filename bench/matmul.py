@@ -129,16 +129,20 @@ def candidates(m: int, n: int, k: int, sms: int, activation=None,
           cs.append(rep(base, split_k=split, stages=fits[-1], persistent=False))
           cs.append(rep(base, split_k=split, stages=2, persistent=False))  # two CTAs per SM
     # Swapped operands, 64 weight columns a CTA: N / 64 CTAs (qkv 96, o and
-    # down 64) with no split and no partial sums, or twice that with two.
+    # down 64) with no split and no partial sums, or twice that with two,
+    # summed by XLA or in the cluster's SMEM (cluster "k").
     # Wide N (gate_up, lm_head) has CTAs enough: 64 or 128 columns, no split.
     tile_m = next(t for t in (8, 16, 32, 64) if t >= m)
     if n // 64 <= 2 * sms:
-      shapes_ = [(64, tile_k, split) for tile_k, split in
+      shapes_ = [(64, tile_k, split, None) for tile_k, split in
                  ((64, 1), (128, 1), (256, 1), (128, 2), (256, 2))]
+      shapes_ += [(64, tile_k, split, "k") for tile_k, split in
+                  ((128, 2), (256, 2), (64, 2), (128, 4))]
     else:
-      shapes_ = [(tile_n, tile_k, 1) for tile_n in (64, 128) for tile_k in (128, 256)]
-    for tile_n, tile_k, split in shapes_:
-      base = C(tile_m=tile_m, tile_n=tile_n, tile_k=tile_k, split_k=split, swap_ab=True)
+      shapes_ = [(tile_n, tile_k, 1, None) for tile_n in (64, 128) for tile_k in (128, 256)]
+    for tile_n, tile_k, split, cluster in shapes_:
+      base = C(tile_m=tile_m, tile_n=tile_n, tile_k=tile_k, split_k=split, swap_ab=True,
+               cluster=cluster)
       fits = [st for st in range(2, 16)
               if rep(base, stages=st).smem_bytes(rms=rms) <= mm.SMEM_LIMIT]
       if fits:
@@ -193,7 +197,7 @@ def candidates(m: int, n: int, k: int, sms: int, activation=None,
 def cfg_str(c: mm.Config) -> str:
   if c.swap_ab:
     return (f"{c.tile_m}x{c.tile_n}x{c.tile_k} swap s{c.stages}"
-            + (f" sk{c.split_k}" if c.split_k > 1 else ""))
+            + (f" sk{c.split_k}" if c.split_k > 1 else "") + (" ck" if c.cluster == "k" else ""))
   return (f"{c.tile_m}x{c.tile_n}x{c.tile_k}/{c.wg_dim} s{c.stages} w{c.grid_width}"
           f"{c.grid_minor}" + (f" sk{c.split_k}" if c.split_k > 1 else "")
           + ("" if c.persistent else " np") + (f" c2{c.cluster}" if c.cluster else ""))

@@ -112,6 +112,10 @@ class Config(tuning.KernelConfig):
   operand's block: "m" pairs share each B block [tile_k, cta_n], "n" pairs
   each A block [cta_m, tile_k]. The shared block is read from L2 once and
   TMA-multicast into both CTAs' SMEM, halving its L2 traffic.
+  With ``swap_ab``, ``cluster="k"`` makes a weight tile's ``split_k`` CTAs
+  one cluster: each sends its float32 partial into the first one's SMEM
+  (distributed shared memory), which adds them in a fixed order and runs the
+  epilogue, so no partials reach HBM and no reduction kernel follows.
   """
 
   tile_m: int = 128
@@ -136,10 +140,14 @@ class Config(tuning.KernelConfig):
     if self.split_k < 1:
       raise ValueError(f"{self.split_k=} must be >= 1")
     if self.swap_ab:
-      # One warpgroup, one CTA per tile; wg_dim, grid_*, epi_*, cluster
-      # and persistent do not apply.
-      if self.cluster is not None:
-        raise ValueError(f"swap_ab: {self.cluster=} must be None (one CTA per weight tile)")
+      # One warpgroup, one CTA per tile; wg_dim, grid_*, epi_* and
+      # persistent do not apply.
+      if self.cluster not in (None, "k"):
+        raise ValueError(f"swap_ab: {self.cluster=} must be None or 'k' (the splits of a "
+                         "weight tile as one cluster)")
+      if self.cluster == "k" and not 2 <= self.split_k <= MAX_CLUSTER_K:
+        raise ValueError(f"swap_ab: cluster='k' needs split_k in [2, {MAX_CLUSTER_K}]; got "
+                         f"{self.split_k=}")
       if self.tile_n not in (64, 128):
         raise ValueError(f"swap_ab: {self.tile_n=} must be 64 or 128 (the wgmma's M rows)")
       if self.tile_m not in (8, 16, 32, 64):
@@ -189,7 +197,10 @@ class Config(tuning.KernelConfig):
     if self.swap_ab:  # the ring, a float32 and an output-dtype staging tile, the bias
       a_rows = max(self.tile_m, RMS_ROWS) if rms else self.tile_m
       ring = self.stages * (a_rows + self.tile_n) * self.tile_k * in_itemsize
-      return ring + self.tile_m * self.tile_n * (4 + out_itemsize) + self.tile_n * 4 + 1024
+      n = ring + self.tile_m * self.tile_n * (4 + out_itemsize) + self.tile_n * 4 + 1024
+      if self.cluster == "k":  # the leader's receive buffers: a partial (and Gram) a split
+        n += (self.split_k - 1) * (self.tile_n + (RMS_ROWS if rms else 0)) * self.tile_m * 4
+      return n
     ring = self.stages * (self.cta_m + self.cta_n) * self.tile_k * in_itemsize
     out_isz = 4 if self.split_k > 1 else out_itemsize
     epi = 2 * 2 * self.epi_m * self.epi_n * out_isz
@@ -197,6 +208,8 @@ class Config(tuning.KernelConfig):
 
 
 SMEM_LIMIT = 227 * 1024
+# Largest cluster of split-K CTAs (cluster="k"); the portable cluster limit is 8.
+MAX_CLUSTER_K = 4
 # Rows of the a block with the fused RMSNorm: the wgmma's minimum M, so the
 # block is also the A operand of the Gram product (see the module docstring).
 RMS_ROWS = 64
@@ -350,7 +363,7 @@ def _kernel(layer_gmem, a_gmem, b_gmem, bias_gmem, res_gmem, out_gmem, *, cfg: C
 
 def _swap_kernel(layer_gmem, a_gmem, b_gmem, *refs, cfg: Config, k_iters: int,
                  has_bias: bool, has_res: bool, split_out: bool, swiglu: bool,
-                 rms_eps: float | None):
+                 rms_eps: float | None, cluster_k: bool):
   """One CTA per (tile_n weight columns n, tile_m rows m, split s) with
   swapped operands: acc [tile_n, tile_m] = b[ks, cols]^T a[rows, ks]^T summed
   over the split's K blocks, i.e. the transposed output tile. A single
@@ -359,11 +372,13 @@ def _swap_kernel(layer_gmem, a_gmem, b_gmem, *refs, cfg: Config, k_iters: int,
   With ``swiglu`` the tile is one [gate | up] block pair and the output
   tile is [tile_m, tile_n / 2]. With ``rms_eps`` (no split) the a block is
   RMS_ROWS rows (the copies fill tile_m of them) and the rows' RMSNorm scale
-  multiplies acc's columns."""
+  multiplies acc's columns. With ``cluster_k`` the splits are one cluster
+  (axis "s"): split i > 0 stores its acc (and Gram) into slot i - 1 of split
+  0's receive buffers, and split 0 adds them before its epilogue."""
   refs = list(refs)
   bias_gmem = refs.pop(0) if has_bias else None
   res_gmem = refs.pop(0) if has_res else None
-  out_gmem, a_smem, b_smem, stage_smem, out_smem, bias_smem, (bars, epi_bars) = refs
+  out_gmem, a_smem, b_smem, stage_smem, out_smem, bias_smem, (bars, epi_bars), *recv = refs
   layer = dsl.layer_index(layer_gmem, b_gmem.shape[0])
   b_gmem = b_gmem.at[layer]
   ni, mi, s = lax.axis_index("n"), lax.axis_index("m"), lax.axis_index("s")
@@ -391,11 +406,14 @@ def _swap_kernel(layer_gmem, a_gmem, b_gmem, *refs, cfg: Config, k_iters: int,
       def _():
         issue(i, i)
 
-    # The epilogue's operands, copied while the K loop runs.
-    if bias_gmem is not None:
-      plgpu.copy_gmem_to_smem(bias_gmem.at[layer, cols], bias_smem, epi_bars.at[0])
-    if res_gmem is not None:
-      plgpu.copy_gmem_to_smem(res_gmem.at[rows, out_cols], out_smem, epi_bars.at[1])
+    # The epilogue's operands, copied while the K loop runs (by the CTA that
+    # runs the epilogue: a cluster's other splits never wait for them).
+    @pl.when(s == 0 if cluster_k else True)
+    def _():
+      if bias_gmem is not None:
+        plgpu.copy_gmem_to_smem(bias_gmem.at[layer, cols], bias_smem, epi_bars.at[0])
+      if res_gmem is not None:
+        plgpu.copy_gmem_to_smem(res_gmem.at[rows, out_cols], out_smem, epi_bars.at[1])
 
   def k_loop(acc_ref, gram_ref=None):
     def body(i, carry):
@@ -420,10 +438,45 @@ def _swap_kernel(layer_gmem, a_gmem, b_gmem, *refs, cfg: Config, k_iters: int,
 
   with jax.named_scope("k_loop"):
     if rms_eps is None:
-      acc = pl.run_scoped(k_loop, plgpu.ACC((tn, tm), jnp.float32))
+      acc, gram = pl.run_scoped(k_loop, plgpu.ACC((tn, tm), jnp.float32)), None
     else:
       acc, gram = pl.run_scoped(k_loop, plgpu.ACC((tn, tm), jnp.float32),
                                 plgpu.ACC((RMS_ROWS, tm), jnp.float32))
+  epilogue = functools.partial(
+      _swap_epilogue, a_gmem=a_gmem, bias_gmem=bias_gmem, res_gmem=res_gmem,
+      stage_smem=stage_smem, out_smem=out_smem, bias_smem=bias_smem, epi_bars=epi_bars,
+      rows=rows, out_cols=out_cols, swiglu=swiglu, rms_eps=rms_eps)
+  if not cluster_k:
+    epilogue(acc, gram, out_gmem.at[s] if split_out else out_gmem, staged_f32=split_out)
+    return
+  recv_bufs, recv_bars = recv
+  parts = list(zip((acc, gram), recv_bufs))  # (acc and its buffer), (Gram and its)
+  for i in range(1, cfg.split_k):
+    @pl.when(s == i)
+    def _send():
+      with jax.named_scope("send"):
+        for j, (x, buf) in enumerate(parts):
+          plgpu.async_store_smem(x, buf.at[i - 1], recv_bars.at[j * (cfg.split_k - 1) + i - 1],
+                                 cluster_idx=0, cluster_dim="s")
+
+  @pl.when(s == 0)
+  def _lead():
+    with jax.named_scope("receive"):
+      # Added in split order, so the sum does not depend on arrival order.
+      sums = []
+      for j, (x, buf) in enumerate(parts):
+        for i in range(1, cfg.split_k):
+          plgpu.barrier_wait(recv_bars.at[j * (cfg.split_k - 1) + i - 1])
+          x = x + buf[i - 1]
+        sums.append(x)
+    epilogue(sums[0], sums[1] if gram is not None else None, out_gmem, staged_f32=False)
+
+
+def _swap_epilogue(acc, gram, out, *, a_gmem, bias_gmem, res_gmem, stage_smem, out_smem,
+                   bias_smem, epi_bars, rows, out_cols, swiglu, rms_eps, staged_f32):
+  """The swapped kernel's acc [tile_n, tile_m] (and Gram) -> its output tile
+  in ``out``: the norm's row scale, bias, gate, transposed store, residual."""
+  out_tn = acc.shape[0] // 2 if swiglu else acc.shape[0]
   with jax.named_scope("epilogue"):
     if rms_eps is not None:
       layout = plgpu.Layout.WGMMA
@@ -441,7 +494,7 @@ def _swap_kernel(layer_gmem, a_gmem, b_gmem, *refs, cfg: Config, k_iters: int,
       acc = gate / (1.0 + jnp.exp(-gate)) * up
     # The transposed store needs an untiled buffer; a residual is added after
     # it, both read back in one plain layout.
-    staged = stage_smem if split_out or res_gmem is not None else out_smem
+    staged = stage_smem if staged_f32 or res_gmem is not None else out_smem
     dsl.transpose(staged)[...] = plgpu.layout_cast(acc.astype(staged.dtype),
                                                    plgpu.Layout.WGMMA_TRANSPOSED)
     plgpu.commit_smem()
@@ -451,7 +504,6 @@ def _swap_kernel(layer_gmem, a_gmem, b_gmem, *refs, cfg: Config, k_iters: int,
       out_smem[...] = y.astype(out_smem.dtype)
       plgpu.commit_smem()
       staged = out_smem
-    out = out_gmem.at[s] if split_out else out_gmem
     plgpu.copy_smem_to_gmem(staged, out.at[rows, out_cols])
     plgpu.wait_smem_to_gmem(0)
 
@@ -459,19 +511,21 @@ def _swap_kernel(layer_gmem, a_gmem, b_gmem, *refs, cfg: Config, k_iters: int,
 def _run_swap(layer_arr, a, b, bias, residual, *, cfg: Config, k_iters: int, out_dtype,
               activation=None, rms_eps=None):
   """The ``swap_ab`` launch: grid (N / tile_n, M tiles, splits); returns the
-  [M, N] output ([M, N / 2] with swiglu), or [splits, M, N] float32 partials."""
+  [M, N] output ([M, N / 2] with swiglu), or [splits, M, N] float32 partials
+  (split-K without a cluster)."""
   m, _ = a.shape
   n = b.shape[-1]
-  split_out = cfg.split_k > 1
+  cluster_k = _cluster_k(cfg)
+  split_out = cfg.split_k > 1 and not cluster_k
   if rms_eps is not None and split_out:
-    raise ValueError("the fused RMSNorm needs every K block in one CTA (split_k = 1)")
+    raise ValueError("the fused RMSNorm needs every K block in one CTA or cluster")
   swiglu = activation == "swiglu" and not split_out
   tm, tn, tk = cfg.tile_m, cfg.tile_n, cfg.tile_k
   out_tn = tn // 2 if swiglu else tn
   operands = [layer_arr, a, b] + [x for x in (bias, residual) if x is not None]
   body = functools.partial(_swap_kernel, cfg=cfg, k_iters=k_iters, has_bias=bias is not None,
                            has_res=residual is not None, split_out=split_out, swiglu=swiglu,
-                           rms_eps=rms_eps)
+                           rms_eps=rms_eps, cluster_k=cluster_k)
   out_type = (jax.ShapeDtypeStruct((cfg.split_k, m, n), jnp.float32) if split_out
               else jax.ShapeDtypeStruct((m, n // 2 if swiglu else n), out_dtype))
   ring = lambda shape: plgpu.SMEM((cfg.stages, *shape), a.dtype,
@@ -485,13 +539,22 @@ def _run_swap(layer_arr, a, b, bias, residual, *, cfg: Config, k_iters: int, out
       plgpu.SMEM((tn,), jnp.float32 if bias is None else bias.dtype),
       (plgpu.Barrier(num_arrivals=2, num_barriers=cfg.stages), plgpu.Barrier(num_barriers=2)),
   ]
-  return dsl.kernel(
-      body,
-      out_type=out_type,
-      grid=(n // tn, dsl.cdiv(m, tm), cfg.split_k),
-      grid_names=("n", "m", "s"),
-      scratch_types=scratch,
-  )(*operands)
+  grid = dict(grid=(n // tn, dsl.cdiv(m, tm), cfg.split_k), grid_names=("n", "m", "s"))
+  if cluster_k:  # split 0's receive buffers, one slot per other split, and their barriers
+    recv = lambda rows: plgpu.SMEM((cfg.split_k - 1, rows, tm), jnp.float32,
+                                   transforms=dsl.smem_transforms((rows, tm), jnp.float32))
+    bufs = (recv(tn),) if rms_eps is None else (recv(tn), recv(RMS_ROWS))
+    scratch += [bufs, plgpu.Barrier(num_barriers=len(bufs) * (cfg.split_k - 1))]
+    grid = dict(grid=(n // tn, dsl.cdiv(m, tm)), grid_names=("n", "m"),
+                cluster=(cfg.split_k,), cluster_names=("s",))
+  return dsl.kernel(body, out_type=out_type, scratch_types=scratch, **grid)(*operands)
+
+
+def _cluster_k(cfg: Config) -> bool:
+  """Whether ``cfg``'s splits sum in a cluster's SMEM. The interpreter has no
+  distributed shared memory, so there a cluster="k" config runs as plain
+  split-K (partials summed by XLA): the same K ranges, the same result."""
+  return cfg.swap_ab and cfg.cluster == "k" and cfg.split_k > 1 and not dsl.interpreting()
 
 
 def _num_sms() -> int:
@@ -510,7 +573,9 @@ def _run(a, b, bias, residual, layer=None, *, cfg: Config, out_dtype, activation
   k = a.shape[1]
   k_iters = dsl.cdiv(k, cfg.tile_k)
   cfg = dataclasses.replace(cfg, split_k=_splits(cfg, k))
-  split_out = cfg.split_k > 1
+  if cfg.split_k == 1 and cfg.cluster == "k":  # a K too short to split: one CTA
+    cfg = dataclasses.replace(cfg, cluster=None)
+  split_out = cfg.split_k > 1 and not _cluster_k(cfg)
   if rms_eps is not None and not fuses_rms(cfg, k):
     a, rms_eps = rms_rows(a, rms_eps), None  # an XLA fusion ahead of the kernel
   # Split partials get the bias, residual and activation in the reduction below.
@@ -590,8 +655,8 @@ def _splits(cfg: Config, k: int) -> int:
 
 def fuses_rms(cfg: Config, k: int) -> bool:
   """Whether ``cfg`` normalizes a's rows in the kernel (``rms_eps``): the
-  swapped-operand kernel with every K block in one CTA."""
-  return cfg.swap_ab and _splits(cfg, k) == 1
+  swapped-operand kernel with every K block in one CTA, or in one cluster."""
+  return cfg.swap_ab and (_splits(cfg, k) == 1 or _cluster_k(cfg))
 
 
 def rms_rows(a, eps: float):
@@ -611,7 +676,7 @@ def fold_rms_weight(weight, b):
 def _swiglu_tile_error(cfg: Config, k: int) -> str | None:
   """Why ``cfg`` cannot fuse the SwiGLU gate (None if it can): without split-K
   each consumer's tile must be one [gate | up] block pair."""
-  if _splits(cfg, k) > 1:
+  if _splits(cfg, k) > 1 and cfg.cluster != "k":
     return None  # the gate runs after the partial sums, outside the kernel
   if cfg.swap_ab:
     if cfg.tile_n != 2 * SWIGLU_BLOCK:

@@ -207,6 +207,13 @@ SWAP_EDGES = [
     (64, dict(tile_m=64, tile_k=256, stages=3), ("rms",)),
     (1, dict(tile_m=8, tile_n=128, tile_k=128, stages=3), ("swiglu", "rms")),
     (32, dict(tile_m=32, tile_n=128, tile_k=128, stages=2), ("swiglu", "rms")),
+    # Splits summed in a cluster's SMEM (cluster="k"): the partial (and Gram)
+    # stored into the first split's SMEM, 2 and 4 splits, every epilogue.
+    (1, dict(tile_m=8, tile_k=256, stages=3, split_k=2, cluster="k"), ()),
+    (16, dict(tile_m=16, tile_k=128, stages=4, split_k=4, cluster="k"), ("bias", "residual")),
+    (64, dict(tile_m=64, tile_k=128, stages=3, split_k=2, cluster="k"), ("rms", "residual")),
+    (1, dict(tile_m=8, tile_n=128, tile_k=128, stages=3, split_k=2, cluster="k"),
+     ("swiglu", "rms")),
 ]
 
 
@@ -222,10 +229,17 @@ def test_matmul_swap_ab_lowers_for_h200(edge):
                                                for e in extras]
   act = dict(activation="swiglu") if swiglu else {}
   if rms:
-    assert mm.fuses_rms(cfg, k)
     act["rms_eps"] = 1e-5
-  _lower(lambda a, b, *rest: mm.matmul_mosaic(a, b, config=cfg, **act,
-                                              **dict(zip(extras, rest))), *args)
+
+  def fn(a, b, *rest):
+    assert not rms or mm.fuses_rms(cfg, k)  # as the GPU sees it (a cluster's splits fuse)
+    return mm.matmul_mosaic(a, b, config=cfg, **act, **dict(zip(extras, rest)))
+
+  lowered = _lower(fn, *args)
+  # Partials leave the kernel only from a split without a cluster.
+  split_out = cfg.split_k > 1 and cfg.cluster != "k"
+  want = f"tensor<{cfg.split_k}x{m}x{n}xf32>" if split_out else f"tensor<{m}x{out_n}xbf16>"
+  assert lowered.kernel_results == (want,), lowered.kernel_results
 
 
 @pytest.mark.parametrize("edge", range(len(HOPPER_EDGES)))

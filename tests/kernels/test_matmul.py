@@ -95,6 +95,14 @@ MOSAIC_CASES = [
                  jnp.float32, jnp.bfloat16, id="swap-ring-deeper-than-k-f32-residual"),
     pytest.param(16, 256, 192, C(tile_m=16, tile_n=128, stages=2, swap_ab=True), True, True,
                  None, jnp.bfloat16, id="swap-128-columns"),
+    # Splits summed in a cluster's SMEM (on the GPU; the interpreter sums them
+    # in XLA): 2 splits, and 4 over a K whose last split is part zero fill.
+    pytest.param(16, 128, 512, C(tile_m=16, tile_n=64, tile_k=128, stages=2, split_k=2,
+                                 swap_ab=True, cluster="k"), True, True, None, jnp.bfloat16,
+                 id="swap-cluster-k-bias-residual"),
+    pytest.param(1, 64, 448, C(tile_m=8, tile_n=64, tile_k=64, stages=2, split_k=4,
+                               swap_ab=True, cluster="k"), False, True, jnp.float32,
+                 jnp.bfloat16, id="swap-cluster-k-4-partial-f32-residual"),
 ]
 
 
@@ -187,6 +195,8 @@ SWIGLU_CASES = [
                  id="swap-partial-m-tile"),
     pytest.param(16, 256, 256, C(tile_m=16, tile_n=64, stages=2, split_k=2, swap_ab=True), True,
                  False, id="swap-split-k"),
+    pytest.param(8, 256, 256, C(tile_m=8, tile_n=128, stages=2, split_k=2, swap_ab=True,
+                                cluster="k"), True, True, id="swap-cluster-k"),
 ]
 
 
@@ -286,6 +296,10 @@ RMS_CASES = [
                  id="swap-two-row-tiles"),
     pytest.param(16, 128, 256, C(tile_m=16, tile_n=64, stages=2, split_k=2, swap_ab=True), None,
                  False, id="swap-split-k-normalizes-first"),
+    # A cluster's splits fuse it on the GPU: the Gram partials are summed too.
+    pytest.param(5, 256, 512, C(tile_m=8, tile_n=128, tile_k=128, stages=2, split_k=2,
+                                swap_ab=True, cluster="k"), "swiglu", True,
+                 id="swap-cluster-k-swiglu-bias"),
     pytest.param(8, 128, 128, C(tile_m=64, tile_n=64, stages=2), None, True,
                  id="warp-specialized-normalizes-first"),
 ]
@@ -310,7 +324,8 @@ def test_fused_rms_norm(backend, m, n, k, cfg, activation, use_bias):
   assert out.shape == want.shape and out.dtype == jnp.bfloat16
   testing.assert_close(out, want, jnp.bfloat16)
   if backend == "mosaic":
-    assert mm.fuses_rms(cfg, k) == (cfg.swap_ab and cfg.split_k == 1)
+    in_cluster = cfg.cluster == "k" and not dsl.interpreting()
+    assert mm.fuses_rms(cfg, k) == (cfg.swap_ab and (cfg.split_k == 1 or in_cluster))
     if dsl.interpreting():
       assert not dsl.races_found()
 
@@ -380,6 +395,8 @@ def test_bad_inputs_are_rejected():
     dict(swap_ab=True, tile_n=64, tile_m=8, tile_k=32), dict(swap_ab=1),
     dict(cluster="k"), dict(cluster="m", split_k=2), dict(cluster="n", persistent=False),
     dict(swap_ab=True, tile_m=8, tile_n=64, cluster="m"),
+    dict(swap_ab=True, tile_m=8, tile_n=64, cluster="k"),
+    dict(swap_ab=True, tile_m=8, tile_n=64, cluster="k", split_k=mm.MAX_CLUSTER_K + 1),
 ])
 def test_config_validation(bad):
   with pytest.raises(ValueError):
@@ -422,6 +439,28 @@ def test_cluster_192_row_tile_gpu_full_size(n, k, tile_n):
   cfg = mm.Config(tile_m=192, tile_n=tile_n, stages=3, cluster="n")
   out = registry.get_op("matmul")(a, b, bias=bias, residual=res, config=cfg, backend="mosaic")
   testing.assert_close(out, mm.matmul_reference(a, b, bias=bias, residual=res), jnp.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("splits", [2, 4])
+@pytest.mark.parametrize("m,n,k,tile_n,extra", [
+    (1, 4096, 14336, 64, ()), (16, 4096, 14336, 64, ("bias",)), (64, 4096, 14336, 64, ()),
+    (1, 4096, 4096, 64, ()), (1, 6144, 4096, 64, ("rms",)), (64, 6144, 4096, 64, ("rms",)),
+    (1, 28672, 4096, 128, ("swiglu", "rms")), (5, 4096, 4096, 64, ())])
+def test_cluster_k_gpu_full_size(m, n, k, tile_n, extra, splits):
+  # Split-K summed in a cluster's SMEM: the decode shapes (down, o, qkv and
+  # gate/up with the fused norm), each split's partial sent to the first
+  # split's SMEM by the hardware (the interpreter cannot run this path).
+  a, b, bias, res = _inputs(m, n, k)
+  act = "swiglu" if "swiglu" in extra else None
+  kw = dict(bias=bias if "bias" in extra else None, residual=None if act else res,
+            activation=act, rms_eps=1e-5 if "rms" in extra else None)
+  cfg = mm.fit_smem(mm.Config(tile_m=min(64, max(8, 8 * -(-m // 8))), tile_n=tile_n, tile_k=128,
+                              stages=3, split_k=splits, swap_ab=True, cluster="k"),
+                    rms="rms" in extra)
+  assert mm.fuses_rms(cfg, k)
+  out = registry.get_op("matmul")(a, b, config=cfg, backend="mosaic", **kw)
+  testing.assert_close(out, mm.matmul_reference(a, b, **kw), jnp.bfloat16)
 
 
 @pytest.mark.gpu
