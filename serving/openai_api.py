@@ -157,7 +157,7 @@ class _Call:
   """One HTTP call's engine requests and their merged events."""
 
   def __init__(self, engine, body: dict, chat: bool):
-    from serving.service import _Events, completion_params
+    from serving.service import Events, completion_params
 
     self.engine, self.chat = engine, chat
     model = body.get("model")
@@ -204,7 +204,7 @@ class _Call:
     except BaseException:
       self.cancel()
       raise
-    self.events = _Events(handles)
+    self.events = Events(handles)
 
   def _text(self, prompt: dict) -> str:
     if "prompt_text" in prompt:

@@ -64,10 +64,11 @@ def completion_params(sampling: api.SamplingParams, i: int) -> api.SamplingParam
   return dataclasses.replace(sampling, seed=seed, prompt_logprobs=None)
 
 
-class _Events:
-  """A call's events as (completion index, event). One request's queue is
-  read directly; with n > 1 a thread per request forwards its events into one
-  queue, until its last event or ``close``."""
+class Events:
+  """A call's events as (completion index, event), for the gRPC and the HTTP
+  front ends. One request's queue is read directly; with n > 1 a thread per
+  request forwards its events into one queue, until its last event or
+  ``close``."""
 
   def __init__(self, handles: list[api.RequestHandle]):
     self.n = len(handles)
@@ -235,9 +236,9 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
         self.engine.cancel(key)
       raise
     context.add_callback(lambda: [self.engine.cancel(k) for k in keys])
-    return rid, keys, _Events(handles)
+    return rid, keys, Events(handles)
 
-  def _events(self, events: _Events, context):
+  def _events(self, events: Events, context):
     """(completion index, event) until every completion's Final; Deltas of a
     completion that queued up meanwhile are merged into one."""
     last: dict[int, float] = {}
