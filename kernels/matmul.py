@@ -56,7 +56,11 @@ Hopper kernel (``mosaic`` backend), how data flows:
   The tile is stored transposed through an untiled SMEM buffer, the bias,
   the SwiGLU gate (128 columns: one [gate | up] block pair, so the gate's
   rows and the up rows sit in the same thread) and the residual applied on
-  the way.
+  the way. With ``cluster="k"`` a tile's K is split over a cluster of CTAs,
+  twice or four times the SMs streaming: each split stores its float32
+  accumulator into the first split's SMEM (st.async into distributed shared
+  memory, completing on that CTA's barrier), which adds them in split order
+  and runs the epilogue, so no partial sums leave the kernel.
 - The fused RMSNorm (swapped operands, no split): a row's scale is
   rsqrt(mean(a_j**2) + eps) over all of K, which every CTA sees anyway as
   its a blocks stream by. Each a block lands in a 64-row SMEM slot (rows
