@@ -342,6 +342,11 @@ def test_fused_rms_norm_entries_and_bad_eps(monkeypatch):
   assert mm.tuning_key(1, 6144, 4096, jnp.bfloat16, "swiglu", rms=True).endswith(
       ",act=swiglu,norm=rms")
   assert plain.smem_bytes(rms=True) - plain.smem_bytes() == 3 * (64 - 8) * 256 * 2
+  # A cluster's first split also holds the others' partials (and Gram rows).
+  ck = C(tile_m=8, tile_n=64, tile_k=256, stages=3, split_k=4, swap_ab=True, cluster="k")
+  split = C(tile_m=8, tile_n=64, tile_k=256, stages=3, split_k=4, swap_ab=True)
+  assert ck.smem_bytes() - split.smem_bytes() == 3 * 64 * 8 * 4
+  assert ck.smem_bytes(rms=True) - split.smem_bytes(rms=True) == 3 * (64 + 64) * 8 * 4
   deep = C(tile_m=8, tile_n=64, tile_k=256, stages=6, swap_ab=True)
   assert deep.smem_bytes() <= mm.SMEM_LIMIT < deep.smem_bytes(rms=True)
   assert mm.fit_smem(deep, rms=True).smem_bytes(rms=True) <= mm.SMEM_LIMIT
