@@ -576,9 +576,10 @@ def _run(a, b, bias, residual, layer=None, *, cfg: Config, out_dtype, activation
   layer_arr = dsl.layer_operand(layer)  # clamped in the kernel
   k = a.shape[1]
   k_iters = dsl.cdiv(k, cfg.tile_k)
-  cfg = dataclasses.replace(cfg, split_k=_splits(cfg, k))
-  if cfg.split_k == 1 and cfg.cluster == "k":  # a K too short to split: one CTA
-    cfg = dataclasses.replace(cfg, cluster=None)
+  splits = _splits(cfg, k)
+  # A K too short to split runs in one CTA: no cluster then.
+  cfg = dataclasses.replace(cfg, split_k=splits,
+                            cluster=None if splits == 1 and cfg.cluster == "k" else cfg.cluster)
   split_out = cfg.split_k > 1 and not _cluster_k(cfg)
   if rms_eps is not None and not fuses_rms(cfg, k):
     a, rms_eps = rms_rows(a, rms_eps), None  # an XLA fusion ahead of the kernel

@@ -103,6 +103,10 @@ MOSAIC_CASES = [
     pytest.param(1, 64, 448, C(tile_m=8, tile_n=64, tile_k=64, stages=2, split_k=4,
                                swap_ab=True, cluster="k"), False, True, jnp.float32,
                  jnp.bfloat16, id="swap-cluster-k-4-partial-f32-residual"),
+    # One K block: nothing to split, so one CTA and no cluster.
+    pytest.param(8, 64, 64, C(tile_m=8, tile_n=64, tile_k=64, stages=2, split_k=2,
+                              swap_ab=True, cluster="k"), True, False, None, jnp.bfloat16,
+                 id="swap-cluster-k-short-k"),
 ]
 
 
