@@ -54,20 +54,21 @@ _BOOLS = ("ignore_eos", "include_stop_str_in_output", "echo", "stream",
           "add_generation_prompt", "add_special_tokens")
 
 
+def _is_int(v) -> bool:
+  return isinstance(v, int) and not isinstance(v, bool)  # JSON's true is no count
+
+
 def _check_types(body: dict, chat: bool) -> None:
   """JSON types of the known fields, checked before anything uses them: the
   engine's own checks assume the types a proto guarantees."""
   def bad(name, what):
     raise _HTTPError(400, f"{name}={body[name]!r} must be {what}")
 
-  def is_int(v):
-    return isinstance(v, int) and not isinstance(v, bool)
-
-  for k in _INTS + ((() if chat else ("logprobs",))):
-    if body.get(k) is not None and not is_int(body[k]):
+  for k in _INTS + (() if chat else ("logprobs",)):
+    if body.get(k) is not None and not _is_int(body[k]):
       bad(k, "an integer")
   for k in _FLOATS:
-    if body.get(k) is not None and not (is_int(body[k]) or isinstance(body[k], float)):
+    if body.get(k) is not None and not (_is_int(body[k]) or isinstance(body[k], float)):
       bad(k, "a number")
   for k in _BOOLS + (("logprobs",) if chat else ()):
     if body.get(k) is not None and not isinstance(body[k], bool):
@@ -78,11 +79,11 @@ def _check_types(body: dict, chat: bool) -> None:
     bad("stop", "a string or a list of strings")
   for k in ("stop_token_ids", "allowed_token_ids"):
     v = body.get(k)
-    if v is not None and not (isinstance(v, list) and all(is_int(t) for t in v)):
+    if v is not None and not (isinstance(v, list) and all(_is_int(t) for t in v)):
       bad(k, "a list of integers")
   lb = body.get("logit_bias")
   if lb is not None and not (isinstance(lb, dict) and all(
-      isinstance(t, str) and t.lstrip("-").isdigit() and (is_int(b) or isinstance(b, float))
+      isinstance(t, str) and t.lstrip("-").isdigit() and (_is_int(b) or isinstance(b, float))
       for t, b in lb.items())):
     bad("logit_bias", "an object of token id -> number")
 
@@ -251,23 +252,28 @@ class _Call:
       self.events.close()
 
 
+_BAD_PROMPT = "prompt: a string, a list of token ids, or a list of either"
+
+
+def _is_ids(p) -> bool:
+  return isinstance(p, list) and bool(p) and all(_is_int(t) for t in p)
+
+
 def _prompt_list(p) -> list:
   """OpenAI's prompt: a string, token ids, or a list of either."""
-  if isinstance(p, str) or (isinstance(p, list) and p and all(
-      isinstance(t, int) and not isinstance(t, bool) for t in p)):
+  if isinstance(p, str) or _is_ids(p):
     return [p]
   if isinstance(p, list) and p:
     return p
-  raise _HTTPError(400, "prompt: a string, a list of token ids, or a list of either")
+  raise _HTTPError(400, _BAD_PROMPT)
 
 
 def _prompt(p) -> dict:
   if isinstance(p, str):
     return {"prompt_text": p}
-  if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool)
-                                       for t in p):
+  if _is_ids(p):
     return {"prompt_ids": p}
-  raise _HTTPError(400, "prompt: a string, a list of token ids, or a list of either")
+  raise _HTTPError(400, _BAD_PROMPT)
 
 
 def _content(c) -> str:
