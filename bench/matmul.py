@@ -171,6 +171,21 @@ def candidates(m: int, n: int, k: int, sms: int, activation=None,
             for dim, count in (("n", -(-n // base.cta_n)), ("m", -(-m // base.cta_m))):
               if count >= 2:
                 cs.append(rep(base, stages=fits[-1], cluster=dim))
+    # Swapped operands with every row in one tile: each weight block is read
+    # once, by N / 64 CTAs (o and down: 64), or twice that with the K split
+    # in a cluster (summed in SMEM) or by XLA.
+    tile_m = next(t for t in mm.SWAP_TILE_M if t >= m)
+    shapes_ = [(64, tile_k, split, cluster) for tile_k, split, cluster in
+               ((64, 1, None), (128, 1, None), (64, 2, None), (64, 2, "k"))]
+    if n // 64 > 2 * sms:  # wide N: CTAs enough without a split
+      shapes_ = [(tile_n, 64, 1, None) for tile_n in (64, 128)]
+    for tile_n, tile_k, split, cluster in shapes_:
+      base = C(tile_m=tile_m, tile_n=tile_n, tile_k=tile_k, split_k=split, swap_ab=True,
+               cluster=cluster)
+      fits = [st for st in range(2, 9)
+              if rep(base, stages=st).smem_bytes(rms=rms) <= mm.SMEM_LIMIT]
+      if fits:
+        cs += [rep(base, stages=st) for st in {fits[-1], max(2, fits[-1] - 1)}]
   else:
     cs = [h, rep(h, wg_dim="m"), rep(h, grid_width=16), rep(h, grid_width=4),
           rep(h, grid_minor="m"), C(tile_m=64, tile_n=256, stages=4, wg_dim="m", epi_n=64)]

@@ -49,7 +49,10 @@ Hopper kernel (``mosaic`` backend), how data flows:
   the activation and the residual, and casts.
 - Small M, swapped operands (``Config.swap_ab``): each CTA owns 64 or 128
   weight columns and computes out^T = b^T a^T, the weight block as the
-  wgmma's M side and the token rows as its N side (8 to 64), so no SMEM goes
+  wgmma's M side and the token rows as its N side (8 to 64; 128 to 256 for
+  the mixed step's decode rows plus a prompt chunk, whose weights then
+  stream from N / 64 CTAs, or twice that with a cluster's split, rather than
+  from the 32 tiles of a 192 x 128 warp-specialized tile), so no SMEM goes
   to zero-filled rows and a [tile_k, tile_n] weight block is 8-64 KB a step.
   One warpgroup keeps ``stages`` steps of copies in flight; N / tile_n CTAs
   need no split at the layer shapes, so no partial sums leave the kernel.
@@ -154,8 +157,8 @@ class Config(tuning.KernelConfig):
                          f"{self.split_k=}")
       if self.tile_n not in (64, 128):
         raise ValueError(f"swap_ab: {self.tile_n=} must be 64 or 128 (the wgmma's M rows)")
-      if self.tile_m not in (8, 16, 32, 64):
-        raise ValueError(f"swap_ab: {self.tile_m=} must be 8, 16, 32 or 64 (the wgmma's N)")
+      if self.tile_m not in SWAP_TILE_M:
+        raise ValueError(f"swap_ab: {self.tile_m=} must be one of {SWAP_TILE_M} (the wgmma's N)")
       if self.tile_k not in (64, 128, 256):
         raise ValueError(f"swap_ab: {self.tile_k=} must be 64, 128 or 256 (a TMA box)")
       return
@@ -212,6 +215,9 @@ class Config(tuning.KernelConfig):
 
 
 SMEM_LIMIT = 227 * 1024
+# Token rows of a swapped tile (the wgmma's N, at most 256): the decode
+# batches, and the mixed step's decode rows plus a prompt chunk (128, 192).
+SWAP_TILE_M = (8, 16, 32, 64, 128, 192, 256)
 # Largest cluster of split-K CTAs (cluster="k"); the portable cluster limit is 8.
 MAX_CLUSTER_K = 4
 # Rows of the a block with the fused RMSNorm: the wgmma's minimum M, so the
@@ -372,7 +378,8 @@ def _swap_kernel(layer_gmem, a_gmem, b_gmem, *refs, cfg: Config, k_iters: int,
   swapped operands: acc [tile_n, tile_m] = b[ks, cols]^T a[rows, ks]^T summed
   over the split's K blocks, i.e. the transposed output tile. A single
   warpgroup issues the copies of a step ``stages`` ahead of its wgmma, so
-  the weight stream never waits on compute (M <= 64 is little compute).
+  the weight stream never waits on compute (M <= 64 is little compute;
+  taller tiles refill a slot one step later, see ``lag``).
   With ``swiglu`` the tile is one [gate | up] block pair and the output
   tile is [tile_m, tile_n / 2]. With ``rms_eps`` (no split) the a block is
   RMS_ROWS rows (the copies fill tile_m of them) and the rows' RMSNorm scale
@@ -419,6 +426,13 @@ def _swap_kernel(layer_gmem, a_gmem, b_gmem, *refs, cfg: Config, k_iters: int,
       if res_gmem is not None:
         plgpu.copy_gmem_to_smem(res_gmem.at[rows, out_cols], out_smem, epi_bars.at[1])
 
+  # Up to 64 rows a step's wgmmas are short, and waiting for them before
+  # refilling the slot keeps all `stages` blocks of the weight stream in
+  # flight. Taller tiles (the mixed step's 128-256 rows) make the wgmmas
+  # long enough to matter: step i's run while step i - 1's slot is refilled.
+  lag = 0 if tm <= 64 else 1
+  groups = 1 if rms_eps is None else 2  # wgmma groups committed a step
+
   def k_loop(acc_ref, gram_ref=None):
     def body(i, carry):
       slot = lax.rem(i, jnp.int32(stages))
@@ -427,15 +441,19 @@ def _swap_kernel(layer_gmem, a_gmem, b_gmem, *refs, cfg: Config, k_iters: int,
       plgpu.wgmma(acc_ref, dsl.transpose(b_smem.at[slot]), a_t)
       if gram_ref is not None:  # G += a_64 a^T: row j's sum of squares at (j, j)
         plgpu.wgmma(gram_ref, a_smem.at[slot], a_t)
-      plgpu.wgmma_wait(0)  # the slot is read: free for the step `stages` ahead
+      # Step i - lag's slot is read: free for the step `stages` after it.
+      plgpu.wgmma_wait(lag * groups)
+      done = i - lag
 
-      @pl.when(i + stages < n_steps)
+      @pl.when((done >= 0) & (done + stages < n_steps))
       def _():
-        issue(i + stages, slot)
+        issue(done + stages, lax.rem(done + stages, jnp.int32(stages)))
 
       return carry
 
     lax.fori_loop(0, n_steps, body, jnp.int32(0))
+    if lag:
+      plgpu.wgmma_wait(0)
     if gram_ref is None:
       return acc_ref[...]
     return acc_ref[...], gram_ref[...]
@@ -660,8 +678,11 @@ def _splits(cfg: Config, k: int) -> int:
 
 def fuses_rms(cfg: Config, k: int) -> bool:
   """Whether ``cfg`` normalizes a's rows in the kernel (``rms_eps``): the
-  swapped-operand kernel with every K block in one CTA, or in one cluster."""
-  return cfg.swap_ab and (_splits(cfg, k) == 1 or _cluster_k(cfg))
+  swapped-operand kernel with every K block in one CTA, or in one cluster,
+  and at most RMS_ROWS token rows (the Gram a_64 a^T holds the sums of
+  squares of 64 rows; a taller one would cost more wgmmas than the tile)."""
+  return (cfg.swap_ab and cfg.tile_m <= RMS_ROWS
+          and (_splits(cfg, k) == 1 or _cluster_k(cfg)))
 
 
 def rms_rows(a, eps: float):

@@ -214,6 +214,13 @@ SWAP_EDGES = [
     (64, dict(tile_m=64, tile_k=128, stages=3, split_k=2, cluster="k"), ("rms", "residual")),
     (1, dict(tile_m=8, tile_n=128, tile_k=128, stages=3, split_k=2, cluster="k"),
      ("swiglu", "rms")),
+    # Tall tiles (the mixed step's rows): a slot refilled one step late;
+    # plain, split and clustered (the norm runs in XLA: see fuses_rms).
+    (72, dict(tile_m=128, tile_k=64, stages=4), ("bias", "residual")),
+    (192, dict(tile_m=192, tile_k=64, stages=3, split_k=2, cluster="k"), ("residual",)),
+    (136, dict(tile_m=192, tile_k=64, stages=3, split_k=2), ()),
+    (256, dict(tile_m=256, tile_k=64, stages=2), ("bias",)),
+    (160, dict(tile_m=192, tile_n=128, tile_k=64, stages=2), ("swiglu",)),
 ]
 
 

@@ -95,6 +95,13 @@ MOSAIC_CASES = [
                  jnp.float32, jnp.bfloat16, id="swap-ring-deeper-than-k-f32-residual"),
     pytest.param(16, 256, 192, C(tile_m=16, tile_n=128, stages=2, swap_ab=True), True, True,
                  None, jnp.bfloat16, id="swap-128-columns"),
+    # Tall swapped tiles (the mixed step's rows): each slot is refilled one
+    # step late, so 5 K blocks through a 2-slot ring check the refill order.
+    pytest.param(136, 128, 320, C(tile_m=192, tile_n=64, tile_k=64, stages=2, swap_ab=True),
+                 True, True, None, jnp.bfloat16, id="swap-192-rows-ring-wraps-bias-residual"),
+    pytest.param(72, 128, 512, C(tile_m=128, tile_n=64, tile_k=64, stages=3, split_k=2,
+                                 swap_ab=True, cluster="k"), False, True, None, jnp.bfloat16,
+                 id="swap-cluster-k-128-rows-residual"),
     # Splits summed in a cluster's SMEM (on the GPU; the interpreter sums them
     # in XLA): 2 splits, and 4 over a K whose last split is part zero fill.
     pytest.param(16, 128, 512, C(tile_m=16, tile_n=64, tile_k=128, stages=2, split_k=2,
@@ -306,6 +313,8 @@ RMS_CASES = [
                  id="swap-cluster-k-swiglu-bias"),
     pytest.param(8, 128, 128, C(tile_m=64, tile_n=64, stages=2), None, True,
                  id="warp-specialized-normalizes-first"),
+    pytest.param(72, 64, 128, C(tile_m=128, tile_n=64, stages=2, swap_ab=True), None, True,
+                 id="swap-128-rows-normalizes-first"),
 ]
 
 
@@ -329,7 +338,8 @@ def test_fused_rms_norm(backend, m, n, k, cfg, activation, use_bias):
   testing.assert_close(out, want, jnp.bfloat16)
   if backend == "mosaic":
     in_cluster = cfg.cluster == "k" and not dsl.interpreting()
-    assert mm.fuses_rms(cfg, k) == (cfg.swap_ab and (cfg.split_k == 1 or in_cluster))
+    assert mm.fuses_rms(cfg, k) == (cfg.swap_ab and cfg.tile_m <= mm.RMS_ROWS
+                                    and (cfg.split_k == 1 or in_cluster))
     if dsl.interpreting():
       assert not dsl.races_found()
 
@@ -468,6 +478,31 @@ def test_cluster_k_gpu_full_size(m, n, k, tile_n, extra, splits):
                               stages=3, split_k=splits, swap_ab=True, cluster="k"),
                     rms="rms" in extra)
   assert mm.fuses_rms(cfg, k)
+  out = registry.get_op("matmul")(a, b, config=cfg, backend="mosaic", **kw)
+  testing.assert_close(out, mm.matmul_reference(a, b, **kw), jnp.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cluster_k", [False, True])
+@pytest.mark.parametrize("m,n,k,tile_n,extra", [
+    (192, 4096, 14336, 64, ("residual",)), (136, 4096, 4096, 64, ("bias", "residual")),
+    (128, 6144, 4096, 64, ("rms",)), (256, 4096, 4096, 64, ("residual",)),
+    (160, 28672, 4096, 128, ("swiglu",))])
+def test_swap_tall_tile_gpu_full_size(m, n, k, tile_n, extra, cluster_k):
+  # The mixed step's rows in one swapped tile: a slot refilled one step after
+  # its wgmma (the wgmma group still in flight), alone and as a cluster's
+  # split; with the norm applied in XLA first (tiles over 64 rows).
+  a, b, bias, res = _inputs(m, n, k)
+  act = "swiglu" if "swiglu" in extra else None
+  kw = dict(bias=bias if "bias" in extra else None,
+            residual=res if "residual" in extra else None, activation=act,
+            rms_eps=1e-5 if "rms" in extra else None)
+  base = mm.Config(tile_m=next(t for t in mm.SWAP_TILE_M if t >= m), tile_n=tile_n, tile_k=64,
+                   stages=4, swap_ab=True,
+                   **(dict(split_k=2, cluster="k") if cluster_k else {}))
+  cfg = mm.fit_smem(base)
+  if cfg.smem_bytes() > mm.SMEM_LIMIT:
+    pytest.skip(f"{cfg} does not fit in SMEM")
   out = registry.get_op("matmul")(a, b, config=cfg, backend="mosaic", **kw)
   testing.assert_close(out, mm.matmul_reference(a, b, **kw), jnp.bfloat16)
 
