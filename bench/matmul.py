@@ -108,6 +108,7 @@ def candidates(m: int, n: int, k: int, sms: int, activation=None,
   swapped-operand ones that fit its 64-row a blocks)."""
   h = mm.heuristic(m, n, k, sms)
   C, rep = mm.Config, dataclasses.replace
+  swiglu = activation == "swiglu"
   if m <= 64:
     # Weight streaming: vary the bytes in flight (stages x tile) and how the
     # K loop is split so that the grid fills the SMs once.
@@ -144,7 +145,7 @@ def candidates(m: int, n: int, k: int, sms: int, activation=None,
       base = C(tile_m=tile_m, tile_n=tile_n, tile_k=tile_k, split_k=split, swap_ab=True,
                cluster=cluster)
       fits = [st for st in range(2, 16)
-              if rep(base, stages=st).smem_bytes(rms=rms) <= mm.SMEM_LIMIT]
+              if rep(base, stages=st).smem_bytes(rms=rms, swiglu=swiglu) <= mm.SMEM_LIMIT]
       if fits:
         cs += [rep(base, stages=st) for st in {fits[-1], max(2, fits[-1] // 2)}]
   elif m <= 256:
@@ -182,8 +183,9 @@ def candidates(m: int, n: int, k: int, sms: int, activation=None,
     for tile_n, tile_k, split, cluster in shapes_:
       base = C(tile_m=tile_m, tile_n=tile_n, tile_k=tile_k, split_k=split, swap_ab=True,
                cluster=cluster)
+      # (over 64 rows the norm runs in XLA first: no Gram rows in SMEM)
       fits = [st for st in range(2, 9)
-              if rep(base, stages=st).smem_bytes(rms=rms) <= mm.SMEM_LIMIT]
+              if rep(base, stages=st).smem_bytes(swiglu=swiglu) <= mm.SMEM_LIMIT]
       if fits:
         cs += [rep(base, stages=st) for st in {fits[-1], max(2, fits[-1] - 1)}]
   else:
@@ -203,7 +205,8 @@ def candidates(m: int, n: int, k: int, sms: int, activation=None,
     cs = [c for c in cs if mm._swiglu_tile_error(c, k) is None]
   seen, out = set(), []
   for c in cs:  # with the norm, a config that cannot fuse it normalizes in XLA first
-    if c not in seen and c.smem_bytes(rms=rms and mm.fuses_rms(c, k)) <= mm.SMEM_LIMIT:
+    if c not in seen and c.smem_bytes(rms=rms and mm.fuses_rms(c, k),
+                                      swiglu=swiglu) <= mm.SMEM_LIMIT:
       seen.add(c)
       out.append(c)
   return out
@@ -282,7 +285,8 @@ def main(argv=None):
     if act:  # the output is [M, N / 2]
       c = cost.Cost(c.flops, c.bytes - m * n)
     row = {"shape": name, "M": m, "N": n, "K": k}
-    cfg = mm.fit_smem(mm.pick_config(m, n, k, jnp.bfloat16, act, rms), rms=rms)
+    cfg = mm.fit_smem(mm.pick_config(m, n, k, jnp.bfloat16, act, rms), rms=rms,
+                      swiglu=act == "swiglu")
     row["config"] = cfg_str(cfg)
     fns = {
         "mosaic": jax.jit(lambda a, b, cfg=cfg: mm.matmul_mosaic(a, b, config=cfg,
@@ -294,7 +298,7 @@ def main(argv=None):
     if rms:  # ours as the model ran it before folding: the rms_norm kernel, then the matmul
       from kernels import rms_norm as rn
 
-      plain = mm.fit_smem(mm.pick_config(m, n, k, jnp.bfloat16, act))
+      plain = mm.fit_smem(mm.pick_config(m, n, k, jnp.bfloat16, act), swiglu=act == "swiglu")
       ones = jnp.ones((k,), jnp.bfloat16)
       fns["mosaic_norm_then_matmul"] = jax.jit(lambda a, b, cfg=plain: mm.matmul_mosaic(
           rn.rms_norm_mosaic(a, ones, eps=RMS_EPS), b, config=cfg, activation=act))
@@ -376,7 +380,8 @@ def main(argv=None):
       cands = candidates(m, n, k, sms, act, rms)
       if args.match:
         keep = args.match.split(",")
-        cands = [mm.fit_smem(mm.pick_config(m, n, k, jnp.bfloat16, act, rms), rms=rms)] + [
+        cands = [mm.fit_smem(mm.pick_config(m, n, k, jnp.bfloat16, act, rms), rms=rms,
+                             swiglu=act == "swiglu")] + [
             c for c in cands if any(s_ in cfg_str(c) for s_ in keep)]
       try:
         best, results = tuning.autotune(

@@ -200,11 +200,15 @@ class Config(tuning.KernelConfig):
   def cta_n(self) -> int:
     return self.tile_n * (2 if self.wg_dim == "n" and not self.swap_ab else 1)
 
-  def smem_bytes(self, in_itemsize: int = 2, out_itemsize: int = 2, rms: bool = False) -> int:
+  def smem_bytes(self, in_itemsize: int = 2, out_itemsize: int = 2, rms: bool = False,
+                 swiglu: bool = False) -> int:
     if self.swap_ab:  # the ring, a float32 and an output-dtype staging tile, the bias
       a_rows = max(self.tile_m, RMS_ROWS) if rms else self.tile_m
       ring = self.stages * (a_rows + self.tile_n) * self.tile_k * in_itemsize
-      n = ring + self.tile_m * self.tile_n * (4 + out_itemsize) + self.tile_n * 4 + 1024
+      # A fused gate halves the stored tile (a plain split gates after the sum).
+      gated = swiglu and (self.split_k == 1 or self.cluster == "k")
+      out_tn = self.tile_n // 2 if gated else self.tile_n
+      n = ring + self.tile_m * out_tn * (4 + out_itemsize) + self.tile_n * 4 + 1024
       if self.cluster == "k":  # the leader's receive buffers: a partial (and Gram) a split
         n += (self.split_k - 1) * (self.tile_n + (RMS_ROWS if rms else 0)) * self.tile_m * 4
       return n
@@ -850,11 +854,11 @@ def heuristic(m: int, n: int, k: int, num_sms: int = 132) -> Config:
 
 
 def fit_smem(cfg: Config, in_itemsize: int = 2, out_itemsize: int = 2,
-             rms: bool = False) -> Config:
+             rms: bool = False, swiglu: bool = False) -> Config:
   """``cfg`` with pipeline stages given up (down to 2) until it fits in SMEM:
   float32 outputs and split-K partials double the epilogue buffers, and the
   fused RMSNorm's a blocks are 64 rows."""
-  while cfg.smem_bytes(in_itemsize, out_itemsize, rms) > SMEM_LIMIT and cfg.stages > 2:
+  while cfg.smem_bytes(in_itemsize, out_itemsize, rms, swiglu) > SMEM_LIMIT and cfg.stages > 2:
     cfg = dataclasses.replace(cfg, stages=cfg.stages - 1)
   return cfg
 
@@ -924,9 +928,10 @@ def matmul_mosaic(a, b, *, bias=None, residual=None, out_dtype=None, activation=
   isz = (a.dtype.itemsize, out_dtype.itemsize)
   # A picked config (heuristic or table, chosen for bf16 out) is fitted to
   # this call's output dtype; an explicit one is the caller's to fix.
+  swiglu = activation == "swiglu"
   cfg = config or fit_smem(pick_config(m, n, k, a.dtype, activation, rms), *isz,
-                           rms=rms)
-  need = cfg.smem_bytes(*isz, rms=rms and fuses_rms(cfg, k))
+                           rms=rms, swiglu=swiglu)
+  need = cfg.smem_bytes(*isz, rms=rms and fuses_rms(cfg, k), swiglu=swiglu)
   if need > SMEM_LIMIT:
     raise ValueError(f"{cfg=} needs {need} bytes of SMEM > {SMEM_LIMIT}")
   if activation == "swiglu" and (why := _swiglu_tile_error(cfg, k)):

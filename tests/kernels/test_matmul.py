@@ -364,6 +364,12 @@ def test_fused_rms_norm_entries_and_bad_eps(monkeypatch):
   deep = C(tile_m=8, tile_n=64, tile_k=256, stages=6, swap_ab=True)
   assert deep.smem_bytes() <= mm.SMEM_LIMIT < deep.smem_bytes(rms=True)
   assert mm.fit_smem(deep, rms=True).smem_bytes(rms=True) <= mm.SMEM_LIMIT
+  # A fused gate stores half the columns; a plain split gates after its sum.
+  tall = C(tile_m=192, tile_n=128, tile_k=64, stages=3, swap_ab=True)
+  assert tall.smem_bytes() - tall.smem_bytes(swiglu=True) == 192 * 64 * (4 + 2)
+  tall_split = dataclasses.replace(tall, split_k=2)
+  assert tall_split.smem_bytes(swiglu=True) == tall_split.smem_bytes()
+  assert mm.fit_smem(tall, swiglu=True) == tall != mm.fit_smem(tall)
   a, b, _, _ = _inputs(8, 64, 64)
   for bad in (-1.0, float("nan"), "1e-5"):
     with pytest.raises(ValueError, match="rms_eps"):
