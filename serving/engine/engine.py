@@ -482,6 +482,11 @@ class BatchingEngine(api.Engine):
       raise api.InvalidRequest(f"priority={request.priority} needs priority scheduling "
                                "(serve --scheduling-policy priority)")
     guide = self._grammars.guide(p.structured) if p.structured is not None else None
+    if guide is not None and p.allowed_token_ids and not guide.allowed()[
+        list(p.allowed_token_ids)].any():
+      # Else the request would end (STOP) at its first step with no output.
+      raise api.InvalidRequest("allowed_token_ids and the structured output admit no common "
+                               "first token")
     seed = p.seed if p.seed is not None else random.getrandbits(64)
     handle = api.RequestHandle(request.request_id, len(prompt),
                                self.make_events(request.request_id))

@@ -214,6 +214,19 @@ def test_bad_structured_outputs_are_invalid_argument(counting, spec, match):
   assert match in e.value.details()
 
 
+def test_allowed_ids_outside_the_grammars_first_set_are_invalid_argument(counting):
+  # The regex starts with b or c: an allowed set without them could only end
+  # at once; one with c leaves c as the only start.
+  _, c = counting
+  with pytest.raises(grpc.RpcError) as e:
+    c.generate("a", structured_outputs=dict(regex="[bc]x"), allowed_token_ids=[ord("d")])
+  assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+  assert "no common first token" in e.value.details()
+  r = c.generate("a", structured_outputs=dict(regex="[bc]x"),
+                 allowed_token_ids=[ord("c"), ord("d"), ord("x")])
+  assert r.text == "cx" and r.finish_reason == pb.FINISH_REASON_STOP
+
+
 def test_structured_outputs_survive_preemption():
   """A structured request preempted part-way (its pages freed, its tokens
   recomputed) goes on from its grammar's state: the output is the one it
