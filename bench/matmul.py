@@ -174,10 +174,13 @@ def candidates(m: int, n: int, k: int, sms: int, activation=None,
                 cs.append(rep(base, stages=fits[-1], cluster=dim))
     # Swapped operands with every row in one tile: each weight block is read
     # once, by N / 64 CTAs (o and down: 64), or twice that with the K split
-    # in a cluster (summed in SMEM) or by XLA.
+    # in a cluster (summed in SMEM) or by XLA. Every CTA reads the whole
+    # activation block from L2, tile_m / tile_n times its weight bytes: 128
+    # weight columns halve that (and hold 128 x tile_m accumulators).
     tile_m = next(t for t in mm.SWAP_TILE_M if t >= m)
-    shapes_ = [(64, tile_k, split, cluster) for tile_k, split, cluster in
-               ((64, 1, None), (128, 1, None), (64, 2, None), (64, 2, "k"))]
+    shapes_ = [(tile_n, tile_k, split, cluster) for tile_n, tile_k, split, cluster in
+               ((64, 64, 1, None), (64, 128, 1, None), (64, 64, 2, None), (64, 64, 2, "k"),
+                (128, 64, 1, None))]
     if n // 64 > 2 * sms:  # wide N: CTAs enough without a split
       shapes_ = [(tile_n, 64, 1, None) for tile_n in (64, 128)]
     for tile_n, tile_k, split, cluster in shapes_:
