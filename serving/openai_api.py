@@ -3,8 +3,8 @@
 ``serve_openai(engine, servicer, host, port)`` answers what vLLM's and
 SGLang's OpenAI servers answer: ``POST /v1/completions``,
 ``POST /v1/chat/completions`` (server-sent events with ``"stream": true``),
-``GET /v1/models``, ``POST /tokenize``, ``GET /health`` and ``GET /metrics``. A request's JSON becomes engine
-requests as a gRPC call's does (n completions, each seed derived from the
+``GET /v1/models``, ``POST /tokenize``, ``POST /detokenize``, ``GET /health`` and
+``GET /metrics``. A request's JSON becomes engine requests as a gRPC call's does (n completions, each seed derived from the
 request's; vLLM's extra sampling fields and structured outputs, OpenAI's
 ``response_format``), and their events become OpenAI objects. Errors are
 OpenAI error objects: 400 for a bad request, 401 without the bearer token,
@@ -387,14 +387,14 @@ def serve_openai(engine: api.Engine, servicer, host: str, port: int,
 
     def do_POST(self):  # noqa: N802
       path = self.path.split("?")[0]
-      if path not in ("/v1/completions", "/v1/chat/completions", "/tokenize"):
+      if path not in ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"):
         self._error(_HTTPError(404, f"no route {path}", "not_found"))
         return
       if not self._authorized():
         return
-      if path == "/tokenize":
+      if path in ("/tokenize", "/detokenize"):
         try:
-          self._tokenize(self._body())
+          (self._tokenize if path == "/tokenize" else self._detokenize)(self._body())
         except _HTTPError as e:
           self._error(e)
         return
@@ -428,6 +428,16 @@ def serve_openai(engine: api.Engine, servicer, host: str, port: int,
         raise _HTTPError(400, f"bad request field: {e!r}") from None
       self._json(200, {"count": len(ids), "max_model_len": engine.info.max_context,
                        "tokens": ids})
+
+    def _detokenize(self, body: dict) -> None:
+      """vLLM's /detokenize: the text of a list of token ids."""
+      ids = body.get("tokens")
+      if not (isinstance(ids, list) and all(map(_is_int, ids))):
+        raise _HTTPError(400, "tokens must be a list of token ids")
+      try:
+        self._json(200, {"prompt": engine.detokenize(ids)})
+      except api.InvalidRequest as e:
+        raise _HTTPError(400, str(e)) from None
 
     def _body(self) -> dict:
       length = int(self.headers.get("Content-Length") or 0)

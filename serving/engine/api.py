@@ -362,6 +362,11 @@ class Engine(abc.ABC):
   def token_pieces(self, ids: Sequence[int]) -> list[str]:
     ...
 
+  @abc.abstractmethod
+  def detokenize(self, ids: Sequence[int]) -> str:
+    """The text of ``ids`` as a completion spells it; InvalidRequest for an id
+    outside the vocabulary."""
+
   def render_chat(self, messages: Sequence[tuple[str, str]],
                   add_generation_prompt: bool = True) -> tuple[str, list[int]]:
     """A chat prompt's text (the model's chat template) and token ids, as

@@ -435,6 +435,13 @@ class BatchingEngine(api.Engine):
   def token_pieces(self, ids: Sequence[int]) -> list[str]:
     return [self.tok.decode([i]) for i in ids]
 
+  def detokenize(self, ids: Sequence[int]) -> str:
+    bad = [t for t in ids if not 0 <= t < self.runner.vocab_size]
+    if bad:
+      raise api.InvalidRequest(f"token ids {bad[:5]} are outside the vocabulary "
+                               f"[0, {self.runner.vocab_size})")
+    return self.tok.decode(list(ids))
+
   def submit(self, request: api.Request) -> api.RequestHandle:
     if self._draining or self._stopping:
       raise api.Draining("the server is shutting down and admits no new requests")

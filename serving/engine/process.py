@@ -320,6 +320,9 @@ class ProcessEngine(api.Engine):
   def token_pieces(self, ids: Sequence[int]) -> list[str]:
     return self._call("token_pieces", list(ids))
 
+  def detokenize(self, ids: Sequence[int]) -> str:
+    return self._call("detokenize", list(ids))
+
   def stats(self) -> api.EngineStats:
     return self._call("stats")
 

@@ -256,6 +256,14 @@ def test_echo_tokenize_metrics_and_priority(openai):
   assert t["tokens"] == list(b"system: be brief\nuser: hi\nassistant: ")
   status, r = _post(port, "/tokenize", {"prompt": 3})
   assert status == 400 and "prompt" in r["error"]["message"]
+  status, d = _post(port, "/detokenize", {"tokens": list(b"h\xc3\xa9 x")})
+  assert status == 200 and d == {"prompt": "hé x"}
+  assert _post(port, "/detokenize", {"tokens": []}) == (200, {"prompt": ""})
+  for bad in ([1, 2, 10**6], [1, "2"], "hi", None):
+    status, r = _post(port, "/detokenize", {"tokens": bad})
+    assert status == 400, bad
+  assert "outside the vocabulary" in _post(port, "/detokenize", {"tokens": [10**6]})[1][
+      "error"]["message"]
   conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
   conn.request("GET", "/metrics")
   text = conn.getresponse().read().decode()
