@@ -210,7 +210,8 @@ class _Call:
   def _text(self, prompt: dict) -> str:
     if "prompt_text" in prompt:
       return prompt["prompt_text"]
-    return "".join(self.engine.token_pieces(prompt["prompt_ids"]))
+    # Decoded whole: a character whose bytes span tokens has no piece of its own.
+    return self.engine.detokenize(prompt["prompt_ids"])
 
   def _first_id(self, prompt: dict) -> int:
     """The prompt's first token, which has no logprob (the engine's BOS rule)."""

@@ -250,6 +250,10 @@ def test_echo_tokenize_metrics_and_priority(openai):
   _, chunks = _post(port, "/v1/completions", {"prompt": "xa", "max_tokens": 2,
                                                "temperature": 0, "echo": True, "stream": True})
   assert "".join(c["choices"][0]["text"] for c in chunks) == "xabc"
+  # A prompt of ids echoes their text: "é" is two byte tokens, no piece each.
+  _, r = _post(port, "/v1/completions", {"prompt": list("xé".encode()), "max_tokens": 1,
+                                          "temperature": 0, "echo": True})
+  assert r["choices"][0]["text"].startswith("xé")
   status, t = _post(port, "/tokenize", {"prompt": "hi"})
   assert status == 200 and t["tokens"] == [256, ord("h"), ord("i")] and t["count"] == 3
   _, t = _post(port, "/tokenize", {"messages": CHAT})
