@@ -78,6 +78,11 @@ class Client:
       req = pb.TokenizeRequest(chat=_chat(text, add_generation_prompt))
     return self.stub.Tokenize(req, metadata=self.metadata)
 
+  def detokenize(self, token_ids: Sequence[int]) -> str:
+    """The text of token ids, decoded whole."""
+    return self.stub.Detokenize(pb.DetokenizeRequest(token_ids=token_ids),
+                                metadata=self.metadata).text
+
   def model_info(self) -> pb.ModelInfoResponse:
     return self.stub.ModelInfo(pb.ModelInfoRequest(), metadata=self.metadata)
 

@@ -370,6 +370,16 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
     return pb.TokenizeResponse(token_ids=ids, pieces=self.engine.token_pieces(ids),
                                prompt=prompt)
 
+  def Detokenize(self, request, context):
+    try:
+      if len(request.token_ids) > MAX_PROMPT_CHARS:
+        raise api.InvalidRequest(f"{len(request.token_ids)} token ids; at most "
+                                 f"{MAX_PROMPT_CHARS}")
+      text = self.engine.detokenize(list(request.token_ids))
+    except api.InvalidRequest as e:
+      context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+    return pb.DetokenizeResponse(text=text)
+
   def ModelInfo(self, request, context):
     i = self.engine.info
     return pb.ModelInfoResponse(

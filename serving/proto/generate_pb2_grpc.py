@@ -49,6 +49,11 @@ class TextGenerationStub:
                 request_serializer=serving_dot_proto_dot_generate__pb2.TokenizeRequest.SerializeToString,
                 response_deserializer=serving_dot_proto_dot_generate__pb2.TokenizeResponse.FromString,
                 _registered_method=True)
+        self.Detokenize = channel.unary_unary(
+                '/mosaic.serving.v1.TextGeneration/Detokenize',
+                request_serializer=serving_dot_proto_dot_generate__pb2.DetokenizeRequest.SerializeToString,
+                response_deserializer=serving_dot_proto_dot_generate__pb2.DetokenizeResponse.FromString,
+                _registered_method=True)
         self.ModelInfo = channel.unary_unary(
                 '/mosaic.serving.v1.TextGeneration/ModelInfo',
                 request_serializer=serving_dot_proto_dot_generate__pb2.ModelInfoRequest.SerializeToString,
@@ -77,6 +82,12 @@ class TextGenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Detokenize(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ModelInfo(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -100,6 +111,11 @@ def add_TextGenerationServicer_to_server(servicer, server):
                     servicer.Tokenize,
                     request_deserializer=serving_dot_proto_dot_generate__pb2.TokenizeRequest.FromString,
                     response_serializer=serving_dot_proto_dot_generate__pb2.TokenizeResponse.SerializeToString,
+            ),
+            'Detokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Detokenize,
+                    request_deserializer=serving_dot_proto_dot_generate__pb2.DetokenizeRequest.FromString,
+                    response_serializer=serving_dot_proto_dot_generate__pb2.DetokenizeResponse.SerializeToString,
             ),
             'ModelInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.ModelInfo,
@@ -188,6 +204,33 @@ class TextGeneration:
             '/mosaic.serving.v1.TextGeneration/Tokenize',
             serving_dot_proto_dot_generate__pb2.TokenizeRequest.SerializeToString,
             serving_dot_proto_dot_generate__pb2.TokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Detokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mosaic.serving.v1.TextGeneration/Detokenize',
+            serving_dot_proto_dot_generate__pb2.DetokenizeRequest.SerializeToString,
+            serving_dot_proto_dot_generate__pb2.DetokenizeResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -38,6 +38,7 @@ def test_streams_calls_and_errors_cross_the_process(served):
   r = c.generate("hello a", max_tokens=5, request_id="one")
   assert r.text == _expected("a", 5) and r.finish_reason == pb.FINISH_REASON_LENGTH
   assert c.tokenize("ab").token_ids[-2:] == [ord("a"), ord("b")]
+  assert c.detokenize(list("hé".encode())) == "hé"
   assert engine.stats().pages_in_use == 0 and engine.error is None
   assert any(t[2] >= 1 for t in engine.step_times)  # step timings came back
   counters = engine.counters()  # the counting model compiles nothing it could report

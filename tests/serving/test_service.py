@@ -140,6 +140,12 @@ def test_tokenize_model_info_health_reflection(counting):
   server, c = counting
   t = c.tokenize("hé", add_bos=True)
   assert list(t.token_ids) == [256, 104, 0xC3, 0xA9]
+  # Decoded whole: "é" is two byte tokens, neither a character of its own.
+  assert c.detokenize(t.token_ids[1:]) == "hé" and c.detokenize([]) == ""
+  with pytest.raises(grpc.RpcError) as e:
+    c.detokenize([104, 258])
+  assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+  assert "[258] are outside the vocabulary" in e.value.details()
   info = c.model_info()
   assert info.model_name == "counting" and info.vocab_size == 258 and info.max_batch == 8
   assert info.tensor_parallel_size == 1
