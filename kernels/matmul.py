@@ -433,7 +433,7 @@ def _swap_kernel(layer_gmem, a_gmem, b_gmem, *refs, cfg: Config, k_iters: int,
   # Up to 64 rows a step's wgmmas are short, and waiting for them before
   # refilling the slot keeps all `stages` blocks of the weight stream in
   # flight. Taller tiles (the mixed step's 128-256 rows) make the wgmmas
-  # long enough to matter: step i's run while step i - 1's slot is refilled.
+  # long enough to matter: step i's wgmmas run while step i - 1's slot refills.
   lag = 0 if tm <= 64 else 1
   groups = 1 if rms_eps is None else 2  # wgmma groups committed a step
 
