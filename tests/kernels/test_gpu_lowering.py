@@ -99,15 +99,20 @@ def _table(op):
   return tuning.entries(op, "nvidia_h200")
 
 
+# The Hopper cards with a matmul table (both sm_90a: lowered for the H200).
+HOPPER_TABLES = ("nvidia_h200", "nvidia_h100_80gb_hbm3")
+
+
 def _key(key):
   return {k: v for k, v in (kv.split("=") for kv in key.split(","))}
 
 
-@pytest.mark.parametrize("key", list(_table("matmul")))
-def test_every_h200_matmul_table_entry_lowers(key):
+@pytest.mark.parametrize("device,key", [(device, key) for device in HOPPER_TABLES
+                                        for key in tuning.entries("matmul", device)])
+def test_every_hopper_matmul_table_entry_lowers(device, key):
   d = _key(key)
   m, n, k, dt = int(d["m"]), int(d["n"]), int(d["k"]), jnp.dtype(d["dtype"])
-  cfg = mm.Config.from_dict(_table("matmul")[key])
+  cfg = mm.Config.from_dict(tuning.entries("matmul", device)[key])
   act = d.get("act")  # an entry of a fused activation (or norm) lowers with it
   rms = dict(rms_eps=1e-5) if d.get("norm") == "rms" else {}
   _lower(lambda a, b: mm.matmul_mosaic(a, b, config=cfg, activation=act, **rms), S((m, k), dt),
