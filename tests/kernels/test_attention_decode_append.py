@@ -71,7 +71,11 @@ def test_reference_rotates_writes_and_attends(lengths):
   o, k_out, v_out = ada.attention_decode_append_reference(qkv, kp, vp, lens, table, rope, layer=1)
   _check_caches(kp, k_out, v_out, (None, k_want, v_want))
   want = ad.attention_decode_reference(q, k_want, v_want, lens, table, layer=1)
-  testing.assert_close(o, want, jnp.float32, tol=1e-5, what="reference output")
+  # Usually the same bits; but a rotated q or k element may round to bf16 one
+  # ulp apart from _expected's (a fused multiply-add), which moved the output
+  # by 2e-5 in one draw of many. A wrong rotation, slot or length moves it by
+  # far more than 1e-3.
+  testing.assert_close(o, want, jnp.float32, tol=1e-3, what="reference output")
   assert int(jnp.sum(k_out != kp)) > 0  # a write happened at all
 
 
