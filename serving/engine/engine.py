@@ -436,11 +436,15 @@ class BatchingEngine(api.Engine):
     return [self.tok.decode([i]) for i in ids]
 
   def detokenize(self, ids: Sequence[int]) -> str:
+    self._check_vocab("token ids", ids)
+    return self.tok.decode(list(ids))
+
+  def _check_vocab(self, what: str, ids) -> None:
+    """InvalidRequest naming the first ids outside [0, vocab_size)."""
     bad = [t for t in ids if not 0 <= t < self.runner.vocab_size]
     if bad:
-      raise api.InvalidRequest(f"token ids {bad[:5]} are outside the vocabulary "
+      raise api.InvalidRequest(f"{what} {bad[:5]} are outside the vocabulary "
                                f"[0, {self.runner.vocab_size})")
-    return self.tok.decode(list(ids))
 
   def submit(self, request: api.Request) -> api.RequestHandle:
     if self._draining or self._stopping:
@@ -473,10 +477,7 @@ class BatchingEngine(api.Engine):
     for name, ids in (("stop_token_ids", p.stop_token_ids),
                       ("logit_bias", [t for t, _ in p.logit_bias]),
                       ("allowed_token_ids", p.allowed_token_ids)):
-      bad = [t for t in ids if not 0 <= t < self.runner.vocab_size]
-      if bad:
-        raise api.InvalidRequest(f"{name} {bad[:5]} are outside the vocabulary "
-                                 f"[0, {self.runner.vocab_size})")
+      self._check_vocab(name, ids)
     if p.min_tokens and p.allowed_token_ids and not (
         set(p.allowed_token_ids) - set(p.stop_token_ids)
         - (set() if p.ignore_eos else self.eos_ids)):
@@ -522,10 +523,7 @@ class BatchingEngine(api.Engine):
       ids = self.tokenize(request.prompt_text, add_bos=request.add_bos)
     else:
       ids = [int(t) for t in request.prompt_ids]
-      bad = [t for t in ids if not 0 <= t < self.runner.vocab_size]
-      if bad:
-        raise api.InvalidRequest(
-            f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.runner.vocab_size})")
+      self._check_vocab("prompt token ids", ids)
     if not ids:
       raise api.InvalidRequest("the prompt is empty")
     return ids
