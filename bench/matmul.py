@@ -55,6 +55,9 @@ LAYERS = {  # Llama-3-8B, name: (K, N)
 ACTIVATION = {"gate_up_swiglu": "swiglu", "gate_up_swiglu_rms": "swiglu"}
 RMS_EPS = 1e-5
 RMS = {"qkv_rms", "gate_up_swiglu_rms"}
+# The model adds the residual stream in these matmuls' epilogues: their
+# configs are fitted to SMEM with the residual tile (timed without it).
+RESIDUAL = {"o", "down", "smol_o", "smol_down"}
 SMOLLM2_LAYERS = {  # SmolLM2-135M (hidden 576, 9 q / 3 kv heads of 64, FFN 1536)
     "smol_qkv": (576, 960),
     "smol_o": (576, 576),
@@ -102,7 +105,7 @@ def _ref(a, b, activation=None, rms_eps=None):
 
 
 def candidates(m: int, n: int, k: int, sms: int, activation=None,
-               rms: bool = False) -> list[mm.Config]:
+               rms: bool = False, residual: bool = False) -> list[mm.Config]:
   """A handful of configs around the heuristic's choice (with a fused SwiGLU,
   those whose tiles hold whole [gate | up] pairs; with the fused norm, the
   swapped-operand ones that fit its 64-row a blocks)."""
@@ -208,8 +211,10 @@ def candidates(m: int, n: int, k: int, sms: int, activation=None,
     cs = [c for c in cs if mm._swiglu_tile_error(c, k) is None]
   seen, out = set(), []
   for c in cs:  # with the norm, a config that cannot fuse it normalizes in XLA first
-    if c not in seen and c.smem_bytes(rms=rms and mm.fuses_rms(c, k),
-                                      swiglu=swiglu) <= mm.SMEM_LIMIT:
+    fused = rms and mm.fuses_rms(c, k)
+    c = mm.fit_smem(c, rms=fused, swiglu=swiglu, residual=residual)
+    if c not in seen and c.smem_bytes(rms=fused, swiglu=swiglu,
+                                      residual=residual) <= mm.SMEM_LIMIT:
       seen.add(c)
       out.append(c)
   return out
@@ -289,7 +294,7 @@ def main(argv=None):
       c = cost.Cost(c.flops, c.bytes - m * n)
     row = {"shape": name, "M": m, "N": n, "K": k}
     cfg = mm.fit_smem(mm.pick_config(m, n, k, jnp.bfloat16, act, rms), rms=rms,
-                      swiglu=act == "swiglu")
+                      swiglu=act == "swiglu", residual=name in RESIDUAL)
     row["config"] = cfg_str(cfg)
     fns = {
         "mosaic": jax.jit(lambda a, b, cfg=cfg: mm.matmul_mosaic(a, b, config=cfg,
@@ -380,11 +385,12 @@ def main(argv=None):
         if not err <= tol:
           raise AssertionError(f"relative error {err:.3e}")
 
-      cands = candidates(m, n, k, sms, act, rms)
+      res = name in RESIDUAL
+      cands = candidates(m, n, k, sms, act, rms, res)
       if args.match:
         keep = args.match.split(",")
         cands = [mm.fit_smem(mm.pick_config(m, n, k, jnp.bfloat16, act, rms), rms=rms,
-                             swiglu=act == "swiglu")] + [
+                             swiglu=act == "swiglu", residual=res)] + [
             c for c in cands if any(s_ in cfg_str(c) for s_ in keep)]
       try:
         best, results = tuning.autotune(

@@ -201,14 +201,19 @@ class Config(tuning.KernelConfig):
     return self.tile_n * (2 if self.wg_dim == "n" and not self.swap_ab else 1)
 
   def smem_bytes(self, in_itemsize: int = 2, out_itemsize: int = 2, rms: bool = False,
-                 swiglu: bool = False) -> int:
-    if self.swap_ab:  # the ring, a float32 and an output-dtype staging tile, the bias
+                 swiglu: bool = False, residual: bool = False) -> int:
+    if self.swap_ab:
       a_rows = max(self.tile_m, RMS_ROWS) if rms else self.tile_m
       ring = self.stages * (a_rows + self.tile_n) * self.tile_k * in_itemsize
       # A fused gate halves the stored tile (a plain split gates after the sum).
-      gated = swiglu and (self.split_k == 1 or self.cluster == "k")
-      out_tn = self.tile_n // 2 if gated else self.tile_n
-      n = ring + self.tile_m * out_tn * (4 + out_itemsize) + self.tile_n * 4 + 1024
+      partials = self.split_k > 1 and self.cluster != "k"
+      out_tn = self.tile_n // 2 if swiglu and not partials else self.tile_n
+      # The staging tile reuses the ring's SMEM; the bias and a prefetched
+      # residual tile live beside both.
+      stage = self.tile_m * out_tn * (4 if partials or residual else out_itemsize)
+      n = max(ring, stage) + self.tile_n * 4 + 1024
+      if residual and not partials:
+        n += self.tile_m * out_tn * out_itemsize
       if self.cluster == "k":  # the leader's receive buffers: a partial (and Gram) a split
         n += (self.split_k - 1) * (self.tile_n + (RMS_ROWS if rms else 0)) * self.tile_m * 4
       return n
@@ -393,7 +398,9 @@ def _swap_kernel(layer_gmem, a_gmem, b_gmem, *refs, cfg: Config, k_iters: int,
   refs = list(refs)
   bias_gmem = refs.pop(0) if has_bias else None
   res_gmem = refs.pop(0) if has_res else None
-  out_gmem, a_smem, b_smem, stage_smem, out_smem, bias_smem, (bars, epi_bars), *recv = refs
+  out_gmem, bias_smem, (bars, epi_bars), *refs = refs
+  res_smem = refs.pop(0) if has_res else None
+  recv = refs
   layer = dsl.layer_index(layer_gmem, b_gmem.shape[0])
   b_gmem = b_gmem.at[layer]
   ni, mi, s = lax.axis_index("n"), lax.axis_index("m"), lax.axis_index("s")
@@ -408,27 +415,18 @@ def _swap_kernel(layer_gmem, a_gmem, b_gmem, *refs, cfg: Config, k_iters: int,
   # tm: the rest is never written (the Gram rows it makes are masked off), so
   # the TMA unit moves no more than without the norm (zero fill is not free:
   # a 64-row box at M = 1 made qkv 1.5x slower on the H200).
-  a_slot = lambda slot: a_smem.at[slot] if rms_eps is None else a_smem.at[slot, pl.ds(0, tm)]
+  a_rows = tm if rms_eps is None else max(tm, RMS_ROWS)
+  ring = lambda shape: plgpu.SMEM((stages, *shape), a_gmem.dtype,
+                                  transforms=dsl.smem_transforms(shape, a_gmem.dtype))
 
-  def issue(step, slot):
-    ks = pl.ds((first + step) * tk, tk)
-    plgpu.copy_gmem_to_smem(b_gmem.at[ks, cols], b_smem.at[slot], bars.at[slot])
-    plgpu.copy_gmem_to_smem(a_gmem.at[rows, ks], a_slot(slot), bars.at[slot])
-
-  with jax.named_scope("prologue"):
-    for i in range(stages):
-      @pl.when(i < n_steps)
-      def _():
-        issue(i, i)
-
-    # The epilogue's operands, copied while the K loop runs (by the CTA that
-    # runs the epilogue: a cluster's other splits never wait for them).
-    @pl.when(s == 0 if cluster_k else True)
-    def _():
-      if bias_gmem is not None:
-        plgpu.copy_gmem_to_smem(bias_gmem.at[layer, cols], bias_smem, epi_bars.at[0])
-      if res_gmem is not None:
-        plgpu.copy_gmem_to_smem(res_gmem.at[rows, out_cols], out_smem, epi_bars.at[1])
+  # The epilogue's operands, copied while the K loop runs (by the CTA that
+  # runs the epilogue: a cluster's other splits never wait for them).
+  @pl.when(s == 0 if cluster_k else True)
+  def _():
+    if bias_gmem is not None:
+      plgpu.copy_gmem_to_smem(bias_gmem.at[layer, cols], bias_smem, epi_bars.at[0])
+    if res_gmem is not None:
+      plgpu.copy_gmem_to_smem(res_gmem.at[rows, out_cols], res_smem, epi_bars.at[1])
 
   # Up to 64 rows a step's wgmmas are short, and waiting for them before
   # refilling the slot keeps all `stages` blocks of the weight stream in
@@ -437,41 +435,66 @@ def _swap_kernel(layer_gmem, a_gmem, b_gmem, *refs, cfg: Config, k_iters: int,
   lag = 0 if tm <= 64 else 1
   groups = 1 if rms_eps is None else 2  # wgmma groups committed a step
 
-  def k_loop(acc_ref, gram_ref=None):
-    def body(i, carry):
-      slot = lax.rem(i, jnp.int32(stages))
-      plgpu.barrier_wait(bars.at[slot])
-      a_t = dsl.transpose(a_slot(slot))
-      plgpu.wgmma(acc_ref, dsl.transpose(b_smem.at[slot]), a_t)
-      if gram_ref is not None:  # G += a_64 a^T: row j's sum of squares at (j, j)
-        plgpu.wgmma(gram_ref, a_smem.at[slot], a_t)
-      # Step i - lag's slot is read: free for the step `stages` after it.
-      plgpu.wgmma_wait(lag * groups)
-      done = i - lag
+  # The ring lives only through the K loop: the epilogue's staging tile
+  # reuses its SMEM (see _run_swap), so the ring may be that much deeper.
+  def k_phase(a_smem, b_smem):
+    a_slot = lambda slot: a_smem.at[slot] if rms_eps is None else a_smem.at[slot, pl.ds(0, tm)]
 
-      @pl.when((done >= 0) & (done + stages < n_steps))
-      def _():
-        issue(done + stages, lax.rem(done + stages, jnp.int32(stages)))
+    def issue(step, slot):
+      ks = pl.ds((first + step) * tk, tk)
+      plgpu.copy_gmem_to_smem(b_gmem.at[ks, cols], b_smem.at[slot], bars.at[slot])
+      plgpu.copy_gmem_to_smem(a_gmem.at[rows, ks], a_slot(slot), bars.at[slot])
 
-      return carry
+    with jax.named_scope("prologue"):
+      for i in range(stages):
+        @pl.when(i < n_steps)
+        def _():
+          issue(i, i)
 
-    lax.fori_loop(0, n_steps, body, jnp.int32(0))
-    if lag:
-      plgpu.wgmma_wait(0)
-    if gram_ref is None:
-      return acc_ref[...]
-    return acc_ref[...], gram_ref[...]
+    def k_loop(acc_ref, gram_ref=None):
+      def body(i, carry):
+        slot = lax.rem(i, jnp.int32(stages))
+        plgpu.barrier_wait(bars.at[slot])
+        a_t = dsl.transpose(a_slot(slot))
+        plgpu.wgmma(acc_ref, dsl.transpose(b_smem.at[slot]), a_t)
+        if gram_ref is not None:  # G += a_64 a^T: row j's sum of squares at (j, j)
+          plgpu.wgmma(gram_ref, a_smem.at[slot], a_t)
+        # Step i - lag's slot is read: free for the step `stages` after it.
+        plgpu.wgmma_wait(lag * groups)
+        done = i - lag
 
-  with jax.named_scope("k_loop"):
-    if rms_eps is None:
-      acc, gram = pl.run_scoped(k_loop, plgpu.ACC((tn, tm), jnp.float32)), None
-    else:
-      acc, gram = pl.run_scoped(k_loop, plgpu.ACC((tn, tm), jnp.float32),
-                                plgpu.ACC((RMS_ROWS, tm), jnp.float32))
-  epilogue = functools.partial(
-      _swap_epilogue, a_gmem=a_gmem, bias_gmem=bias_gmem, res_gmem=res_gmem,
-      stage_smem=stage_smem, out_smem=out_smem, bias_smem=bias_smem, epi_bars=epi_bars,
-      rows=rows, out_cols=out_cols, swiglu=swiglu, rms_eps=rms_eps)
+        @pl.when((done >= 0) & (done + stages < n_steps))
+        def _():
+          issue(done + stages, lax.rem(done + stages, jnp.int32(stages)))
+
+        return carry
+
+      lax.fori_loop(0, n_steps, body, jnp.int32(0))
+      if lag:
+        plgpu.wgmma_wait(0)
+      if gram_ref is None:
+        return acc_ref[...]
+      return acc_ref[...], gram_ref[...]
+
+    with jax.named_scope("k_loop"):
+      accs = [plgpu.ACC((tn, tm), jnp.float32)]
+      if rms_eps is not None:
+        accs.append(plgpu.ACC((RMS_ROWS, tm), jnp.float32))
+      return pl.run_scoped(k_loop, *accs)
+
+  out = pl.run_scoped(k_phase, ring((a_rows, tk)), ring((tk, tn)))
+  acc, gram = (out, None) if rms_eps is None else out
+
+  def epilogue(acc, gram, out, staged_f32):
+    # The transposed store needs an untiled buffer; float32 when a partial
+    # leaves the kernel or a residual is added to it.
+    dtype = jnp.float32 if staged_f32 or has_res else out_gmem.dtype
+    pl.run_scoped(functools.partial(
+        _swap_epilogue, acc, gram, out, a_gmem=a_gmem, bias_gmem=bias_gmem,
+        res_gmem=res_gmem, res_smem=res_smem, bias_smem=bias_smem, epi_bars=epi_bars,
+        rows=rows, out_cols=out_cols, swiglu=swiglu, rms_eps=rms_eps),
+        plgpu.SMEM((tm, out_tn), dtype))
+
   if not cluster_k:
     epilogue(acc, gram, out_gmem.at[s] if split_out else out_gmem, staged_f32=split_out)
     return
@@ -498,10 +521,11 @@ def _swap_kernel(layer_gmem, a_gmem, b_gmem, *refs, cfg: Config, k_iters: int,
     epilogue(sums[0], sums[1] if gram is not None else None, out_gmem, staged_f32=False)
 
 
-def _swap_epilogue(acc, gram, out, *, a_gmem, bias_gmem, res_gmem, stage_smem, out_smem,
-                   bias_smem, epi_bars, rows, out_cols, swiglu, rms_eps, staged_f32):
+def _swap_epilogue(acc, gram, out, staged, *, a_gmem, bias_gmem, res_gmem, res_smem,
+                   bias_smem, epi_bars, rows, out_cols, swiglu, rms_eps):
   """The swapped kernel's acc [tile_n, tile_m] (and Gram) -> its output tile
-  in ``out``: the norm's row scale, bias, gate, transposed store, residual."""
+  in ``out``: the norm's row scale, bias, gate, transposed store through
+  ``staged``, residual (prefetched into ``res_smem``)."""
   out_tn = acc.shape[0] // 2 if swiglu else acc.shape[0]
   with jax.named_scope("epilogue"):
     if rms_eps is not None:
@@ -518,18 +542,17 @@ def _swap_epilogue(acc, gram, out, *, a_gmem, bias_gmem, res_gmem, stage_smem, o
     if swiglu:
       gate, up = acc[:out_tn], acc[out_tn:]
       acc = gate / (1.0 + jnp.exp(-gate)) * up
-    # The transposed store needs an untiled buffer; a residual is added after
-    # it, both read back in one plain layout.
-    staged = stage_smem if staged_f32 or res_gmem is not None else out_smem
+    # A residual is added after the transposed store, both read back in one
+    # plain layout.
     dsl.transpose(staged)[...] = plgpu.layout_cast(acc.astype(staged.dtype),
                                                    plgpu.Layout.WGMMA_TRANSPOSED)
     plgpu.commit_smem()
     if res_gmem is not None:
       plgpu.barrier_wait(epi_bars.at[1])
-      y = staged[...] + out_smem[...].astype(jnp.float32)
-      out_smem[...] = y.astype(out_smem.dtype)
+      y = staged[...] + res_smem[...].astype(jnp.float32)
+      res_smem[...] = y.astype(res_smem.dtype)
       plgpu.commit_smem()
-      staged = out_smem
+      staged = res_smem
     plgpu.copy_smem_to_gmem(staged, out.at[rows, out_cols])
     plgpu.wait_smem_to_gmem(0)
 
@@ -546,7 +569,7 @@ def _run_swap(layer_arr, a, b, bias, residual, *, cfg: Config, k_iters: int, out
   if rms_eps is not None and split_out:
     raise ValueError("the fused RMSNorm needs every K block in one CTA or cluster")
   swiglu = activation == "swiglu" and not split_out
-  tm, tn, tk = cfg.tile_m, cfg.tile_n, cfg.tile_k
+  tm, tn = cfg.tile_m, cfg.tile_n
   out_tn = tn // 2 if swiglu else tn
   operands = [layer_arr, a, b] + [x for x in (bias, residual) if x is not None]
   body = functools.partial(_swap_kernel, cfg=cfg, k_iters=k_iters, has_bias=bias is not None,
@@ -554,17 +577,15 @@ def _run_swap(layer_arr, a, b, bias, residual, *, cfg: Config, k_iters: int, out
                            rms_eps=rms_eps, cluster_k=cluster_k)
   out_type = (jax.ShapeDtypeStruct((cfg.split_k, m, n), jnp.float32) if split_out
               else jax.ShapeDtypeStruct((m, n // 2 if swiglu else n), out_dtype))
-  ring = lambda shape: plgpu.SMEM((cfg.stages, *shape), a.dtype,
-                                  transforms=dsl.smem_transforms(shape, a.dtype))
-  a_rows = tm if rms_eps is None else max(tm, RMS_ROWS)
+  # The K loop's ring and the epilogue's staging tile are scoped in the
+  # kernel (one after the other, in the same SMEM); the prefetched bias and
+  # residual live throughout.
   scratch = [
-      ring((a_rows, tk)),
-      ring((tk, tn)),
-      plgpu.SMEM((tm, out_tn), jnp.float32),
-      plgpu.SMEM((tm, out_tn), out_dtype),
       plgpu.SMEM((tn,), jnp.float32 if bias is None else bias.dtype),
       (plgpu.Barrier(num_arrivals=2, num_barriers=cfg.stages), plgpu.Barrier(num_barriers=2)),
   ]
+  if residual is not None:
+    scratch.append(plgpu.SMEM((tm, out_tn), out_dtype))
   grid = dict(grid=(n // tn, dsl.cdiv(m, tm), cfg.split_k), grid_names=("n", "m", "s"))
   if cluster_k:  # split 0's receive buffers, one slot per other split, and their barriers
     recv = lambda rows: plgpu.SMEM((cfg.split_k - 1, rows, tm), jnp.float32,
@@ -854,11 +875,13 @@ def heuristic(m: int, n: int, k: int, num_sms: int = 132) -> Config:
 
 
 def fit_smem(cfg: Config, in_itemsize: int = 2, out_itemsize: int = 2,
-             rms: bool = False, swiglu: bool = False) -> Config:
+             rms: bool = False, swiglu: bool = False, residual: bool = False) -> Config:
   """``cfg`` with pipeline stages given up (down to 2) until it fits in SMEM:
-  float32 outputs and split-K partials double the epilogue buffers, and the
-  fused RMSNorm's a blocks are 64 rows."""
-  while cfg.smem_bytes(in_itemsize, out_itemsize, rms, swiglu) > SMEM_LIMIT and cfg.stages > 2:
+  float32 outputs and split-K partials double the epilogue buffers, the
+  fused RMSNorm's a blocks are 64 rows, and a swapped tile's residual is
+  prefetched beside the ring."""
+  while (cfg.smem_bytes(in_itemsize, out_itemsize, rms, swiglu, residual) > SMEM_LIMIT
+         and cfg.stages > 2):
     cfg = dataclasses.replace(cfg, stages=cfg.stages - 1)
   return cfg
 
@@ -929,9 +952,10 @@ def matmul_mosaic(a, b, *, bias=None, residual=None, out_dtype=None, activation=
   # A picked config (heuristic or table, chosen for bf16 out) is fitted to
   # this call's output dtype; an explicit one is the caller's to fix.
   swiglu = activation == "swiglu"
+  res = residual is not None
   cfg = config or fit_smem(pick_config(m, n, k, a.dtype, activation, rms), *isz,
-                           rms=rms, swiglu=swiglu)
-  need = cfg.smem_bytes(*isz, rms=rms and fuses_rms(cfg, k), swiglu=swiglu)
+                           rms=rms, swiglu=swiglu, residual=res)
+  need = cfg.smem_bytes(*isz, rms=rms and fuses_rms(cfg, k), swiglu=swiglu, residual=res)
   if need > SMEM_LIMIT:
     raise ValueError(f"{cfg=} needs {need} bytes of SMEM > {SMEM_LIMIT}")
   if activation == "swiglu" and (why := _swiglu_tile_error(cfg, k)):

@@ -226,6 +226,11 @@ SWAP_EDGES = [
     (136, dict(tile_m=192, tile_k=64, stages=3, split_k=2), ()),
     (256, dict(tile_m=256, tile_k=64, stages=2), ("bias",)),
     (160, dict(tile_m=192, tile_n=128, tile_k=64, stages=2), ("swiglu",)),
+    # Rings that fit only because the epilogue's staging tile reuses their
+    # SMEM (the ring alone is 192-224 KB).
+    (192, dict(tile_m=192, tile_k=64, stages=6, split_k=2), ()),
+    (192, dict(tile_m=192, tile_k=64, stages=6), ("bias", "residual")),
+    (64, dict(tile_m=64, tile_k=128, stages=7), ("bias",)),
 ]
 
 

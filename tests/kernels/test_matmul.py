@@ -364,12 +364,24 @@ def test_fused_rms_norm_entries_and_bad_eps(monkeypatch):
   deep = C(tile_m=8, tile_n=64, tile_k=256, stages=6, swap_ab=True)
   assert deep.smem_bytes() <= mm.SMEM_LIMIT < deep.smem_bytes(rms=True)
   assert mm.fit_smem(deep, rms=True).smem_bytes(rms=True) <= mm.SMEM_LIMIT
-  # A fused gate stores half the columns; a plain split gates after its sum.
+  # The epilogue's staging tile reuses the ring's SMEM; a prefetched residual
+  # tile lives beside the ring (half as wide with a fused gate; a plain split
+  # adds it, and gates, in the reduction after its sum).
   tall = C(tile_m=192, tile_n=128, tile_k=64, stages=3, swap_ab=True)
-  assert tall.smem_bytes() - tall.smem_bytes(swiglu=True) == 192 * 64 * (4 + 2)
+  assert tall.smem_bytes() == 3 * (192 + 128) * 64 * 2 + 128 * 4 + 1024
+  assert tall.smem_bytes(residual=True) - tall.smem_bytes() == 192 * 128 * 2
+  assert tall.smem_bytes(residual=True) - tall.smem_bytes(swiglu=True, residual=True) == (
+      192 * 64 * 2)
   tall_split = dataclasses.replace(tall, split_k=2)
-  assert tall_split.smem_bytes(swiglu=True) == tall_split.smem_bytes()
-  assert mm.fit_smem(tall, swiglu=True) == tall != mm.fit_smem(tall)
+  assert tall_split.smem_bytes(swiglu=True, residual=True) == tall_split.smem_bytes()
+  # A 6-stage ring of 192 rows fits only beside no staging tile of its own.
+  deep_tall = C(tile_m=192, tile_n=64, tile_k=64, stages=6, split_k=2, swap_ab=True)
+  assert mm.fit_smem(deep_tall) == deep_tall
+  assert 6 * (192 + 64) * 64 * 2 + 192 * 64 * 4 > mm.SMEM_LIMIT
+  # The residual costs a cluster's 256-row tile one stage of its ring.
+  ck_tall = C(tile_m=256, tile_n=64, tile_k=64, stages=4, split_k=2, swap_ab=True, cluster="k")
+  assert mm.fit_smem(ck_tall) == ck_tall
+  assert mm.fit_smem(ck_tall, residual=True).stages == 3
   a, b, _, _ = _inputs(8, 64, 64)
   for bad in (-1.0, float("nan"), "1e-5"):
     with pytest.raises(ValueError, match="rms_eps"):
@@ -506,8 +518,9 @@ def test_swap_tall_tile_gpu_full_size(m, n, k, tile_n, extra, cluster_k):
   base = mm.Config(tile_m=next(t for t in mm.SWAP_TILE_M if t >= m), tile_n=tile_n, tile_k=64,
                    stages=4, swap_ab=True,
                    **(dict(split_k=2, cluster="k") if cluster_k else {}))
-  cfg = mm.fit_smem(base)
-  if cfg.smem_bytes() > mm.SMEM_LIMIT:
+  fits = dict(swiglu=act is not None, residual="residual" in extra)
+  cfg = mm.fit_smem(base, **fits)
+  if cfg.smem_bytes(**fits) > mm.SMEM_LIMIT:
     pytest.skip(f"{cfg} does not fit in SMEM")
   out = registry.get_op("matmul")(a, b, config=cfg, backend="mosaic", **kw)
   testing.assert_close(out, mm.matmul_reference(a, b, **kw), jnp.bfloat16)
