@@ -142,8 +142,12 @@ def candidates(m: int, n: int, k: int, sms: int, activation=None,
                  ((64, 1), (128, 1), (256, 1), (128, 2), (256, 2))]
       shapes_ += [(64, tile_k, split, "k") for tile_k, split in
                   ((128, 2), (256, 2), (64, 2), (128, 4))]
+      # Pairs of weight tiles sharing each activation block (multicast): at
+      # 64 rows the block is as large as the weight block it meets.
+      shapes_ += [(64, tile_k, 1, "n") for tile_k in (128, 256)]
     else:
       shapes_ = [(tile_n, tile_k, 1, None) for tile_n in (64, 128) for tile_k in (128, 256)]
+      shapes_ += [(tile_n, 128, 1, "n") for tile_n in (64, 128)]
     for tile_n, tile_k, split, cluster in shapes_:
       base = C(tile_m=tile_m, tile_n=tile_n, tile_k=tile_k, split_k=split, swap_ab=True,
                cluster=cluster)
@@ -181,11 +185,13 @@ def candidates(m: int, n: int, k: int, sms: int, activation=None,
     # activation block from L2, tile_m / tile_n times its weight bytes: 128
     # weight columns halve that (and hold 128 x tile_m accumulators).
     tile_m = next(t for t in mm.SWAP_TILE_M if t >= m)
+    # Pairs of neighbouring weight tiles ("n") read the activation block from
+    # L2 once for both (multicast), as cuBLAS's 2-CTA clusters do here.
     shapes_ = [(tile_n, tile_k, split, cluster) for tile_n, tile_k, split, cluster in
                ((64, 64, 1, None), (64, 128, 1, None), (64, 64, 2, None), (64, 64, 2, "k"),
-                (128, 64, 1, None))]
+                (128, 64, 1, None), (64, 64, 1, "n"), (64, 64, 2, "n"))]
     if n // 64 > 2 * sms:  # wide N: CTAs enough without a split
-      shapes_ = [(tile_n, 64, 1, None) for tile_n in (64, 128)]
+      shapes_ = [(tile_n, 64, 1, cluster) for tile_n in (64, 128) for cluster in (None, "n")]
     for tile_n, tile_k, split, cluster in shapes_:
       base = C(tile_m=tile_m, tile_n=tile_n, tile_k=tile_k, split_k=split, swap_ab=True,
                cluster=cluster)
@@ -223,7 +229,8 @@ def candidates(m: int, n: int, k: int, sms: int, activation=None,
 def cfg_str(c: mm.Config) -> str:
   if c.swap_ab:
     return (f"{c.tile_m}x{c.tile_n}x{c.tile_k} swap s{c.stages}"
-            + (f" sk{c.split_k}" if c.split_k > 1 else "") + (" ck" if c.cluster == "k" else ""))
+            + (f" sk{c.split_k}" if c.split_k > 1 else "")
+            + {"k": " ck", "n": " cn"}.get(c.cluster, ""))
   return (f"{c.tile_m}x{c.tile_n}x{c.tile_k}/{c.wg_dim} s{c.stages} w{c.grid_width}"
           f"{c.grid_minor}" + (f" sk{c.split_k}" if c.split_k > 1 else "")
           + ("" if c.persistent else " np") + (f" c2{c.cluster}" if c.cluster else ""))

@@ -56,7 +56,12 @@ Hopper kernel (``mosaic`` backend), how data flows:
   to zero-filled rows and a [tile_k, tile_n] weight block is 8-64 KB a step.
   One warpgroup keeps ``stages`` steps of copies in flight; N / tile_n CTAs
   need no split at the layer shapes, so no partial sums leave the kernel.
-  The tile is stored transposed through an untiled SMEM buffer, the bias,
+  With ``cluster="n"`` two CTAs of neighbouring weight tiles share each
+  step's activation block, half copied by each and TMA-multicast into both
+  rings, which halves the block's L2 reads (over 64 rows they outweigh the
+  weight block's); a slot is refilled once both CTAs have read it.
+  The tile is stored transposed through an untiled SMEM buffer (the ring's
+  SMEM, free once the K loop is done: the ring can be that much deeper), the bias,
   the SwiGLU gate (128 columns: one [gate | up] block pair, so the gate's
   rows and the up rows sit in the same thread) and the residual applied on
   the way. With ``cluster="k"`` a tile's K is split over a cluster of CTAs,
@@ -123,6 +128,9 @@ class Config(tuning.KernelConfig):
   one cluster: each sends its float32 partial into the first one's SMEM
   (distributed shared memory), which adds them in a fixed order and runs the
   epilogue, so no partials reach HBM and no reduction kernel follows.
+  With ``swap_ab``, ``cluster="n"`` pairs CTAs of neighbouring weight tiles
+  (same rows, same split): each step's activation block is the same for
+  both, so each issues half of it, TMA-multicast into both rings.
   """
 
   tile_m: int = 128
@@ -149,9 +157,10 @@ class Config(tuning.KernelConfig):
     if self.swap_ab:
       # One warpgroup, one CTA per tile; wg_dim, grid_*, epi_* and
       # persistent do not apply.
-      if self.cluster not in (None, "k"):
-        raise ValueError(f"swap_ab: {self.cluster=} must be None or 'k' (the splits of a "
-                         "weight tile as one cluster)")
+      if self.cluster not in (None, "k", "n"):
+        raise ValueError(f"swap_ab: {self.cluster=} must be None, 'k' (the splits of a "
+                         "weight tile as one cluster) or 'n' (pairs of neighbouring weight "
+                         "tiles sharing each activation block)")
       if self.cluster == "k" and not 2 <= self.split_k <= MAX_CLUSTER_K:
         raise ValueError(f"swap_ab: cluster='k' needs split_k in [2, {MAX_CLUSTER_K}]; got "
                          f"{self.split_k=}")
@@ -382,7 +391,7 @@ def _kernel(layer_gmem, a_gmem, b_gmem, bias_gmem, res_gmem, out_gmem, *, cfg: C
 
 def _swap_kernel(layer_gmem, a_gmem, b_gmem, *refs, cfg: Config, k_iters: int,
                  has_bias: bool, has_res: bool, split_out: bool, swiglu: bool,
-                 rms_eps: float | None, cluster_k: bool):
+                 rms_eps: float | None, cluster_k: bool, cluster_n: bool):
   """One CTA per (tile_n weight columns n, tile_m rows m, split s) with
   swapped operands: acc [tile_n, tile_m] = b[ks, cols]^T a[rows, ks]^T summed
   over the split's K blocks, i.e. the transposed output tile. A single
@@ -394,16 +403,23 @@ def _swap_kernel(layer_gmem, a_gmem, b_gmem, *refs, cfg: Config, k_iters: int,
   RMS_ROWS rows (the copies fill tile_m of them) and the rows' RMSNorm scale
   multiplies acc's columns. With ``cluster_k`` the splits are one cluster
   (axis "s"): split i > 0 stores its acc (and Gram) into slot i - 1 of split
-  0's receive buffers, and split 0 adds them before its epilogue."""
+  0's receive buffers, and split 0 adds them before its epilogue. With
+  ``cluster_n`` two CTAs of neighbouring weight tiles (axis "c") share each
+  step's a block, half issued by each and multicast into both rings: a slot
+  is refilled only once both have read it (the ``consumed`` cluster barrier,
+  one arrival from each CTA)."""
   refs = list(refs)
   bias_gmem = refs.pop(0) if has_bias else None
   res_gmem = refs.pop(0) if has_res else None
   out_gmem, bias_smem, (bars, epi_bars), *refs = refs
   res_smem = refs.pop(0) if has_res else None
+  consumed = refs.pop(0) if cluster_n else None
   recv = refs
   layer = dsl.layer_index(layer_gmem, b_gmem.shape[0])
   b_gmem = b_gmem.at[layer]
   ni, mi, s = lax.axis_index("n"), lax.axis_index("m"), lax.axis_index("s")
+  if cluster_n:
+    ni = 2 * ni + lax.axis_index("c")
   tm, tn, tk, stages = cfg.tile_m, cfg.tile_n, cfg.tile_k, cfg.stages
   kps = dsl.cdiv(k_iters, cfg.split_k)
   first = s * kps
@@ -443,7 +459,8 @@ def _swap_kernel(layer_gmem, a_gmem, b_gmem, *refs, cfg: Config, k_iters: int,
     def issue(step, slot):
       ks = pl.ds((first + step) * tk, tk)
       plgpu.copy_gmem_to_smem(b_gmem.at[ks, cols], b_smem.at[slot], bars.at[slot])
-      plgpu.copy_gmem_to_smem(a_gmem.at[rows, ks], a_slot(slot), bars.at[slot])
+      plgpu.copy_gmem_to_smem(a_gmem.at[rows, ks], a_slot(slot), bars.at[slot],
+                              collective_axes="c" if cluster_n else None)
 
     with jax.named_scope("prologue"):
       for i in range(stages):
@@ -459,19 +476,38 @@ def _swap_kernel(layer_gmem, a_gmem, b_gmem, *refs, cfg: Config, k_iters: int,
         plgpu.wgmma(acc_ref, dsl.transpose(b_smem.at[slot]), a_t)
         if gram_ref is not None:  # G += a_64 a^T: row j's sum of squares at (j, j)
           plgpu.wgmma(gram_ref, a_smem.at[slot], a_t)
-        # Step i - lag's slot is read: free for the step `stages` after it.
+        # Step i - lag's slot is read: free for the step `stages` after it
+        # (with a pair, once the partner has read it too).
         plgpu.wgmma_wait(lag * groups)
         done = i - lag
+        done_slot = lax.rem(done + stages, jnp.int32(stages))
+        if cluster_n:
+          @pl.when(done >= 0)
+          def _():
+            plgpu.barrier_arrive(consumed.at[done_slot])
 
         @pl.when((done >= 0) & (done + stages < n_steps))
         def _():
-          issue(done + stages, lax.rem(done + stages, jnp.int32(stages)))
+          if cluster_n:
+            plgpu.barrier_wait(consumed.at[done_slot])
+          issue(done + stages, done_slot)
 
         return carry
 
       lax.fori_loop(0, n_steps, body, jnp.int32(0))
       if lag:
         plgpu.wgmma_wait(0)
+        if cluster_n:
+          plgpu.barrier_arrive(consumed.at[lax.rem(n_steps - 1, jnp.int32(stages))])
+      if cluster_n:
+        # The last `stages` steps' slots are never refilled: wait for the
+        # partner's arrivals on them too, so it never signals a CTA that exited.
+        for t in range(stages):
+          step = n_steps - stages + t
+
+          @pl.when(step >= 0)
+          def _():
+            plgpu.barrier_wait(consumed.at[lax.rem(step, jnp.int32(stages))])
       if gram_ref is None:
         return acc_ref[...]
       return acc_ref[...], gram_ref[...]
@@ -564,7 +600,7 @@ def _run_swap(layer_arr, a, b, bias, residual, *, cfg: Config, k_iters: int, out
   (split-K without a cluster)."""
   m, _ = a.shape
   n = b.shape[-1]
-  cluster_k = _cluster_k(cfg)
+  cluster_k, cluster_n = _cluster_k(cfg), _cluster_n(cfg)
   split_out = cfg.split_k > 1 and not cluster_k
   if rms_eps is not None and split_out:
     raise ValueError("the fused RMSNorm needs every K block in one CTA or cluster")
@@ -574,7 +610,7 @@ def _run_swap(layer_arr, a, b, bias, residual, *, cfg: Config, k_iters: int, out
   operands = [layer_arr, a, b] + [x for x in (bias, residual) if x is not None]
   body = functools.partial(_swap_kernel, cfg=cfg, k_iters=k_iters, has_bias=bias is not None,
                            has_res=residual is not None, split_out=split_out, swiglu=swiglu,
-                           rms_eps=rms_eps, cluster_k=cluster_k)
+                           rms_eps=rms_eps, cluster_k=cluster_k, cluster_n=cluster_n)
   out_type = (jax.ShapeDtypeStruct((cfg.split_k, m, n), jnp.float32) if split_out
               else jax.ShapeDtypeStruct((m, n // 2 if swiglu else n), out_dtype))
   # The K loop's ring and the epilogue's staging tile are scoped in the
@@ -587,6 +623,10 @@ def _run_swap(layer_arr, a, b, bias, residual, *, cfg: Config, k_iters: int, out
   if residual is not None:
     scratch.append(plgpu.SMEM((tm, out_tn), out_dtype))
   grid = dict(grid=(n // tn, dsl.cdiv(m, tm), cfg.split_k), grid_names=("n", "m", "s"))
+  if cluster_n:  # pairs of weight tiles; each slot's "both have read it" barrier
+    scratch.append(plgpu.ClusterBarrier(collective_axes=("c",), num_barriers=cfg.stages))
+    grid = dict(grid=(n // tn // 2, dsl.cdiv(m, tm), cfg.split_k), grid_names=("n", "m", "s"),
+                cluster=(2,), cluster_names=("c",))
   if cluster_k:  # split 0's receive buffers, one slot per other split, and their barriers
     recv = lambda rows: plgpu.SMEM((cfg.split_k - 1, rows, tm), jnp.float32,
                                    transforms=dsl.smem_transforms((rows, tm), jnp.float32))
@@ -602,6 +642,13 @@ def _cluster_k(cfg: Config) -> bool:
   distributed shared memory, so there a cluster="k" config runs as plain
   split-K (partials summed by XLA): the same K ranges, the same result."""
   return cfg.swap_ab and cfg.cluster == "k" and cfg.split_k > 1 and not dsl.interpreting()
+
+
+def _cluster_n(cfg: Config) -> bool:
+  """Whether ``cfg``'s swapped tiles run in pairs sharing each activation
+  block (multicast). The interpreter has no clusters: there the tiles run
+  alone, each copying the whole block (the same result)."""
+  return cfg.swap_ab and cfg.cluster == "n" and not dsl.interpreting()
 
 
 def _num_sms() -> int:
@@ -620,9 +667,11 @@ def _run(a, b, bias, residual, layer=None, *, cfg: Config, out_dtype, activation
   k = a.shape[1]
   k_iters = dsl.cdiv(k, cfg.tile_k)
   splits = _splits(cfg, k)
-  # A K too short to split runs in one CTA: no cluster then.
-  cfg = dataclasses.replace(cfg, split_k=splits,
-                            cluster=None if splits == 1 and cfg.cluster == "k" else cfg.cluster)
+  # A K too short to split runs in one CTA, and an odd count of weight tiles
+  # has no pairs: no cluster then.
+  lone = ((splits == 1 and cfg.cluster == "k")
+          or (cfg.swap_ab and cfg.cluster == "n" and (b.shape[-1] // cfg.tile_n) % 2))
+  cfg = dataclasses.replace(cfg, split_k=splits, cluster=None if lone else cfg.cluster)
   split_out = cfg.split_k > 1 and not _cluster_k(cfg)
   if rms_eps is not None and not fuses_rms(cfg, k):
     a, rms_eps = rms_rows(a, rms_eps), None  # an XLA fusion ahead of the kernel

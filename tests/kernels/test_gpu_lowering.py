@@ -231,6 +231,13 @@ SWAP_EDGES = [
     (192, dict(tile_m=192, tile_k=64, stages=6, split_k=2), ()),
     (192, dict(tile_m=192, tile_k=64, stages=6), ("bias", "residual")),
     (64, dict(tile_m=64, tile_k=128, stages=7), ("bias",)),
+    # Pairs of weight tiles sharing each activation block (multicast).
+    (64, dict(tile_m=64, tile_k=128, stages=6, cluster="n"), ("residual",)),
+    (192, dict(tile_m=192, tile_k=64, stages=6, cluster="n"), ("bias", "residual")),
+    (192, dict(tile_m=192, tile_k=64, stages=6, split_k=2, cluster="n"), ()),
+    (16, dict(tile_m=16, tile_k=256, stages=3, cluster="n"), ("rms",)),
+    (1, dict(tile_m=8, tile_k=256, stages=3, cluster="n"), ()),
+    (64, dict(tile_m=64, tile_n=128, tile_k=64, stages=4, cluster="n"), ("swiglu", "rms")),
 ]
 
 

@@ -114,6 +114,15 @@ MOSAIC_CASES = [
     pytest.param(8, 64, 64, C(tile_m=8, tile_n=64, tile_k=64, stages=2, split_k=2,
                               swap_ab=True, cluster="k"), True, False, None, jnp.bfloat16,
                  id="swap-cluster-k-short-k"),
+    # Pairs of weight tiles sharing each activation block (multicast on the
+    # GPU; the interpreter runs each tile alone): a split pair, and an odd
+    # count of weight tiles, which has no pairs and runs unclustered.
+    pytest.param(72, 256, 320, C(tile_m=128, tile_n=64, tile_k=64, stages=2, split_k=2,
+                                 swap_ab=True, cluster="n"), True, True, None, jnp.bfloat16,
+                 id="swap-cluster-n-split-bias-residual"),
+    pytest.param(16, 192, 256, C(tile_m=16, tile_n=64, tile_k=64, stages=3, swap_ab=True,
+                                 cluster="n"), False, True, None, jnp.bfloat16,
+                 id="swap-cluster-n-odd-tiles-residual"),
 ]
 
 
@@ -432,6 +441,7 @@ def test_bad_inputs_are_rejected():
     dict(swap_ab=True, tile_n=64, tile_m=8, tile_k=32), dict(swap_ab=1),
     dict(cluster="k"), dict(cluster="m", split_k=2), dict(cluster="n", persistent=False),
     dict(swap_ab=True, tile_m=8, tile_n=64, cluster="m"),
+    dict(swap_ab=True, tile_m=8, tile_n=64, cluster="x"),
     dict(swap_ab=True, tile_m=8, tile_n=64, cluster="k"),
     dict(swap_ab=True, tile_m=8, tile_n=64, cluster="k", split_k=mm.MAX_CLUSTER_K + 1),
 ])
@@ -476,6 +486,28 @@ def test_cluster_192_row_tile_gpu_full_size(n, k, tile_n):
   cfg = mm.Config(tile_m=192, tile_n=tile_n, stages=3, cluster="n")
   out = registry.get_op("matmul")(a, b, bias=bias, residual=res, config=cfg, backend="mosaic")
   testing.assert_close(out, mm.matmul_reference(a, b, bias=bias, residual=res), jnp.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k,cfg,extra", [
+    (192, 4096, 14336, dict(tile_m=192, tile_k=64, stages=6, split_k=2), ("residual",)),
+    (192, 4096, 4096, dict(tile_m=192, tile_k=64, stages=6), ("bias", "residual")),
+    (136, 6144, 4096, dict(tile_m=192, tile_k=64, stages=5), ()),
+    (64, 4096, 14336, dict(tile_m=64, tile_k=128, stages=6), ("residual",)),
+    (64, 6144, 4096, dict(tile_m=64, tile_k=256, stages=3), ("rms",)),
+    (1, 4096, 4096, dict(tile_m=8, tile_k=256, stages=3), ()),
+    (64, 28672, 4096, dict(tile_m=64, tile_n=128, tile_k=64, stages=4), ("swiglu", "rms"))])
+def test_swap_cluster_n_gpu_full_size(m, n, k, cfg, extra):
+  # Pairs of weight tiles sharing each activation block: the multicast halves
+  # and the pair's "both have read this slot" barrier are the hardware's.
+  a, b, bias, res = _inputs(m, n, k)
+  act = "swiglu" if "swiglu" in extra else None
+  kw = dict(bias=bias if "bias" in extra else None,
+            residual=res if "residual" in extra else None, activation=act,
+            rms_eps=1e-5 if "rms" in extra else None)
+  cfg = mm.Config(**{"tile_n": 64, **cfg}, swap_ab=True, cluster="n")
+  out = registry.get_op("matmul")(a, b, config=cfg, backend="mosaic", **kw)
+  testing.assert_close(out, mm.matmul_reference(a, b, **kw), jnp.bfloat16)
 
 
 @pytest.mark.gpu
