@@ -285,6 +285,23 @@ def test_swiglu_entries_and_swapped_tiles(monkeypatch):
     mm.matmul_mosaic(a, b, activation="swiglu", config=plain)
 
 
+def test_picked_config_is_fitted_to_the_residual(monkeypatch):
+  # A table's 7-stage tall tile fits beside no residual tile; with the
+  # model's residual (o, down) it runs one stage shallower, not refused.
+  deep = C(tile_m=192, tile_n=64, tile_k=64, stages=7, swap_ab=True)
+  assert deep.smem_bytes() <= mm.SMEM_LIMIT < deep.smem_bytes(residual=True)
+  _fake_table(monkeypatch, {mm.tuning_key(136, 128, 320, jnp.bfloat16): deep})
+  ran = []
+  run = mm._run
+  monkeypatch.setattr(mm, "_run", lambda *a, cfg, **k: ran.append(cfg) or run(*a, cfg=cfg, **k))
+  a, b, _, res = _inputs(136, 128, 320)
+  out = mm.matmul_mosaic(a, b, residual=res)
+  testing.assert_close(out, mm.matmul_reference(a, b, residual=res), jnp.bfloat16)
+  assert ran == [dataclasses.replace(deep, stages=6)]
+  mm.matmul_mosaic(a, b)
+  assert ran[-1] == deep
+
+
 def test_swiglu_bad_inputs():
   op = registry.get_op("matmul")
   a, b, _, _ = _inputs(8, 192, 64)
