@@ -45,7 +45,9 @@ def _engine_config(a) -> dict:
              decode_prefill_budget=a.decode_prefill_budget, prefill_first=a.prefill_first,
              packed_prefill=a.packed_prefill, compile_threads=a.compile_threads,
              scheduling=a.scheduling_policy, prompt_logprobs=a.enable_prompt_logprobs,
-             jump_forward=a.jump_forward)
+             jump_forward=a.jump_forward, num_speculative_tokens=a.num_speculative_tokens,
+             prompt_lookup_max=a.prompt_lookup_max, prompt_lookup_min=a.prompt_lookup_min,
+             speculative_max_batch=a.speculative_max_batch)
   if a.token_budget:
     cfg["token_budget"] = a.token_budget
   if a.compile_threads is None:
@@ -323,6 +325,16 @@ def parser() -> argparse.ArgumentParser:
   s.add_argument("--jump-forward", action="store_true",
                  help="structured outputs take the tokens their grammar forces without "
                       "sampling them, computed as a prompt chunk (fewer steps)")
+  s.add_argument("--num-speculative-tokens", type=int, default=0,
+                 help="n-gram (prompt lookup) speculation: draft up to this many tokens per "
+                      "step from earlier text and check them in one call (greedy requests, "
+                      "small batches; 0: off)")
+  s.add_argument("--prompt-lookup-max", type=int, default=3,
+                 help="longest n-gram matched for drafts")
+  s.add_argument("--prompt-lookup-min", type=int, default=1,
+                 help="shortest n-gram matched for drafts")
+  s.add_argument("--speculative-max-batch", type=int, default=4,
+                 help="speculate only while at most this many requests run")
   s.add_argument("--engine-process", action="store_true",
                  help="run the engine in a process of its own, so that the gRPC stream "
                       "threads do not share its interpreter (serving.engine.process)")

@@ -124,6 +124,11 @@ class Metrics:
     self.jump_forward = Counter(p + "jump_forward_tokens_total", "Tokens structured outputs "
                                 "took without sampling (serve --jump-forward).",
                                 stat("jump_forward_tokens"))
+    self.spec_draft = Counter(p + "spec_decode_num_draft_tokens_total", "Tokens drafted by "
+                              "n-gram speculation (serve --num-speculative-tokens).",
+                              stat("spec_draft_tokens"))
+    self.spec_accepted = Counter(p + "spec_decode_num_accepted_tokens_total", "Drafted tokens "
+                                 "the model agreed with.", stat("spec_accepted_tokens"))
     self.rejected = Counter(p + "requests_rejected_total", "Requests refused (queue full, "
                             "invalid, draining).")
     self.running = Gauge(p + "requests_running", "Requests in the running batch.",

@@ -335,6 +335,8 @@ class EngineStats:
   draining: bool
   preemptions: int = 0  # requests preempted (their pages freed) so far
   jump_forward_tokens: int = 0  # tokens structured outputs took without sampling
+  spec_draft_tokens: int = 0  # speculative tokens drafted (EngineConfig.num_speculative_tokens)
+  spec_accepted_tokens: int = 0  # and those the model agreed with
 
 
 class Engine(abc.ABC):

@@ -46,6 +46,13 @@ With ``EngineConfig.prompt_logprobs``, a request that asks for its prompt's
 logprobs has each of its prompt chunks dispatched in step 4 as a call of its
 own that keeps every position's logits and scores the next prompt token; the
 scores stay on the device until the request's final event carries them.
+
+With ``EngineConfig.num_speculative_tokens`` = k > 0 (n-gram speculation),
+an iteration whose requests all decode greedily first reads the previous
+step's tokens, drafts up to k tokens per request from an earlier occurrence
+of its last few tokens, and checks the drafts in one call over [last token,
+drafts] that keeps every position's argmax: each request takes the drafts
+the model agrees with plus the model's own next token.
 """
 
 from __future__ import annotations
@@ -182,12 +189,36 @@ class EngineConfig:
   # (SGLang's jump-forward). Fewer steps; the forced bytes' tokens are the
   # tokenizer's, where the model might have spelled them otherwise.
   jump_forward: bool = False
+  # N-gram (prompt lookup) speculative decoding, vLLM's "ngram" method. With
+  # num_speculative_tokens = k > 0, an iteration whose running requests (at
+  # most speculative_max_batch, nothing waiting) all decode greedily with no
+  # per-slot sampling state, logprobs or grammar drafts up to k tokens for
+  # each: what followed the latest earlier occurrence of its last n tokens
+  # (n from prompt_lookup_max down to prompt_lookup_min), in its prompt or
+  # output. One call over [last token, drafts], which keeps every position's
+  # argmax, checks them: a request takes the drafts the model agrees with and
+  # the model's own next token, up to k + 1 tokens a call; the output is what
+  # greedy decoding gives. Those iterations read their tokens back before the
+  # next is dispatched (the next drafts need them); warm-up compiles the
+  # checking call's shapes too.
+  num_speculative_tokens: int = 0
+  prompt_lookup_max: int = 3
+  prompt_lookup_min: int = 1
+  speculative_max_batch: int = 4
 
   def __post_init__(self):
     for f in ("max_batch", "max_waiting", "prefill_chunk", "min_chunk", "prefill_rows",
-              "default_max_tokens", "decode_steps", "stream_interval", "compile_threads"):
+              "default_max_tokens", "decode_steps", "stream_interval", "compile_threads",
+              "prompt_lookup_min", "speculative_max_batch"):
       if getattr(self, f) < 1:
         raise ValueError(f"EngineConfig.{f}={getattr(self, f)} must be >= 1")
+    if self.num_speculative_tokens < 0:
+      raise ValueError(f"{self.num_speculative_tokens=} must be >= 0 (0: no speculation)")
+    if self.num_speculative_tokens >= self.prefill_chunk:
+      raise ValueError(f"{self.num_speculative_tokens=} must be < {self.prefill_chunk=} "
+                       "(the last token and the drafts are checked as one chunk)")
+    if self.prompt_lookup_max < self.prompt_lookup_min:
+      raise ValueError(f"{self.prompt_lookup_max=} must be >= {self.prompt_lookup_min=}")
     if self.min_chunk > self.prefill_chunk:
       raise ValueError(f"{self.min_chunk=} must be <= {self.prefill_chunk=}")
     if self.token_budget is not None and self.token_budget < self.max_batch:
@@ -349,9 +380,10 @@ class BatchingEngine(api.Engine):
     most = min(config.budget, config.prefill_rows * config.prefill_chunk)
     self.packed_buckets = tuple(sorted({-(-b // 8) * 8 for b in _pow2_buckets(
         min(config.min_chunk, most), most)}))
-    if config.prompt_logprobs and not getattr(runner, "supports_prompt_logprobs", False):
-      raise ValueError(f"prompt_logprobs: runner {runner.name} does not keep every "
-                       "position's logits")
+    for flag, on in (("prompt_logprobs", config.prompt_logprobs),
+                     ("num_speculative_tokens", config.num_speculative_tokens)):
+      if on and not getattr(runner, "supports_prompt_logprobs", False):
+        raise ValueError(f"{flag}: runner {runner.name} does not keep every position's logits")
     if config.packed_prefill:
       why = getattr(runner, "packed_why_not", f"runner {runner.name} has no packed prefill")
       if why is not None:
@@ -399,6 +431,13 @@ class BatchingEngine(api.Engine):
     self.mixed = config.mixed_steps and getattr(runner, "supports_mixed", False)
     self.mixed_steps_run = 0
     self.jump_forward_tokens = 0  # tokens structured outputs took without sampling
+    self.spec_draft_tokens = 0  # speculative tokens drafted, and those the model agreed with
+    self.spec_accepted_tokens = 0
+    # The checking call's shapes: batch buckets up to speculative_max_batch
+    # rows of one chunk bucket (the last token and k drafts).
+    most = _bucket(min(config.speculative_max_batch, config.max_batch), self.batch_buckets)
+    self._spec_rows = tuple(b for b in self.batch_buckets if b <= most)
+    self._spec_chunk = _bucket(config.num_speculative_tokens + 1, self.chunk_buckets)
     # Chunk shapes a mixed step can carry (at most decode_prefill_budget tokens).
     cap = min(config.decode_prefill_budget or config.prefill_chunk, config.prefill_chunk)
     self._mixed_chunks = tuple(t for t in self.chunk_buckets
@@ -565,7 +604,9 @@ class BatchingEngine(api.Engine):
                            pages_cached=self.alloc.cached, pages_total=self.alloc.usable,
                            steps=self.steps, draining=self._draining,
                            preemptions=self.preemptions,
-                           jump_forward_tokens=self.jump_forward_tokens)
+                           jump_forward_tokens=self.jump_forward_tokens,
+                           spec_draft_tokens=self.spec_draft_tokens,
+                           spec_accepted_tokens=self.spec_accepted_tokens)
 
   def counters(self) -> dict:
     """Engine-internal counts for benchmarks and tests: steps, mixed steps run,
@@ -576,6 +617,8 @@ class BatchingEngine(api.Engine):
     n, secs = _Compiles.of(self._thread.ident if self._thread is not None else None)
     return {"steps": self.steps, "mixed_steps_run": self.mixed_steps_run,
             "jump_forward_tokens": self.jump_forward_tokens,
+            "spec_draft_tokens": self.spec_draft_tokens,
+            "spec_accepted_tokens": self.spec_accepted_tokens,
             "compiled_shapes": shapes() if shapes is not None else None,
             "compiles_after_start": n, "compile_s_after_start": secs}
 
@@ -665,11 +708,21 @@ class BatchingEngine(api.Engine):
 
     t_wait = t_tokens = 0.0
     flushed, previous = False, self._inflight
-    if previous and any(s.guide is not None and s.pending for s in self._running):
+    speculates = self._speculates()
+    if previous and (speculates or any(s.guide is not None and s.pending for s in self._running)):
       # A structured request's next step needs its grammar past the token in
-      # flight: read it now, before this step is dispatched.
+      # flight, and drafts need every token: read them now, before this step
+      # is dispatched.
       t_wait, t_tokens, flushed = self._collect(previous)
       self._inflight = []
+    if speculates and self._speculates():  # (still: reading may have ended some)
+      spec = self._run_speculative()
+      if spec is not None:
+        decodes, t_launch, tw = spec
+        self.steps += 1
+        self._record(t0, compiles0, wait=t_wait + tw, decodes=decodes, launched=False,
+                     launch=t_launch, tokens=t_tokens, steps=1)
+        return True
     steps = self._decode_steps()
     # Decodes reserve their pages first, so that admitting prompts never takes
     # the pages a running request needs for its next token.
@@ -704,14 +757,19 @@ class BatchingEngine(api.Engine):
       return flushed
     if launched:
       self.steps += 1
-    dt = time.perf_counter() - t0
-    record = StepRecord(dt, t_wait, len(decodes), bool(launched), t_launch, t_tokens,
-                        sum(n for _, n in prefills), steps if decodes else 0, t0,
-                        _Compiles.of(threading.get_ident())[0] - compiles0)
+    self._record(t0, compiles0, wait=t_wait, decodes=len(decodes), launched=bool(launched),
+                 launch=t_launch, tokens=t_tokens, prefill_tokens=sum(n for _, n in prefills),
+                 steps=steps if decodes else 0)
+    return True
+
+  def _record(self, t0: float, compiles0: int, **fields) -> None:
+    """The iteration's StepRecord, from its start (``t0``, the thread's
+    compile count then) to now, for step_times and the observer."""
+    record = StepRecord(time.perf_counter() - t0, start=t0,
+                        compiles=_Compiles.of(threading.get_ident())[0] - compiles0, **fields)
     self.step_times.append(record)
     if self.observer is not None:
       self.observer.on_step(self, record)
-    return True
 
   def _collect(self, previous) -> tuple[float, float, bool]:
     """Reads a dispatched step's tokens back and hands them out: (seconds
@@ -737,6 +795,79 @@ class BatchingEngine(api.Engine):
     flushed = self._flush_deferred()
     self._guide_next()
     return t_wait, time.perf_counter() - t0 - t_wait, flushed
+
+  def _speculates(self) -> bool:
+    """Whether this iteration may check drafts (EngineConfig.num_speculative_tokens)."""
+    c = self.config
+    if (not c.num_speculative_tokens or self._waiting or not self._running
+        or len(self._running) > c.speculative_max_batch):
+      return False
+    return all(s.state == _State.DECODE and s.guide is None and not s.scored
+               and s.params.greedy and not s.params.slot_state
+               and not (s.params.logprobs or s.params.top_logprobs) for s in self._running)
+
+  def _draft(self, seq: _Seq) -> list[int]:
+    """Up to num_speculative_tokens tokens that followed the latest earlier
+    occurrence of the request's last n tokens (the longest n that occurs)."""
+    c = self.config
+    toks = np.asarray(seq.tokens, np.int32)
+    for n in range(min(c.prompt_lookup_max, len(toks) - 1), c.prompt_lookup_min - 1, -1):
+      # Windows of toks[:-1]: every n-gram but the last one itself.
+      windows = np.lib.stride_tricks.sliding_window_view(toks[:-1], n)
+      hits = np.flatnonzero((windows == toks[-n:]).all(axis=1))
+      if hits.size:
+        start = int(hits[-1]) + n
+        return toks[start:start + c.num_speculative_tokens].tolist()
+    return []
+
+  def _run_speculative(self):
+    """One checking call for the running requests (their tokens read back):
+    [last token, drafts] per row at its next positions, every position's
+    argmax kept. Each request takes its agreed drafts and the model's next
+    token; the K/V of the rejected drafts lie past its computed tokens and are
+    overwritten. Returns (requests, launch seconds, seconds waiting), or None
+    when no request has a draft (a plain decode step runs instead)."""
+    t0 = time.perf_counter()
+    seqs = self._schedule_decodes(1)  # pages for the next token (preempting as usual)
+    drafts = []
+    for seq in seqs:
+      room = min(seq.max_tokens - len(seq.generated), self.capacity - seq.num_tokens) - 1
+      d = self._draft(seq)[:max(room, 0)]
+      if d and not self._reserve(seq, seq.computed + 1 + len(d)):
+        d = []  # no pages for the drafts: no preemption for a guess
+      drafts.append(d)
+    if not any(drafts):
+      return None
+    rows, t = _bucket(len(seqs), self._spec_rows), self._spec_chunk
+    tokens, targets = np.zeros((rows, t), np.int32), np.zeros((rows, t), np.int32)
+    positions, lengths = np.zeros((rows,), np.int32), np.zeros((rows,), np.int32)
+    slots = np.zeros((rows,), np.int32)
+    for i, (seq, d) in enumerate(zip(seqs, drafts)):
+      tokens[i, 0], tokens[i, 1:1 + len(d)] = seq.tokens[seq.computed], d
+      targets[i, :len(d)] = d
+      positions[i], lengths[i], slots[i] = seq.computed, 1 + len(d), seq.slot
+    width = _bucket(-(-int((positions + lengths).max()) // self.page_size), self.table_buckets)
+    table = self._slot_table[slots, :width]  # a copy
+    table[len(seqs):] = 0
+    _, scores = self.runner.prefill_scores(tokens, positions, lengths, table, targets)
+    t_launch = time.perf_counter() - t0
+    best = np.asarray(scores[1])[:, :, 0]  # [rows, t]: each position's argmax
+    t_wait = time.perf_counter() - t0 - t_launch
+    # Each slot's newest token: the next decode step's input.
+    slot_of, newest = np.full((rows,), self.config.max_batch, np.int32), np.zeros((rows,), np.int32)
+    for i, (seq, d) in enumerate(zip(seqs, drafts)):
+      a = 0
+      while a < len(d) and best[i, a] == d[a]:
+        a += 1
+      new = d[:a] + [int(best[i, a])]
+      self.spec_draft_tokens += len(d)
+      self.spec_accepted_tokens += a
+      seq.computed += len(new)  # the last token and the agreed drafts
+      slot_of[i], newest[i] = seq.slot, new[-1]
+      self._accept(seq, new, None)
+    self._last_tok = sampling.set_last(self._last_tok, slot_of, newest)
+    self._flush_deferred()
+    return len(seqs), t_launch, t_wait
 
   def _decode_steps(self) -> int:
     """Decode steps this iteration: config.decode_steps unless a prompt waits
@@ -1388,11 +1519,22 @@ class BatchingEngine(api.Engine):
                                                  np.zeros((rows,), np.int32),
                                                  np.zeros((rows, w), np.int32), z)
       self._warm_sampling(logits, rows)
+    if self.config.num_speculative_tokens:  # checking calls continue a sequence
+      t = self._spec_chunk
+      for rows in self._spec_rows:
+        z = np.zeros((rows, t), np.int32)
+        for w in self.table_buckets:
+          self.runner.prefill_scores(z, np.ones((rows,), np.int32), np.zeros((rows,), np.int32),
+                                     np.zeros((rows, w), np.int32), z)
+        self._last_tok = sampling.set_last(
+            self._last_tok, np.full((rows,), self.config.max_batch, np.int32), z[:, 0])
     jax.block_until_ready(self._counts)
     return (len(self.batch_buckets),
             len(self.row_buckets) * len(self.chunk_buckets) * len(prefill_tables)
             + len(self.packed_buckets) * len(packed_tables)
-            + len(self.chunk_buckets) * len(chunk_tables) * self.config.prompt_logprobs,
+            + len(self.chunk_buckets) * len(chunk_tables) * self.config.prompt_logprobs
+            + len(self._spec_rows) * len(self.table_buckets) * bool(
+                self.config.num_speculative_tokens),
             len(self.row_buckets) * len(self._mixed_chunks) * len(chunk_tables) * self.mixed)
 
   def _warm_sampling(self, logits, b):

@@ -282,6 +282,13 @@ def set_rows(counts, tok: SlotTokens, slot, count_row, row: SlotTokens):
   return counts.at[slot].set(count_row), jax.tree.map(lambda a, r: a.at[slot].set(r), tok, row)
 
 
+@functools.partial(jax.jit, donate_argnames=("last",))
+def set_last(last, slots, tokens):
+  """Sets the last token of ``slots`` [k] to ``tokens`` [k] (after tokens
+  accepted on the host); slots out of range are padding."""
+  return last.at[slots].set(tokens, mode="drop")
+
+
 @functools.partial(jax.jit, donate_argnames=("tok",))
 def set_allow(tok: SlotTokens, slots, words):
   """Sets the allow bitmask rows of ``slots`` [k] to ``words`` [k, W] (the

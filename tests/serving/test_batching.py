@@ -712,3 +712,84 @@ def test_prompt_logprobs_survive_preemption_once_each():
   follows = [b == a + 1 for a, b in zip(prompt, prompt[1:])]
   assert [x.logprob > -1 for x in fb.prompt_logprobs] == follows
   assert ids == list(range(111, 117))
+
+
+def _spec_run(engine, requests):
+  """Submits (prompt, SamplingParams kwargs) pairs, steps the engine dry:
+  each request's token ids and Final."""
+  from serving.engine import api
+
+  handles = [engine.submit(api.Request(f"r{i}", prompt_ids=p, add_bos=False,
+                                       sampling=api.SamplingParams(**kw)))
+             for i, (p, kw) in enumerate(requests)]
+  return _drain_all(engine, handles, finals=True)
+
+
+def test_ngram_speculation_takes_the_drafts_the_model_agrees_with():
+  """num_speculative_tokens=4 on the counting model (after byte b comes
+  b + 1): a prompt that repeats its start drafts what followed there, which
+  the model agrees with, so 20 tokens take 5 calls; a draft running past a
+  stop token or past max_tokens ends exactly where plain decoding ends; the
+  outputs are plain decoding's, and pages come back."""
+  text = lambda t: [ord(c) for c in t]  # noqa: E731
+  requests = [(text("abcdefghijklmnopqrstuvwxyz0123abc"), dict(max_tokens=20)),
+              (text("uvwxyz{|}~uvw"), dict(max_tokens=30)),  # "~" is followed by EOS
+              (text("klmnopqrstklm"), dict(max_tokens=9, stop_token_ids=[ord("q")])),
+              (text("0123456789012"), dict(max_tokens=6))]
+  outs = {}
+  for k in (0, 4):
+    engine = E.tiny_engine(max_batch=4, batch_buckets=(1, 2, 4), num_speculative_tokens=k)
+    outs[k] = [(ids, f.reason, f.completion_tokens) for ids, f in _spec_run(engine, requests)]
+    if k:
+      assert engine.spec_accepted_tokens > 0
+      assert engine.spec_draft_tokens >= engine.spec_accepted_tokens
+      assert engine.stats().spec_accepted_tokens == engine.spec_accepted_tokens
+    assert engine.stats().pages_in_use == 0
+  assert outs[4] == outs[0]
+  (ids, reason, _), (_, eos, _), (stopped, stop, _), (six, length, _) = outs[4]
+  assert ids == list(range(ord("d"), ord("d") + 20)) and reason == api_reason("LENGTH")
+  assert eos == api_reason("EOS") and stop == api_reason("STOP") and stopped == text("nop")
+  assert len(six) == 6 and length == api_reason("LENGTH")
+  # Alone, the first request takes its 20 tokens in 5 calls, not 20.
+  engine = E.tiny_engine(max_batch=4, batch_buckets=(1, 2, 4), num_speculative_tokens=4)
+  _spec_run(engine, requests[:1])
+  assert engine.steps == 1 + 4  # the prompt's call (its first token), then 4 + 5 x 3 + 4
+  # A sampled request beside it all along: no speculation, the same greedy tokens.
+  engine = E.tiny_engine(max_batch=4, batch_buckets=(1, 2, 4), num_speculative_tokens=4)
+  (ids, _), _ = _spec_run(engine, requests[:1] + [(text("xyz"), dict(
+      temperature=0.8, max_tokens=25, ignore_eos=True))])
+  assert ids == outs[0][0][0] and engine.spec_draft_tokens == 0
+
+
+def api_reason(name):
+  from serving.engine import api
+
+  return getattr(api.FinishReason, name)
+
+
+def test_ngram_speculation_on_the_llama_decoder():
+  """The tiny Llama, greedy, with n-gram speculation: the same tokens as
+  plain decoding (each checking call continues the sequence over its gathered
+  pages and keeps every position's argmax), drafts made, no compile after
+  warm-up, pages back."""
+  import models
+
+  model = models.load("tiny", dtype="float32")
+  rng = np.random.default_rng(5)
+  base = rng.integers(0, model.config.vocab_size, 12).tolist()
+  # Repeats in the prompts, so that drafts are found from the first step.
+  requests = [(base + base[:4], dict(max_tokens=16)), (base[3:] * 2, dict(max_tokens=12)),
+              (rng.integers(0, model.config.vocab_size, 7).tolist() * 3, dict(max_tokens=14))]
+  outs = {}
+  for k in (0, 3):
+    runner, engine = _llama_engine(model, warmup=bool(k), num_speculative_tokens=k)
+    if k:
+      engine.warmup()
+      compiled = _compiled(runner)
+    outs[k] = [ids for ids, _ in _spec_run(engine, requests)]
+    if k:
+      assert _compiled(runner) == compiled
+      assert engine.spec_draft_tokens > 0
+    assert engine.stats().pages_in_use == 0
+  assert outs[3] == outs[0]
+  assert [len(o) for o in outs[3]] == [16, 12, 14]

@@ -266,6 +266,12 @@ def test_sampling_params_refuse_bad_values(kw, match):
     # a full decode batch would leave waiting prompts no tokens
     (dict(max_batch=8, token_budget=7), "token_budget"),
     (dict(decode_prefill_budget=0), "decode_prefill_budget"),
+    (dict(num_speculative_tokens=-1), "num_speculative_tokens"),
+    # the last token and the drafts are checked as one prompt chunk
+    (dict(num_speculative_tokens=64, prefill_chunk=64), "num_speculative_tokens"),
+    (dict(prompt_lookup_max=1, prompt_lookup_min=2), "prompt_lookup_max"),
+    (dict(prompt_lookup_min=0), "prompt_lookup_min"),
+    (dict(speculative_max_batch=0), "speculative_max_batch"),
 ])
 def test_engine_config_refuses_bad_values(kw, match):
   from serving.engine.engine import EngineConfig
