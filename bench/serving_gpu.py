@@ -282,7 +282,8 @@ def build_engine(a):
                        mixed_steps=a.mixed_steps, decode_prefill_budget=a.decode_prefill_budget,
                        prefill_first=a.prefill_first, packed_prefill=a.packed_prefill,
                        compile_threads=a.compile_threads,
-                       prompt_logprobs=a.prompt_logprobs)
+                       prompt_logprobs=a.prompt_logprobs,
+                       num_speculative_tokens=a.num_speculative_tokens)
   return E.BatchingEngine(runner, cfg)
 
 
@@ -298,6 +299,8 @@ def model_flags(ap: argparse.ArgumentParser) -> None:
                   help="the KV cache's dtype (default the model's)")
   ap.add_argument("--stream-interval", type=int, default=1, help="EngineConfig.stream_interval")
   ap.add_argument("--mixed-steps", action="store_true", help="EngineConfig.mixed_steps")
+  ap.add_argument("--num-speculative-tokens", type=int, default=0,
+                  help="EngineConfig.num_speculative_tokens (n-gram speculation)")
   ap.add_argument("--decode-prefill-budget", type=int,
                   help="EngineConfig.decode_prefill_budget (prompt tokens per decoding step)")
   ap.add_argument("--prefill-first", action="store_true", help="EngineConfig.prefill_first")
@@ -418,6 +421,7 @@ def main():
                        "prefill_first": a.prefill_first, "packed_prefill": a.packed_prefill,
                        "compile_threads": a.compile_threads, "tp": a.tp,
                        "prompt_logprobs": a.prompt_logprobs,
+                       "num_speculative_tokens": a.num_speculative_tokens,
                        "profile_round": a.profile_round,
                        "engine_process": a.engine_process, "range_ratio": a.range_ratio,
                        "shared_prefix_len": a.shared_prefix_len, "prefix_groups": a.prefix_groups,
