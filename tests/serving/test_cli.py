@@ -248,3 +248,16 @@ def test_serve_compile_threads_default_is_one_per_core_up_to_8(monkeypatch):
   assert cfg("--compile-threads", "3")["compile_threads"] == 3  # a given value is kept
   with pytest.raises(SystemExit, match="compile_threads=0 must be >= 1"):
     cfg("--compile-threads", "0")
+
+
+def test_serve_speculation_flags_reach_the_engine_config():
+  from serving import cli
+
+  cfg = lambda *flags: cli._engine_config(cli.parser().parse_args(["serve", *flags]))
+  assert cfg()["num_speculative_tokens"] == 0  # off unless asked for
+  got = cfg("--num-speculative-tokens", "4", "--prompt-lookup-max", "5",
+            "--prompt-lookup-min", "2", "--speculative-max-batch", "2")
+  assert (got["num_speculative_tokens"], got["prompt_lookup_max"], got["prompt_lookup_min"],
+          got["speculative_max_batch"]) == (4, 5, 2, 2)
+  with pytest.raises(SystemExit, match="serve: .*prompt_lookup_max"):
+    cfg("--num-speculative-tokens", "4", "--prompt-lookup-max", "1", "--prompt-lookup-min", "2")
