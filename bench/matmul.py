@@ -245,7 +245,8 @@ def main(argv=None):
   p.add_argument("--budget-s", type=float, default=320.0,
                  help="seconds from start after which --tune stops (the table alone takes ~180)")
   p.add_argument("--only", default="", help="shapes to run, e.g. qkv,o:256 (name or name:M)")
-  p.add_argument("--tune-only", default="", help="shapes to tune, in this order (default: those run; --only's order)")
+  p.add_argument("--tune-only", default="",
+                 help="shapes to tune, in this order (default: those run, in --only's order)")
   p.add_argument("--iters", type=int, default=20)
   p.add_argument("--match", default="",
                  help="--tune tries only the table's config and the candidates whose name "
