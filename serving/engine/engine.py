@@ -191,16 +191,17 @@ class EngineConfig:
   jump_forward: bool = False
   # N-gram (prompt lookup) speculative decoding, vLLM's "ngram" method. With
   # num_speculative_tokens = k > 0, an iteration whose running requests (at
-  # most speculative_max_batch, nothing waiting) all decode greedily with no
-  # per-slot sampling state, logprobs or grammar drafts up to k tokens for
-  # each: what followed the latest earlier occurrence of its last n tokens
-  # (n from prompt_lookup_max down to prompt_lookup_min), in its prompt or
-  # output. One call over [last token, drafts], which keeps every position's
-  # argmax, checks them: a request takes the drafts the model agrees with and
-  # the model's own next token, up to k + 1 tokens a call; the output is what
-  # greedy decoding gives. Those iterations read their tokens back before the
-  # next is dispatched (the next drafts need them); warm-up compiles the
-  # checking call's shapes too.
+  # most speculative_max_batch, nothing waiting, no grammar) all decode
+  # drafts up to k tokens for each greedy one with no per-slot sampling state
+  # or logprobs: what followed the latest earlier occurrence of its last n
+  # tokens (n from prompt_lookup_max down to prompt_lookup_min), in its
+  # prompt or output. One call over [last token, drafts], which keeps every
+  # position's argmax, checks them: a request takes the drafts the model
+  # agrees with and the model's own next token, up to k + 1 tokens a call;
+  # the output is what greedy decoding gives. The other requests take one
+  # token from the same call, sampled as usual. Those iterations read their
+  # tokens back before the next is dispatched (the next drafts need them);
+  # warm-up compiles the checking call's shapes too.
   num_speculative_tokens: int = 0
   prompt_lookup_max: int = 3
   prompt_lookup_min: int = 1
@@ -718,10 +719,11 @@ class BatchingEngine(api.Engine):
     if speculates and self._speculates():  # (still: reading may have ended some)
       spec = self._run_speculative()
       if spec is not None:
-        decodes, t_launch, tw = spec
+        launched, decodes, t_launch, tw = spec
+        self._inflight = [launched] if launched else []
         self.steps += 1
-        self._record(t0, compiles0, wait=t_wait + tw, decodes=decodes, launched=False,
-                     launch=t_launch, tokens=t_tokens, steps=1)
+        self._record(t0, compiles0, wait=t_wait + tw, decodes=decodes,
+                     launched=launched is not None, launch=t_launch, tokens=t_tokens, steps=1)
         return True
     steps = self._decode_steps()
     # Decodes reserve their pages first, so that admitting prompts never takes
@@ -797,14 +799,21 @@ class BatchingEngine(api.Engine):
     return t_wait, time.perf_counter() - t0 - t_wait, flushed
 
   def _speculates(self) -> bool:
-    """Whether this iteration may check drafts (EngineConfig.num_speculative_tokens)."""
+    """Whether this iteration may check drafts (EngineConfig.num_speculative_tokens):
+    every running request decodes, none follows a grammar, one may draft."""
     c = self.config
     if (not c.num_speculative_tokens or self._waiting or not self._running
         or len(self._running) > c.speculative_max_batch):
       return False
-    return all(s.state == _State.DECODE and s.guide is None and not s.scored
-               and s.params.greedy and not s.params.slot_state
-               and not (s.params.logprobs or s.params.top_logprobs) for s in self._running)
+    return (all(s.state == _State.DECODE and s.guide is None for s in self._running)
+            and any(map(self._drafts, self._running)))
+
+  @staticmethod
+  def _drafts(seq: _Seq) -> bool:
+    """Whether a request's tokens may come from drafts: greedy, with no
+    per-slot sampling state or logprobs (its token is the argmax, nothing else)."""
+    p = seq.params
+    return p.greedy and not p.slot_state and not (p.logprobs or p.top_logprobs)
 
   def _draft(self, seq: _Seq) -> list[int]:
     """Up to num_speculative_tokens tokens that followed the latest earlier
@@ -823,16 +832,19 @@ class BatchingEngine(api.Engine):
   def _run_speculative(self):
     """One checking call for the running requests (their tokens read back):
     [last token, drafts] per row at its next positions, every position's
-    argmax kept. Each request takes its agreed drafts and the model's next
-    token; the K/V of the rejected drafts lie past its computed tokens and are
-    overwritten. Returns (requests, launch seconds, seconds waiting), or None
-    when no request has a draft (a plain decode step runs instead)."""
+    argmax kept. A request with drafts takes the agreed ones and the model's
+    next token, read back now; the K/V of the rejected drafts lie past its
+    computed tokens and are overwritten. A request without drafts (none
+    found, or it samples) has its one token sampled on the device from the
+    call's last logits, read back as a decode step's is. Returns (launched
+    entry or None, requests, launch seconds, seconds waiting), or None when no
+    request has a draft (a plain decode step runs instead)."""
     t0 = time.perf_counter()
     seqs = self._schedule_decodes(1)  # pages for the next token (preempting as usual)
     drafts = []
     for seq in seqs:
       room = min(seq.max_tokens - len(seq.generated), self.capacity - seq.num_tokens) - 1
-      d = self._draft(seq)[:max(room, 0)]
+      d = self._draft(seq)[:max(room, 0)] if self._drafts(seq) else []
       if d and not self._reserve(seq, seq.computed + 1 + len(d)):
         d = []  # no pages for the drafts: no preemption for a guess
       drafts.append(d)
@@ -849,13 +861,24 @@ class BatchingEngine(api.Engine):
     width = _bucket(-(-int((positions + lengths).max()) // self.page_size), self.table_buckets)
     table = self._slot_table[slots, :width]  # a copy
     table[len(seqs):] = 0
-    _, scores = self.runner.prefill_scores(tokens, positions, lengths, table, targets)
+    logits, scores = self.runner.prefill_scores(tokens, positions, lengths, table, targets)
+    # Rows without drafts: sampled from their only position's logits, as a
+    # decode step samples them (penalties, seeds, logprobs and all).
+    plain = [seq if not d else None for seq, d in zip(seqs, drafts)] + [None] * (rows - len(seqs))
+    launched = None
+    if any(plain):
+      for seq in plain:
+        if seq is not None:
+          seq.computed += 1
+      launched = (plain,) + self._sampling_call(plain, logits, rows)
     t_launch = time.perf_counter() - t0
     best = np.asarray(scores[1])[:, :, 0]  # [rows, t]: each position's argmax
     t_wait = time.perf_counter() - t0 - t_launch
     # Each slot's newest token: the next decode step's input.
     slot_of, newest = np.full((rows,), self.config.max_batch, np.int32), np.zeros((rows,), np.int32)
     for i, (seq, d) in enumerate(zip(seqs, drafts)):
+      if not d:
+        continue
       a = 0
       while a < len(d) and best[i, a] == d[a]:
         a += 1
@@ -867,7 +890,7 @@ class BatchingEngine(api.Engine):
       self._accept(seq, new, None)
     self._last_tok = sampling.set_last(self._last_tok, slot_of, newest)
     self._flush_deferred()
-    return len(seqs), t_launch, t_wait
+    return launched, len(seqs), t_launch, t_wait
 
   def _decode_steps(self) -> int:
     """Decode steps this iteration: config.decode_steps unless a prompt waits
@@ -1524,8 +1547,10 @@ class BatchingEngine(api.Engine):
       for rows in self._spec_rows:
         z = np.zeros((rows, t), np.int32)
         for w in self.table_buckets:
-          self.runner.prefill_scores(z, np.ones((rows,), np.int32), np.zeros((rows,), np.int32),
-                                     np.zeros((rows, w), np.int32), z)
+          logits, _ = self.runner.prefill_scores(z, np.ones((rows,), np.int32),
+                                                 np.zeros((rows,), np.int32),
+                                                 np.zeros((rows, w), np.int32), z)
+        self._warm_sampling(logits, rows)  # the rows without drafts
         self._last_tok = sampling.set_last(
             self._last_tok, np.full((rows,), self.config.max_batch, np.int32), z[:, 0])
     jax.block_until_ready(self._counts)

@@ -754,11 +754,23 @@ def test_ngram_speculation_takes_the_drafts_the_model_agrees_with():
   engine = E.tiny_engine(max_batch=4, batch_buckets=(1, 2, 4), num_speculative_tokens=4)
   _spec_run(engine, requests[:1])
   assert engine.steps == 1 + 4  # the prompt's call (its first token), then 4 + 5 x 3 + 4
-  # A sampled request beside it all along: no speculation, the same greedy tokens.
+  # Requests that sample, or want logprobs, take one token a call from the
+  # same calls (sampled on the device as usual) while the greedy one drafts:
+  # every output is what it is without speculation.
+  mixed = requests[:1] + [(text("xyz"), dict(temperature=0.8, seed=7, max_tokens=25,
+                                             ignore_eos=True)),
+                          (text("abcabc"), dict(max_tokens=8, logprobs=True))]
+  got = {}
+  for k in (0, 4):
+    engine = E.tiny_engine(max_batch=4, batch_buckets=(1, 2, 4), num_speculative_tokens=k)
+    got[k] = [(ids, f.completion_tokens) for ids, f in _spec_run(engine, mixed)]
+    assert engine.stats().pages_in_use == 0
+  assert got[4] == got[0] and got[4][0][0] == outs[0][0][0]
+  assert engine.spec_accepted_tokens > 0
+  # A sampled request alone has nobody to draft for: plain decode steps.
   engine = E.tiny_engine(max_batch=4, batch_buckets=(1, 2, 4), num_speculative_tokens=4)
-  (ids, _), _ = _spec_run(engine, requests[:1] + [(text("xyz"), dict(
-      temperature=0.8, max_tokens=25, ignore_eos=True))])
-  assert ids == outs[0][0][0] and engine.spec_draft_tokens == 0
+  _spec_run(engine, mixed[1:2])
+  assert engine.spec_draft_tokens == 0
 
 
 def api_reason(name):
