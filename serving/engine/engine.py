@@ -858,9 +858,7 @@ class BatchingEngine(api.Engine):
       tokens[i, 0], tokens[i, 1:1 + len(d)] = seq.tokens[seq.computed], d
       targets[i, :len(d)] = d
       positions[i], lengths[i], slots[i] = seq.computed, 1 + len(d), seq.slot
-    width = _bucket(-(-int((positions + lengths).max()) // self.page_size), self.table_buckets)
-    table = self._slot_table[slots, :width]  # a copy
-    table[len(seqs):] = 0
+    table = self._chunk_table(slots, len(seqs), int((positions + lengths).max()))
     logits, scores = self.runner.prefill_scores(tokens, positions, lengths, table, targets)
     # Rows without drafts: sampled from their only position's logits, as a
     # decode step samples them (penalties, seeds, logprobs and all).
@@ -1145,12 +1143,20 @@ class BatchingEngine(api.Engine):
       tokens[i, :n] = seq.tokens[seq.computed:seq.computed + n]
       positions[i], lengths[i], slots[i] = seq.computed, n, seq.slot
       finishing[i] = self._advance(seq, n)
-    width = self.max_pages  # fresh chunks gather nothing: one shape
-    if positions.any():
-      width = _bucket(-(-int((positions + lengths).max()) // self.page_size), self.table_buckets)
+    kv = int((positions + lengths).max()) if positions.any() else None
+    return tokens, positions, lengths, self._chunk_table(slots, len(chunks), kv), finishing
+
+  def _chunk_table(self, slots, n: int, kv_tokens: int | None) -> np.ndarray:
+    """The page-table rows of a chunk call's ``slots`` (the first ``n`` real,
+    the rest padding, zeroed): as wide as the width bucket that covers
+    ``kv_tokens``, the longest row's tokens after its chunk, or max_pages
+    for fresh chunks (None), which gather nothing: one shape."""
+    width = self.max_pages
+    if kv_tokens is not None:
+      width = _bucket(-(-kv_tokens // self.page_size), self.table_buckets)
     table = self._slot_table[slots, :width]  # a copy
-    table[len(chunks):] = 0
-    return tokens, positions, lengths, table, finishing
+    table[n:] = 0
+    return table
 
   def _packed_inputs(self, chunks: list[tuple[_Seq, int]]):
     """Chunks one after another in one row of a packed bucket's length:
@@ -1165,20 +1171,16 @@ class BatchingEngine(api.Engine):
     tokens, tpos, seg = (np.zeros((n,), np.int32) for _ in range(3))
     last, slots = np.zeros((rows,), np.int32), np.zeros((rows,), np.int32)
     finishing: list[_Seq | None] = [None] * rows
-    width, o = self.max_pages, 0
+    o = 0
     fresh = not any(seq.computed for seq, _ in chunks)
-    if not fresh:
-      most = max(seq.computed + k for seq, k in chunks)
-      width = _bucket(-(-most // self.page_size), self.table_buckets)
+    kv = None if fresh else max(seq.computed + k for seq, k in chunks)
     for i, (seq, k) in enumerate(chunks):
       c = seq.computed
       tokens[o:o + k] = seq.tokens[c:c + k]
       tpos[o:o + k], seg[o:o + k], last[i], slots[i] = c + np.arange(k), i + 1, o + k - 1, seq.slot
       o += k
       finishing[i] = self._advance(seq, k)
-    table = self._slot_table[slots, :width]  # a copy
-    table[len(chunks):] = 0
-    return tokens, tpos, seg, last, table, fresh, finishing
+    return tokens, tpos, seg, last, self._chunk_table(slots, len(chunks), kv), fresh, finishing
 
   def _advance(self, seq: _Seq, n: int) -> _Seq | None:
     """Counts n more of ``seq``'s prompt as computed (its full pages go to the
