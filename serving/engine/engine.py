@@ -48,11 +48,12 @@ own that keeps every position's logits and scores the next prompt token; the
 scores stay on the device until the request's final event carries them.
 
 With ``EngineConfig.num_speculative_tokens`` = k > 0 (n-gram speculation),
-an iteration whose requests all decode greedily first reads the previous
-step's tokens, drafts up to k tokens per request from an earlier occurrence
-of its last few tokens, and checks the drafts in one call over [last token,
-drafts] that keeps every position's argmax: each request takes the drafts
-the model agrees with plus the model's own next token.
+an iteration of a few decoding requests first reads the previous step's
+tokens, drafts up to k tokens per request from an earlier occurrence of its
+last few tokens, and checks the drafts in one call over [last token, drafts]
+(sampling.verify): each request takes the drafts the model's distribution
+keeps (greedy: those equal to its argmax; sampled: by speculative sampling)
+plus one token of the model's own.
 """
 
 from __future__ import annotations
@@ -192,13 +193,14 @@ class EngineConfig:
   # N-gram (prompt lookup) speculative decoding, vLLM's "ngram" method. With
   # num_speculative_tokens = k > 0, an iteration whose running requests (at
   # most speculative_max_batch, nothing waiting, no grammar) all decode
-  # drafts up to k tokens for each greedy one with no per-slot sampling state
-  # or logprobs: what followed the latest earlier occurrence of its last n
-  # tokens (n from prompt_lookup_max down to prompt_lookup_min), in its
-  # prompt or output. One call over [last token, drafts], which keeps every
-  # position's argmax, checks them: a request takes the drafts the model
-  # agrees with and the model's own next token, up to k + 1 tokens a call;
-  # the output is what greedy decoding gives. The other requests take one
+  # drafts up to k tokens for each one with no per-slot sampling state, no
+  # logprobs and no seed (unless greedy): what followed the latest earlier
+  # occurrence of its last n tokens (n from prompt_lookup_max down to
+  # prompt_lookup_min), in its prompt or output. One call over [last token,
+  # drafts] checks them (sampling.verify): a request takes the drafts the
+  # model keeps and one token of its own, up to k + 1 tokens a call. A
+  # greedy request's output is what greedy decoding gives, a sampled one's is
+  # distributed as sampling without drafts gives. The other requests take one
   # token from the same call, sampled as usual. Those iterations read their
   # tokens back before the next is dispatched (the next drafts need them);
   # warm-up compiles the checking call's shapes too.
@@ -810,10 +812,13 @@ class BatchingEngine(api.Engine):
 
   @staticmethod
   def _drafts(seq: _Seq) -> bool:
-    """Whether a request's tokens may come from drafts: greedy, with no
-    per-slot sampling state or logprobs (its token is the argmax, nothing else)."""
+    """Whether a request's tokens may come from drafts: no per-slot sampling
+    state and no logprobs (sampling.verify applies temperature and cuts only),
+    and greedy or unseeded (a seeded request's draws must not depend on
+    whether its batch happened to speculate)."""
     p = seq.params
-    return p.greedy and not p.slot_state and not (p.logprobs or p.top_logprobs)
+    return (not p.slot_state and not (p.logprobs or p.top_logprobs)
+            and (p.greedy or p.seed is None))
 
   def _draft(self, seq: _Seq) -> list[int]:
     """Up to num_speculative_tokens tokens that followed the latest earlier
@@ -831,12 +836,13 @@ class BatchingEngine(api.Engine):
 
   def _run_speculative(self):
     """One checking call for the running requests (their tokens read back):
-    [last token, drafts] per row at its next positions, every position's
-    argmax kept. A request with drafts takes the agreed ones and the model's
-    next token, read back now; the K/V of the rejected drafts lie past its
-    computed tokens and are overwritten. A request without drafts (none
-    found, or it samples) has its one token sampled on the device from the
-    call's last logits, read back as a decode step's is. Returns (launched
+    [last token, drafts] per row at its next positions. A request with
+    drafts takes those sampling.verify keeps (greedy: the argmax's; sampled:
+    by speculative sampling) and the token after them, read back now; the K/V
+    of refused drafts lie past its computed tokens and are overwritten. A
+    request without drafts (none found, or it may not draft) has its one token
+    sampled on the device from the call's last logits, read back as a decode
+    step's is. Returns (launched
     entry or None, requests, launch seconds, seconds waiting), or None when no
     request has a draft (a plain decode step runs instead)."""
     t0 = time.perf_counter()
@@ -851,15 +857,18 @@ class BatchingEngine(api.Engine):
     if not any(drafts):
       return None
     rows, t = _bucket(len(seqs), self._spec_rows), self._spec_chunk
-    tokens, targets = np.zeros((rows, t), np.int32), np.zeros((rows, t), np.int32)
+    tokens = np.zeros((rows, t), np.int32)
     positions, lengths = np.zeros((rows,), np.int32), np.zeros((rows,), np.int32)
     slots = np.zeros((rows,), np.int32)
     for i, (seq, d) in enumerate(zip(seqs, drafts)):
       tokens[i, 0], tokens[i, 1:1 + len(d)] = seq.tokens[seq.computed], d
-      targets[i, :len(d)] = d
       positions[i], lengths[i], slots[i] = seq.computed, 1 + len(d), seq.slot
     table = self._chunk_table(slots, len(seqs), int((positions + lengths).max()))
-    logits, scores = self.runner.prefill_scores(tokens, positions, lengths, table, targets)
+    drafting = [seq if d else None for seq, d in zip(seqs, drafts)] + [None] * (rows - len(seqs))
+    arrays, _, _ = self._sampling_inputs(drafting, rows)
+    logits, kept, after = self.runner.prefill_verify(
+        tokens, positions, lengths, table, arrays,
+        greedy_only=all(seq is None or seq.params.greedy for seq in drafting))
     # Rows without drafts: sampled from their only position's logits, as a
     # decode step samples them (penalties, seeds, logprobs and all).
     plain = [seq if not d else None for seq, d in zip(seqs, drafts)] + [None] * (rows - len(seqs))
@@ -870,17 +879,15 @@ class BatchingEngine(api.Engine):
           seq.computed += 1
       launched = (plain,) + self._sampling_call(plain, logits, rows)
     t_launch = time.perf_counter() - t0
-    best = np.asarray(scores[1])[:, :, 0]  # [rows, t]: each position's argmax
+    kept, after = np.asarray(kept), np.asarray(after)
     t_wait = time.perf_counter() - t0 - t_launch
     # Each slot's newest token: the next decode step's input.
     slot_of, newest = np.full((rows,), self.config.max_batch, np.int32), np.zeros((rows,), np.int32)
     for i, (seq, d) in enumerate(zip(seqs, drafts)):
       if not d:
         continue
-      a = 0
-      while a < len(d) and best[i, a] == d[a]:
-        a += 1
-      new = d[:a] + [int(best[i, a])]
+      a = int(kept[i])
+      new = d[:a] + [int(after[i])]
       self.spec_draft_tokens += len(d)
       self.spec_accepted_tokens += a
       seq.computed += len(new)  # the last token and the agreed drafts
@@ -1548,10 +1555,12 @@ class BatchingEngine(api.Engine):
       t = self._spec_chunk
       for rows in self._spec_rows:
         z = np.zeros((rows, t), np.int32)
+        arrays = sampling.pack([], [], [], [], rows)
         for w in self.table_buckets:
-          logits, _ = self.runner.prefill_scores(z, np.ones((rows,), np.int32),
-                                                 np.zeros((rows,), np.int32),
-                                                 np.zeros((rows, w), np.int32), z)
+          for greedy_only in (True, False):
+            logits, _, _ = self.runner.prefill_verify(
+                z, np.ones((rows,), np.int32), np.zeros((rows,), np.int32),
+                np.zeros((rows, w), np.int32), arrays, greedy_only=greedy_only)
         self._warm_sampling(logits, rows)  # the rows without drafts
         self._last_tok = sampling.set_last(
             self._last_tok, np.full((rows,), self.config.max_batch, np.int32), z[:, 0])
@@ -1560,7 +1569,7 @@ class BatchingEngine(api.Engine):
             len(self.row_buckets) * len(self.chunk_buckets) * len(prefill_tables)
             + len(self.packed_buckets) * len(packed_tables)
             + len(self.chunk_buckets) * len(chunk_tables) * self.config.prompt_logprobs
-            + len(self._spec_rows) * len(self.table_buckets) * bool(
+            + 2 * len(self._spec_rows) * len(self.table_buckets) * bool(
                 self.config.num_speculative_tokens),
             len(self.row_buckets) * len(self._mixed_chunks) * len(chunk_tables) * self.mixed)
 

@@ -195,7 +195,16 @@ class ModelRunner:
       last = jnp.take_along_axis(logits, jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)
       return (last[:, 0],) + sampling.prompt_scores(logits, targets), cache
 
-    return prefill, decode, decode_multi, mixed, prefill_packed, prefill_scores
+    @functools.partial(jax.jit, static_argnames=("chunk", "greedy_only"), donate_argnums=(1,))
+    def prefill_verify(params, cache, host, arrays, chunk, greedy_only):
+      tokens, positions, lengths, table = chunk_rows(host, chunk)
+      logits, cache = llama.prefill_step(graphdef, params, cache, tokens, positions, lengths,
+                                         table, backends=pb, mesh=mesh, all_logits=True)
+      last = jnp.take_along_axis(logits, jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)
+      return (last[:, 0],) + sampling.verify(logits, tokens, lengths, arrays,
+                                             greedy_only=greedy_only), cache
+
+    return prefill, decode, decode_multi, mixed, prefill_packed, prefill_scores, prefill_verify
 
   def prefill(self, tokens, positions, lengths, page_table):
     if self._fast is not None:
@@ -263,7 +272,7 @@ class ModelRunner:
     if self._fast is None:
       return None
     names = ("prefill", "decode", "decode_multi_step", "mixed", "prefill_packed",
-             "prefill_scores")
+             "prefill_scores", "prefill_verify")
     return {name: f._cache_size() for name, f in zip(names, self._fast)}
 
   @functools.cached_property
@@ -309,6 +318,15 @@ class ModelRunner:
         self.model.params, self.cache, _side_by_side(tokens, positions, lengths, page_table),
         np.asarray(targets, np.int32), chunk=tokens.shape[1], fresh=not np.any(positions))
     return last, tuple(scores)
+
+  def prefill_verify(self, tokens, positions, lengths, page_table, arrays, *, greedy_only):
+    """A checking call (models.Model only): ``prefill`` of each row's [last
+    token, drafts] -> (last logits [B, V], and sampling.verify's (drafts kept
+    [B], the token after them [B]) under the rows' sampling ``arrays``)."""
+    out, self.cache = self._fast[6](
+        self.model.params, self.cache, _side_by_side(tokens, positions, lengths, page_table),
+        arrays, chunk=tokens.shape[1], greedy_only=greedy_only)
+    return out
 
   @property
   def supports_mixed(self) -> bool:
@@ -392,6 +410,15 @@ class CountingRunner:
     logits = self._logits(tokens.reshape(-1)).reshape(*tokens.shape, -1)
     return (self._logits(self._chunk_last(tokens, lengths)),
             sampling.prompt_scores(logits, np.asarray(targets, np.int32)))
+
+  def prefill_verify(self, tokens, positions, lengths, page_table, arrays, *, greedy_only):
+    del positions, page_table
+    time.sleep(self.step_delay)
+    tokens = np.asarray(tokens)
+    logits = self._logits(tokens.reshape(-1)).reshape(*tokens.shape, -1)
+    return (self._logits(self._chunk_last(tokens, lengths)),
+            *sampling.verify_jit(logits, tokens, np.asarray(lengths, np.int32), arrays,
+                                 greedy_only=greedy_only))
 
   def prefill_packed(self, tokens, tpos, seg, last, page_table, fresh=True):
     del tpos, seg, page_table, fresh

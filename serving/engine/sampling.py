@@ -223,9 +223,9 @@ def _penalize(logits, s, counts, tok: SlotTokens):
   return jnp.where(held, -jnp.inf, logits)
 
 
-def _sample(logits, s: SamplingArrays, counts, tok: SlotTokens, last=None):
-  logits = _penalize(logits.astype(jnp.float32), s, counts, tok)
-  argmax = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+def _cut(logits, s: SamplingArrays):
+  """Penalized logits [B, V] -> (order [B, V], descending; the sorted logits
+  over the temperature with the top-k / top-p / min-p cuts at -inf)."""
   vocab = logits.shape[-1]
   t = jnp.maximum(s.temperature, 1e-6)[:, None]
   order = jnp.argsort(-logits, axis=-1)
@@ -236,22 +236,82 @@ def _sample(logits, s: SamplingArrays, counts, tok: SlotTokens, last=None):
   drop |= (jnp.cumsum(probs, axis=-1) - probs) >= s.top_p[:, None]
   drop |= probs < s.min_p[:, None] * probs[:, :1]
   drop &= rank > 0  # the best token always survives
-  sl = jnp.where(drop, -jnp.inf, sl)
+  return order, jnp.where(drop, -jnp.inf, sl)
 
-  def draw(seed, step, row):
-    seed = jax.lax.bitcast_convert_type(seed, jnp.uint32)
-    key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed[0]), seed[1]), step)
-    return jax.random.categorical(key, row)
 
-  pick = jax.vmap(draw)(s.seed, s.step, sl)
+def _key(seed, step):
+  """The draw's key of a row: (seed hi, seed lo) int32 bits, its step."""
+  seed = jax.lax.bitcast_convert_type(seed, jnp.uint32)
+  return jax.random.fold_in(jax.random.fold_in(jax.random.key(seed[0]), seed[1]), step)
+
+
+def _sample(logits, s: SamplingArrays, counts, tok: SlotTokens, last=None):
+  logits = _penalize(logits.astype(jnp.float32), s, counts, tok)
+  argmax = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  order, sl = _cut(logits, s)
+  pick = jax.vmap(lambda seed, step, row: jax.random.categorical(_key(seed, step), row))(
+      s.seed, s.step, sl)
   sampled = jnp.take_along_axis(order, pick[:, None], axis=-1)[:, 0].astype(jnp.int32)
   tokens = jnp.where(s.temperature > 0, sampled, argmax)
   chosen, top_ids, top_lp = _logprobs(logits, tokens)
   return (tokens, chosen, top_ids, top_lp) + _update(counts, last, s.slot, tokens)
 
 
+def verify(logits, tokens, lengths, s: SamplingArrays, *, greedy_only: bool):
+  """Speculative sampling of drafted tokens (a checking call's rows).
+
+  logits [B, T, V] after each of a row's tokens [B, T] = [its last token,
+  drafts...], ``lengths`` [B] = 1 + its number of drafts, ``s`` its sampling
+  rows (no per-slot state: no penalties, bias or min_tokens) -> (accepted
+  [B]: how many leading drafts are kept, token [B]: the one that follows them).
+
+  A draft is a single guess (a one-hot proposal), so the rule of speculative
+  sampling (Leviathan et al. 2023, Chen et al. 2023) reads: draft j is kept
+  with probability p_j(draft) under the row's temperature and cuts; at the first
+  draft refused, the token is drawn from p_j with the draft taken out; when
+  all are kept, from the next position's p, with the key a decode step at
+  that step would use. Each token is then distributed exactly as sampling
+  without drafts. A greedy row keeps drafts equal to the argmax and takes
+  the argmax after them.
+  """
+  b, t, v = logits.shape
+  x = logits.astype(jnp.float32)
+  best = jnp.argmax(x, axis=-1).astype(jnp.int32)  # [B, T]
+  drafts = jnp.concatenate([tokens[:, 1:], jnp.zeros((b, 1), tokens.dtype)], axis=1)
+  ndraft = jnp.maximum(lengths - 1, 0)
+  col = jnp.arange(t)[None, :]
+
+  def first_refused(keep):  # [B, T] -> [B]: leading kept drafts
+    return jnp.argmin(jnp.where(col < ndraft[:, None], keep, False), axis=1).astype(jnp.int32)
+
+  a_greedy = first_refused(drafts == best)
+  tok_greedy = jnp.take_along_axis(best, a_greedy[:, None], axis=1)[:, 0]
+  if greedy_only:
+    return a_greedy, tok_greedy
+  # Every (row, position) as one row of the cut: position j draws at step + j.
+  rows = jnp.repeat(s.rows, t, axis=0)
+  rows = SamplingArrays(rows=rows.at[:, 3].add(jnp.tile(jnp.arange(t, dtype=jnp.int32), b)))
+  order, sl = _cut(x.reshape(b * t, v), rows)
+  logp = jax.nn.log_softmax(sl, axis=-1)  # sorted order
+  rank = jnp.argmax(order == drafts.reshape(b * t, 1), axis=-1)  # the draft's place
+  p_draft = jnp.exp(jnp.take_along_axis(logp, rank[:, None], axis=-1)[:, 0])
+  keys = jax.vmap(_key)(rows.seed, rows.step)
+  u = jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, 1)))(keys)
+  a = first_refused((u < p_draft).reshape(b, t))
+  at = jnp.arange(b) * t + a  # the flat row of each row's position a
+  refused = a < ndraft
+  # Drawn at position a: without the refused draft, or (all kept) as a decode step draws.
+  sl_a = jnp.where(refused[:, None] & (jnp.arange(v)[None, :] == rank[at][:, None]),
+                   -jnp.inf, sl[at])
+  pick = jax.vmap(jax.random.categorical)(keys[at], sl_a)
+  sampled = jnp.take_along_axis(order[at], pick[:, None], axis=-1)[:, 0].astype(jnp.int32)
+  hot = s.temperature > 0
+  return jnp.where(hot, a, a_greedy), jnp.where(hot, sampled, tok_greedy)
+
+
 greedy = jax.jit(_greedy, donate_argnames=("counts", "last"), static_argnames=("logprobs",))
 sample = jax.jit(_sample, donate_argnames=("counts", "last"))
+verify_jit = jax.jit(verify, static_argnames=("greedy_only",))
 
 
 def step(logits, s: SamplingArrays, i, counts, tok: SlotTokens, last, *, greedy_only: bool,

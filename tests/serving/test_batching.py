@@ -767,10 +767,19 @@ def test_ngram_speculation_takes_the_drafts_the_model_agrees_with():
     assert engine.stats().pages_in_use == 0
   assert got[4] == got[0] and got[4][0][0] == outs[0][0][0]
   assert engine.spec_accepted_tokens > 0
-  # A sampled request alone has nobody to draft for: plain decode steps.
+  # A seeded sampled request alone drafts nothing (its draws must not depend
+  # on whether its batch speculated): plain decode steps.
   engine = E.tiny_engine(max_batch=4, batch_buckets=(1, 2, 4), num_speculative_tokens=4)
   _spec_run(engine, mixed[1:2])
   assert engine.spec_draft_tokens == 0
+  # An unseeded one drafts, and keeps the drafts its distribution keeps: on
+  # this model (its next byte at 20 logits above the rest) all of them.
+  engine = E.tiny_engine(max_batch=4, batch_buckets=(1, 2, 4), num_speculative_tokens=4)
+  ((ids, final),) = _spec_run(engine, [(text("abcdefghijklmnopqrstuvwxyz0123abc"),
+                                        dict(temperature=0.8, max_tokens=20))])
+  assert ids == list(range(ord("d"), ord("d") + 20))
+  assert engine.spec_accepted_tokens == engine.spec_draft_tokens > 0
+  assert engine.steps == 1 + 4 and engine.stats().pages_in_use == 0
 
 
 def api_reason(name):

@@ -230,6 +230,74 @@ def test_min_tokens_bans_end_tokens_until_reached():
 
 
 
+def _cut_probs(logits, p):
+  """The distribution a row samples from (numpy): its temperature over the
+  reference's allowed set."""
+  allowed = sampling.reference(logits, p, np.zeros(len(logits)), np.zeros(len(logits), bool))
+  x = np.where(allowed, logits.astype(np.float64) / p.temperature, -np.inf)
+  e = np.exp(x - x.max())
+  return e / e.sum()
+
+
+@pytest.mark.parametrize("p", [api.SamplingParams(temperature=0.9),
+                               api.SamplingParams(temperature=1.2, top_k=4),
+                               api.SamplingParams(temperature=0.8, top_p=0.8)])
+def test_speculative_sampling_keeps_each_positions_distribution(p):
+  """sampling.verify over many rows of the same logits and drafts, each with
+  a fresh seed: the first token (the kept draft, or the token drawn after its
+  refusal) is distributed as position 0's cut distribution; the second, where
+  the first draft was kept, as position 1's, whether it is a second draft or
+  kept-or-redrawn (rows with two drafts) or the token drawn after the last
+  draft (rows with one); a draft the cuts remove is never kept."""
+  rng = np.random.default_rng(11)
+  v, t, n = 8, 3, 24000
+  logits = (rng.normal(size=(t, v)) * 1.5).astype(np.float32)
+  probs = [_cut_probs(logits[j], p) for j in range(t)]
+  # Drafts: position 0's likeliest; then position 1's second likeliest (rows
+  # i % 3 == 0), none (1), or its least likely, cut by top-k (2).
+  d0 = int(np.argmax(probs[0]))
+  d1, low = int(np.argsort(-probs[1])[1]), int(np.argmin(logits[1]))
+  group = np.arange(n) % 3
+  tokens = np.zeros((n, t), np.int32)
+  tokens[:, 1] = d0
+  tokens[:, 2] = np.where(group == 0, d1, low)
+  lengths = np.where(group == 1, 2, 3).astype(np.int32)
+  arrays = sampling.pack([p] * n, rng.integers(0, 2**62, n).tolist(), [5] * n, [0] * n, n)
+  kept, after = map(np.asarray, sampling.verify_jit(
+      np.broadcast_to(logits, (n, t, v)), tokens, lengths, arrays, greedy_only=False))
+  assert kept.min() >= 0 and (kept <= lengths - 1).all()
+
+  def tv(sample, ref):
+    return 0.5 * np.abs(np.bincount(sample, minlength=v) / len(sample) - ref).sum()
+
+  first = np.where(kept >= 1, d0, after)
+  assert tv(first, probs[0]) < 0.02
+  second = np.where(kept >= 2, tokens[:, 2], after)
+  for g in range(3):
+    assert tv(second[(kept >= 1) & (group == g)], probs[1]) < 0.05
+  if probs[1][low] == 0:
+    assert not (kept[group == 2] >= 2).any()
+
+
+def test_verify_on_greedy_rows_keeps_drafts_equal_to_the_argmax():
+  rng = np.random.default_rng(2)
+  logits = rng.normal(size=(3, 4, 20)).astype(np.float32)
+  best = logits.argmax(-1)
+  # Row 0: both drafts agree; row 1: the second differs; row 2: no drafts.
+  tokens = np.asarray([[1, best[0, 0], best[0, 1], 0], [1, best[1, 0], (best[1, 1] + 1) % 20, 0],
+                       [1, 0, 0, 0]], np.int32)
+  lengths = np.asarray([3, 3, 1], np.int32)
+  greedy = api.SamplingParams()
+  for greedy_only, params in ((True, [greedy] * 3),
+                              (False, [greedy, greedy, api.SamplingParams(temperature=1.0)])):
+    kept, after = map(np.asarray, sampling.verify_jit(
+        logits, tokens, lengths, _arrays(params, 3), greedy_only=greedy_only))
+    np.testing.assert_array_equal(kept[:2], [2, 1])
+    np.testing.assert_array_equal(after[:2], [best[0, 2], best[1, 1]])
+    if greedy_only:
+      assert kept[2] == 0 and after[2] == best[2, 0]
+
+
 def test_seeded_sampling_ignores_batch_neighbours():
   v = 64
   rng = np.random.default_rng(2)
