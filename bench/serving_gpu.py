@@ -535,6 +535,8 @@ def main():
       counters = engine.counters()
       summary["compiled_shapes"] = counters["compiled_shapes"]
       summary["mixed_steps_run"] = counters["mixed_steps_run"]
+      summary["spec_draft_tokens"] = counters["spec_draft_tokens"]
+      summary["spec_accepted_tokens"] = counters["spec_accepted_tokens"]
       # Any backend compile after warm-up: model steps, sampling, the engine's jnp calls.
       summary["compiles_after_start"] = counters["compiles_after_start"]
       summary["compile_s_after_start"] = counters["compile_s_after_start"]

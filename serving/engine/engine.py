@@ -868,7 +868,8 @@ class BatchingEngine(api.Engine):
     arrays, _, _ = self._sampling_inputs(drafting, rows)
     logits, kept, after = self.runner.prefill_verify(
         tokens, positions, lengths, table, arrays,
-        greedy_only=all(seq is None or seq.params.greedy for seq in drafting))
+        greedy_only=all(seq is None or seq.params.greedy for seq in drafting),
+        width=self.config.num_speculative_tokens + 1)
     # Rows without drafts: sampled from their only position's logits, as a
     # decode step samples them (penalties, seeds, logprobs and all).
     plain = [seq if not d else None for seq, d in zip(seqs, drafts)] + [None] * (rows - len(seqs))
@@ -1560,7 +1561,8 @@ class BatchingEngine(api.Engine):
           for greedy_only in (True, False):
             logits, _, _ = self.runner.prefill_verify(
                 z, np.ones((rows,), np.int32), np.zeros((rows,), np.int32),
-                np.zeros((rows, w), np.int32), arrays, greedy_only=greedy_only)
+                np.zeros((rows, w), np.int32), arrays, greedy_only=greedy_only,
+                width=self.config.num_speculative_tokens + 1)
         self._warm_sampling(logits, rows)  # the rows without drafts
         self._last_tok = sampling.set_last(
             self._last_tok, np.full((rows,), self.config.max_batch, np.int32), z[:, 0])

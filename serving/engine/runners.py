@@ -195,14 +195,17 @@ class ModelRunner:
       last = jnp.take_along_axis(logits, jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)
       return (last[:, 0],) + sampling.prompt_scores(logits, targets), cache
 
-    @functools.partial(jax.jit, static_argnames=("chunk", "greedy_only"), donate_argnums=(1,))
-    def prefill_verify(params, cache, host, arrays, chunk, greedy_only):
+    @functools.partial(jax.jit, static_argnames=("chunk", "greedy_only", "width"),
+                       donate_argnums=(1,))
+    def prefill_verify(params, cache, host, arrays, chunk, greedy_only, width):
       tokens, positions, lengths, table = chunk_rows(host, chunk)
       logits, cache = llama.prefill_step(graphdef, params, cache, tokens, positions, lengths,
                                          table, backends=pb, mesh=mesh, all_logits=True)
       last = jnp.take_along_axis(logits, jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)
-      return (last[:, 0],) + sampling.verify(logits, tokens, lengths, arrays,
-                                             greedy_only=greedy_only), cache
+      # Only the first `width` positions can hold a row's tokens: the others
+      # (the chunk bucket's padding) stay out of verify's sorts.
+      return (last[:, 0],) + sampling.verify(logits[:, :width], tokens[:, :width], lengths,
+                                             arrays, greedy_only=greedy_only), cache
 
     return prefill, decode, decode_multi, mixed, prefill_packed, prefill_scores, prefill_verify
 
@@ -319,13 +322,15 @@ class ModelRunner:
         np.asarray(targets, np.int32), chunk=tokens.shape[1], fresh=not np.any(positions))
     return last, tuple(scores)
 
-  def prefill_verify(self, tokens, positions, lengths, page_table, arrays, *, greedy_only):
+  def prefill_verify(self, tokens, positions, lengths, page_table, arrays, *, greedy_only,
+                     width):
     """A checking call (models.Model only): ``prefill`` of each row's [last
-    token, drafts] -> (last logits [B, V], and sampling.verify's (drafts kept
-    [B], the token after them [B]) under the rows' sampling ``arrays``)."""
+    token, drafts] (``lengths`` <= ``width``) -> (last logits [B, V], and
+    sampling.verify's (drafts kept [B], the token after them [B]) under the
+    rows' sampling ``arrays``)."""
     out, self.cache = self._fast[6](
         self.model.params, self.cache, _side_by_side(tokens, positions, lengths, page_table),
-        arrays, chunk=tokens.shape[1], greedy_only=greedy_only)
+        arrays, chunk=tokens.shape[1], greedy_only=greedy_only, width=width)
     return out
 
   @property
@@ -411,10 +416,11 @@ class CountingRunner:
     return (self._logits(self._chunk_last(tokens, lengths)),
             sampling.prompt_scores(logits, np.asarray(targets, np.int32)))
 
-  def prefill_verify(self, tokens, positions, lengths, page_table, arrays, *, greedy_only):
+  def prefill_verify(self, tokens, positions, lengths, page_table, arrays, *, greedy_only,
+                     width):
     del positions, page_table
     time.sleep(self.step_delay)
-    tokens = np.asarray(tokens)
+    tokens = np.asarray(tokens)[:, :width]
     logits = self._logits(tokens.reshape(-1)).reshape(*tokens.shape, -1)
     return (self._logits(self._chunk_last(tokens, lengths)),
             *sampling.verify_jit(logits, tokens, np.asarray(lengths, np.int32), arrays,
