@@ -197,7 +197,9 @@ class EngineConfig:
   # logprobs and no seed (unless greedy): what followed the latest earlier
   # occurrence of its last n tokens (n from prompt_lookup_max down to
   # prompt_lookup_min), in its prompt or output. One call over [last token,
-  # drafts] checks them (sampling.verify): a request takes the drafts the
+  # drafts] checks them (sampling.verify), a decode step of k + 1 query
+  # tokens a row where k + 1 <= 8 (attention reads the pages in place), else a
+  # continued prefill over gathered pages: a request takes the drafts the
   # model keeps and one token of its own, up to k + 1 tokens a call. A
   # greedy request's output is what greedy decoding gives, a sampled one's is
   # distributed as sampling without drafts gives. The other requests take one
@@ -441,6 +443,8 @@ class BatchingEngine(api.Engine):
     most = _bucket(min(config.speculative_max_batch, config.max_batch), self.batch_buckets)
     self._spec_rows = tuple(b for b in self.batch_buckets if b <= most)
     self._spec_chunk = _bucket(config.num_speculative_tokens + 1, self.chunk_buckets)
+    self._verify_paged = bool(config.num_speculative_tokens) and getattr(
+        runner, "decode_verify_tokens", 0) >= config.num_speculative_tokens + 1
     # Chunk shapes a mixed step can carry (at most decode_prefill_budget tokens).
     cap = min(config.decode_prefill_budget or config.prefill_chunk, config.prefill_chunk)
     self._mixed_chunks = tuple(t for t in self.chunk_buckets
@@ -842,9 +846,9 @@ class BatchingEngine(api.Engine):
     of refused drafts lie past its computed tokens and are overwritten. A
     request without drafts (none found, or it may not draft) has its one token
     sampled on the device from the call's last logits, read back as a decode
-    step's is. Returns (launched
-    entry or None, requests, launch seconds, seconds waiting), or None when no
-    request has a draft (a plain decode step runs instead)."""
+    step's is. Returns (launched entry or None, requests, launch seconds,
+    seconds waiting), or None when no request has a draft (a plain decode
+    step runs instead)."""
     t0 = time.perf_counter()
     seqs = self._schedule_decodes(1)  # pages for the next token (preempting as usual)
     drafts = []
@@ -856,20 +860,11 @@ class BatchingEngine(api.Engine):
       drafts.append(d)
     if not any(drafts):
       return None
-    rows, t = _bucket(len(seqs), self._spec_rows), self._spec_chunk
-    tokens = np.zeros((rows, t), np.int32)
-    positions, lengths = np.zeros((rows,), np.int32), np.zeros((rows,), np.int32)
-    slots = np.zeros((rows,), np.int32)
-    for i, (seq, d) in enumerate(zip(seqs, drafts)):
-      tokens[i, 0], tokens[i, 1:1 + len(d)] = seq.tokens[seq.computed], d
-      positions[i], lengths[i], slots[i] = seq.computed, 1 + len(d), seq.slot
-    table = self._chunk_table(slots, len(seqs), int((positions + lengths).max()))
+    rows = _bucket(len(seqs), self._spec_rows)
     drafting = [seq if d else None for seq, d in zip(seqs, drafts)] + [None] * (rows - len(seqs))
     arrays, _, _ = self._sampling_inputs(drafting, rows)
-    logits, kept, after = self.runner.prefill_verify(
-        tokens, positions, lengths, table, arrays,
-        greedy_only=all(seq is None or seq.params.greedy for seq in drafting),
-        width=self.config.num_speculative_tokens + 1)
+    greedy_only = all(seq is None or seq.params.greedy for seq in drafting)
+    logits, kept, after = self._checking_call(seqs, drafts, rows, arrays, greedy_only)
     # Rows without drafts: sampled from their only position's logits, as a
     # decode step samples them (penalties, seeds, logprobs and all).
     plain = [seq if not d else None for seq, d in zip(seqs, drafts)] + [None] * (rows - len(seqs))
@@ -897,6 +892,40 @@ class BatchingEngine(api.Engine):
     self._last_tok = sampling.set_last(self._last_tok, slot_of, newest)
     self._flush_deferred()
     return launched, len(seqs), t_launch, t_wait
+
+  def _checking_call(self, seqs, drafts, rows, arrays, greedy_only):
+    """The checking call's device work: (last logits [rows, V], drafts kept,
+    token after them), each row [last token, drafts] at its next positions.
+
+    As a decode step with k + 1 query tokens a row (``runner.decode_verify``)
+    where it can: decode attention reads the pages in place. A row with fewer
+    drafts is padded after them; the padding's K/V, like a refused draft's,
+    lies past its computed tokens and is overwritten later. That needs every
+    row's pages and context for k + 1 tokens; otherwise (or beyond the decode
+    kernel's query tokens) the continued-prefill form, which gathers each
+    row's pages for the prefill attention."""
+    k1 = self.config.num_speculative_tokens + 1
+    n = len(seqs)
+    if self._verify_paged and all(
+        seq.computed + k1 <= self.max_pages * self.page_size
+        and self._reserve(seq, seq.computed + k1) for seq in seqs):
+      tokens, lengths = np.zeros((rows, k1), np.int32), np.zeros((rows,), np.int32)
+      counts, table = np.zeros((rows,), np.int32), np.zeros((rows, self.max_pages), np.int32)
+      for i, (seq, d) in enumerate(zip(seqs, drafts)):
+        tokens[i, 0], tokens[i, 1:1 + len(d)] = seq.tokens[seq.computed], d
+        lengths[i], counts[i] = seq.computed + k1, 1 + len(d)
+      table[:n] = self._slot_table[[seq.slot for seq in seqs]]
+      return self.runner.decode_verify(tokens, lengths, counts, table, arrays,
+                                       greedy_only=greedy_only)
+    tokens = np.zeros((rows, self._spec_chunk), np.int32)
+    positions, lengths = np.zeros((rows,), np.int32), np.zeros((rows,), np.int32)
+    slots = np.zeros((rows,), np.int32)
+    for i, (seq, d) in enumerate(zip(seqs, drafts)):
+      tokens[i, 0], tokens[i, 1:1 + len(d)] = seq.tokens[seq.computed], d
+      positions[i], lengths[i], slots[i] = seq.computed, 1 + len(d), seq.slot
+    table = self._chunk_table(slots, n, int((positions + lengths).max()))
+    return self.runner.prefill_verify(tokens, positions, lengths, table, arrays,
+                                      greedy_only=greedy_only, width=k1)
 
   def _decode_steps(self) -> int:
     """Decode steps this iteration: config.decode_steps unless a prompt waits
@@ -1554,15 +1583,19 @@ class BatchingEngine(api.Engine):
       self._warm_sampling(logits, rows)
     if self.config.num_speculative_tokens:  # checking calls continue a sequence
       t = self._spec_chunk
+      k1 = self.config.num_speculative_tokens + 1
       for rows in self._spec_rows:
-        z = np.zeros((rows, t), np.int32)
+        z, zr = np.zeros((rows, t), np.int32), np.zeros((rows,), np.int32)
         arrays = sampling.pack([], [], [], [], rows)
-        for w in self.table_buckets:
-          for greedy_only in (True, False):
+        for greedy_only in (True, False):
+          if self._verify_paged:  # and the prefill form, for rows short of pages
+            logits, _, _ = self.runner.decode_verify(
+                z[:, :k1], zr, zr, np.zeros((rows, self.max_pages), np.int32), arrays,
+                greedy_only=greedy_only)
+          for w in self.table_buckets:
             logits, _, _ = self.runner.prefill_verify(
-                z, np.ones((rows,), np.int32), np.zeros((rows,), np.int32),
-                np.zeros((rows, w), np.int32), arrays, greedy_only=greedy_only,
-                width=self.config.num_speculative_tokens + 1)
+                z, np.ones((rows,), np.int32), zr, np.zeros((rows, w), np.int32), arrays,
+                greedy_only=greedy_only, width=k1)
         self._warm_sampling(logits, rows)  # the rows without drafts
         self._last_tok = sampling.set_last(
             self._last_tok, np.full((rows,), self.config.max_batch, np.int32), z[:, 0])
@@ -1571,7 +1604,7 @@ class BatchingEngine(api.Engine):
             len(self.row_buckets) * len(self.chunk_buckets) * len(prefill_tables)
             + len(self.packed_buckets) * len(packed_tables)
             + len(self.chunk_buckets) * len(chunk_tables) * self.config.prompt_logprobs
-            + 2 * len(self._spec_rows) * len(self.table_buckets) * bool(
+            + 2 * len(self._spec_rows) * (len(self.table_buckets) + self._verify_paged) * bool(
                 self.config.num_speculative_tokens),
             len(self.row_buckets) * len(self._mixed_chunks) * len(chunk_tables) * self.mixed)
 

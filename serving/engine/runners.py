@@ -207,7 +207,19 @@ class ModelRunner:
       return (last[:, 0],) + sampling.verify(logits[:, :width], tokens[:, :width], lengths,
                                              arrays, greedy_only=greedy_only), cache
 
-    return prefill, decode, decode_multi, mixed, prefill_packed, prefill_scores, prefill_verify
+    @functools.partial(jax.jit, static_argnames=("tq", "greedy_only"), donate_argnums=(1,))
+    def decode_verify(params, cache, host, arrays, tq, greedy_only):
+      # host: [tokens (tq) | length | valid tokens | page table]; the tq
+      # tokens sit at positions length - tq ... length - 1.
+      tokens, lengths, valid, table = host[:, :tq], host[:, tq], host[:, tq + 1], host[:, tq + 2:]
+      logits, cache = llama.decode_step(graphdef, params, cache, tokens, lengths, table,
+                                        backends=db, mesh=mesh)
+      last = jnp.take_along_axis(logits, jnp.maximum(valid - 1, 0)[:, None, None], axis=1)
+      return (last[:, 0],) + sampling.verify(logits, tokens, valid, arrays,
+                                             greedy_only=greedy_only), cache
+
+    return (prefill, decode, decode_multi, mixed, prefill_packed, prefill_scores, prefill_verify,
+            decode_verify)
 
   def prefill(self, tokens, positions, lengths, page_table):
     if self._fast is not None:
@@ -275,7 +287,7 @@ class ModelRunner:
     if self._fast is None:
       return None
     names = ("prefill", "decode", "decode_multi_step", "mixed", "prefill_packed",
-             "prefill_scores", "prefill_verify")
+             "prefill_scores", "prefill_verify", "decode_verify")
     return {name: f._cache_size() for name, f in zip(names, self._fast)}
 
   @functools.cached_property
@@ -331,6 +343,27 @@ class ModelRunner:
     out, self.cache = self._fast[6](
         self.model.params, self.cache, _side_by_side(tokens, positions, lengths, page_table),
         arrays, chunk=tokens.shape[1], greedy_only=greedy_only, width=width)
+    return out
+
+  @property
+  def decode_verify_tokens(self) -> int:
+    """The most tokens a row ``decode_verify`` checks (0: it cannot): the
+    decode attention kernels take up to attention_decode.MAX_TQ queries."""
+    if self._fast is None:
+      return 0
+    from kernels.attention_decode import MAX_TQ
+
+    return MAX_TQ
+
+  def decode_verify(self, tokens, lengths, valid, page_table, arrays, *, greedy_only):
+    """A checking call as a decode step (models.Model only): row r's tokens
+    [Tq] at positions lengths[r] - Tq ..., its first ``valid[r]`` real (the
+    last token, then drafts), the rest padding whose K/V is overwritten later.
+    Decode attention reads the pages in place. -> (logits at each row's last
+    valid token [B, V], and sampling.verify's (drafts kept, token after them))."""
+    out, self.cache = self._fast[7](
+        self.model.params, self.cache, _side_by_side(tokens, lengths, valid, page_table),
+        arrays, tq=tokens.shape[1], greedy_only=greedy_only)
     return out
 
   @property
@@ -424,6 +457,17 @@ class CountingRunner:
     logits = self._logits(tokens.reshape(-1)).reshape(*tokens.shape, -1)
     return (self._logits(self._chunk_last(tokens, lengths)),
             *sampling.verify_jit(logits, tokens, np.asarray(lengths, np.int32), arrays,
+                                 greedy_only=greedy_only))
+
+  decode_verify_tokens = 8
+
+  def decode_verify(self, tokens, lengths, valid, page_table, arrays, *, greedy_only):
+    del lengths, page_table
+    time.sleep(self.step_delay)
+    tokens = np.asarray(tokens)
+    logits = self._logits(tokens.reshape(-1)).reshape(*tokens.shape, -1)
+    return (self._logits(self._chunk_last(tokens, valid)),
+            *sampling.verify_jit(logits, tokens, np.asarray(valid, np.int32), arrays,
                                  greedy_only=greedy_only))
 
   def prefill_packed(self, tokens, tpos, seg, last, page_table, fresh=True):

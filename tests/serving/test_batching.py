@@ -790,9 +790,10 @@ def api_reason(name):
 
 def test_ngram_speculation_on_the_llama_decoder():
   """The tiny Llama, greedy, with n-gram speculation: the same tokens as
-  plain decoding (each checking call continues the sequence over its gathered
-  pages and keeps every position's argmax), drafts made, no compile after
-  warm-up, pages back."""
+  plain decoding, drafts made, no compile after warm-up, pages back. With
+  k = 3 every checking call is a decode step of 4 query tokens a row (decode
+  attention over the pages in place, short rows padded); with k = 8, past the
+  decode kernels' 8 queries, the continued-prefill form over gathered pages."""
   import models
 
   model = models.load("tiny", dtype="float32")
@@ -802,15 +803,24 @@ def test_ngram_speculation_on_the_llama_decoder():
   requests = [(base + base[:4], dict(max_tokens=16)), (base[3:] * 2, dict(max_tokens=12)),
               (rng.integers(0, model.config.vocab_size, 7).tolist() * 3, dict(max_tokens=14))]
   outs = {}
-  for k in (0, 3):
+  for k in (0, 3, 8):
     runner, engine = _llama_engine(model, warmup=bool(k), num_speculative_tokens=k)
+    calls = {"decode_verify": 0, "prefill_verify": 0}
+    for name in calls:
+      def counted(*a, _f=getattr(runner, name), _n=name, **kw):
+        calls[_n] += 1
+        return _f(*a, **kw)
+      setattr(runner, name, counted)
     if k:
       engine.warmup()
       compiled = _compiled(runner)
+      calls = dict.fromkeys(calls, 0)  # the warm-up's calls aside
     outs[k] = [ids for ids, _ in _spec_run(engine, requests)]
     if k:
       assert _compiled(runner) == compiled
       assert engine.spec_draft_tokens > 0
+      paged = "decode_verify" if k == 3 else "prefill_verify"
+      assert calls[paged] > 0 and sum(calls.values()) == calls[paged], calls
     assert engine.stats().pages_in_use == 0
-  assert outs[3] == outs[0]
+  assert outs[3] == outs[0] and outs[8] == outs[0]
   assert [len(o) for o in outs[3]] == [16, 12, 14]
