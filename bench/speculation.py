@@ -5,10 +5,12 @@ Llama-3-8B shapes, random bf16 weights, the engine's runner, batch
 (``--contexts``) the same row is run three ways at positions L ... L + k:
 
 - ``decode``: k + 1 plain decode steps, one token each (runner.decode);
-- ``decode_verify``: one call of k + 1 query tokens a row, decode attention
+- ``check_decode``: one call of k + 1 query tokens a row, decode attention
   over the pages in place (the engine's checking call for k + 1 <= 8);
-- ``prefill_verify``: the same as a continued prefill chunk over the row's
+- ``check_prefill``: the same as a continued prefill chunk over the row's
   gathered pages (its fallback), with the engine's table-width bucket.
+
+Each checking call is timed with the engine's sampling.verify after it.
 
 Checked first, with the plain steps' own greedy tokens as the drafts: each
 form keeps all k of them and takes the plain steps' next argmax (every
@@ -83,9 +85,9 @@ def main():
   max_pages = -(-(max(contexts) + 16) // page)
   runner = E.ModelRunner(model, num_pages=1 + b * max_pages, page_size=page,
                          attention=a.attention, matmul=a.matmul, kv_cache_dtype=a.kv_cache_dtype)
-  if runner.decode_verify_tokens < k1:
+  if runner.check_decode_tokens < k1:
     raise SystemExit(f"--k {a.k}: the decode form checks at most "
-                     f"{runner.decode_verify_tokens} tokens a row")
+                     f"{runner.check_decode_tokens} tokens a row")
   keys = jax.random.split(jax.random.key(0), 2)
   runner.cache = type(runner.cache)(*(
       (jax.random.normal(kk, c.shape, jnp.float32) * 0.5).astype(c.dtype)
@@ -109,19 +111,23 @@ def main():
     lengths = np.full((b,), L + k1, np.int32)
     valid = np.full((b,), k1, np.int32)
 
-    def decode_verify():
-      return runner.decode_verify(drafts, lengths, valid, table, arrays, greedy_only=True)
+    def verified(logits):  # the engine's reading of a checking call's logits
+      return (logits[:, -1],) + sampling.verify_jit(logits, drafts, valid, arrays,
+                                                    greedy_only=True)
+
+    def check_decode():
+      return verified(runner.check_decode(drafts, lengths, table))
 
     w = _bucket(-(-(L + k1) // page), widths)
     pchunk = np.zeros((b, chunk), np.int32)
     pchunk[:, :k1] = drafts
 
-    def prefill_verify():
-      return runner.prefill_verify(pchunk, np.full((b,), L, np.int32), valid, table[:, :w],
-                                   arrays, greedy_only=True, width=k1)
+    def check_prefill():
+      return verified(runner.check_prefill(pchunk, np.full((b,), L, np.int32), valid,
+                                           table[:, :w], width=k1))
 
     r = {}
-    for name, f in (("decode_verify", decode_verify), ("prefill_verify", prefill_verify)):
+    for name, f in (("check_decode", check_decode), ("check_prefill", check_prefill)):
       last, kept, after = f()
       # Every position's logits: the last one is returned; check the kept
       # drafts and the token after them against the plain steps' argmax.
@@ -132,13 +138,13 @@ def main():
     # Timing: the plain step at the context's last position, and each form.
     step_ms = _timed(lambda: runner.decode(first, np.full((b,), L + 1, np.int32), table),
                      a.iters)
-    for name, f in (("decode_verify", decode_verify), ("prefill_verify", prefill_verify)):
+    for name, f in (("check_decode", check_decode), ("check_prefill", check_prefill)):
       r[name]["ms"] = _timed(f, a.iters)
       r[name]["check_over_step"] = r[name]["ms"] / step_ms
     r["decode_step_ms"] = step_ms
     res["contexts"][L] = r
     print(f"L={L}: {json.dumps(r)}", flush=True)
-    for name in ("decode_verify", "prefill_verify"):
+    for name in ("check_decode", "check_prefill"):
       rows.append({"context": L, "form": name, "ms": r[name]["ms"], "step_ms": step_ms,
                    "check_over_step": r[name]["check_over_step"],
                    "rel_err_last": r[name]["rel_err_last"], "all_kept": r[name]["all_kept"]})

@@ -193,8 +193,8 @@ class EngineConfig:
   # N-gram (prompt lookup) speculative decoding, vLLM's "ngram" method. With
   # num_speculative_tokens = k > 0, an iteration whose running requests (at
   # most speculative_max_batch, nothing waiting, no grammar) all decode
-  # drafts up to k tokens for each one with no per-slot sampling state, no
-  # logprobs and no seed (unless greedy): what followed the latest earlier
+  # drafts up to k tokens for each one with no per-slot sampling state and
+  # no seed (unless greedy): what followed the latest earlier
   # occurrence of its last n tokens (n from prompt_lookup_max down to
   # prompt_lookup_min), in its prompt or output. One call over [last token,
   # drafts] checks them (sampling.verify), a decode step of k + 1 query
@@ -443,8 +443,8 @@ class BatchingEngine(api.Engine):
     most = _bucket(min(config.speculative_max_batch, config.max_batch), self.batch_buckets)
     self._spec_rows = tuple(b for b in self.batch_buckets if b <= most)
     self._spec_chunk = _bucket(config.num_speculative_tokens + 1, self.chunk_buckets)
-    self._verify_paged = bool(config.num_speculative_tokens) and getattr(
-        runner, "decode_verify_tokens", 0) >= config.num_speculative_tokens + 1
+    self._check_paged = bool(config.num_speculative_tokens) and getattr(
+        runner, "check_decode_tokens", 0) >= config.num_speculative_tokens + 1
     # Chunk shapes a mixed step can carry (at most decode_prefill_budget tokens).
     cap = min(config.decode_prefill_budget or config.prefill_chunk, config.prefill_chunk)
     self._mixed_chunks = tuple(t for t in self.chunk_buckets
@@ -817,12 +817,11 @@ class BatchingEngine(api.Engine):
   @staticmethod
   def _drafts(seq: _Seq) -> bool:
     """Whether a request's tokens may come from drafts: no per-slot sampling
-    state and no logprobs (sampling.verify applies temperature and cuts only),
-    and greedy or unseeded (a seeded request's draws must not depend on
-    whether its batch happened to speculate)."""
+    state (sampling.verify applies temperature and cuts only), and greedy or
+    unseeded (a seeded request's draws must not depend on whether its batch
+    happened to speculate)."""
     p = seq.params
-    return (not p.slot_state and not (p.logprobs or p.top_logprobs)
-            and (p.greedy or p.seed is None))
+    return not p.slot_state and (p.greedy or p.seed is None)
 
   def _draft(self, seq: _Seq) -> list[int]:
     """Up to num_speculative_tokens tokens that followed the latest earlier
@@ -842,13 +841,13 @@ class BatchingEngine(api.Engine):
     """One checking call for the running requests (their tokens read back):
     [last token, drafts] per row at its next positions. A request with
     drafts takes those sampling.verify keeps (greedy: the argmax's; sampled:
-    by speculative sampling) and the token after them, read back now; the K/V
-    of refused drafts lie past its computed tokens and are overwritten. A
-    request without drafts (none found, or it may not draft) has its one token
-    sampled on the device from the call's last logits, read back as a decode
-    step's is. Returns (launched entry or None, requests, launch seconds,
-    seconds waiting), or None when no request has a draft (a plain decode
-    step runs instead)."""
+    by speculative sampling) and the token after them, with their logprobs if
+    it asked, read back now; the K/V of refused drafts lie past its computed
+    tokens and are overwritten. A request without drafts (none found, or it
+    may not draft) has its one token sampled on the device from its first
+    position's logits, read back as a decode step's is. Returns (launched
+    entry or None, requests, launch seconds, seconds waiting), or None when no
+    request has a draft (a plain decode step runs instead)."""
     t0 = time.perf_counter()
     seqs = self._schedule_decodes(1)  # pages for the next token (preempting as usual)
     drafts = []
@@ -860,11 +859,17 @@ class BatchingEngine(api.Engine):
       drafts.append(d)
     if not any(drafts):
       return None
-    rows = _bucket(len(seqs), self._spec_rows)
+    rows, k1 = _bucket(len(seqs), self._spec_rows), self.config.num_speculative_tokens + 1
+    tokens, lengths = np.zeros((rows, k1), np.int32), np.zeros((rows,), np.int32)
+    for i, (seq, d) in enumerate(zip(seqs, drafts)):
+      tokens[i, 0], tokens[i, 1:1 + len(d)] = seq.tokens[seq.computed], d
+      lengths[i] = 1 + len(d)
+    logits = self._checking_call(seqs, tokens, lengths)  # [rows, k + 1, V]
     drafting = [seq if d else None for seq, d in zip(seqs, drafts)] + [None] * (rows - len(seqs))
-    arrays, _, _ = self._sampling_inputs(drafting, rows)
-    greedy_only = all(seq is None or seq.params.greedy for seq in drafting)
-    logits, kept, after = self._checking_call(seqs, drafts, rows, arrays, greedy_only)
+    arrays, want_lp, _ = self._sampling_inputs(drafting, rows)
+    checked = sampling.verify_jit(
+        logits, tokens, lengths, arrays, logprobs=want_lp,
+        greedy_only=all(seq is None or seq.params.greedy for seq in drafting))
     # Rows without drafts: sampled from their only position's logits, as a
     # decode step samples them (penalties, seeds, logprobs and all).
     plain = [seq if not d else None for seq, d in zip(seqs, drafts)] + [None] * (rows - len(seqs))
@@ -873,9 +878,9 @@ class BatchingEngine(api.Engine):
       for seq in plain:
         if seq is not None:
           seq.computed += 1
-      launched = (plain,) + self._sampling_call(plain, logits, rows)
+      launched = (plain,) + self._sampling_call(plain, logits[:, 0], rows)
     t_launch = time.perf_counter() - t0
-    kept, after = np.asarray(kept), np.asarray(after)
+    kept, after, *lp = (np.asarray(x) for x in checked)
     t_wait = time.perf_counter() - t0 - t_launch
     # Each slot's newest token: the next decode step's input.
     slot_of, newest = np.full((rows,), self.config.max_batch, np.int32), np.zeros((rows,), np.int32)
@@ -888,44 +893,40 @@ class BatchingEngine(api.Engine):
       self.spec_accepted_tokens += a
       seq.computed += len(new)  # the last token and the agreed drafts
       slot_of[i], newest[i] = seq.slot, new[-1]
-      self._accept(seq, new, None)
+      self._accept(seq, new, [(lp[0][i, j], lp[1][i, j], lp[2][i, j]) for j in range(len(new))]
+                   if lp else None)
     self._last_tok = sampling.set_last(self._last_tok, slot_of, newest)
     self._flush_deferred()
     return launched, len(seqs), t_launch, t_wait
 
-  def _checking_call(self, seqs, drafts, rows, arrays, greedy_only):
-    """The checking call's device work: (last logits [rows, V], drafts kept,
-    token after them), each row [last token, drafts] at its next positions.
+  def _checking_call(self, seqs, tokens, lengths):
+    """The checking call's logits [rows, k + 1, V]: row i's ``tokens`` (its
+    first ``lengths[i]`` real: its last token and drafts) at its next positions.
 
-    As a decode step with k + 1 query tokens a row (``runner.decode_verify``)
+    As a decode step with k + 1 query tokens a row (``runner.check_decode``)
     where it can: decode attention reads the pages in place. A row with fewer
     drafts is padded after them; the padding's K/V, like a refused draft's,
     lies past its computed tokens and is overwritten later. That needs every
     row's pages and context for k + 1 tokens; otherwise (or beyond the decode
     kernel's query tokens) the continued-prefill form, which gathers each
     row's pages for the prefill attention."""
-    k1 = self.config.num_speculative_tokens + 1
+    rows, k1 = tokens.shape
     n = len(seqs)
-    if self._verify_paged and all(
+    computed = np.zeros((rows,), np.int32)
+    computed[:n] = [seq.computed for seq in seqs]
+    if self._check_paged and all(
         seq.computed + k1 <= self.max_pages * self.page_size
         and self._reserve(seq, seq.computed + k1) for seq in seqs):
-      tokens, lengths = np.zeros((rows, k1), np.int32), np.zeros((rows,), np.int32)
-      counts, table = np.zeros((rows,), np.int32), np.zeros((rows, self.max_pages), np.int32)
-      for i, (seq, d) in enumerate(zip(seqs, drafts)):
-        tokens[i, 0], tokens[i, 1:1 + len(d)] = seq.tokens[seq.computed], d
-        lengths[i], counts[i] = seq.computed + k1, 1 + len(d)
+      table = np.zeros((rows, self.max_pages), np.int32)
       table[:n] = self._slot_table[[seq.slot for seq in seqs]]
-      return self.runner.decode_verify(tokens, lengths, counts, table, arrays,
-                                       greedy_only=greedy_only)
-    tokens = np.zeros((rows, self._spec_chunk), np.int32)
-    positions, lengths = np.zeros((rows,), np.int32), np.zeros((rows,), np.int32)
+      return self.runner.check_decode(tokens, np.where(np.arange(rows) < n, computed + k1, 0),
+                                      table)
+    chunk = np.zeros((rows, self._spec_chunk), np.int32)
+    chunk[:, :k1] = tokens
     slots = np.zeros((rows,), np.int32)
-    for i, (seq, d) in enumerate(zip(seqs, drafts)):
-      tokens[i, 0], tokens[i, 1:1 + len(d)] = seq.tokens[seq.computed], d
-      positions[i], lengths[i], slots[i] = seq.computed, 1 + len(d), seq.slot
-    table = self._chunk_table(slots, n, int((positions + lengths).max()))
-    return self.runner.prefill_verify(tokens, positions, lengths, table, arrays,
-                                      greedy_only=greedy_only, width=k1)
+    slots[:n] = [seq.slot for seq in seqs]
+    table = self._chunk_table(slots, n, int((computed + lengths).max()))
+    return self.runner.check_prefill(chunk, computed, lengths, table, width=k1)
 
   def _decode_steps(self) -> int:
     """Decode steps this iteration: config.decode_steps unless a prompt waits
@@ -1586,17 +1587,17 @@ class BatchingEngine(api.Engine):
       k1 = self.config.num_speculative_tokens + 1
       for rows in self._spec_rows:
         z, zr = np.zeros((rows, t), np.int32), np.zeros((rows,), np.int32)
+        if self._check_paged:  # and the prefill form, for rows short of pages
+          logits = self.runner.check_decode(z[:, :k1], zr,
+                                            np.zeros((rows, self.max_pages), np.int32))
+        for w in self.table_buckets:
+          logits = self.runner.check_prefill(z, zr, zr, np.zeros((rows, w), np.int32), width=k1)
         arrays = sampling.pack([], [], [], [], rows)
         for greedy_only in (True, False):
-          if self._verify_paged:  # and the prefill form, for rows short of pages
-            logits, _, _ = self.runner.decode_verify(
-                z[:, :k1], zr, zr, np.zeros((rows, self.max_pages), np.int32), arrays,
-                greedy_only=greedy_only)
-          for w in self.table_buckets:
-            logits, _, _ = self.runner.prefill_verify(
-                z, np.ones((rows,), np.int32), zr, np.zeros((rows, w), np.int32), arrays,
-                greedy_only=greedy_only, width=k1)
-        self._warm_sampling(logits, rows)  # the rows without drafts
+          for lp in (False, True):
+            sampling.verify_jit(logits, z[:, :k1], zr, arrays, greedy_only=greedy_only,
+                                logprobs=lp)
+        self._warm_sampling(logits[:, 0], rows)  # the rows without drafts
         self._last_tok = sampling.set_last(
             self._last_tok, np.full((rows,), self.config.max_batch, np.int32), z[:, 0])
     jax.block_until_ready(self._counts)
@@ -1604,7 +1605,7 @@ class BatchingEngine(api.Engine):
             len(self.row_buckets) * len(self.chunk_buckets) * len(prefill_tables)
             + len(self.packed_buckets) * len(packed_tables)
             + len(self.chunk_buckets) * len(chunk_tables) * self.config.prompt_logprobs
-            + 2 * len(self._spec_rows) * (len(self.table_buckets) + self._verify_paged) * bool(
+            + len(self._spec_rows) * (len(self.table_buckets) + self._check_paged) * bool(
                 self.config.num_speculative_tokens),
             len(self.row_buckets) * len(self._mixed_chunks) * len(chunk_tables) * self.mixed)
 

@@ -195,31 +195,23 @@ class ModelRunner:
       last = jnp.take_along_axis(logits, jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)
       return (last[:, 0],) + sampling.prompt_scores(logits, targets), cache
 
-    @functools.partial(jax.jit, static_argnames=("chunk", "greedy_only", "width"),
-                       donate_argnums=(1,))
-    def prefill_verify(params, cache, host, arrays, chunk, greedy_only, width):
-      tokens, positions, lengths, table = chunk_rows(host, chunk)
-      logits, cache = llama.prefill_step(graphdef, params, cache, tokens, positions, lengths,
-                                         table, backends=pb, mesh=mesh, all_logits=True)
-      last = jnp.take_along_axis(logits, jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)
-      # Only the first `width` positions can hold a row's tokens: the others
-      # (the chunk bucket's padding) stay out of verify's sorts.
-      return (last[:, 0],) + sampling.verify(logits[:, :width], tokens[:, :width], lengths,
-                                             arrays, greedy_only=greedy_only), cache
+    # A speculative checking call: every position's logits of each row's
+    # [last token, drafts]; the engine's sampling.verify reads them.
+    @functools.partial(jax.jit, static_argnames=("chunk", "width"), donate_argnums=(1,))
+    def check_prefill(params, cache, host, chunk, width):
+      logits, cache = llama.prefill_step(graphdef, params, cache, *chunk_rows(host, chunk),
+                                         backends=pb, mesh=mesh, all_logits=True)
+      return logits[:, :width], cache  # the chunk bucket's padding is never a row's
 
-    @functools.partial(jax.jit, static_argnames=("tq", "greedy_only"), donate_argnums=(1,))
-    def decode_verify(params, cache, host, arrays, tq, greedy_only):
-      # host: [tokens (tq) | length | valid tokens | page table]; the tq
-      # tokens sit at positions length - tq ... length - 1.
-      tokens, lengths, valid, table = host[:, :tq], host[:, tq], host[:, tq + 1], host[:, tq + 2:]
-      logits, cache = llama.decode_step(graphdef, params, cache, tokens, lengths, table,
-                                        backends=db, mesh=mesh)
-      last = jnp.take_along_axis(logits, jnp.maximum(valid - 1, 0)[:, None, None], axis=1)
-      return (last[:, 0],) + sampling.verify(logits, tokens, valid, arrays,
-                                             greedy_only=greedy_only), cache
+    @functools.partial(jax.jit, static_argnames=("tq",), donate_argnums=(1,))
+    def check_decode(params, cache, host, tq):
+      # host: [tokens (tq) | length | page table]; the tokens sit at positions
+      # length - tq ... length - 1.
+      return llama.decode_step(graphdef, params, cache, host[:, :tq], host[:, tq],
+                               host[:, tq + 1:], backends=db, mesh=mesh)
 
-    return (prefill, decode, decode_multi, mixed, prefill_packed, prefill_scores, prefill_verify,
-            decode_verify)
+    return (prefill, decode, decode_multi, mixed, prefill_packed, prefill_scores, check_prefill,
+            check_decode)
 
   def prefill(self, tokens, positions, lengths, page_table):
     if self._fast is not None:
@@ -287,7 +279,7 @@ class ModelRunner:
     if self._fast is None:
       return None
     names = ("prefill", "decode", "decode_multi_step", "mixed", "prefill_packed",
-             "prefill_scores", "prefill_verify", "decode_verify")
+             "prefill_scores", "check_prefill", "check_decode")
     return {name: f._cache_size() for name, f in zip(names, self._fast)}
 
   @functools.cached_property
@@ -334,20 +326,17 @@ class ModelRunner:
         np.asarray(targets, np.int32), chunk=tokens.shape[1], fresh=not np.any(positions))
     return last, tuple(scores)
 
-  def prefill_verify(self, tokens, positions, lengths, page_table, arrays, *, greedy_only,
-                     width):
-    """A checking call (models.Model only): ``prefill`` of each row's [last
-    token, drafts] (``lengths`` <= ``width``) -> (last logits [B, V], and
-    sampling.verify's (drafts kept [B], the token after them [B]) under the
-    rows' sampling ``arrays``)."""
-    out, self.cache = self._fast[6](
+  def check_prefill(self, tokens, positions, lengths, page_table, *, width):
+    """A speculative checking call as a continued prefill (models.Model only):
+    logits [B, width, V] at each row's first ``width`` chunk positions."""
+    logits, self.cache = self._fast[6](
         self.model.params, self.cache, _side_by_side(tokens, positions, lengths, page_table),
-        arrays, chunk=tokens.shape[1], greedy_only=greedy_only, width=width)
-    return out
+        chunk=tokens.shape[1], width=width)
+    return logits
 
   @property
-  def decode_verify_tokens(self) -> int:
-    """The most tokens a row ``decode_verify`` checks (0: it cannot): the
+  def check_decode_tokens(self) -> int:
+    """The most tokens a row ``check_decode`` takes (0: it cannot): the
     decode attention kernels take up to attention_decode.MAX_TQ queries."""
     if self._fast is None:
       return 0
@@ -355,16 +344,14 @@ class ModelRunner:
 
     return MAX_TQ
 
-  def decode_verify(self, tokens, lengths, valid, page_table, arrays, *, greedy_only):
-    """A checking call as a decode step (models.Model only): row r's tokens
-    [Tq] at positions lengths[r] - Tq ..., its first ``valid[r]`` real (the
-    last token, then drafts), the rest padding whose K/V is overwritten later.
-    Decode attention reads the pages in place. -> (logits at each row's last
-    valid token [B, V], and sampling.verify's (drafts kept, token after them))."""
-    out, self.cache = self._fast[7](
-        self.model.params, self.cache, _side_by_side(tokens, lengths, valid, page_table),
-        arrays, tq=tokens.shape[1], greedy_only=greedy_only)
-    return out
+  def check_decode(self, tokens, lengths, page_table):
+    """A speculative checking call as a decode step (models.Model only): row
+    r's tokens [Tq] at positions lengths[r] - Tq ..., decode attention over
+    the pages in place -> logits [B, Tq, V]."""
+    logits, self.cache = self._fast[7](
+        self.model.params, self.cache, _side_by_side(tokens, lengths, page_table),
+        tq=tokens.shape[1])
+    return logits
 
   @property
   def supports_mixed(self) -> bool:
@@ -449,26 +436,19 @@ class CountingRunner:
     return (self._logits(self._chunk_last(tokens, lengths)),
             sampling.prompt_scores(logits, np.asarray(targets, np.int32)))
 
-  def prefill_verify(self, tokens, positions, lengths, page_table, arrays, *, greedy_only,
-                     width):
-    del positions, page_table
+  def check_prefill(self, tokens, positions, lengths, page_table, *, width):
+    del positions, lengths, page_table
     time.sleep(self.step_delay)
     tokens = np.asarray(tokens)[:, :width]
-    logits = self._logits(tokens.reshape(-1)).reshape(*tokens.shape, -1)
-    return (self._logits(self._chunk_last(tokens, lengths)),
-            *sampling.verify_jit(logits, tokens, np.asarray(lengths, np.int32), arrays,
-                                 greedy_only=greedy_only))
+    return self._logits(tokens.reshape(-1)).reshape(*tokens.shape, -1)
 
-  decode_verify_tokens = 8
+  check_decode_tokens = 8
 
-  def decode_verify(self, tokens, lengths, valid, page_table, arrays, *, greedy_only):
+  def check_decode(self, tokens, lengths, page_table):
     del lengths, page_table
     time.sleep(self.step_delay)
     tokens = np.asarray(tokens)
-    logits = self._logits(tokens.reshape(-1)).reshape(*tokens.shape, -1)
-    return (self._logits(self._chunk_last(tokens, valid)),
-            *sampling.verify_jit(logits, tokens, np.asarray(valid, np.int32), arrays,
-                                 greedy_only=greedy_only))
+    return self._logits(tokens.reshape(-1)).reshape(*tokens.shape, -1)
 
   def prefill_packed(self, tokens, tpos, seg, last, page_table, fresh=True):
     del tpos, seg, page_table, fresh

@@ -257,13 +257,17 @@ def _sample(logits, s: SamplingArrays, counts, tok: SlotTokens, last=None):
   return (tokens, chosen, top_ids, top_lp) + _update(counts, last, s.slot, tokens)
 
 
-def verify(logits, tokens, lengths, s: SamplingArrays, *, greedy_only: bool):
+def verify(logits, tokens, lengths, s: SamplingArrays, *, greedy_only: bool,
+           logprobs: bool = False):
   """Speculative sampling of drafted tokens (a checking call's rows).
 
   logits [B, T, V] after each of a row's tokens [B, T] = [its last token,
   drafts...], ``lengths`` [B] = 1 + its number of drafts, ``s`` its sampling
   rows (no per-slot state: no penalties, bias or min_tokens) -> (accepted
-  [B]: how many leading drafts are kept, token [B]: the one that follows them).
+  [B]: how many leading drafts are kept, token [B]: the one that follows
+  them), and with ``logprobs`` the logprob and MAX_TOP_LOGPROBS best
+  alternatives of each position's token (the kept drafts', then that one's),
+  each [B, T, ...], as a decode step reports them.
 
   A draft is a single guess (a one-hot proposal), so the rule of speculative
   sampling (Leviathan et al. 2023, Chen et al. 2023) reads: draft j is kept
@@ -284,10 +288,17 @@ def verify(logits, tokens, lengths, s: SamplingArrays, *, greedy_only: bool):
   def first_refused(keep):  # [B, T] -> [B]: leading kept drafts
     return jnp.argmin(jnp.where(col < ndraft[:, None], keep, False), axis=1).astype(jnp.int32)
 
+  def out(a, after):
+    if not logprobs:
+      return a, after
+    emitted = jnp.where(col < a[:, None], drafts, after[:, None])
+    lp = _logprobs(x.reshape(b * t, v), emitted.reshape(b * t))
+    return (a, after) + tuple(y.reshape(b, t, *y.shape[1:]) for y in lp)
+
   a_greedy = first_refused(drafts == best)
   tok_greedy = jnp.take_along_axis(best, a_greedy[:, None], axis=1)[:, 0]
   if greedy_only:
-    return a_greedy, tok_greedy
+    return out(a_greedy, tok_greedy)
   # Every (row, position) as one row of the cut: position j draws at step + j.
   rows = jnp.repeat(s.rows, t, axis=0)
   rows = SamplingArrays(rows=rows.at[:, 3].add(jnp.tile(jnp.arange(t, dtype=jnp.int32), b)))
@@ -306,12 +317,12 @@ def verify(logits, tokens, lengths, s: SamplingArrays, *, greedy_only: bool):
   pick = jax.vmap(jax.random.categorical)(keys[at], sl_a)
   sampled = jnp.take_along_axis(order[at], pick[:, None], axis=-1)[:, 0].astype(jnp.int32)
   hot = s.temperature > 0
-  return jnp.where(hot, a, a_greedy), jnp.where(hot, sampled, tok_greedy)
+  return out(jnp.where(hot, a, a_greedy), jnp.where(hot, sampled, tok_greedy))
 
 
 greedy = jax.jit(_greedy, donate_argnames=("counts", "last"), static_argnames=("logprobs",))
 sample = jax.jit(_sample, donate_argnames=("counts", "last"))
-verify_jit = jax.jit(verify, static_argnames=("greedy_only",))
+verify_jit = jax.jit(verify, static_argnames=("greedy_only", "logprobs"))
 
 
 def step(logits, s: SamplingArrays, i, counts, tok: SlotTokens, last, *, greedy_only: bool,

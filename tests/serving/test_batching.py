@@ -667,25 +667,27 @@ def test_prompt_logprobs_on_the_llama_decoder(layout):
   assert engine.stats().pages_in_use == 0
 
 
-def _drain_all(engine, handles, finals=False):
-  """Steps the engine until every handle's Final: (ids, Final) or ids each."""
+def _drain_all(engine, handles, finals=False, logprobs=False):
+  """Steps the engine until every handle's Final: (ids, Final) or ids each;
+  with ``logprobs``, (ids, Final, the deltas' TokenLogprobs)."""
   from serving.engine import api
 
-  out = [([], None) for _ in handles]
+  out = []
   while engine.step():
     pass
-  for i, h in enumerate(handles):
-    ids, final = out[i]
+  for h in handles:
+    ids, final, lps = [], None, []
     while not h.events.empty():
       ev = h.events.get_nowait()
       assert not isinstance(ev, api.Failed), ev
       if isinstance(ev, api.Delta):
         ids.extend(ev.token_ids)
+        lps.extend(ev.logprobs)
       elif isinstance(ev, api.Final):
         final = ev
     assert final is not None
-    out[i] = (ids, final)
-  return out if finals else [ids for ids, _ in out]
+    out.append((ids, final, lps) if logprobs else (ids, final))
+  return out if finals or logprobs else [ids for ids, _ in out]
 
 
 def test_prompt_logprobs_survive_preemption_once_each():
@@ -714,15 +716,15 @@ def test_prompt_logprobs_survive_preemption_once_each():
   assert ids == list(range(111, 117))
 
 
-def _spec_run(engine, requests):
+def _spec_run(engine, requests, logprobs=False):
   """Submits (prompt, SamplingParams kwargs) pairs, steps the engine dry:
-  each request's token ids and Final."""
+  each request's token ids and Final (and its tokens' logprobs)."""
   from serving.engine import api
 
   handles = [engine.submit(api.Request(f"r{i}", prompt_ids=p, add_bos=False,
                                        sampling=api.SamplingParams(**kw)))
              for i, (p, kw) in enumerate(requests)]
-  return _drain_all(engine, handles, finals=True)
+  return _drain_all(engine, handles, finals=True, logprobs=logprobs)
 
 
 def test_ngram_speculation_takes_the_drafts_the_model_agrees_with():
@@ -754,19 +756,26 @@ def test_ngram_speculation_takes_the_drafts_the_model_agrees_with():
   engine = E.tiny_engine(max_batch=4, batch_buckets=(1, 2, 4), num_speculative_tokens=4)
   _spec_run(engine, requests[:1])
   assert engine.steps == 1 + 4  # the prompt's call (its first token), then 4 + 5 x 3 + 4
-  # Requests that sample, or want logprobs, take one token a call from the
-  # same calls (sampled on the device as usual) while the greedy one drafts:
-  # every output is what it is without speculation.
+  # A seeded sampled request takes one token a call from the same calls
+  # (sampled on the device as usual) while the greedy ones draft, one of them
+  # with logprobs: every output, logprobs included, is what it is without
+  # speculation.
   mixed = requests[:1] + [(text("xyz"), dict(temperature=0.8, seed=7, max_tokens=25,
                                              ignore_eos=True)),
-                          (text("abcabc"), dict(max_tokens=8, logprobs=True))]
-  got = {}
+                          (text("abcdefghabc"), dict(max_tokens=8, logprobs=True, top_logprobs=2))]
+  got, lps = {}, {}
   for k in (0, 4):
     engine = E.tiny_engine(max_batch=4, batch_buckets=(1, 2, 4), num_speculative_tokens=k)
-    got[k] = [(ids, f.completion_tokens) for ids, f in _spec_run(engine, mixed)]
+    run = _spec_run(engine, mixed, logprobs=True)
+    got[k] = [(ids, f.completion_tokens) for ids, f, _ in run]
+    lps[k] = run[2][2]
     assert engine.stats().pages_in_use == 0
   assert got[4] == got[0] and got[4][0][0] == outs[0][0][0]
   assert engine.spec_accepted_tokens > 0
+  assert [x.token_id for x in lps[4]] == got[4][2][0] and len(lps[4]) == 8
+  for a, b in zip(lps[4], lps[0]):
+    assert a.token_id == b.token_id and a.logprob == pytest.approx(b.logprob, abs=1e-5)
+    assert [t for t, _ in a.top] == [t for t, _ in b.top]
   # A seeded sampled request alone drafts nothing (its draws must not depend
   # on whether its batch speculated): plain decode steps.
   engine = E.tiny_engine(max_batch=4, batch_buckets=(1, 2, 4), num_speculative_tokens=4)
@@ -800,12 +809,13 @@ def test_ngram_speculation_on_the_llama_decoder():
   rng = np.random.default_rng(5)
   base = rng.integers(0, model.config.vocab_size, 12).tolist()
   # Repeats in the prompts, so that drafts are found from the first step.
-  requests = [(base + base[:4], dict(max_tokens=16)), (base[3:] * 2, dict(max_tokens=12)),
+  requests = [(base + base[:4], dict(max_tokens=16)),
+              (base[3:] * 2, dict(max_tokens=12, logprobs=True, top_logprobs=3)),
               (rng.integers(0, model.config.vocab_size, 7).tolist() * 3, dict(max_tokens=14))]
-  outs = {}
+  outs, lps = {}, {}
   for k in (0, 3, 8):
     runner, engine = _llama_engine(model, warmup=bool(k), num_speculative_tokens=k)
-    calls = {"decode_verify": 0, "prefill_verify": 0}
+    calls = {"check_decode": 0, "check_prefill": 0}
     for name in calls:
       def counted(*a, _f=getattr(runner, name), _n=name, **kw):
         calls[_n] += 1
@@ -815,12 +825,21 @@ def test_ngram_speculation_on_the_llama_decoder():
       engine.warmup()
       compiled = _compiled(runner)
       calls = dict.fromkeys(calls, 0)  # the warm-up's calls aside
-    outs[k] = [ids for ids, _ in _spec_run(engine, requests)]
+    run = _spec_run(engine, requests, logprobs=True)
+    outs[k], lps[k] = [ids for ids, _, _ in run], run[1][2]
     if k:
       assert _compiled(runner) == compiled
       assert engine.spec_draft_tokens > 0
-      paged = "decode_verify" if k == 3 else "prefill_verify"
+      paged = "check_decode" if k == 3 else "check_prefill"
       assert calls[paged] > 0 and sum(calls.values()) == calls[paged], calls
     assert engine.stats().pages_in_use == 0
   assert outs[3] == outs[0] and outs[8] == outs[0]
   assert [len(o) for o in outs[3]] == [16, 12, 14]
+  # The logprobs request's, kept drafts' included, are plain decoding's.
+  for k in (3, 8):
+    assert [x.token_id for x in lps[k]] == outs[0][1]
+    np.testing.assert_allclose([x.logprob for x in lps[k]], [x.logprob for x in lps[0]],
+                               atol=1e-4)
+    np.testing.assert_allclose([[v for _, v in x.top] for x in lps[k]],
+                               [[v for _, v in x.top] for x in lps[0]], atol=1e-4)
+    assert [[t for t, _ in x.top] for x in lps[k]] == [[t for t, _ in x.top] for x in lps[0]]

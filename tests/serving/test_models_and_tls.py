@@ -38,7 +38,7 @@ def test_models_tiny_through_the_server_equals_models_generate(decode_steps):
     assert compiled == {"prefill": 4, "decode": 1,
                         "decode_multi_step": 3 if decode_steps > 1 else 0, "mixed": 0,
                         "prefill_packed": 0, "prefill_scores": 0,
-                        "prefill_verify": 0, "decode_verify": 0}
+                        "check_prefill": 0, "check_decode": 0}
     assert c.model_info().model_name == model.config.name
     got = [list(c.generate(prompt, max_tokens=8, ignore_eos=True).token_ids) for _ in range(2)]
     assert got == [want, want]
@@ -99,7 +99,7 @@ def test_warmup_compiles_on_threads_and_then_runs_without_compiling():
       # prefill_scores: a chunk of one row, fresh and continued at 3 table widths.
       assert compiled == {"prefill": 4, "decode": 1, "decode_multi_step": 3, "mixed": 0,
                           "prefill_packed": 0, "prefill_scores": 4,
-                          "prefill_verify": 0, "decode_verify": 0}
+                          "check_prefill": 0, "check_decode": 0}
       got = [list(c.generate(prompt, max_tokens=n, ignore_eos=True).token_ids) for n in (8, 5)]
       assert got == [want, want[:5]]
       # Sampled, with and without logprobs: the variants the warm-up compiled.
