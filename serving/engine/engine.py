@@ -83,6 +83,21 @@ from serving.engine.text import IncrementalText
 log = logging.getLogger("serving.engine")
 
 
+def ngram_draft(tokens, k: int, lookup_max: int, lookup_min: int) -> list[int]:
+  """Prompt lookup: up to ``k`` tokens that followed the latest earlier
+  occurrence of the last n ``tokens``, for the longest n in
+  [lookup_min, lookup_max] that occurs earlier; [] if none does."""
+  toks = np.asarray(tokens, np.int32)
+  for n in range(min(lookup_max, len(toks) - 1), lookup_min - 1, -1):
+    # Windows of toks[:-1]: every n-gram but the last one itself.
+    windows = np.lib.stride_tricks.sliding_window_view(toks[:-1], n)
+    hits = np.flatnonzero((windows == toks[-n:]).all(axis=1))
+    if hits.size:
+      start = int(hits[-1]) + n
+      return toks[start:start + k].tolist()
+  return []
+
+
 def _pow2_buckets(lo: int, hi: int, factor: int = 2) -> tuple[int, ...]:
   out, b = [], lo
   while b < hi:
@@ -824,18 +839,9 @@ class BatchingEngine(api.Engine):
     return not p.slot_state and (p.greedy or p.seed is None)
 
   def _draft(self, seq: _Seq) -> list[int]:
-    """Up to num_speculative_tokens tokens that followed the latest earlier
-    occurrence of the request's last n tokens (the longest n that occurs)."""
     c = self.config
-    toks = np.asarray(seq.tokens, np.int32)
-    for n in range(min(c.prompt_lookup_max, len(toks) - 1), c.prompt_lookup_min - 1, -1):
-      # Windows of toks[:-1]: every n-gram but the last one itself.
-      windows = np.lib.stride_tricks.sliding_window_view(toks[:-1], n)
-      hits = np.flatnonzero((windows == toks[-n:]).all(axis=1))
-      if hits.size:
-        start = int(hits[-1]) + n
-        return toks[start:start + c.num_speculative_tokens].tolist()
-    return []
+    return ngram_draft(seq.tokens, c.num_speculative_tokens, c.prompt_lookup_max,
+                       c.prompt_lookup_min)
 
   def _run_speculative(self):
     """One checking call for the running requests (their tokens read back):

@@ -383,3 +383,21 @@ def test_decode_inputs_travel_packed_and_unpack_exactly():
     np.testing.assert_array_equal(np.asarray(x), want)
   assert np.asarray(got[3].f).dtype == np.float32
   np.testing.assert_array_equal(np.asarray(got[3].f).view(np.int32), arrays.f.view(np.int32))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(0, 3), min_size=0, max_size=30), st.integers(1, 5),
+       st.integers(1, 4), st.integers(1, 4))
+@example([1, 2, 3, 1, 2], 3, 3, 1)  # "1 2" occurred: "3 1 2" follows it
+def test_ngram_draft_matches_a_brute_force_lookup(tokens, k, lookup_max, lookup_min):
+  from serving.engine.engine import ngram_draft
+
+  want = []
+  for n in range(lookup_max, lookup_min - 1, -1):
+    if not 1 <= n < len(tokens):
+      continue
+    starts = [i for i in range(len(tokens) - n) if tokens[i:i + n] == tokens[-n:]]
+    if starts:
+      want = tokens[starts[-1] + n:starts[-1] + n + k]
+      break
+  assert ngram_draft(tokens, k, lookup_max, lookup_min) == want
