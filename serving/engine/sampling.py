@@ -17,6 +17,8 @@ decode step can start before the host has read this one's tokens).
 ``greedy`` is the fast path when no row of the step samples, penalizes,
 biases or bans: argmax (and logprobs if asked), no sort over the vocabulary. ``step`` is one
 of several decode steps run in one device call (EngineConfig.decode_steps).
+``verify`` reads a speculative checking call's logits: which drafts each row
+keeps (speculative sampling; the argmax's for greedy rows) and its next token.
 """
 
 from __future__ import annotations
