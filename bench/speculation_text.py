@@ -9,7 +9,7 @@ the speculating run (plain one-step decoding: 1). These depend on the model
 and the text, not on the machine; wall times on a CPU would not say what a
 GPU does (what a checking call costs there is bench/speculation.py's job).
 
-  PYTHONPATH=. python3 bench/speculation_text.py --out DIR [--k 4] [--max-tokens 160]
+  PYTHONPATH=. python3 bench/speculation_text.py --out DIR [--k 4] [--max-tokens 160] [--patience 4]
 """
 
 from __future__ import annotations
@@ -59,13 +59,14 @@ def main():
   ap.add_argument("--k", type=int, default=4)
   ap.add_argument("--max-tokens", type=int, default=160)
   ap.add_argument("--dtype", default="float32")
+  ap.add_argument("--patience", type=int, default=4, help="EngineConfig.speculative_patience")
   a = ap.parse_args()
   from serving import engine as E
 
   kw = dict(dtype=a.dtype, num_pages=256, page_size=16, max_batch=4, batch_buckets=(1, 4),
             max_seq_len=1024, warmup=False)
   plain = E.model_engine(None, **kw)
-  spec = E.model_engine(None, num_speculative_tokens=a.k, **kw)
+  spec = E.model_engine(None, num_speculative_tokens=a.k, speculative_patience=a.patience, **kw)
   rows = []
   for name, prompt in PROMPTS.items():
     for mode, sampling in (("greedy", {}), ("sampled", {"temperature": 0.7})):

@@ -47,7 +47,8 @@ def _engine_config(a) -> dict:
              scheduling=a.scheduling_policy, prompt_logprobs=a.enable_prompt_logprobs,
              jump_forward=a.jump_forward, num_speculative_tokens=a.num_speculative_tokens,
              prompt_lookup_max=a.prompt_lookup_max, prompt_lookup_min=a.prompt_lookup_min,
-             speculative_max_batch=a.speculative_max_batch)
+             speculative_max_batch=a.speculative_max_batch,
+             speculative_patience=a.speculative_patience)
   if a.token_budget:
     cfg["token_budget"] = a.token_budget
   if a.compile_threads is None:
@@ -335,6 +336,9 @@ def parser() -> argparse.ArgumentParser:
                  help="shortest n-gram matched for drafts")
   s.add_argument("--speculative-max-batch", type=int, default=4,
                  help="speculate only while at most this many requests run")
+  s.add_argument("--speculative-patience", type=int, default=4,
+                 help="a request that gains nothing from this many checks in a row stops "
+                      "drafting for a while (8 of its tokens, doubling; 0: never)")
   s.add_argument("--engine-process", action="store_true",
                  help="run the engine in a process of its own, so that the gRPC stream "
                       "threads do not share its interpreter (serving.engine.process)")

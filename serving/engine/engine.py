@@ -83,6 +83,9 @@ from serving.engine.text import IncrementalText
 log = logging.getLogger("serving.engine")
 
 
+_SPEC_PAUSE = (8, 256)  # a paused request's first and longest pause, in its tokens
+
+
 def ngram_draft(tokens, k: int, lookup_max: int, lookup_min: int) -> list[int]:
   """Prompt lookup: up to ``k`` tokens that followed the latest earlier
   occurrence of the last n ``tokens``, for the longest n in
@@ -225,6 +228,12 @@ class EngineConfig:
   prompt_lookup_max: int = 3
   prompt_lookup_min: int = 1
   speculative_max_batch: int = 4
+  # A request that gains nothing from this many checks in a row (no draft
+  # found, or none kept) stops drafting for 8 of its tokens, then 16, ... up
+  # to 256; a kept draft resets it. Its iterations then pipeline again (open
+  # writing keeps few drafts, and a checking call costs about a decode step
+  # plus the lost overlap). 0: it never stops.
+  speculative_patience: int = 4
 
   def __post_init__(self):
     for f in ("max_batch", "max_waiting", "prefill_chunk", "min_chunk", "prefill_rows",
@@ -232,6 +241,8 @@ class EngineConfig:
               "prompt_lookup_min", "speculative_max_batch"):
       if getattr(self, f) < 1:
         raise ValueError(f"EngineConfig.{f}={getattr(self, f)} must be >= 1")
+    if self.speculative_patience < 0:
+      raise ValueError(f"{self.speculative_patience=} must be >= 0 (0: never pause drafting)")
     if self.num_speculative_tokens < 0:
       raise ValueError(f"{self.num_speculative_tokens=} must be >= 0 (0: no speculation)")
     if self.num_speculative_tokens >= self.prefill_chunk:
@@ -362,6 +373,10 @@ class _Seq:
     self.scored = req.sampling.prompt_logprobs is not None
     self.scores: list[tuple[int, int, tuple]] = []
     self.guide: structured.Guide | None = None  # structured outputs: the grammar's state
+    # Speculation (EngineConfig.speculative_patience): checks in a row that
+    # gained nothing, the next pause's length, and the generated-token count
+    # at which drafting resumes.
+    self.spec_misses, self.spec_pause, self.spec_resume = 0, _SPEC_PAUSE[0], 0
 
   @property
   def tokens(self) -> list[int]:
@@ -836,7 +851,19 @@ class BatchingEngine(api.Engine):
     unseeded (a seeded request's draws must not depend on whether its batch
     happened to speculate)."""
     p = seq.params
-    return not p.slot_state and (p.greedy or p.seed is None)
+    return (not p.slot_state and (p.greedy or p.seed is None)
+            and len(seq.generated) >= seq.spec_resume)
+
+  def _spec_outcome(self, seq: _Seq, gained: bool) -> None:
+    """Counts a check of a request's drafts toward its pause
+    (EngineConfig.speculative_patience)."""
+    if gained:
+      seq.spec_misses, seq.spec_pause = 0, _SPEC_PAUSE[0]
+      return
+    seq.spec_misses += 1
+    if self.config.speculative_patience and seq.spec_misses >= self.config.speculative_patience:
+      seq.spec_resume = len(seq.generated) + seq.spec_pause
+      seq.spec_misses, seq.spec_pause = 0, min(2 * seq.spec_pause, _SPEC_PAUSE[1])
 
   def _draft(self, seq: _Seq) -> list[int]:
     c = self.config
@@ -859,9 +886,13 @@ class BatchingEngine(api.Engine):
     drafts = []
     for seq in seqs:
       room = min(seq.max_tokens - len(seq.generated), self.capacity - seq.num_tokens) - 1
-      d = self._draft(seq)[:max(room, 0)] if self._drafts(seq) else []
-      if d and not self._reserve(seq, seq.computed + 1 + len(d)):
-        d = []  # no pages for the drafts: no preemption for a guess
+      d = []
+      if self._drafts(seq):
+        d = self._draft(seq)[:max(room, 0)]
+        if d and not self._reserve(seq, seq.computed + 1 + len(d)):
+          d = []  # no pages for the drafts: no preemption for a guess
+        if not d:
+          self._spec_outcome(seq, False)
       drafts.append(d)
     if not any(drafts):
       return None
@@ -897,6 +928,7 @@ class BatchingEngine(api.Engine):
       new = d[:a] + [int(after[i])]
       self.spec_draft_tokens += len(d)
       self.spec_accepted_tokens += a
+      self._spec_outcome(seq, a > 0)
       seq.computed += len(new)  # the last token and the agreed drafts
       slot_of[i], newest[i] = seq.slot, new[-1]
       self._accept(seq, new, [(lp[0][i, j], lp[1][i, j], lp[2][i, j]) for j in range(len(new))]

@@ -791,6 +791,31 @@ def test_ngram_speculation_takes_the_drafts_the_model_agrees_with():
   assert engine.steps == 1 + 4 and engine.stats().pages_in_use == 0
 
 
+def test_ngram_speculation_pauses_a_request_whose_drafts_miss():
+  """Every draft of this prompt is refused (after byte b it drafts "z", the
+  counting model says b + 1): with speculative_patience = 2 the request
+  stops drafting after two misses for 8 tokens, then 16, and its decode runs
+  as 4-step calls meanwhile; with 0 it checks a draft every call. The tokens
+  are the same; a request whose drafts are kept never pauses (5 calls for 20
+  tokens, as in the test above)."""
+  text = lambda t: [ord(c) for c in t]  # noqa: E731
+  prompt = text("".join(c + "z" for c in "bcdefghijklmnopqrstuvw") + "a")
+  runs = {}
+  for patience in (0, 2):
+    engine = E.tiny_engine(max_batch=4, batch_buckets=(1, 2, 4), num_speculative_tokens=4,
+                           decode_steps=4, speculative_patience=patience)
+    ((ids, _),) = _spec_run(engine, [(prompt, dict(max_tokens=24))])
+    assert engine.spec_accepted_tokens == 0 and engine.stats().pages_in_use == 0
+    runs[patience] = (ids, engine.spec_draft_tokens, engine.steps)
+  assert runs[0][0] == runs[2][0] == list(range(ord("b"), ord("b") + 24))
+  assert runs[0][1] >= 4 * 20  # a refused draft of 4 at (nearly) every token
+  assert runs[2][1] <= 4 * 6 and runs[2][2] < runs[0][2] / 2, runs
+  engine = E.tiny_engine(max_batch=4, batch_buckets=(1, 2, 4), num_speculative_tokens=4,
+                         speculative_patience=1)
+  _spec_run(engine, [(text("abcdefghijklmnopqrstuvwxyz0123abc"), dict(max_tokens=20))])
+  assert engine.steps == 1 + 4
+
+
 def api_reason(name):
   from serving.engine import api
 
@@ -814,7 +839,10 @@ def test_ngram_speculation_on_the_llama_decoder():
               (rng.integers(0, model.config.vocab_size, 7).tolist() * 3, dict(max_tokens=14))]
   outs, lps = {}, {}
   for k in (0, 3, 8):
-    runner, engine = _llama_engine(model, warmup=bool(k), num_speculative_tokens=k)
+    # patience 0: drafting never pauses (found drafts here are luck, not a
+    # pattern; this checks the checking calls, not when to make them).
+    runner, engine = _llama_engine(model, warmup=bool(k), num_speculative_tokens=k,
+                                   speculative_patience=0)
     calls = {"check_decode": 0, "check_prefill": 0}
     for name in calls:
       def counted(*a, _f=getattr(runner, name), _n=name, **kw):

@@ -256,8 +256,11 @@ def test_serve_speculation_flags_reach_the_engine_config():
   cfg = lambda *flags: cli._engine_config(cli.parser().parse_args(["serve", *flags]))
   assert cfg()["num_speculative_tokens"] == 0  # off unless asked for
   got = cfg("--num-speculative-tokens", "4", "--prompt-lookup-max", "5",
-            "--prompt-lookup-min", "2", "--speculative-max-batch", "2")
+            "--prompt-lookup-min", "2", "--speculative-max-batch", "2",
+            "--speculative-patience", "0")
   assert (got["num_speculative_tokens"], got["prompt_lookup_max"], got["prompt_lookup_min"],
-          got["speculative_max_batch"]) == (4, 5, 2, 2)
+          got["speculative_max_batch"], got["speculative_patience"]) == (4, 5, 2, 2, 0)
+  with pytest.raises(SystemExit, match="serve: .*speculative_patience"):
+    cfg("--num-speculative-tokens", "4", "--speculative-patience", "-1")
   with pytest.raises(SystemExit, match="serve: .*prompt_lookup_max"):
     cfg("--num-speculative-tokens", "4", "--prompt-lookup-max", "1", "--prompt-lookup-min", "2")

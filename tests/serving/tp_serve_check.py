@@ -64,7 +64,8 @@ def speculate(tp: int, requests):
 
   engine = E.model_engine("tiny", dtype="float32", tp=tp, num_pages=48, page_size=8,
                           max_batch=4, batch_buckets=(1, 4), min_chunk=16, prefill_chunk=16,
-                          max_seq_len=128, num_speculative_tokens=3, warmup=False)
+                          max_seq_len=128, num_speculative_tokens=3, speculative_patience=0,
+                          warmup=False)
   handles = [engine.submit(api.Request(f"r{i}", prompt_ids=p, add_bos=False,
                                        sampling=api.SamplingParams(max_tokens=12)))
              for i, p in enumerate(requests)]
