@@ -186,7 +186,9 @@ def candidates(m: int, n: int, k: int, sms: int, activation=None,
     # weight columns halve that (and hold 128 x tile_m accumulators).
     tile_m = next(t for t in mm.SWAP_TILE_M if t >= m)
     # Pairs of neighbouring weight tiles ("n") read the activation block from
-    # L2 once for both (multicast), as cuBLAS's 2-CTA clusters do here.
+    # L2 once for both (multicast), as cuBLAS's 2-CTA clusters do here (never
+    # faster on the H100: results/matmul_h100_run3_cluster_n_rms192/; kept as
+    # candidates for the H200's faster HBM against the same L2).
     shapes_ = [(tile_n, tile_k, split, cluster) for tile_n, tile_k, split, cluster in
                ((64, 64, 1, None), (64, 128, 1, None), (64, 64, 2, None), (64, 64, 2, "k"),
                 (128, 64, 1, None), (64, 64, 1, "n"), (64, 64, 2, "n"))]

@@ -59,7 +59,9 @@ Hopper kernel (``mosaic`` backend), how data flows:
   With ``cluster="n"`` two CTAs of neighbouring weight tiles share each
   step's activation block, half copied by each and TMA-multicast into both
   rings, which halves the block's L2 reads (over 64 rows they outweigh the
-  weight block's); a slot is refilled once both CTAs have read it.
+  weight block's); a slot is refilled once both CTAs have read it. On the
+  H100 that was 1-10% slower than unpaired tiles at every shape tried
+  (bench/results/matmul_h100_run3_cluster_n_rms192/); not measured on the H200.
   The tile is stored transposed through an untiled SMEM buffer (the ring's
   SMEM, free once the K loop is done: the ring can be that much deeper), the bias,
   the SwiGLU gate (128 columns: one [gate | up] block pair, so the gate's

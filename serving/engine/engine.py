@@ -847,9 +847,9 @@ class BatchingEngine(api.Engine):
   @staticmethod
   def _drafts(seq: _Seq) -> bool:
     """Whether a request's tokens may come from drafts: no per-slot sampling
-    state (sampling.verify applies temperature and cuts only), and greedy or
+    state (sampling.verify applies temperature and cuts only), greedy or
     unseeded (a seeded request's draws must not depend on whether its batch
-    happened to speculate)."""
+    happened to speculate), and not paused (_spec_outcome)."""
     p = seq.params
     return (not p.slot_state and (p.greedy or p.seed is None)
             and len(seq.generated) >= seq.spec_resume)

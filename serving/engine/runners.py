@@ -428,27 +428,28 @@ class CountingRunner:
   packed_why_not = None  # it can
   supports_prompt_logprobs = True
 
+  def _every(self, tokens):
+    """Logits [B, T, V] after every one of ``tokens`` [B, T]."""
+    tokens = np.asarray(tokens)
+    return self._logits(tokens.reshape(-1)).reshape(*tokens.shape, -1)
+
   def prefill_scores(self, tokens, positions, lengths, page_table, targets):
     del positions, page_table
     time.sleep(self.step_delay)
-    tokens = np.asarray(tokens)
-    logits = self._logits(tokens.reshape(-1)).reshape(*tokens.shape, -1)
     return (self._logits(self._chunk_last(tokens, lengths)),
-            sampling.prompt_scores(logits, np.asarray(targets, np.int32)))
+            sampling.prompt_scores(self._every(tokens), np.asarray(targets, np.int32)))
 
   def check_prefill(self, tokens, positions, lengths, page_table, *, width):
     del positions, lengths, page_table
     time.sleep(self.step_delay)
-    tokens = np.asarray(tokens)[:, :width]
-    return self._logits(tokens.reshape(-1)).reshape(*tokens.shape, -1)
+    return self._every(np.asarray(tokens)[:, :width])
 
   check_decode_tokens = 8
 
   def check_decode(self, tokens, lengths, page_table):
     del lengths, page_table
     time.sleep(self.step_delay)
-    tokens = np.asarray(tokens)
-    return self._logits(tokens.reshape(-1)).reshape(*tokens.shape, -1)
+    return self._every(tokens)
 
   def prefill_packed(self, tokens, tpos, seg, last, page_table, fresh=True):
     del tpos, seg, page_table, fresh
