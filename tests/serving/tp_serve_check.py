@@ -67,7 +67,8 @@ def speculate(tp: int, requests):
                           max_seq_len=128, num_speculative_tokens=3, speculative_patience=0,
                           warmup=False)
   handles = [engine.submit(api.Request(f"r{i}", prompt_ids=p, add_bos=False,
-                                       sampling=api.SamplingParams(max_tokens=12)))
+                                       sampling=api.SamplingParams(max_tokens=12,
+                                                                   ignore_eos=True)))
              for i, p in enumerate(requests)]
   while engine.step():
     pass
@@ -97,9 +98,12 @@ def main():
     for a, b in scored:  # float32 sums in another order: close, not equal
       assert [t for t, _ in a] == [t for t, _ in b] == prompts[0][1:]
       np.testing.assert_allclose([v for _, v in a], [v for _, v in b], atol=1e-4)
-  # Speculation's checking calls (decode form, k + 1 = 4 queries a row) per shard.
-  base = rng.integers(3, 259, 12).tolist()
-  requests = [base + base[:4], base[3:] * 2, rng.integers(3, 259, 7).tolist() * 3]
+  # Speculation's checking calls (decode form, k + 1 = 4 queries a row) per
+  # shard. Fixed prompts: whether drafts are found depends on the tokens the
+  # model writes, and these make some (a fresh seed may make none: seed 5 does).
+  fixed = np.random.default_rng(0)  # 7 tokens drafted, 3 kept at TP=1
+  base = fixed.integers(3, 259, 12).tolist()
+  requests = [base + base[:4], base[3:] * 2, fixed.integers(3, 259, 7).tolist() * 3]
   one, two = speculate(1, requests), speculate(2, requests)
   assert one == two and [len(x) for x in one] == [12] * 3, (one, two)
   print("ok")
