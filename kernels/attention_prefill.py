@@ -77,8 +77,10 @@ class Config(tuning.KernelConfig):
   # wgmma of P_{j-1} V_{j-1} is in flight (costs one more S accumulator of
   # registers).
   overlap: bool = False
-  # Causal: launch the query tiles with the most kv blocks first so the
-  # short ones fill the tail of the grid.
+  # Launch each batch row's query tiles in order of their kv block counts,
+  # most first, so the short ones fill the tail of the grid (the plan sorts
+  # them: causal rows run last tile first, a packed row's long sequences'
+  # late tiles go before its short sequences').
   heavy_first: bool = True
 
   def __post_init__(self):
@@ -191,16 +193,24 @@ def _pad_to(x, axis, size, value=0):
 
 
 def _block_summary(pos, seg, block):
-  """Per block of ``block`` tokens: (has_real, all_real, seg_min, seg_max, pos_min, pos_max)."""
+  """Per block of ``block`` tokens, over its real tokens (segment != 0):
+  has_real, all_real, the segment ids' min and max, the positions' min and
+  max; the positions' (min, max) among the tokens of the min segment and
+  among those of the max segment; whether a segment lies strictly between."""
   B, S = pos.shape
   n = S // block
   p = pos.reshape(B, n, block)
   s = seg.reshape(B, n, block)
   real = s != 0
   big = jnp.iinfo(jnp.int32).max
-  return (real.any(-1), real.all(-1),
-          jnp.where(real, s, big).min(-1), jnp.where(real, s, -big).max(-1),
-          jnp.where(real, p, big).min(-1), jnp.where(real, p, -big).max(-1))
+  smin = jnp.where(real, s, big).min(-1, keepdims=True)
+  smax = jnp.where(real, s, -big).max(-1, keepdims=True)
+  pmin = lambda m: jnp.where(m, p, big).min(-1)
+  pmax = lambda m: jnp.where(m, p, -big).max(-1)
+  first, last = real & (s == smin), real & (s == smax)
+  return (real.any(-1), real.all(-1), smin[..., 0], smax[..., 0], pmin(real), pmax(real),
+          (pmin(first), pmax(first)), (pmin(last), pmax(last)),
+          (real & ~first & ~last).any(-1))
 
 
 def _block_ranges(qp, qs, kp, ks, block_q, block_kv, causal, window):
@@ -209,20 +219,39 @@ def _block_ranges(qp, qs, kp, ks, block_q, block_kv, causal, window):
 
   Conservative from per-block min/max, so [lo, hi) may include blocks with
   nothing visible (the element mask handles those) but never misses one.
-  Empty blocks get lo = hi = full_lo = full_hi = 0. Returns int32 [B, nq, 4].
+  A block that holds the end of one packed sequence and the start of the
+  next is judged per sequence (positions restart at each), so neither
+  sequence's positions widen the other's range. Empty blocks get
+  lo = hi = full_lo = full_hi = 0. Returns int32 [B, nq, 4].
   """
-  qh, qa, qsmin, qsmax, qpmin, qpmax = _block_summary(qp, qs, block_q)
-  kh, ka, ksmin, ksmax, kpmin, kpmax = _block_summary(kp, ks, block_kv)
+  qh, qa, qsmin, qsmax, qpmin, qpmax, q_first, q_last, q_mid = _block_summary(qp, qs, block_q)
+  kh, ka, ksmin, ksmax, kpmin, kpmax, k_first, k_last, k_mid = _block_summary(kp, ks, block_kv)
   e = lambda x: x[:, :, None]
   f = lambda x: x[:, None, :]
-  vis = e(qh) & f(kh) & (e(qsmin) <= f(ksmax)) & (f(ksmin) <= e(qsmax))
+
+  def reach(q_pmin, q_pmax, k_pmin, k_pmax):
+    """Whether positions in these ranges may be in the causal / window mask."""
+    ok = True
+    if causal:
+      ok = f(k_pmin) <= e(q_pmax)
+    if window is not None:
+      ok &= (e(q_pmin) - f(k_pmax)) < window
+    return ok
+
+  # A visible pair shares a segment: the min or max one of both blocks
+  # (judged by that segment's own positions), or one strictly between in
+  # either (judged by the blocks' whole ranges).
+  vis = ((e(q_mid) | f(k_mid)) & (e(qsmin) <= f(ksmax)) & (f(ksmin) <= e(qsmax))
+         & reach(qpmin, qpmax, kpmin, kpmax))
+  for q_seg, (q_lo, q_hi) in ((qsmin, q_first), (qsmax, q_last)):
+    for k_seg, (k_lo, k_hi) in ((ksmin, k_first), (ksmax, k_last)):
+      vis |= (e(q_seg) == f(k_seg)) & reach(q_lo, q_hi, k_lo, k_hi)
+  vis &= e(qh) & f(kh)
   full = (e(qa) & f(ka) & (e(qsmin) == e(qsmax)) & (f(ksmin) == f(ksmax))
           & (e(qsmin) == f(ksmin)))
   if causal:
-    vis &= f(kpmin) <= e(qpmax)
     full &= f(kpmax) <= e(qpmin)
   if window is not None:
-    vis &= (e(qpmin) - f(kpmax)) < window
     full &= (e(qpmax) - f(kpmin)) < window
   nk = vis.shape[-1]
   idx = jnp.arange(nk, dtype=jnp.int32)
@@ -261,13 +290,12 @@ def _mosaic_kernel(meta_ref, q_ref, k_ref, v_ref, qp_ref, qs_ref, kp_ref, ks_ref
            q_bar, k_bar, v_bar, k_free, v_free, sched):
     b = lax.axis_index("batch")
     h = lax.axis_index("heads")
-    t = lax.axis_index("q_seq")
-    if causal and cfg.heavy_first:
-      t = q_ref.shape[1] // (2 * block_q) - 1 - t
+    i = lax.axis_index("q_seq")  # launch slot: the plan's meta is in launch order
+    t = meta_ref[b, i, 2, 2]  # the query tile this slot runs
     wg = lax.axis_index("wg")
     # The CTA's kv range is the union of its two consumers' ranges.
-    lo_cta = meta_ref[b, t, 2, 0]
-    hi_cta = meta_ref[b, t, 2, 1]
+    lo_cta = meta_ref[b, i, 2, 0]
+    hi_cta = meta_ref[b, i, 2, 1]
     n = hi_cta - lo_cta
 
     def sync_sched():
@@ -277,10 +305,10 @@ def _mosaic_kernel(meta_ref, q_ref, k_ref, v_ref, qp_ref, qs_ref, kp_ref, ks_ref
     @pl.when(wg < 2)
     def _consumer():
       plgpu.set_max_registers(232, action="increase")
-      lo = meta_ref[b, t, wg, 0]
-      hi = meta_ref[b, t, wg, 1]
-      flo = meta_ref[b, t, wg, 2]
-      fhi = meta_ref[b, t, wg, 3]
+      lo = meta_ref[b, i, wg, 0]
+      hi = meta_ref[b, i, wg, 1]
+      flo = meta_ref[b, i, wg, 2]
+      fhi = meta_ref[b, i, wg, 3]
       q0 = (2 * t + wg) * block_q
       qo = q_smem.at[wg]
       plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q0, block_q), h], qo, q_bar.at[wg])
@@ -590,7 +618,10 @@ class MosaicPlan(NamedTuple):
   depends on the positions, not on q, k, v: a model builds it once per step,
   not once per layer."""
 
-  meta: jax.Array  # int32 [B, Sq_p / (2 block_q), 3, 4]
+  # int32 [B, Sq_p / (2 block_q), 3, 4], per launch slot (each row's slots in
+  # Config.heavy_first order): consumer 0's and 1's [lo, hi, full_lo,
+  # full_hi) kv block ranges, then the CTA's [lo, hi, query tile, 0].
+  meta: jax.Array
   qp: jax.Array  # int32 [B, Sq_p]
   qs: jax.Array
   kp: jax.Array  # int32 [B, Skv_p]
@@ -626,8 +657,14 @@ def _mosaic_plan(qp, qs, kp, ks, *, cfg: Config, causal: bool, window: int | Non
   per_tile = jnp.clip(per_tile, lo_c[..., None, None], hi_c[..., None, None])
   per_tile = jnp.concatenate([per_tile[..., :1], jnp.maximum(per_tile[..., 1:2], per_tile[..., :1]),
                               jnp.clip(per_tile[..., 2:], per_tile[..., :1], per_tile[..., 1:2])], -1)
-  cta = jnp.stack([lo_c, hi_c, lo_c, hi_c], -1)[:, :, None]
+  tile = jnp.broadcast_to(jnp.arange(nt, dtype=jnp.int32), lo_c.shape)
+  cta = jnp.stack([lo_c, hi_c, tile, jnp.zeros_like(tile)], -1)[:, :, None]
   meta = jnp.concatenate([per_tile, cta], axis=2).astype(jnp.int32)
+  if cfg.heavy_first:
+    # Longest processing time first, per row: a stable sort, so equal tiles
+    # keep their order (an unmasked call's tiles are all equal).
+    order = jnp.argsort(-(hi_c - lo_c), axis=1, stable=True)
+    meta = jnp.take_along_axis(meta, order[:, :, None, None], axis=1)
   return MosaicPlan(meta, qp, qs, kp, ks)
 
 

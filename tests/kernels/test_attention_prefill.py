@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from kernels import attention_prefill as ap
 from mosaic import dsl, registry, target as target_lib, testing
@@ -70,6 +71,50 @@ def test_reference_matches_naive_loop(causal, window, packed):
   testing.assert_close(out, want, jnp.float32)
   if packed:  # padding queries output exactly 0
     assert np.all(np.asarray(out)[0, 21:] == 0)
+
+
+def _exact_ranges(qp, qs, kp, ks, block_q, block_kv, causal, window):
+  """[lo, hi) of the kv blocks holding a visible key, per query block, from
+  the element mask (0, 0 where none), and whether any block holds three or
+  more sequences."""
+  vis = (qs[:, None] == ks[None, :]) & (qs[:, None] != 0)
+  if causal:
+    vis &= kp[None, :] <= qp[:, None]
+  if window is not None:
+    vis &= qp[:, None] - kp[None, :] < window
+  nq, nk = len(qp) // block_q, len(kp) // block_kv
+  blocks = vis.reshape(nq, block_q, nk, block_kv).any((1, 3))
+  lo = np.where(blocks.any(1), blocks.argmax(1), 0)
+  hi = np.where(blocks.any(1), nk - blocks[:, ::-1].argmax(1), 0)
+  crowded = any(len(set(x[i:i + n]) - {0}) > 2 for x, n in ((qs, block_q), (ks, block_kv))
+                for i in range(0, len(x), n))
+  return lo, hi, crowded
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(1, 300), min_size=1, max_size=8), st.booleans(),
+       st.sampled_from([None, 40, 130]), st.sampled_from([64, 128]), st.booleans())
+def test_block_ranges_hold_every_visible_block_and_only_those_of_its_sequences(
+    lengths, causal, window, block_kv, shuffled):
+  # Packed sequences (positions restarting at each, segment ids in packing
+  # order or shuffled), padding after them. The ranges must hold every block
+  # with a visible key; and where no block holds three sequences, they are
+  # exactly the visible blocks' span (a sequence's positions never widen
+  # another's range in a block they share).
+  S = 1536
+  lengths = lengths[:next((i for i in range(len(lengths)) if sum(lengths[:i + 1]) > S),
+                          len(lengths))]
+  ids = np.random.default_rng(len(lengths)).permutation(len(lengths)) + 1 if shuffled else \
+      np.arange(1, len(lengths) + 1)
+  seg = np.concatenate([np.full(n, i) for i, n in zip(ids, lengths)] + [np.zeros(S, int)])[:S]
+  pos = np.concatenate([np.arange(n) for n in lengths] + [np.zeros(S, int)])[:S]
+  got = np.asarray(ap._block_ranges(*(jnp.asarray(x[None], jnp.int32) for x in (pos, seg) * 2),
+                                    64, block_kv, causal, window))[0]
+  lo, hi, crowded = _exact_ranges(pos, seg, pos, seg, 64, block_kv, causal, window)
+  some = hi > lo
+  assert np.all(got[some, 0] <= lo[some]) and np.all(got[some, 1] >= hi[some])
+  if not crowded:
+    np.testing.assert_array_equal(got[some, :2], np.stack([lo, hi], 1)[some])
 
 
 def _case(name):
@@ -168,6 +213,43 @@ def test_a_plan_gives_the_same_output_and_must_fit_the_call():
                   backend="mosaic", causal=True)
   with pytest.raises(ValueError, match="other shapes or another config"):
     ap.attention_prefill_mosaic(q, k, v, plan=short.data, **kw)
+
+
+def test_the_plan_launches_each_rows_longest_tiles_first():
+  # Config.heavy_first: each row's launch slots hold its query tiles sorted by
+  # kv block count, most first; the ranges travel with their tile.
+  def plan(B, S, cfg, **kw):
+    shapes = [jax.ShapeDtypeStruct((B, S, 2, 64), jnp.bfloat16)] * 3
+    return np.asarray(ap.attention_prefill_mosaic_plan(*shapes, config=cfg, **kw).meta)
+
+  seg, pos = _packed([300, 900, 120, 700], 2048)
+  packed = dict(causal=True, q_segment_ids=seg, kv_segment_ids=seg, q_positions=pos,
+                kv_positions=pos)
+  cfg = ap.Config(block_kv=64)
+  in_order = plan(1, 2048, dataclasses.replace(cfg, heavy_first=False), **packed)[0]
+  nt = len(in_order)
+  np.testing.assert_array_equal(in_order[:, 2, 2], np.arange(nt))
+  launched = plan(1, 2048, cfg, **packed)[0]
+  tiles = launched[:, 2, 2]
+  np.testing.assert_array_equal(np.sort(tiles), np.arange(nt))
+  np.testing.assert_array_equal(launched, in_order[tiles])
+  work = launched[:, 2, 1] - launched[:, 2, 0]
+  assert np.all(np.diff(work) <= 0) and work[0] > work[-1]
+  # Packed, that is not the last tile first: the 900-token sequence's tail
+  # leads, and the short sequences' tiles sit with the light ones.
+  assert not np.array_equal(tiles, np.arange(nt)[::-1])
+  # A causal batch runs each row last tile first; an unmasked one in order.
+  causal = plan(2, 512, cfg, causal=True)
+  np.testing.assert_array_equal(causal[:, :, 2, 2], np.tile(np.arange(4)[::-1], (2, 1)))
+  np.testing.assert_array_equal(plan(2, 512, cfg, causal=False)[:, :, 2, 2],
+                                np.tile(np.arange(4), (2, 1)))
+  # The kernel runs the same tiles either way: the outputs are equal exactly.
+  shape, kw, cfg = _case("packed")
+  q, k, v = _qkv(**shape)
+  outs = [ap.attention_prefill_mosaic(q, k, v, config=dataclasses.replace(cfg, heavy_first=h),
+                                      **kw) for h in (False, True)]
+  np.testing.assert_array_equal(np.asarray(outs[0], np.float32), np.asarray(outs[1], np.float32))
+  testing.assert_close(outs[1], ap.attention_prefill_reference(q, k, v, **kw), jnp.bfloat16)
 
 
 @pytest.mark.parametrize("backend", ["xla", "triton"])
