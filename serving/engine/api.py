@@ -17,7 +17,7 @@ import math
 import numbers
 import queue
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
@@ -111,7 +111,8 @@ class SamplingParams:
   top_logprobs: int = 0
   ignore_eos: bool = False
   # (token id, bias) pairs added to the logits before sampling (OpenAI's
-  # logit_bias): -100 all but bans a token, +100 all but forces it.
+  # logit_bias): -100 all but bans a token, +100 all but forces it. A
+  # {token id: bias} mapping is taken as its pairs.
   logit_bias: tuple[tuple[int, float], ...] = ()
   # Only these token ids may be picked (vLLM's allowed_token_ids; empty: any).
   allowed_token_ids: tuple[int, ...] = ()
@@ -135,6 +136,12 @@ class SamplingParams:
 
     # Types first (a JSON front end hands over whatever came): the checks
     # below and the engine's thread assume them.
+    if isinstance(self.logit_bias, Mapping):
+      object.__setattr__(self, "logit_bias", tuple(self.logit_bias.items()))
+    if not all(isinstance(e, Sequence) and len(e) == 2 and integral(e[0])
+               for e in self.logit_bias):
+      raise InvalidRequest("logit_bias must be (token id, bias) pairs or a {token id: bias} "
+                           "mapping")
     for name in ("top_k", "min_tokens", "top_logprobs", "max_tokens", "seed",
                  "truncate_prompt_tokens", "prompt_logprobs"):
       v = getattr(self, name)

@@ -63,6 +63,7 @@ import concurrent.futures
 import dataclasses
 import enum
 import functools
+import itertools
 import logging
 import os
 import queue
@@ -211,8 +212,9 @@ class EngineConfig:
   # N-gram (prompt lookup) speculative decoding, vLLM's "ngram" method. With
   # num_speculative_tokens = k > 0, an iteration whose running requests (at
   # most speculative_max_batch, nothing waiting, no grammar) all decode
-  # drafts up to k tokens for each one with no per-slot sampling state and
-  # no seed (unless greedy): what followed the latest earlier
+  # drafts up to k tokens for each one with no seed (unless greedy; its
+  # penalties, bias and min_tokens apply at each draft's position): what
+  # followed the latest earlier
   # occurrence of its last n tokens (n from prompt_lookup_max down to
   # prompt_lookup_min), in its prompt or output. One call over [last token,
   # drafts] checks them (sampling.verify), a decode step of k + 1 query
@@ -846,13 +848,11 @@ class BatchingEngine(api.Engine):
 
   @staticmethod
   def _drafts(seq: _Seq) -> bool:
-    """Whether a request's tokens may come from drafts: no per-slot sampling
-    state (sampling.verify applies temperature and cuts only), greedy or
-    unseeded (a seeded request's draws must not depend on whether its batch
-    happened to speculate), and not paused (_spec_outcome)."""
+    """Whether a request's tokens may come from drafts: greedy or unseeded (a
+    seeded request's draws must not depend on whether its batch happened to
+    speculate), and not paused (_spec_outcome). (Grammars: _speculates.)"""
     p = seq.params
-    return (not p.slot_state and (p.greedy or p.seed is None)
-            and len(seq.generated) >= seq.spec_resume)
+    return (p.greedy or p.seed is None) and len(seq.generated) >= seq.spec_resume
 
   def _spec_outcome(self, seq: _Seq, gained: bool) -> None:
     """Counts a check of a request's drafts toward its pause
@@ -904,9 +904,12 @@ class BatchingEngine(api.Engine):
     logits = self._checking_call(seqs, tokens, lengths)  # [rows, k + 1, V]
     drafting = [seq if d else None for seq, d in zip(seqs, drafts)] + [None] * (rows - len(seqs))
     arrays, want_lp, _ = self._sampling_inputs(drafting, rows)
+    # Penalties, bias and min_tokens read the slot's state at each position.
+    penalized = any(seq is not None and seq.params.slot_state for seq in drafting)
     checked = sampling.verify_jit(
-        logits, tokens, lengths, arrays, logprobs=want_lp,
-        greedy_only=all(seq is None or seq.params.greedy for seq in drafting))
+        logits, tokens, lengths, arrays, self._counts, self._slot_tokens, logprobs=want_lp,
+        greedy_only=all(seq is None or seq.params.greedy for seq in drafting),
+        penalized=penalized)
     # Rows without drafts: sampled from their only position's logits, as a
     # decode step samples them (penalties, seeds, logprobs and all).
     plain = [seq if not d else None for seq, d in zip(seqs, drafts)] + [None] * (rows - len(seqs))
@@ -921,11 +924,13 @@ class BatchingEngine(api.Engine):
     t_wait = time.perf_counter() - t0 - t_launch
     # Each slot's newest token: the next decode step's input.
     slot_of, newest = np.full((rows,), self.config.max_batch, np.int32), np.zeros((rows,), np.int32)
+    emitted, n_emitted = np.zeros((rows, k1), np.int32), np.zeros((rows,), np.int32)
     for i, (seq, d) in enumerate(zip(seqs, drafts)):
       if not d:
         continue
       a = int(kept[i])
       new = d[:a] + [int(after[i])]
+      emitted[i, :len(new)], n_emitted[i] = new, len(new)
       self.spec_draft_tokens += len(d)
       self.spec_accepted_tokens += a
       self._spec_outcome(seq, a > 0)
@@ -934,6 +939,8 @@ class BatchingEngine(api.Engine):
       self._accept(seq, new, [(lp[0][i, j], lp[1][i, j], lp[2][i, j]) for j in range(len(new))]
                    if lp else None)
     self._last_tok = sampling.set_last(self._last_tok, slot_of, newest)
+    if penalized:  # a decode step counts what it samples; these were taken on the host
+      self._counts = sampling.add_counts(self._counts, slot_of, emitted, n_emitted)
     self._flush_deferred()
     return launched, len(seqs), t_launch, t_wait
 
@@ -1631,10 +1638,11 @@ class BatchingEngine(api.Engine):
         for w in self.table_buckets:
           logits = self.runner.check_prefill(z, zr, zr, np.zeros((rows, w), np.int32), width=k1)
         arrays = sampling.pack([], [], [], [], rows)
-        for greedy_only in (True, False):
-          for lp in (False, True):
-            sampling.verify_jit(logits, z[:, :k1], zr, arrays, greedy_only=greedy_only,
-                                logprobs=lp)
+        for greedy_only, lp, penalized in itertools.product((True, False), repeat=3):
+          sampling.verify_jit(logits, z[:, :k1], zr, arrays, self._counts, self._slot_tokens,
+                              greedy_only=greedy_only, logprobs=lp, penalized=penalized)
+        self._counts = sampling.add_counts(
+            self._counts, np.full((rows,), self.config.max_batch, np.int32), z[:, :k1], zr)
         self._warm_sampling(logits[:, 0], rows)  # the rows without drafts
         self._last_tok = sampling.set_last(
             self._last_tok, np.full((rows,), self.config.max_batch, np.int32), z[:, 0])

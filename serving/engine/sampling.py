@@ -212,8 +212,12 @@ def _allowed(words, vocab: int):
 
 
 def _penalize(logits, s, counts, tok: SlotTokens):
+  return _penalize_rows(logits, s, counts[jnp.maximum(s.slot, 0)], tok)
+
+
+def _penalize_rows(logits, s, c, tok: SlotTokens):
+  """_penalize with each row's generated-token counts ``c`` [B, V] given."""
   rows = jnp.maximum(s.slot, 0)
-  c = counts[rows]  # [B, V]
   f = tok.flags[rows]  # [B, V]
   logits = jnp.where(_allowed(tok.allow[rows], logits.shape[-1]), logits + tok.bias[rows],
                      -jnp.inf)
@@ -259,17 +263,22 @@ def _sample(logits, s: SamplingArrays, counts, tok: SlotTokens, last=None):
   return (tokens, chosen, top_ids, top_lp) + _update(counts, last, s.slot, tokens)
 
 
-def verify(logits, tokens, lengths, s: SamplingArrays, *, greedy_only: bool,
-           logprobs: bool = False):
+def verify(logits, tokens, lengths, s: SamplingArrays, counts=None, tok: SlotTokens | None = None,
+           *, greedy_only: bool, logprobs: bool = False, penalized: bool = False):
   """Speculative sampling of drafted tokens (a checking call's rows).
 
   logits [B, T, V] after each of a row's tokens [B, T] = [its last token,
   drafts...], ``lengths`` [B] = 1 + its number of drafts, ``s`` its sampling
-  rows (no per-slot state: no penalties, bias or min_tokens) -> (accepted
-  [B]: how many leading drafts are kept, token [B]: the one that follows
-  them), and with ``logprobs`` the logprob and MAX_TOP_LOGPROBS best
-  alternatives of each position's token (the kept drafts', then that one's),
-  each [B, T, ...], as a decode step reports them.
+  rows -> (accepted [B]: how many leading drafts are kept, token [B]: the
+  one that follows them), and with ``logprobs`` the logprob and
+  MAX_TOP_LOGPROBS best alternatives of each position's token (the kept
+  drafts', then that one's), each [B, T, ...], as a decode step reports them.
+
+  With ``penalized`` each position's logits first take the row's slot state
+  (``counts`` [slots, V], ``tok``) as a decode step there would: logit bias
+  and allowed ids, penalties over the generated tokens counted with the
+  drafts before that position, the end-token ban while its step is under
+  min_tokens. (A grammar's allow bitmask is per step: such rows never draft.)
 
   A draft is a single guess (a one-hot proposal), so the rule of speculative
   sampling (Leviathan et al. 2023, Chen et al. 2023) reads: draft j is kept
@@ -282,10 +291,17 @@ def verify(logits, tokens, lengths, s: SamplingArrays, *, greedy_only: bool,
   """
   b, t, v = logits.shape
   x = logits.astype(jnp.float32)
-  best = jnp.argmax(x, axis=-1).astype(jnp.int32)  # [B, T]
   drafts = jnp.concatenate([tokens[:, 1:], jnp.zeros((b, 1), tokens.dtype)], axis=1)
   ndraft = jnp.maximum(lengths - 1, 0)
   col = jnp.arange(t)[None, :]
+  # Every (row, position) as one row of sampling arrays: position j is step + j.
+  rows = jnp.repeat(s.rows, t, axis=0)
+  rows = SamplingArrays(rows=rows.at[:, 3].add(jnp.tile(jnp.arange(t, dtype=jnp.int32), b)))
+  if penalized:
+    hot = jax.nn.one_hot(drafts, v, dtype=jnp.int32)  # [B, T, V]
+    c = counts[jnp.maximum(s.slot, 0)][:, None] + jnp.cumsum(hot, axis=1) - hot
+    x = _penalize_rows(x.reshape(b * t, v), rows, c.reshape(b * t, v), tok).reshape(b, t, v)
+  best = jnp.argmax(x, axis=-1).astype(jnp.int32)  # [B, T]
 
   def first_refused(keep):  # [B, T] -> [B]: leading kept drafts
     return jnp.argmin(jnp.where(col < ndraft[:, None], keep, False), axis=1).astype(jnp.int32)
@@ -301,9 +317,6 @@ def verify(logits, tokens, lengths, s: SamplingArrays, *, greedy_only: bool,
   tok_greedy = jnp.take_along_axis(best, a_greedy[:, None], axis=1)[:, 0]
   if greedy_only:
     return out(a_greedy, tok_greedy)
-  # Every (row, position) as one row of the cut: position j draws at step + j.
-  rows = jnp.repeat(s.rows, t, axis=0)
-  rows = SamplingArrays(rows=rows.at[:, 3].add(jnp.tile(jnp.arange(t, dtype=jnp.int32), b)))
   order, sl = _cut(x.reshape(b * t, v), rows)
   logp = jax.nn.log_softmax(sl, axis=-1)  # sorted order
   rank = jnp.argmax(order == drafts.reshape(b * t, 1), axis=-1)  # the draft's place
@@ -324,7 +337,17 @@ def verify(logits, tokens, lengths, s: SamplingArrays, *, greedy_only: bool,
 
 greedy = jax.jit(_greedy, donate_argnames=("counts", "last"), static_argnames=("logprobs",))
 sample = jax.jit(_sample, donate_argnames=("counts", "last"))
-verify_jit = jax.jit(verify, static_argnames=("greedy_only", "logprobs"))
+verify_jit = jax.jit(verify, static_argnames=("greedy_only", "logprobs", "penalized"))
+
+
+@functools.partial(jax.jit, donate_argnames=("counts",))
+def add_counts(counts, slots, tokens, n):
+  """Counts the first ``n`` [k] of ``tokens`` [k, T] for ``slots`` [k] (the
+  tokens a checking call emitted; slots out of range are padding)."""
+  k, t = tokens.shape
+  rows = jnp.where((slots >= 0) & (slots < counts.shape[0]), slots, counts.shape[0])
+  add = (jnp.arange(t)[None, :] < n[:, None]).astype(counts.dtype)
+  return counts.at[jnp.repeat(rows, t), tokens.reshape(-1)].add(add.reshape(-1), mode="drop")
 
 
 def step(logits, s: SamplingArrays, i, counts, tok: SlotTokens, last, *, greedy_only: bool,

@@ -791,6 +791,39 @@ def test_ngram_speculation_takes_the_drafts_the_model_agrees_with():
   assert engine.steps == 1 + 4 and engine.stats().pages_in_use == 0
 
 
+def test_ngram_speculation_with_penalties_bias_and_min_tokens():
+  """Requests with per-slot sampling state draft too, and their outputs are
+  plain decoding's: a logit bias that makes the counting model repeat "x",
+  against a frequency penalty that grows with each "x" (each draft position
+  counts the drafts before it, and kept drafts count for later calls); a
+  min_tokens that bans the EOS after "~"; allowed ids."""
+  text = lambda t: [ord(c) for c in t]  # noqa: E731
+  x = ord("x")
+  requests = [(text("wxxxxxxx"), dict(max_tokens=24, logit_bias={x: 25.0},
+                                       frequency_penalty=1.5)),
+              (text("uvwxyz{|}~uvw"), dict(max_tokens=16, min_tokens=12)),
+              (text("abcabcabcab"), dict(max_tokens=10, allowed_token_ids=text("abcz"),
+                                         presence_penalty=0.5))]
+  outs = {}
+  for k in (0, 4):
+    engine = E.tiny_engine(max_batch=4, batch_buckets=(1, 2, 4), num_speculative_tokens=k,
+                           speculative_patience=0)
+    outs[k] = [(ids, f.reason) for ids, f in _spec_run(engine, requests)]
+    assert engine.stats().pages_in_use == 0
+  assert outs[4] == outs[0]
+  assert engine.spec_draft_tokens > 0 and engine.spec_accepted_tokens > 0
+  (xs, _), (tilde, _), (abc, _) = outs[4]
+  # "x" (15 with the bias) until its penalty (1.5 an "x") takes it under the
+  # model's own next byte (10): the fifth is refused, from drafts of "x".
+  assert xs == text("xxxxyz{|}~")
+  assert len(tilde) >= 12 and tilde[:7] == text("xyz{|}~")
+  assert set(abc) <= set(text("abcz"))
+  # Without the state the same prompts give other tokens: it is what decides.
+  plain = [(p, {"max_tokens": kw["max_tokens"]}) for p, kw in requests]
+  engine = E.tiny_engine(max_batch=4, batch_buckets=(1, 2, 4))
+  assert [ids for ids, _ in _spec_run(engine, plain)] != [ids for ids, _ in outs[0]]
+
+
 def test_ngram_speculation_pauses_a_request_whose_drafts_miss():
   """Every draft of this prompt is refused (after byte b it drafts "z", the
   counting model says b + 1): with speculative_patience = 2 the request
@@ -823,8 +856,9 @@ def api_reason(name):
 
 
 def test_ngram_speculation_on_the_llama_decoder():
-  """The tiny Llama, greedy, with n-gram speculation: the same tokens as
-  plain decoding, drafts made, no compile after warm-up, pages back. With
+  """The tiny Llama, greedy (one request with repetition and frequency
+  penalties), with n-gram speculation: the same tokens as plain decoding,
+  drafts made, no compile after warm-up, pages back. With
   k = 3 every checking call is a decode step of 4 query tokens a row (decode
   attention over the pages in place, short rows padded); with k = 8, past the
   decode kernels' 8 queries, the continued-prefill form over gathered pages."""
@@ -836,7 +870,8 @@ def test_ngram_speculation_on_the_llama_decoder():
   # Repeats in the prompts, so that drafts are found from the first step.
   requests = [(base + base[:4], dict(max_tokens=16)),
               (base[3:] * 2, dict(max_tokens=12, logprobs=True, top_logprobs=3)),
-              (rng.integers(0, model.config.vocab_size, 7).tolist() * 3, dict(max_tokens=14))]
+              (rng.integers(0, model.config.vocab_size, 7).tolist() * 3,
+               dict(max_tokens=14, repetition_penalty=1.3, frequency_penalty=0.4))]
   outs, lps = {}, {}
   for k in (0, 3, 8):
     # patience 0: drafting never pauses (found drafts here are luck, not a

@@ -230,32 +230,41 @@ def test_min_tokens_bans_end_tokens_until_reached():
 
 
 
-def _cut_probs(logits, p):
-  """The distribution a row samples from (numpy): its temperature over the
-  reference's allowed set."""
-  allowed = sampling.reference(logits, p, np.zeros(len(logits)), np.zeros(len(logits), bool))
-  x = np.where(allowed, logits.astype(np.float64) / p.temperature, -np.inf)
+def _cut_probs(logits, p, counts=None):
+  """The distribution a row samples from (numpy): its penalized logits (with
+  ``counts`` generated tokens) over its temperature, on the reference's
+  allowed set."""
+  v = len(logits)
+  counts = np.zeros(v) if counts is None else counts
+  allowed = sampling.reference(logits, p, counts, np.zeros(v, bool))
+  x = logits.astype(np.float64) - p.presence_penalty * (counts > 0) - p.frequency_penalty * counts
+  x = np.where(allowed, x / p.temperature, -np.inf)
   e = np.exp(x - x.max())
   return e / e.sum()
 
 
 @pytest.mark.parametrize("p", [api.SamplingParams(temperature=0.9),
                                api.SamplingParams(temperature=1.2, top_k=4),
-                               api.SamplingParams(temperature=0.8, top_p=0.8)])
+                               api.SamplingParams(temperature=0.8, top_p=0.8),
+                               api.SamplingParams(temperature=1.0, presence_penalty=1.0,
+                                                  frequency_penalty=0.5)])
 def test_speculative_sampling_keeps_each_positions_distribution(p):
   """sampling.verify over many rows of the same logits and drafts, each with
   a fresh seed: the first token (the kept draft, or the token drawn after its
   refusal) is distributed as position 0's cut distribution; the second, where
   the first draft was kept, as position 1's, whether it is a second draft or
   kept-or-redrawn (rows with two drafts) or the token drawn after the last
-  draft (rows with one); a draft the cuts remove is never kept."""
+  draft (rows with one); a draft the cuts remove is never kept. With
+  penalties, position 1's distribution is penalized for the first draft."""
   rng = np.random.default_rng(11)
   v, t, n = 8, 3, 24000
   logits = (rng.normal(size=(t, v)) * 1.5).astype(np.float32)
-  probs = [_cut_probs(logits[j], p) for j in range(t)]
+  probs = [_cut_probs(logits[0], p)]
   # Drafts: position 0's likeliest; then position 1's second likeliest (rows
   # i % 3 == 0), none (1), or its least likely, cut by top-k (2).
   d0 = int(np.argmax(probs[0]))
+  logits[1, d0] = logits[1].max() + 0.5  # position 1's likeliest but for a penalty
+  probs.append(_cut_probs(logits[1], p, np.eye(v)[d0]))
   d1, low = int(np.argsort(-probs[1])[1]), int(np.argmin(logits[1]))
   group = np.arange(n) % 3
   tokens = np.zeros((n, t), np.int32)
@@ -263,8 +272,10 @@ def test_speculative_sampling_keeps_each_positions_distribution(p):
   tokens[:, 2] = np.where(group == 0, d1, low)
   lengths = np.where(group == 1, 2, 3).astype(np.int32)
   arrays = sampling.pack([p] * n, rng.integers(0, 2**62, n).tolist(), [5] * n, [0] * n, n)
+  state = dict(counts=jnp.zeros((1, v), jnp.int32), tok=sampling.slot_tokens(1, v),
+               penalized=True) if p.slot_state else {}
   kept, after = map(np.asarray, sampling.verify_jit(
-      np.broadcast_to(logits, (n, t, v)), tokens, lengths, arrays, greedy_only=False))
+      np.broadcast_to(logits, (n, t, v)), tokens, lengths, arrays, greedy_only=False, **state))
   assert kept.min() >= 0 and (kept <= lengths - 1).all()
 
   def tv(sample, ref):
@@ -298,6 +309,61 @@ def test_verify_on_greedy_rows_keeps_drafts_equal_to_the_argmax():
       assert kept[2] == 0 and after[2] == best[2, 0]
 
 
+def test_verify_applies_each_positions_penalties_bias_and_end_ban():
+  """Greedy rows with slot state (repetition / presence / frequency
+  penalties, a logit bias, allowed ids, min_tokens): verify keeps exactly
+  the drafts that one-token-at-a-time sampling (sampling.sample, counts
+  updated as it goes) would emit, and takes its token after them; each
+  position counts the drafts before it. Without the slot state the argmax
+  sequence differs, so the state is what decides."""
+  v, t, eos = 12, 5, 11
+  rng = np.random.default_rng(4)
+  # Token 3 leads at every position, 5 close behind, eos first at position 0.
+  logits = rng.normal(size=(t, v)).astype(np.float32) * 0.3
+  logits[:, 3] += 3.0
+  logits[:, 5] += 2.4
+  logits[0, eos] += 5.0
+  prompt = [3, 1]
+  ps = [api.SamplingParams(repetition_penalty=1.3, presence_penalty=0.4, frequency_penalty=0.5,
+                           min_tokens=2, logit_bias=((7, 1.0),)),
+        api.SamplingParams(frequency_penalty=0.9, allowed_token_ids=(3, 5, 7, 8, eos))]
+  tok = jax.tree.map(lambda *r: jnp.asarray(np.stack(r)), *[
+      sampling.slot_row(v, prompt, {eos}, p.logit_bias, p.allowed_token_ids) for p in ps])
+  counts0 = np.zeros((2, v), np.int32)
+  counts0[:, 8] = 1  # a token generated before this call
+  # One token at a time, as decode steps emit them (step 1 onwards).
+  seq, counts = [], jnp.asarray(counts0)
+  for j in range(t):
+    out = sampling.sample(np.ascontiguousarray(np.repeat(logits[j][None], 2, 0)),
+                          sampling.pack(ps, [0, 0], [1 + j] * 2, [0, 1], 2), counts, tok)
+    seq.append(np.asarray(out[0]))
+    counts = out[4]
+  seq = np.stack(seq, 1)  # [2, t]
+  assert not np.array_equal(seq[0], logits.argmax(-1)) and seq[0, 0] != eos
+  for wrong_at in (None, 2):  # every draft right; the third wrong
+    tokens = np.zeros((2, t), np.int32)
+    tokens[:, 0] = 8
+    tokens[:, 1:] = seq[:, :t - 1]
+    if wrong_at is not None:
+      tokens[:, 1 + wrong_at] = (seq[:, wrong_at] + 1) % v
+    kept, after = map(np.asarray, sampling.verify_jit(
+        np.ascontiguousarray(np.broadcast_to(logits, (2, t, v))), tokens,
+        np.full((2,), t, np.int32), sampling.pack(ps, [0, 0], [1, 1], [0, 1], 2),
+        jnp.asarray(counts0), tok, greedy_only=True, penalized=True))
+    a = t - 1 if wrong_at is None else wrong_at
+    np.testing.assert_array_equal(kept, [a, a])
+    np.testing.assert_array_equal(after, seq[:, a])
+
+
+def test_add_counts_counts_the_emitted_tokens_of_real_slots():
+  counts = sampling.add_counts(jnp.zeros((3, 6), jnp.int32), np.asarray([2, 3, 0], np.int32),
+                               np.asarray([[1, 1, 4], [2, 2, 2], [5, 0, 0]], np.int32),
+                               np.asarray([3, 3, 1], np.int32))
+  want = np.zeros((3, 6), np.int32)
+  want[2, 1], want[2, 4], want[0, 5] = 2, 1, 1  # slot 3 is out of range: padding
+  np.testing.assert_array_equal(np.asarray(counts), want)
+
+
 def test_seeded_sampling_ignores_batch_neighbours():
   v = 64
   rng = np.random.default_rng(2)
@@ -322,10 +388,16 @@ def test_seeded_sampling_ignores_batch_neighbours():
     (dict(top_logprobs=9), "top_logprobs"), (dict(temperature=float("nan")), "temperature"),
     (dict(stop=("",)), "stop"), (dict(min_tokens=-1), "min_tokens"),
     (dict(min_tokens=5, max_tokens=4), "min_tokens"),
+    (dict(logit_bias=(5,)), "pairs"), (dict(logit_bias=((5, 1.0, 2.0),)), "pairs"),
+    (dict(logit_bias={"a": 1.0}), "pairs"),
 ])
 def test_sampling_params_refuse_bad_values(kw, match):
   with pytest.raises(api.InvalidRequest, match=match):
     api.SamplingParams(**kw)
+
+
+def test_logit_bias_may_be_a_mapping():
+  assert api.SamplingParams(logit_bias={5: 1.0, 9: -2.0}).logit_bias == ((5, 1.0), (9, -2.0))
 
 
 @pytest.mark.parametrize("kw,match", [
