@@ -51,9 +51,9 @@ With ``EngineConfig.num_speculative_tokens`` = k > 0 (n-gram speculation),
 an iteration of a few decoding requests first reads the previous step's
 tokens, drafts up to k tokens per request from an earlier occurrence of its
 last few tokens, and checks the drafts in one call over [last token, drafts]
-(sampling.verify): each request takes the drafts the model's distribution
-keeps (greedy: those equal to its argmax; sampled: by speculative sampling)
-plus one token of the model's own.
+(sampling.verify): each request keeps the drafts equal to what it would
+have decoded there (greedy: its argmax; sampled: its draw with that step's
+key) plus one token of the model's own.
 """
 
 from __future__ import annotations
@@ -212,17 +212,16 @@ class EngineConfig:
   # N-gram (prompt lookup) speculative decoding, vLLM's "ngram" method. With
   # num_speculative_tokens = k > 0, an iteration whose running requests (at
   # most speculative_max_batch, nothing waiting, no grammar) all decode
-  # drafts up to k tokens for each one with no seed (unless greedy; its
-  # penalties, bias and min_tokens apply at each draft's position): what
-  # followed the latest earlier
+  # drafts up to k tokens for each one: what followed the latest earlier
   # occurrence of its last n tokens (n from prompt_lookup_max down to
   # prompt_lookup_min), in its prompt or output. One call over [last token,
   # drafts] checks them (sampling.verify), a decode step of k + 1 query
   # tokens a row where k + 1 <= 8 (attention reads the pages in place), else a
   # continued prefill over gathered pages: a request takes the drafts the
-  # model keeps and one token of its own, up to k + 1 tokens a call. A
-  # greedy request's output is what greedy decoding gives, a sampled one's is
-  # distributed as sampling without drafts gives. The other requests take one
+  # model keeps and one token of its own, up to k + 1 tokens a call. Its
+  # output is what decoding without drafts gives: greedy, the argmax's;
+  # sampled, each position's draw with the key and the penalties, bias and
+  # min_tokens a decode step there would use. The other requests take one
   # token from the same call, sampled as usual. Those iterations read their
   # tokens back before the next is dispatched (the next drafts need them);
   # warm-up compiles the checking call's shapes too.
@@ -848,11 +847,9 @@ class BatchingEngine(api.Engine):
 
   @staticmethod
   def _drafts(seq: _Seq) -> bool:
-    """Whether a request's tokens may come from drafts: greedy or unseeded (a
-    seeded request's draws must not depend on whether its batch happened to
-    speculate), and not paused (_spec_outcome). (Grammars: _speculates.)"""
-    p = seq.params
-    return (p.greedy or p.seed is None) and len(seq.generated) >= seq.spec_resume
+    """Whether a request's tokens may come from drafts: not while paused
+    (_spec_outcome). (Grammars: _speculates.)"""
+    return len(seq.generated) >= seq.spec_resume
 
   def _spec_outcome(self, seq: _Seq, gained: bool) -> None:
     """Counts a check of a request's drafts toward its pause
@@ -873,8 +870,8 @@ class BatchingEngine(api.Engine):
   def _run_speculative(self):
     """One checking call for the running requests (their tokens read back):
     [last token, drafts] per row at its next positions. A request with
-    drafts takes those sampling.verify keeps (greedy: the argmax's; sampled:
-    by speculative sampling) and the token after them, with their logprobs if
+    drafts takes those sampling.verify keeps (equal to what it would have
+    decoded there) and the token after them, with their logprobs if
     it asked, read back now; the K/V of refused drafts lie past its computed
     tokens and are overwritten. A request without drafts (none found, or it
     may not draft) has its one token sampled on the device from its first

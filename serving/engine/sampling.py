@@ -18,7 +18,7 @@ decode step can start before the host has read this one's tokens).
 biases or bans: argmax (and logprobs if asked), no sort over the vocabulary. ``step`` is one
 of several decode steps run in one device call (EngineConfig.decode_steps).
 ``verify`` reads a speculative checking call's logits: which drafts each row
-keeps (speculative sampling; the argmax's for greedy rows) and its next token.
+keeps (those equal to what a decode step would draw there) and its next token.
 """
 
 from __future__ import annotations
@@ -251,14 +251,19 @@ def _key(seed, step):
   return jax.random.fold_in(jax.random.fold_in(jax.random.key(seed[0]), seed[1]), step)
 
 
-def _sample(logits, s: SamplingArrays, counts, tok: SlotTokens, last=None):
-  logits = _penalize(logits.astype(jnp.float32), s, counts, tok)
-  argmax = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+def _draw(logits, s: SamplingArrays):
+  """Penalized logits [B, V] -> each row's draw from its cut distribution,
+  keyed by (seed, step): the same logits and step give the same token."""
   order, sl = _cut(logits, s)
   pick = jax.vmap(lambda seed, step, row: jax.random.categorical(_key(seed, step), row))(
       s.seed, s.step, sl)
-  sampled = jnp.take_along_axis(order, pick[:, None], axis=-1)[:, 0].astype(jnp.int32)
-  tokens = jnp.where(s.temperature > 0, sampled, argmax)
+  return jnp.take_along_axis(order, pick[:, None], axis=-1)[:, 0].astype(jnp.int32)
+
+
+def _sample(logits, s: SamplingArrays, counts, tok: SlotTokens, last=None):
+  logits = _penalize(logits.astype(jnp.float32), s, counts, tok)
+  argmax = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  tokens = jnp.where(s.temperature > 0, _draw(logits, s), argmax)
   chosen, top_ids, top_lp = _logprobs(logits, tokens)
   return (tokens, chosen, top_ids, top_lp) + _update(counts, last, s.slot, tokens)
 
@@ -280,14 +285,15 @@ def verify(logits, tokens, lengths, s: SamplingArrays, counts=None, tok: SlotTok
   drafts before that position, the end-token ban while its step is under
   min_tokens. (A grammar's allow bitmask is per step: such rows never draft.)
 
-  A draft is a single guess (a one-hot proposal), so the rule of speculative
-  sampling (Leviathan et al. 2023, Chen et al. 2023) reads: draft j is kept
-  with probability p_j(draft) under the row's temperature and cuts; at the first
-  draft refused, the token is drawn from p_j with the draft taken out; when
-  all are kept, from the next position's p, with the key a decode step at
-  that step would use. Each token is then distributed exactly as sampling
-  without drafts. A greedy row keeps drafts equal to the argmax and takes
-  the argmax after them.
+  Each position draws its token as a decode step at that step would: the
+  same cut distribution, the same key (seed, step + j), the same draw. A
+  row keeps its drafts while they equal those draws and takes the draw at
+  the first that differs (or after the last). Its tokens are therefore the
+  ones decoding without drafts draws, a seeded request's exactly; a draft
+  is kept with probability p_j(draft), as speculative sampling (Leviathan
+  et al. 2023) keeps a one-hot proposal, and a refused one's position
+  yields p_j's draw given that it is not the draft, the residual. A greedy
+  row keeps drafts equal to the argmax and takes the argmax after them.
   """
   b, t, v = logits.shape
   x = logits.astype(jnp.float32)
@@ -317,20 +323,9 @@ def verify(logits, tokens, lengths, s: SamplingArrays, counts=None, tok: SlotTok
   tok_greedy = jnp.take_along_axis(best, a_greedy[:, None], axis=1)[:, 0]
   if greedy_only:
     return out(a_greedy, tok_greedy)
-  order, sl = _cut(x.reshape(b * t, v), rows)
-  logp = jax.nn.log_softmax(sl, axis=-1)  # sorted order
-  rank = jnp.argmax(order == drafts.reshape(b * t, 1), axis=-1)  # the draft's place
-  p_draft = jnp.exp(jnp.take_along_axis(logp, rank[:, None], axis=-1)[:, 0])
-  keys = jax.vmap(_key)(rows.seed, rows.step)
-  u = jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, 1)))(keys)
-  a = first_refused((u < p_draft).reshape(b, t))
-  at = jnp.arange(b) * t + a  # the flat row of each row's position a
-  refused = a < ndraft
-  # Drawn at position a: without the refused draft, or (all kept) as a decode step draws.
-  sl_a = jnp.where(refused[:, None] & (jnp.arange(v)[None, :] == rank[at][:, None]),
-                   -jnp.inf, sl[at])
-  pick = jax.vmap(jax.random.categorical)(keys[at], sl_a)
-  sampled = jnp.take_along_axis(order[at], pick[:, None], axis=-1)[:, 0].astype(jnp.int32)
+  drawn = _draw(x.reshape(b * t, v), rows).reshape(b, t)  # each position's decode-step draw
+  a = first_refused(drafts == drawn)
+  sampled = jnp.take_along_axis(drawn, a[:, None], axis=1)[:, 0]
   hot = s.temperature > 0
   return out(jnp.where(hot, a, a_greedy), jnp.where(hot, sampled, tok_greedy))
 

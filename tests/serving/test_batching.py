@@ -776,11 +776,14 @@ def test_ngram_speculation_takes_the_drafts_the_model_agrees_with():
   for a, b in zip(lps[4], lps[0]):
     assert a.token_id == b.token_id and a.logprob == pytest.approx(b.logprob, abs=1e-5)
     assert [t for t, _ in a.top] == [t for t, _ in b.top]
-  # A seeded sampled request alone drafts nothing (its draws must not depend
-  # on whether its batch speculated): plain decode steps.
-  engine = E.tiny_engine(max_batch=4, batch_buckets=(1, 2, 4), num_speculative_tokens=4)
-  _spec_run(engine, mixed[1:2])
-  assert engine.spec_draft_tokens == 0
+  # A seeded sampled request drafts too: its tokens are its draws with its
+  # steps' keys, whether they came as checked drafts or from decode steps.
+  seeded = [(text("abcdefghabc"), dict(temperature=0.8, seed=7, max_tokens=12))]
+  runs = []
+  for k in (0, 4):
+    engine = E.tiny_engine(max_batch=4, batch_buckets=(1, 2, 4), num_speculative_tokens=k)
+    runs.append(_spec_run(engine, seeded)[0][0])
+  assert runs[1] == runs[0] and engine.spec_accepted_tokens > 0
   # An unseeded one drafts, and keeps the drafts its distribution keeps: on
   # this model (its next byte at 20 logits above the rest) all of them.
   engine = E.tiny_engine(max_batch=4, batch_buckets=(1, 2, 4), num_speculative_tokens=4)
@@ -857,7 +860,8 @@ def api_reason(name):
 
 def test_ngram_speculation_on_the_llama_decoder():
   """The tiny Llama, greedy (one request with repetition and frequency
-  penalties), with n-gram speculation: the same tokens as plain decoding,
+  penalties) and sampled with a seed, with n-gram speculation: the same
+  tokens as plain decoding,
   drafts made, no compile after warm-up, pages back. With
   k = 3 every checking call is a decode step of 4 query tokens a row (decode
   attention over the pages in place, short rows padded); with k = 8, past the
@@ -871,7 +875,8 @@ def test_ngram_speculation_on_the_llama_decoder():
   requests = [(base + base[:4], dict(max_tokens=16)),
               (base[3:] * 2, dict(max_tokens=12, logprobs=True, top_logprobs=3)),
               (rng.integers(0, model.config.vocab_size, 7).tolist() * 3,
-               dict(max_tokens=14, repetition_penalty=1.3, frequency_penalty=0.4))]
+               dict(max_tokens=14, repetition_penalty=1.3, frequency_penalty=0.4)),
+              (base[5:] * 3, dict(max_tokens=12, temperature=0.7, top_k=8, seed=11))]
   outs, lps = {}, {}
   for k in (0, 3, 8):
     # patience 0: drafting never pauses (found drafts here are luck, not a
@@ -897,7 +902,7 @@ def test_ngram_speculation_on_the_llama_decoder():
       assert calls[paged] > 0 and sum(calls.values()) == calls[paged], calls
     assert engine.stats().pages_in_use == 0
   assert outs[3] == outs[0] and outs[8] == outs[0]
-  assert [len(o) for o in outs[3]] == [16, 12, 14]
+  assert [len(o) for o in outs[3]] == [16, 12, 14, 12]
   # The logprobs request's, kept drafts' included, are plain decoding's.
   for k in (3, 8):
     assert [x.token_id for x in lps[k]] == outs[0][1]

@@ -355,6 +355,34 @@ def test_verify_applies_each_positions_penalties_bias_and_end_ban():
     np.testing.assert_array_equal(after, seq[:, a])
 
 
+def test_verify_keeps_sampled_drafts_equal_to_each_steps_own_draw():
+  """Sampled rows (seeded, with cuts): verify's tokens are the draws
+  sampling.sample makes one step at a time with the same seed, so a seeded
+  request gives the same tokens with drafts as without them."""
+  v, t = 30, 5
+  rng = np.random.default_rng(6)
+  logits = rng.normal(size=(t, v)).astype(np.float32) * 2.0
+  ps = [api.SamplingParams(temperature=0.9, seed=5), api.SamplingParams(temperature=1.3, top_k=6,
+                                                                         top_p=0.9, seed=77)]
+  tok = sampling.slot_tokens(2, v)
+  draws = np.stack([np.asarray(sampling.sample(
+      np.ascontiguousarray(np.repeat(logits[j][None], 2, 0)),
+      sampling.pack(ps, [p.seed for p in ps], [3 + j] * 2, [0, 1], 2),
+      jnp.zeros((2, v), jnp.int32), tok)[0]) for j in range(t)], 1)  # [2, t]
+  for wrong_at in (None, 0, 2):
+    tokens = np.zeros((2, t), np.int32)
+    tokens[:, 1:] = draws[:, :t - 1]
+    if wrong_at is not None:
+      tokens[:, 1 + wrong_at] = (draws[:, wrong_at] + 1) % v
+    kept, after = map(np.asarray, sampling.verify_jit(
+        np.ascontiguousarray(np.broadcast_to(logits, (2, t, v))), tokens,
+        np.full((2,), t, np.int32), sampling.pack(ps, [p.seed for p in ps], [3, 3], [0, 1], 2),
+        greedy_only=False))
+    a = t - 1 if wrong_at is None else wrong_at
+    np.testing.assert_array_equal(kept, [a, a])
+    np.testing.assert_array_equal(after, draws[:, a])
+
+
 def test_add_counts_counts_the_emitted_tokens_of_real_slots():
   counts = sampling.add_counts(jnp.zeros((3, 6), jnp.int32), np.asarray([2, 3, 0], np.int32),
                                np.asarray([[1, 1, 4], [2, 2, 2], [5, 0, 0]], np.int32),
