@@ -182,7 +182,8 @@ class EngineConfig:
   # A step's prompt chunks go to the device packed in one row, each causal
   # within itself (the runner's ``prefill_packed``), instead of one row each
   # padded to the longest one's chunk bucket: ragged prompts cost their own
-  # tokens (3 prompts of 700 tokens: 2,112 tokens, not 4 x 2,048). A step
+  # tokens (3 prompts of 700 tokens: 2,112 tokens, not 4 x 2,048, nor
+  # 2 x 4 x 512 when the rows cut them at the bucket below). A step
   # that continues a prompt (a cached prefix, or the rest of a prompt split
   # by the budget) also gathers its rows' pages for attention. Mixed steps
   # keep the row layout.
@@ -1083,6 +1084,27 @@ class BatchingEngine(api.Engine):
     return True
 
   def _schedule_prefills(self, budget: int) -> list[tuple[_Seq, int]]:
+    return self._fit_buckets(self._pick_prefills(budget))
+
+  def _fit_buckets(self, chunks: list[tuple[_Seq, int]]) -> list[tuple[_Seq, int]]:
+    """A prefill call pads each row to the chunk bucket of its longest chunk
+    (x4 apart): 700 tokens run as 2,048. When every chunk is at most twice
+    the bucket below, they are cut to that bucket and the rest goes in the
+    next step's call, at most as large again: the two calls compute at most
+    half the tokens of the one (700 tokens: 512 + 256 or less, not 2,048).
+    Packed calls pad only their total, so keep their chunks."""
+    if self.config.packed_prefill or not chunks:
+      return chunks
+    longest = max(n for _, n in chunks)
+    i = self.chunk_buckets.index(_bucket(longest, self.chunk_buckets))
+    if i == 0 or self.chunk_buckets[i] <= 2 * self.chunk_buckets[i - 1]:
+      return chunks
+    below = self.chunk_buckets[i - 1]
+    if longest > 2 * below:
+      return chunks
+    return [(seq, min(n, below)) for seq, n in chunks]
+
+  def _pick_prefills(self, budget: int) -> list[tuple[_Seq, int]]:
     out = []
     cap = self.config.prefill_chunk
     for seq in self._running:

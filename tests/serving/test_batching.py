@@ -93,6 +93,34 @@ def test_chunked_prefill_and_prefix_cache_keep_outputs(toy):
   assert server.engine.stats().pages_in_use == 0
 
 
+def test_prompts_just_past_a_chunk_bucket_are_cut_to_the_bucket_below():
+  """Chunk buckets 4, 16, 64: a 30-token prompt alone would run padded to 64;
+  it runs as 16 + 14 (two calls of 16); at 40 tokens the two calls (16 + 24
+  in 64) would not save half, so it runs whole. A call of several prompts
+  (rows padded to 4) cuts only when each fits twice the bucket below.
+  Packed calls pad only their total and keep whole chunks. Outputs are
+  greedy decoding's."""
+  from serving.engine import api
+
+  rng = random.Random(3)
+  cfg = dict(max_batch=4, batch_buckets=(1, 2, 4), prefill_chunk=64, min_chunk=4,
+             prefill_rows=4, warmup=False)
+  for prompts, want_calls in (([30], [(1, 16), (1, 16)]), ([40], [(1, 64)]),
+                              ([20, 30], [(4, 16), (4, 16)]), ([20, 40], [(4, 64)])):
+    prompts = [[rng.randrange(256) for _ in range(n)] for n in prompts]
+    engine = E.toy_engine(num_pages=64, page_size=8, **cfg)
+    prefill, calls = engine.runner.prefill, []
+    engine.runner.prefill = lambda t, *a: calls.append(np.shape(t)) or prefill(t, *a)
+    got = _drain_all(engine, [engine.submit(api.Request(f"r{i}", prompt_ids=p, add_bos=False,
+                                                        sampling=api.SamplingParams(
+                                                            max_tokens=4, ignore_eos=True)))
+                              for i, p in enumerate(prompts)])
+    assert got == [reference_greedy(p, 4) for p in prompts]
+    assert calls == want_calls, (len(prompts[0]), calls)
+  engine = E.tiny_engine(packed_prefill=True, **cfg)
+  assert engine._fit_buckets([(None, 30)]) == [(None, 30)]
+
+
 def test_seeded_sampling_is_reproducible_in_any_batch(toy):
   _, c = toy
   kw = dict(temperature=1.0, top_p=0.95, seed=7, max_tokens=10, ignore_eos=True,
@@ -699,7 +727,7 @@ def test_prompt_logprobs_survive_preemption_once_each():
   # scored one (admitted second, 3 pages of prompt) is preempted.
   engine = E.tiny_engine(num_pages=9, page_size=4, max_batch=2, prompt_logprobs=True)
   scores, calls = engine.runner.prefill_scores, []
-  engine.runner.prefill_scores = lambda *a: calls.append(1) or scores(*a)
+  engine.runner.prefill_scores = lambda *a: calls.append(int(a[2][0])) or scores(*a)
   first = engine.submit(api.Request("a", prompt_ids=list(range(97, 105)), add_bos=False,
                                     sampling=api.SamplingParams(max_tokens=20,
                                                                 ignore_eos=True)))
@@ -708,7 +736,8 @@ def test_prompt_logprobs_survive_preemption_once_each():
                                      sampling=api.SamplingParams(max_tokens=6, ignore_eos=True,
                                                                  prompt_logprobs=0)))
   (_, fa), (ids, fb) = _drain_all(engine, [first, scored], finals=True)
-  assert engine.preemptions > 0 and len(calls) == 2  # the prompt scored twice
+  # The prompt scored twice: whole, then again with its tokens since (in chunks).
+  assert engine.preemptions > 0 and calls[0] == len(prompt) and sum(calls[1:]) > len(prompt)
   assert len(engine._by_id) == 0 and engine.stats().pages_in_use == 0
   assert [x.token_id for x in fb.prompt_logprobs] == prompt[1:]
   follows = [b == a + 1 for a, b in zip(prompt, prompt[1:])]
