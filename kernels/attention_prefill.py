@@ -291,7 +291,9 @@ def _mosaic_kernel(meta_ref, q_ref, k_ref, v_ref, qp_ref, qs_ref, kp_ref, ks_ref
     b = lax.axis_index("batch")
     h = lax.axis_index("heads")
     i = lax.axis_index("q_seq")  # launch slot: the plan's meta is in launch order
-    t = meta_ref[b, i, 2, 2]  # the query tile this slot runs
+    # The query tile this slot runs (unmasked, every tile is equal work and
+    # the order is the tiles': no load before the Q copy).
+    t = i if dense else meta_ref[b, i, 2, 2]
     wg = lax.axis_index("wg")
     # The CTA's kv range is the union of its two consumers' ranges.
     lo_cta = meta_ref[b, i, 2, 0]

@@ -270,7 +270,7 @@ def _sample(logits, s: SamplingArrays, counts, tok: SlotTokens, last=None):
 
 def verify(logits, tokens, lengths, s: SamplingArrays, counts=None, tok: SlotTokens | None = None,
            *, greedy_only: bool, logprobs: bool = False, penalized: bool = False):
-  """Speculative sampling of drafted tokens (a checking call's rows).
+  """Which drafted tokens a checking call's rows keep.
 
   logits [B, T, V] after each of a row's tokens [B, T] = [its last token,
   drafts...], ``lengths`` [B] = 1 + its number of drafts, ``s`` its sampling
@@ -304,8 +304,8 @@ def verify(logits, tokens, lengths, s: SamplingArrays, counts=None, tok: SlotTok
   rows = jnp.repeat(s.rows, t, axis=0)
   rows = SamplingArrays(rows=rows.at[:, 3].add(jnp.tile(jnp.arange(t, dtype=jnp.int32), b)))
   if penalized:
-    hot = jax.nn.one_hot(drafts, v, dtype=jnp.int32)  # [B, T, V]
-    c = counts[jnp.maximum(s.slot, 0)][:, None] + jnp.cumsum(hot, axis=1) - hot
+    onehot = jax.nn.one_hot(drafts, v, dtype=jnp.int32)  # [B, T, V]
+    c = counts[jnp.maximum(s.slot, 0)][:, None] + jnp.cumsum(onehot, axis=1) - onehot
     x = _penalize_rows(x.reshape(b * t, v), rows, c.reshape(b * t, v), tok).reshape(b, t, v)
   best = jnp.argmax(x, axis=-1).astype(jnp.int32)  # [B, T]
 
