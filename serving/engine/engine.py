@@ -1091,8 +1091,9 @@ class BatchingEngine(api.Engine):
     (x4 apart): 700 tokens run as 2,048. When every chunk is at most twice
     the bucket below, they are cut to that bucket and the rest goes in the
     next step's call, at most as large again: the two calls compute at most
-    half the tokens of the one (700 tokens: 512 + 256 or less, not 2,048).
-    Packed calls pad only their total, so keep their chunks."""
+    half the tokens of the one (700 tokens with buckets 512 and 2,048: 512,
+    then 188 in a second call of 512, not one call of 2,048). Packed calls
+    pad only their total, so keep their chunks."""
     if self.config.packed_prefill or not chunks:
       return chunks
     longest = max(n for _, n in chunks)
