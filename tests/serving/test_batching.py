@@ -9,6 +9,7 @@ single token.
 
 import concurrent.futures
 import functools
+import itertools
 import random
 
 import numpy as np
@@ -889,9 +890,11 @@ def api_reason(name):
 
 def test_ngram_speculation_on_the_llama_decoder():
   """The tiny Llama, greedy (one request with repetition and frequency
-  penalties) and sampled with a seed, with n-gram speculation: the same
-  tokens as plain decoding,
-  drafts made, no compile after warm-up, pages back. With
+  penalties) and sampled with a seed, with speculation: the same tokens
+  (and logprobs) as plain decoding, drafts kept and refused, no compile
+  after warm-up, pages back. The drafts are plain decoding's own next tokens,
+  the last one wrong every other call (the n-gram drafter is tested apart:
+  on a random model its drafts are rarely right). With
   k = 3 every checking call is a decode step of 4 query tokens a row (decode
   attention over the pages in place, short rows padded); with k = 8, past the
   decode kernels' 8 queries, the continued-prefill form over gathered pages."""
@@ -904,12 +907,13 @@ def test_ngram_speculation_on_the_llama_decoder():
   requests = [(base + base[:4], dict(max_tokens=16)),
               (base[3:] * 2, dict(max_tokens=12, logprobs=True, top_logprobs=3)),
               (rng.integers(0, model.config.vocab_size, 7).tolist() * 3,
-               dict(max_tokens=14, repetition_penalty=1.3, frequency_penalty=0.4)),
+               dict(max_tokens=14, repetition_penalty=1.3, frequency_penalty=0.4, logprobs=True,
+                    top_logprobs=2)),
               (base[5:] * 3, dict(max_tokens=12, temperature=0.7, top_k=8, seed=11))]
   outs, lps = {}, {}
   for k in (0, 3, 8):
-    # patience 0: drafting never pauses (found drafts here are luck, not a
-    # pattern; this checks the checking calls, not when to make them).
+    # patience 0: drafting never pauses (this checks the checking calls, not
+    # when to make them).
     runner, engine = _llama_engine(model, warmup=bool(k), num_speculative_tokens=k,
                                    speculative_patience=0)
     calls = {"check_decode": 0, "check_prefill": 0}
@@ -922,21 +926,32 @@ def test_ngram_speculation_on_the_llama_decoder():
       engine.warmup()
       compiled = _compiled(runner)
       calls = dict.fromkeys(calls, 0)  # the warm-up's calls aside
+      want = {f"r{i}": list(p) + outs[0][i] for i, (p, _) in enumerate(requests)}
+      made = itertools.count()
+
+      def draft(seq, _k=k, want=want, made=made):
+        d = want[seq.req.request_id][len(seq.tokens):len(seq.tokens) + _k]
+        if d and next(made) % 2:
+          d[-1] = (d[-1] + 1) % model.config.vocab_size
+        return d
+      engine._draft = draft
     run = _spec_run(engine, requests, logprobs=True)
-    outs[k], lps[k] = [ids for ids, _, _ in run], run[1][2]
+    outs[k], lps[k] = [ids for ids, _, _ in run], (run[1][2], run[2][2])
     if k:
       assert _compiled(runner) == compiled
-      assert engine.spec_draft_tokens > 0
+      assert engine.spec_accepted_tokens > engine.spec_draft_tokens / 2
+      assert engine.spec_accepted_tokens < engine.spec_draft_tokens
       paged = "check_decode" if k == 3 else "check_prefill"
       assert calls[paged] > 0 and sum(calls.values()) == calls[paged], calls
     assert engine.stats().pages_in_use == 0
   assert outs[3] == outs[0] and outs[8] == outs[0]
   assert [len(o) for o in outs[3]] == [16, 12, 14, 12]
-  # The logprobs request's, kept drafts' included, are plain decoding's.
-  for k in (3, 8):
-    assert [x.token_id for x in lps[k]] == outs[0][1]
-    np.testing.assert_allclose([x.logprob for x in lps[k]], [x.logprob for x in lps[0]],
-                               atol=1e-4)
-    np.testing.assert_allclose([[v for _, v in x.top] for x in lps[k]],
-                               [[v for _, v in x.top] for x in lps[0]], atol=1e-4)
-    assert [[t for t, _ in x.top] for x in lps[k]] == [[t for t, _ in x.top] for x in lps[0]]
+  # The logprobs requests', kept drafts' included, are plain decoding's (the
+  # penalized one's from its penalized distribution, as a decode step's).
+  for k, r in itertools.product((3, 8), (0, 1)):
+    got, want = lps[k][r], lps[0][r]
+    assert [x.token_id for x in got] == outs[0][1 + r]
+    np.testing.assert_allclose([x.logprob for x in got], [x.logprob for x in want], atol=1e-4)
+    np.testing.assert_allclose([[v for _, v in x.top] for x in got],
+                               [[v for _, v in x.top] for x in want], atol=1e-4)
+    assert [[t for t, _ in x.top] for x in got] == [[t for t, _ in x.top] for x in want]
