@@ -328,8 +328,8 @@ def parser() -> argparse.ArgumentParser:
                       "sampling them, computed as a prompt chunk (fewer steps)")
   s.add_argument("--num-speculative-tokens", type=int, default=0,
                  help="n-gram (prompt lookup) speculation: draft up to this many tokens per "
-                      "step from earlier text and check them in one call (small batches; "
-                      "not for seeded sampling, penalties or bias; 0: off)")
+                      "step from earlier text and check them in one call (small batches, "
+                      "no grammars; 0: off)")
   s.add_argument("--prompt-lookup-max", type=int, default=3,
                  help="longest n-gram matched for drafts")
   s.add_argument("--prompt-lookup-min", type=int, default=1,

@@ -1098,10 +1098,8 @@ class BatchingEngine(api.Engine):
       return chunks
     longest = max(n for _, n in chunks)
     i = self.chunk_buckets.index(_bucket(longest, self.chunk_buckets))
-    if i == 0 or self.chunk_buckets[i] <= 2 * self.chunk_buckets[i - 1]:
-      return chunks
-    below = self.chunk_buckets[i - 1]
-    if longest > 2 * below:
+    below = self.chunk_buckets[i - 1] if i else 0
+    if not longest <= 2 * below < self.chunk_buckets[i]:
       return chunks
     return [(seq, min(n, below)) for seq, n in chunks]
 

@@ -387,10 +387,10 @@ def set_allow(tok: SlotTokens, slots, words):
   return dataclasses.replace(tok, allow=tok.allow.at[slots].set(words, mode="drop"))
 
 
-def reference(logits: np.ndarray, p: SamplingParams, counts: np.ndarray,
-              prompt_mask: np.ndarray, ends=(), step: int = 0) -> np.ndarray:
-  """The allowed set after the logit bias, penalties, the end-token ban and
-  cuts for one row, in numpy (tests)."""
+def reference_logits(logits: np.ndarray, p: SamplingParams, counts: np.ndarray,
+                     prompt_mask: np.ndarray, ends=(), step: int = 0) -> np.ndarray:
+  """One row's logits after the logit bias, allowed ids, penalties and the
+  end-token ban, in numpy float64 (tests)."""
   x = logits.astype(np.float64)
   for t, b in p.logit_bias:
     x[t] += b
@@ -402,6 +402,14 @@ def reference(logits: np.ndarray, p: SamplingParams, counts: np.ndarray,
   x = x - p.presence_penalty * (counts > 0) - p.frequency_penalty * counts
   if step < p.min_tokens:
     x[list(ends)] = -np.inf
+  return x
+
+
+def reference(logits: np.ndarray, p: SamplingParams, counts: np.ndarray,
+              prompt_mask: np.ndarray, ends=(), step: int = 0) -> np.ndarray:
+  """The allowed set after ``reference_logits`` and the cuts for one row, in
+  numpy (tests)."""
+  x = reference_logits(logits, p, counts, prompt_mask, ends, step)
   order = np.argsort(-x, kind="stable")
   xs = x[order] / max(p.temperature, 1e-6)
   e = np.exp(xs - xs.max())

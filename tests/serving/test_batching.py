@@ -786,10 +786,8 @@ def test_ngram_speculation_takes_the_drafts_the_model_agrees_with():
   engine = E.tiny_engine(max_batch=4, batch_buckets=(1, 2, 4), num_speculative_tokens=4)
   _spec_run(engine, requests[:1])
   assert engine.steps == 1 + 4  # the prompt's call (its first token), then 4 + 5 x 3 + 4
-  # A seeded sampled request takes one token a call from the same calls
-  # (sampled on the device as usual) while the greedy ones draft, one of them
-  # with logprobs: every output, logprobs included, is what it is without
-  # speculation.
+  # With a seeded sampled request and a greedy one with logprobs beside it:
+  # every output, logprobs included, is what it is without speculation.
   mixed = requests[:1] + [(text("xyz"), dict(temperature=0.8, seed=7, max_tokens=25,
                                              ignore_eos=True)),
                           (text("abcdefghabc"), dict(max_tokens=8, logprobs=True, top_logprobs=2))]

@@ -236,9 +236,9 @@ def _cut_probs(logits, p, counts=None):
   allowed set."""
   v = len(logits)
   counts = np.zeros(v) if counts is None else counts
-  allowed = sampling.reference(logits, p, counts, np.zeros(v, bool))
-  x = logits.astype(np.float64) - p.presence_penalty * (counts > 0) - p.frequency_penalty * counts
-  x = np.where(allowed, x / p.temperature, -np.inf)
+  args = (logits, p, counts, np.zeros(v, bool))
+  x = np.where(sampling.reference(*args), sampling.reference_logits(*args) / p.temperature,
+               -np.inf)
   e = np.exp(x - x.max())
   return e / e.sum()
 
