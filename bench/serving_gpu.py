@@ -304,7 +304,8 @@ def model_flags(ap: argparse.ArgumentParser) -> None:
   ap.add_argument("--decode-prefill-budget", type=int,
                   help="EngineConfig.decode_prefill_budget (prompt tokens per decoding step)")
   ap.add_argument("--prefill-first", action="store_true", help="EngineConfig.prefill_first")
-  ap.add_argument("--packed-prefill", action="store_true", help="EngineConfig.packed_prefill")
+  ap.add_argument("--packed-prefill", action=argparse.BooleanOptionalAction, default=None,
+                  help="EngineConfig.packed_prefill (default: packed where the backend can)")
   ap.add_argument("--compile-threads", type=int,
                   help="EngineConfig.compile_threads (default: one per core, up to 8)")
   ap.add_argument("--prompt-logprobs", action="store_true",

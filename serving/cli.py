@@ -311,9 +311,10 @@ def parser() -> argparse.ArgumentParser:
   s.add_argument("--prefill-first", action="store_true",
                  help="while prompt chunks wait, steps prefill them alone and decoding "
                       "requests wait (more tokens/s for bursts, longer inter-token gaps)")
-  s.add_argument("--packed-prefill", action="store_true",
+  s.add_argument("--packed-prefill", action=argparse.BooleanOptionalAction, default=None,
                  help="prefill a step's prompt chunks packed in one row (ragged prompts "
-                      "cost their own tokens, not the longest one's chunk bucket each)")
+                      "cost their own tokens, not the longest one's chunk bucket each); "
+                      "default: packed wherever the attention backend takes segment ids")
   s.add_argument("--compile-threads", type=int,
                  help="threads compiling the warm-up's shapes side by side (1: one at a time; "
                       "default: one per core, up to 8)")

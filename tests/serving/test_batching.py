@@ -109,7 +109,7 @@ def test_prompts_just_past_a_chunk_bucket_are_cut_to_the_bucket_below():
   for prompts, want_calls in (([30], [(1, 16), (1, 16)]), ([40], [(1, 64)]),
                               ([20, 30], [(4, 16), (4, 16)]), ([20, 40], [(4, 64)])):
     prompts = [[rng.randrange(256) for _ in range(n)] for n in prompts]
-    engine = E.toy_engine(num_pages=64, page_size=8, **cfg)
+    engine = E.toy_engine(num_pages=64, page_size=8, packed_prefill=False, **cfg)
     prefill, calls = engine.runner.prefill, []
     engine.runner.prefill = lambda t, *a: calls.append(np.shape(t)) or prefill(t, *a)
     got = _drain_all(engine, [engine.submit(api.Request(f"r{i}", prompt_ids=p, add_bos=False,
@@ -364,6 +364,18 @@ def test_packed_prefill_keeps_outputs_on_the_llama_decoder():
   assert all(len(o) == 5 for o in outs[True].values())
   with pytest.raises(ValueError, match="packed_prefill: .*no packed prefill"):
     E.toy_engine(packed_prefill=True)
+
+
+def test_prefill_is_packed_by_default_where_the_runner_can():
+  # The counting runner packs; the toy model has no packed step, so by
+  # default it runs rows (asking for packed is an error, above); False
+  # forces rows anywhere.
+  assert E.tiny_engine().packed and not E.tiny_engine(packed_prefill=False).packed
+  assert not E.toy_engine().packed
+  engine = E.tiny_engine(packed_prefill=False, prefill_rows=4, min_chunk=4, prefill_chunk=64)
+  assert engine._fit_buckets([(None, 30)]) == [(None, 16)]
+  assert E.tiny_engine(prefill_rows=4, min_chunk=4, prefill_chunk=64)._fit_buckets(
+      [(None, 30)]) == [(None, 30)]
 
 
 def test_packed_prefill_continues_a_split_prompt_packed():

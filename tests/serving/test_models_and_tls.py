@@ -30,14 +30,15 @@ def test_models_tiny_through_the_server_equals_models_generate(decode_steps):
   with running(engine) as (server, c):
     assert runner._fast is not None
     compiled = engine.counters()["compiled_shapes"]
-    # prefill fresh, and continued at each page-table width (1, 4, 16 pages);
-    # decode; decode_steps steps in one call (greedy, greedy with logprobs,
-    # sampled); no mixed step (mixed_steps off), no packed prefill (off), no
-    # scored prefill (prompt_logprobs off)
-    assert engine.table_buckets == (1, 4, 16)
-    assert compiled == {"prefill": 4, "decode": 1,
+    # prefill packed (the default: the tiny model's attention takes segment
+    # ids), fresh and continued at each page-table width (1, 4, 16 pages), so no
+    # row-layout prefill; decode; decode_steps steps in one call (greedy, greedy
+    # with logprobs, sampled); no mixed step (mixed_steps off), no scored
+    # prefill (prompt_logprobs off)
+    assert engine.packed and engine.table_buckets == (1, 4, 16)
+    assert compiled == {"prefill": 0, "decode": 1,
                         "decode_multi_step": 3 if decode_steps > 1 else 0, "mixed": 0,
-                        "prefill_packed": 0, "prefill_scores": 0,
+                        "prefill_packed": 4, "prefill_scores": 0,
                         "check_prefill": 0, "check_decode": 0}
     assert c.model_info().model_name == model.config.name
     got = [list(c.generate(prompt, max_tokens=8, ignore_eos=True).token_ids) for _ in range(2)]
@@ -96,9 +97,10 @@ def test_warmup_compiles_on_threads_and_then_runs_without_compiling():
       per_pass = [marks[2] - marks[0], marks[3] - marks[2]]
       assert per_pass[0] >= 8 and per_pass[1] == 0, per_pass
       compiled = engine.counters()["compiled_shapes"]
-      # prefill_scores: a chunk of one row, fresh and continued at 3 table widths.
-      assert compiled == {"prefill": 4, "decode": 1, "decode_multi_step": 3, "mixed": 0,
-                          "prefill_packed": 0, "prefill_scores": 4,
+      # prefill_scores: a chunk of one row, fresh and continued at 3 table
+      # widths; other prefills packed (the default), as many.
+      assert compiled == {"prefill": 0, "decode": 1, "decode_multi_step": 3, "mixed": 0,
+                          "prefill_packed": 4, "prefill_scores": 4,
                           "check_prefill": 0, "check_decode": 0}
       got = [list(c.generate(prompt, max_tokens=n, ignore_eos=True).token_ids) for n in (8, 5)]
       assert got == [want, want[:5]]
