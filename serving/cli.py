@@ -90,7 +90,8 @@ def build_engine(a):
     use_compilation_cache(a.compilation_cache)
   spec = None if a.model in (None, "default") else a.model
   extra = {"step_delay": a.step_delay} if a.step_delay else {}
-  return E.model_engine(spec, dtype=a.dtype, num_pages=a.num_pages, page_size=a.page_size,
+  return E.model_engine(spec, dtype=a.dtype, num_pages=a.num_pages,
+                        gpu_memory_utilization=a.gpu_memory_utilization, page_size=a.page_size,
                         kv_cache_dtype=KV_CACHE_DTYPES[a.kv_cache_dtype],
                         attention=a.attention_backend,
                         decode_attention=a.decode_attention_backend, matmul=a.matmul_backend,
@@ -281,7 +282,14 @@ def parser() -> argparse.ArgumentParser:
   s.add_argument("--port", type=int, default=50051, help="0 picks a free port")
   s.add_argument("--max-batch", type=int, default=64)
   s.add_argument("--max-waiting", type=int, default=256)
-  s.add_argument("--num-pages", type=int, default=1024, help="KV pages (page 0 reserved)")
+  s.add_argument("--num-pages", type=int,
+                 help="KV pages (page 0 reserved); default: as many as fit in "
+                      "--gpu-memory-utilization of the device's memory beside the weights, "
+                      "or 1024 where the device reports no memory (the CPU)")
+  s.add_argument("--gpu-memory-utilization", type=float, default=0.8,
+                 help="share of the device's memory for the weights and the KV cache when "
+                      "--num-pages is not given; the rest is for activations and compiler "
+                      "scratch")
   s.add_argument("--page-size", type=int, help="tokens per KV page (default: the kernel's)")
   s.add_argument("--kv-cache-dtype", default="auto", choices=tuple(KV_CACHE_DTYPES),
                  help="KV cache dtype: auto = the model's; fp8 = float8_e4m3fn, half the "

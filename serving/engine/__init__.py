@@ -9,6 +9,8 @@ Constructors:
 
 from __future__ import annotations
 
+import logging
+
 from serving.engine.api import (  # noqa: F401
     Delta, Draining, Engine, EngineFailed, EngineInfo, EngineStats, Failed, Final, FinishReason,
     InvalidRequest, QueueFull, Request, RequestHandle, SamplingParams, StructuredOutputs,
@@ -16,6 +18,8 @@ from serving.engine.api import (  # noqa: F401
 from serving.engine.engine import (  # noqa: F401
     BatchingEngine, EngineConfig, StepRecord, auto_compile_threads)
 from serving.engine.runners import CountingRunner, ModelRunner  # noqa: F401
+
+log = logging.getLogger(__name__)
 
 
 def tiny_engine(*, num_pages: int = 64, page_size: int = 4, max_context: int = 1024,
@@ -42,28 +46,73 @@ def default_page_size() -> int:
     return 64
 
 
-def model_engine(spec: str | None = None, *, dtype: str = "bfloat16", num_pages: int = 1024,
+DEFAULT_NUM_PAGES = 1024  # where the device reports no memory (the CPU)
+
+
+def _memory_stats() -> dict | None:
+  import jax
+
+  return jax.devices()[0].memory_stats()
+
+
+def kv_pages(stats: dict | None, page_bytes: int, fraction: float) -> int | None:
+  """KV pages that fit in ``fraction`` of a device's memory beside what it
+  already holds (the weights): SGLang's static memory fraction. The rest is
+  left to activations and compiler scratch. None where the device reports no
+  memory limit."""
+  if not 0 < fraction <= 1:
+    raise ValueError(f"gpu_memory_utilization={fraction} must be in (0, 1]")
+  if not stats or not stats.get("bytes_limit"):
+    return None
+  free = fraction * stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+  return max(int(free // page_bytes), 0)
+
+
+def model_engine(spec: str | None = None, *, dtype: str = "bfloat16",
+                 num_pages: int | None = DEFAULT_NUM_PAGES, gpu_memory_utilization: float = 0.8,
                  page_size: int | None = None, attention: str | None = None,
                  decode_attention: str | None = None, matmul: str | None = None,
                  step_delay: float = 0.0, kv_cache_dtype: str | None = None,
                  decode_unroll: int | None = None, tp: int = 1, **config) -> BatchingEngine:
   """An engine over ``models.load(spec)``; "toy" and "counting" are the test models.
   ``tp`` > 1: the model's weights and KV cache split over that many devices
-  (Megatron layout), each step running per shard."""
+  (Megatron layout), each step running per shard. ``num_pages=None``: as many
+  KV pages as fit in ``gpu_memory_utilization`` of the device's memory once
+  the weights are on it (``kv_pages``), or DEFAULT_NUM_PAGES where the device
+  reports no memory."""
   if spec in ("toy", "counting"):
     for what, value in (("KV cache dtype", kv_cache_dtype), ("decode_unroll", decode_unroll),
                         ("tensor parallelism", None if tp == 1 else tp)):
       if value is not None:
         raise ValueError(f"the {spec} model has no {what} option")
   if spec == "toy":
-    return toy_engine(num_pages=num_pages, page_size=page_size or 8, **config)
+    return toy_engine(num_pages=num_pages or DEFAULT_NUM_PAGES, page_size=page_size or 8,
+                      **config)
   if spec == "counting":
-    return tiny_engine(num_pages=num_pages, page_size=page_size or 4, step_delay=step_delay,
-                       **config)
+    return tiny_engine(num_pages=num_pages or DEFAULT_NUM_PAGES, page_size=page_size or 4,
+                       step_delay=step_delay, **config)
+  import jax
   import models
 
   model = models.load(spec, dtype=dtype, decode_unroll=decode_unroll, tp=tp)
-  runner = ModelRunner(model, num_pages=num_pages, page_size=page_size or default_page_size(),
+  page_size = page_size or default_page_size()
+  if num_pages is None:
+    two = jax.eval_shape(lambda: model.init_cache(2, page_size=page_size, dtype=kv_cache_dtype))
+    # Per device: the cache splits its heads over the tp devices.
+    page_bytes = sum(x.size * x.dtype.itemsize for x in two) // (2 * tp)
+    stats = _memory_stats()
+    num_pages = kv_pages(stats, page_bytes, gpu_memory_utilization)
+    if num_pages is None:
+      num_pages = DEFAULT_NUM_PAGES
+    elif num_pages < 2:
+      raise ValueError(
+          f"no room for a KV cache in {gpu_memory_utilization:.0%} of the device's "
+          f"{stats['bytes_limit'] / 2**30:.1f} GiB beside the "
+          f"{stats.get('bytes_in_use', 0) / 2**30:.1f} GiB it holds; raise "
+          "gpu_memory_utilization or pass num_pages")
+    log.info("KV cache: %d pages of %d tokens (%.1f GiB a device)", num_pages, page_size,
+             num_pages * page_bytes / 2**30)
+  runner = ModelRunner(model, num_pages=num_pages, page_size=page_size,
                        attention=attention, decode_attention=decode_attention, matmul=matmul,
                        kv_cache_dtype=kv_cache_dtype)
   return BatchingEngine(runner, EngineConfig(**config))

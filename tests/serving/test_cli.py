@@ -190,6 +190,40 @@ def test_serve_kv_cache_dtype_flag():
     cli.parser().parse_args(["serve", "--kv-cache-dtype", "int4"])
 
 
+def test_serve_sizes_the_kv_cache_from_device_memory(monkeypatch):
+  # Without --num-pages the cache takes what --gpu-memory-utilization of the
+  # device leaves beside what it holds: checked against the cache actually
+  # allocated (its bytes fit, one page more would not), at two fractions and
+  # with fp8 pages (half the bytes, twice the pages).
+  from serving import cli
+  from serving import engine as E
+
+  limit, held = 256 * 2**20, 64 * 2**20
+  monkeypatch.setattr(E, "_memory_stats", lambda: {"bytes_limit": limit, "bytes_in_use": held})
+  pages = {}
+  for frac, kv in (("0.8", "auto"), ("0.5", "auto"), ("0.5", "fp8")):
+    a = cli.parser().parse_args(["serve", "--model", "tiny", "--no-warmup", "--page-size", "8",
+                                 "--gpu-memory-utilization", frac, "--kv-cache-dtype", kv])
+    runner = cli.build_engine(a).runner
+    c = runner.cache
+    page_bytes = (c.k.nbytes + c.v.nbytes) // c.num_pages
+    room = float(frac) * limit - held
+    assert c.num_pages == runner.num_pages >= 2
+    assert c.num_pages * page_bytes <= room < (c.num_pages + 1) * page_bytes
+    pages[frac, kv] = c.num_pages
+  assert pages["0.8", "auto"] > pages["0.5", "auto"]
+  assert abs(pages["0.5", "fp8"] - 2 * pages["0.5", "auto"]) <= 1
+  # No room: a clear error; no memory stats (the CPU): the default count.
+  a = cli.parser().parse_args(["serve", "--model", "tiny", "--no-warmup",
+                               "--gpu-memory-utilization", "0.2"])
+  with pytest.raises(ValueError, match="no room for a KV cache"):
+    cli.build_engine(a)
+  monkeypatch.setattr(E, "_memory_stats", lambda: None)
+  assert cli.build_engine(a).runner.num_pages == E.DEFAULT_NUM_PAGES
+  with pytest.raises(ValueError, match="gpu_memory_utilization"):
+    E.kv_pages({"bytes_limit": limit}, 1, 1.5)
+
+
 _BUILD = """
 import sys
 from serving import cli
