@@ -437,6 +437,8 @@ def main(argv=None) -> int:
   a = p.parse_args(argv)
   if a.cmd == "loadgen" and not 0.0 <= a.range_ratio < 1.0:
     p.error(f"--range-ratio must be in [0, 1), got {a.range_ratio}")
+  if a.cmd == "serve" and not 0.0 < a.gpu_memory_utilization <= 1.0:
+    p.error(f"--gpu-memory-utilization must be in (0, 1], got {a.gpu_memory_utilization}")
   if a.cmd == "loadgen" and (a.concurrency is None) == (a.rate is None):
     a.concurrency = a.concurrency or (1 if a.rate is None else None)
   logging.basicConfig(level=logging.INFO if a.verbose or a.cmd == "serve" else logging.WARNING,

@@ -222,6 +222,9 @@ def test_serve_sizes_the_kv_cache_from_device_memory(monkeypatch):
   assert cli.build_engine(a).runner.num_pages == E.DEFAULT_NUM_PAGES
   with pytest.raises(ValueError, match="gpu_memory_utilization"):
     E.kv_pages({"bytes_limit": limit}, 1, 1.5)
+  with pytest.raises(SystemExit) as e:  # a usage error before anything loads
+    cli.main(["serve", "--model", "tiny", "--gpu-memory-utilization", "0"])
+  assert e.value.code == 2
 
 
 _BUILD = """
