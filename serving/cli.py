@@ -287,9 +287,9 @@ def parser() -> argparse.ArgumentParser:
                       "--gpu-memory-utilization of the device's memory beside the weights, "
                       "or 1024 where the device reports no memory (the CPU)")
   s.add_argument("--gpu-memory-utilization", type=float, default=0.8,
-                 help="share of the device's memory for the weights and the KV cache when "
-                      "--num-pages is not given; the rest is for activations and compiler "
-                      "scratch")
+                 help="share of the device memory jax may use (its bytes_limit) for the "
+                      "weights and the KV cache when --num-pages is not given; the rest is "
+                      "for activations and compiler scratch")
   s.add_argument("--page-size", type=int, help="tokens per KV page (default: the kernel's)")
   s.add_argument("--kv-cache-dtype", default="auto", choices=tuple(KV_CACHE_DTYPES),
                  help="KV cache dtype: auto = the model's; fp8 = float8_e4m3fn, half the "

@@ -58,8 +58,10 @@ def _memory_stats() -> dict | None:
 def kv_pages(stats: dict | None, page_bytes: int, fraction: float) -> int | None:
   """KV pages that fit in ``fraction`` of a device's memory beside what it
   already holds (the weights): SGLang's static memory fraction. The rest is
-  left to activations and compiler scratch. None where the device reports no
-  memory limit."""
+  left to activations and compiler scratch. The memory is what jax may use
+  there (``bytes_limit``: with jax's default preallocation, its
+  XLA_PYTHON_CLIENT_MEM_FRACTION share of the card). None where the device
+  reports no memory limit."""
   if not 0 < fraction <= 1:
     raise ValueError(f"gpu_memory_utilization={fraction} must be in (0, 1]")
   if not stats or not stats.get("bytes_limit"):
