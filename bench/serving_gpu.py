@@ -535,6 +535,7 @@ def main():
     try:  # compiles after warm-up would be timed (asked of an engine process too)
       counters = engine.counters()
       summary["compiled_shapes"] = counters["compiled_shapes"]
+      summary["packed_prefill"] = counters["packed_prefill"]  # as resolved by the engine
       summary["mixed_steps_run"] = counters["mixed_steps_run"]
       summary["spec_draft_tokens"] = counters["spec_draft_tokens"]
       summary["spec_accepted_tokens"] = counters["spec_accepted_tokens"]
