@@ -655,9 +655,9 @@ class BatchingEngine(api.Engine):
 
   def counters(self) -> dict:
     """Engine-internal counts for benchmarks and tests: steps, mixed steps run,
-    whether prefill runs packed, the runner's compiled shapes (None where the runner does not say), and
-    the backend compiles of the engine's loop, which starts after warm-up,
-    and their seconds."""
+    whether prefill runs packed, the runner's compiled shapes (None where the
+    runner does not say), and the backend compiles of the engine's loop,
+    which starts after warm-up, and their seconds."""
     shapes = getattr(self.runner, "compiled_shapes", None)
     n, secs = _Compiles.of(self._thread.ident if self._thread is not None else None)
     return {"steps": self.steps, "mixed_steps_run": self.mixed_steps_run,
