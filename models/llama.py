@@ -480,36 +480,14 @@ class Llama(nnx.Module):
     a query block visits only its own row's keys.
     """
     n = tokens.shape[0]
-    r, w = page_table.shape
-    ps = cache.page_size
-    valid = seg > 0
-    rows = page_table[jnp.maximum(seg - 1, 0)]  # each token's row's table [N, W]
-    page, slot = (a.reshape(1, n) for a in _page_slot(tpos[:, None], valid[:, None], rows, ps))
+    page, slot, valid, attend_kv = self._packed_parts(tpos, seg, page_table, cache.page_size,
+                                                      fresh)
     with jax.named_scope("rope"):
       rope = rope_angles(tpos[None], jnp.asarray(rope_inv_freq(self.cfg)))
-    q_masks = dict(q_positions=tpos[None], q_segment_ids=seg[None])
-    if fresh:
-      attention = self._prefill_attention(1, n, n, kv_positions=tpos[None],
-                                          kv_segment_ids=seg[None], **q_masks)
-      attend_kv = lambda q, k, v, kc, vc, layer: attention(q, k, v)
-    else:
-      skv = w * ps
-      kv_pos = jnp.broadcast_to(jnp.arange(skv, dtype=jnp.int32), (r, skv))
-      # Keys each row holds after this chunk: its last token's position + 1.
-      total = jnp.maximum(jax.ops.segment_max(jnp.where(valid, tpos + 1, 0), seg,
-                                              num_segments=r + 1)[1:], 0)
-      kv_seg = (kv_pos < total[:, None]) * jnp.arange(1, r + 1, dtype=jnp.int32)[:, None]
-      attention = self._prefill_attention(1, n, r * skv, kv_positions=kv_pos.reshape(1, -1),
-                                          kv_segment_ids=kv_seg.reshape(1, -1), **q_masks)
-
-      def attend_kv(q, k, v, kc, vc, layer):
-        kg, vg = _gather_pages(kc, vc, layer, page_table, q.dtype)  # [R, W * ps, Hkv, hd]
-        return attention(q, kg.reshape(1, r * skv, *kg.shape[2:]),
-                         vg.reshape(1, r * skv, *vg.shape[2:]))
 
     def attend(block, h, kc, vc, layer, rms_eps):
       q, k, v = block.attn.qkv(h, rope, rms_eps)  # [1, N, H, hd]
-      kc, vc = _write_kv(kc, vc, layer, page, slot, valid[None], k, v)
+      kc, vc = _write_kv(kc, vc, layer, page[None], slot[None], valid[None], k, v)
       with jax.named_scope("attention"):
         o = attend_kv(q, k, v, kc, vc, layer)
       return o.reshape(1, n, -1).astype(h.dtype), kc, vc
@@ -518,6 +496,36 @@ class Llama(nnx.Module):
       x = jnp.take(self.embed[...], tokens[None], axis=0)  # [1, N, D]
     x, cache = self._run_layers(x, cache, attend)
     return self._logits(jnp.take(x[0], last, axis=0)), cache  # [R, vocab]
+
+  def _packed_parts(self, tpos, seg, page_table, ps: int, fresh: bool):
+    """Of packed chunks (tpos/seg [N], page_table [R, W]): each token's K/V
+    page and slot [N], whether it is real [N], and attend_kv(q, k, v, kc, vc,
+    layer) over q/k/v [1, N, ...] (``prefill_packed`` says what it attends)."""
+    n = tpos.shape[0]
+    r, w = page_table.shape
+    valid = seg > 0
+    rows = page_table[jnp.maximum(seg - 1, 0)]  # each token's row's table [N, W]
+    page, slot = (a.reshape(n) for a in _page_slot(tpos[:, None], valid[:, None], rows, ps))
+    q_masks = dict(q_positions=tpos[None], q_segment_ids=seg[None])
+    if fresh:
+      attention = self._prefill_attention(1, n, n, kv_positions=tpos[None],
+                                          kv_segment_ids=seg[None], **q_masks)
+      return page, slot, valid, lambda q, k, v, kc, vc, layer: attention(q, k, v)
+    skv = w * ps
+    kv_pos = jnp.broadcast_to(jnp.arange(skv, dtype=jnp.int32), (r, skv))
+    # Keys each row holds after this chunk: its last token's position + 1.
+    total = jnp.maximum(jax.ops.segment_max(jnp.where(valid, tpos + 1, 0), seg,
+                                            num_segments=r + 1)[1:], 0)
+    kv_seg = (kv_pos < total[:, None]) * jnp.arange(1, r + 1, dtype=jnp.int32)[:, None]
+    attention = self._prefill_attention(1, n, r * skv, kv_positions=kv_pos.reshape(1, -1),
+                                        kv_segment_ids=kv_seg.reshape(1, -1), **q_masks)
+
+    def attend_kv(q, k, v, kc, vc, layer):
+      kg, vg = _gather_pages(kc, vc, layer, page_table, q.dtype)  # [R, W * ps, Hkv, hd]
+      return attention(q, kg.reshape(1, r * skv, *kg.shape[2:]),
+                       vg.reshape(1, r * skv, *vg.shape[2:]))
+
+    return page, slot, valid, attend_kv
 
   def _attention_shapes(self, b, t, skv):
     """q [B, T, Hq, hd] and k/v [B, Skv, Hkv, hd] as shapes (for op.plan)."""
@@ -606,6 +614,45 @@ class Llama(nnx.Module):
     n = bd + b if bd + b <= 8 else -(-(bd + b) // 8) * 8
     rows = jnp.concatenate([rows, jnp.zeros((n - bd - b,), rows.dtype)])
     return self._logits(jnp.take(x[0], rows, axis=0))[:bd + b], cache
+
+  def mixed_packed(self, cache: KVCache, dec_tokens, dec_lengths, dec_table, tokens, tpos, seg,
+                   last, page_table, *, fresh: bool = False):
+    """``mixed`` with the prompt chunks packed in one row, as in
+    ``prefill_packed`` (tokens/tpos/seg [N], last [R], page_table [R, W]):
+    x [1, Bd + N, D]. Returns (logits [Bd + R, vocab]: the decode rows',
+    then each chunk's at its last token; cache)."""
+    cfg = self.cfg
+    if cfg.sliding_window is not None:
+      raise NotImplementedError("mixed steps: sliding-window models decode through the masked "
+                                "prefill attention; run prefill and decode apart")
+    bd, n, r = dec_tokens.shape[0], tokens.shape[0], last.shape[0]
+    ps = cache.page_size
+    dpos = dec_lengths - 1  # [Bd]
+    page, slot, valid, attend_kv = self._packed_parts(tpos, seg, page_table, ps, fresh)
+    dpage, dslot = _page_slot(dpos[:, None], (dpos >= 0)[:, None], dec_table, ps)  # [Bd, 1]
+    flat = lambda d, p: jnp.concatenate([d.reshape(bd), p])[None]  # [1, Bd + N]
+    page, slot, valid_kv = flat(dpage, page), flat(dslot, slot), flat(dpos >= 0, valid)
+    with jax.named_scope("rope"):
+      rope = rope_angles(flat(jnp.maximum(dpos, 0), tpos), jnp.asarray(rope_inv_freq(cfg)))
+
+    def attend(block, h, kc, vc, layer, rms_eps):
+      q, k, v = block.attn.qkv(h, rope, rms_eps)  # [1, Bd + N, H, hd]
+      kc, vc = _write_kv(kc, vc, layer, page, slot, valid_kv, k, v)
+      with jax.named_scope("attention"):
+        od = ops()["attention_decode"](q[0, :bd, None], kc, vc, dec_lengths, dec_table,
+                                       layer=layer)  # [Bd, 1, Hq, hd]
+        op = attend_kv(q[:, bd:], k[:, bd:], v[:, bd:], kc, vc, layer)  # [1, N, Hq, hd]
+      o = jnp.concatenate([od.reshape(bd, -1), op.reshape(n, -1)])
+      return o[None].astype(h.dtype), kc, vc
+
+    with jax.named_scope("embed"):
+      x = jnp.take(self.embed[...], flat(dec_tokens, tokens), axis=0)  # [1, Bd + N, D]
+    x, cache = self._run_layers(x, cache, attend)
+    rows = jnp.concatenate([jnp.arange(bd), bd + last])  # [Bd + R]
+    # As in ``mixed``: past 8 rows, pad to a multiple of 8 for lm_head's tiles.
+    m = bd + r if bd + r <= 8 else -(-(bd + r) // 8) * 8
+    rows = jnp.concatenate([rows, jnp.zeros((m - bd - r,), rows.dtype)])
+    return self._logits(jnp.take(x[0], rows, axis=0))[:bd + r], cache
 
   def decode(self, cache: KVCache, tokens, lengths, page_table):
     """tokens [B, Tq]; lengths [B] include the Tq new tokens -> logits [B, Tq, vocab]."""
@@ -831,6 +878,20 @@ def mixed_step(graphdef, params, cache, dec_tokens, dec_lengths, dec_table, toke
 
   return _maybe_sharded(step, mesh, params, cache, dec_tokens, dec_lengths, dec_table, tokens,
                         positions, lengths, page_table)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "backends", "fresh", "mesh"),
+                   donate_argnames=("cache",))
+def mixed_packed_step(graphdef, params, cache, dec_tokens, dec_lengths, dec_table, tokens, tpos,
+                      seg, last, page_table, *, backends=(), fresh=False, mesh=None):
+  """Llama.mixed_packed: decode rows and packed chunks -> (logits [Bd + R, vocab], cache)."""
+  def step(params, cache, *rest):
+    model = nnx.merge(graphdef, params)
+    with registry.use(**dict(backends)):
+      return model.mixed_packed(cache, *rest, fresh=fresh)
+
+  return _maybe_sharded(step, mesh, params, cache, dec_tokens, dec_lengths, dec_table, tokens,
+                        tpos, seg, last, page_table)
 
 
 def _maybe_sharded(step, mesh, params, cache, *rest):

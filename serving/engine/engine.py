@@ -185,9 +185,10 @@ class EngineConfig:
   # tokens (3 prompts of 700 tokens: 2,112 tokens, not 4 x 2,048, nor
   # 2 x 4 x 512 when the rows cut them at the bucket below). A step
   # that continues a prompt (a cached prefix, or the rest of a prompt split
-  # by the budget) also gathers its rows' pages for attention. Mixed steps
-  # keep the row layout. None: packed wherever the runner can (its prefill
-  # attention takes segment ids); True: packed or an error; False: rows.
+  # by the budget) also gathers its rows' pages for attention; a mixed step's
+  # chunks are packed too where the runner has a packed mixed step. None:
+  # packed wherever the runner can (its prefill attention takes segment
+  # ids); True: packed or an error; False: rows.
   # Measured on an H100, 8B shapes, c=64: the same tokens/s on 512-token
   # prompts, 10.8% more on 256-768-token ones
   # (bench/results/serving_h100/prefill_layouts/).
@@ -487,6 +488,13 @@ class BatchingEngine(api.Engine):
     cap = min(config.decode_prefill_budget or config.prefill_chunk, config.prefill_chunk)
     self._mixed_chunks = tuple(t for t in self.chunk_buckets
                                if t <= _bucket(cap, self.chunk_buckets))
+    # A packed mixed step carries the prompt tokens the step's budget leaves.
+    self._mixed_packed = self.mixed and self.packed and (
+        hasattr(runner, "mixed_packed_slots") or hasattr(runner, "mixed_packed"))
+    total = min(config.decode_prefill_budget or config.budget, config.budget,
+                config.prefill_rows * config.prefill_chunk)
+    self._mixed_packed_ns = tuple(n for n in self.packed_buckets
+                                  if n <= _bucket(total, self.packed_buckets))
     if config.mixed_steps and not self.mixed:
       log.warning("mixed_steps: runner %s has no mixed step; prefill and decode run apart",
                   runner.name)
@@ -1309,14 +1317,24 @@ class BatchingEngine(api.Engine):
     rows, slots, lengths, table = self._decode_inputs(seqs, self.batch_buckets[-1])
     for seq in seqs:
       seq.computed += 1
-    p_tokens, positions, p_lengths, p_table, finishing = self._prefill_inputs(chunks)
-    logits = self._mixed_call(slots, lengths, table, p_tokens, positions, p_lengths, p_table)
+    if self._mixed_packed:
+      tokens, tpos, seg, last, p_table, fresh, finishing = self._packed_inputs(chunks)
+      logits = self._mixed_packed_call(slots, lengths, table, tokens, tpos, seg, last, p_table,
+                                       fresh=fresh)
+    else:
+      p_tokens, positions, p_lengths, p_table, finishing = self._prefill_inputs(chunks)
+      logits = self._mixed_call(slots, lengths, table, p_tokens, positions, p_lengths, p_table)
     return self._sample_rows(rows + finishing, logits, finishing)
 
   def _mixed_call(self, slots, *args):
     if hasattr(self.runner, "mixed_slots"):
       return self.runner.mixed_slots(self._last_tok, slots, *args)
     return self.runner.mixed(sampling.take(self._last_tok, slots), *args)
+
+  def _mixed_packed_call(self, slots, *args, fresh: bool):
+    if hasattr(self.runner, "mixed_packed_slots"):
+      return self.runner.mixed_packed_slots(self._last_tok, slots, *args, fresh=fresh)
+    return self.runner.mixed_packed(sampling.take(self._last_tok, slots), *args, fresh=fresh)
 
   def _decode_inputs(self, seqs: list[_Seq], batch: int | None = None):
     """(rows padded to ``batch`` or the batch bucket, their slots (-1: padding),
@@ -1632,7 +1650,7 @@ class BatchingEngine(api.Engine):
                                        np.zeros((rows,), np.int32), np.zeros((rows, w), np.int32))
         if prefill_tables:
           self._warm_sampling(logits, rows)
-        if self.mixed and t in self._mixed_chunks:
+        if self.mixed and not self._mixed_packed and t in self._mixed_chunks:
           b = self.batch_buckets[-1]
           # Mixed steps split prompts across steps: continued chunks are the rule.
           for pos, w in chunk_tables:
@@ -1642,6 +1660,16 @@ class BatchingEngine(api.Engine):
                 np.zeros((rows, t), np.int32), np.full((rows,), pos, np.int32),
                 np.zeros((rows,), np.int32), np.zeros((rows, w), np.int32))
           self._warm_sampling(logits, b + rows)
+    if self._mixed_packed:  # continued chunks are the rule here too
+      b, rows = self.batch_buckets[-1], self.config.prefill_rows
+      for n in self._mixed_packed_ns:
+        z = np.zeros((n,), np.int32)
+        for pos, w in chunk_tables:
+          logits = self._mixed_packed_call(
+              np.zeros((b,), np.int32), np.zeros((b,), np.int32),
+              np.zeros((b, table_w), np.int32), z, z, z, np.zeros((rows,), np.int32),
+              np.zeros((rows, w), np.int32), fresh=pos == 0)
+      self._warm_sampling(logits, b + rows)
     if self.config.prompt_logprobs:  # a scored chunk is a call of one row
       rows = self.row_buckets[0]
       for t in self.chunk_buckets:
@@ -1677,7 +1705,8 @@ class BatchingEngine(api.Engine):
             + len(self.chunk_buckets) * len(chunk_tables) * self.config.prompt_logprobs
             + len(self._spec_rows) * (len(self.table_buckets) + self._check_paged) * bool(
                 self.config.num_speculative_tokens),
-            len(self.row_buckets) * len(self._mixed_chunks) * len(chunk_tables) * self.mixed)
+            (len(self._mixed_packed_ns) if self._mixed_packed else
+             len(self.row_buckets) * len(self._mixed_chunks)) * len(chunk_tables) * self.mixed)
 
   def _warm_sampling(self, logits, b):
     arrays = sampling.pack([], [], [], [], b)

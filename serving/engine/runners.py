@@ -186,6 +186,14 @@ class ModelRunner:
                               dec_host[:, 1], dec_host[:, 2:], *chunk_rows(host, chunk),
                               backends=mb, fresh=fresh, mesh=mesh)
 
+    @functools.partial(jax.jit, static_argnames=("fresh",), donate_argnums=(1,))
+    def mixed_packed(params, cache, last, dec_host, tokens_pos_seg, last_table, fresh=False):
+      tokens, tpos, seg = tokens_pos_seg
+      return llama.mixed_packed_step(graphdef, params, cache, sampling.take(last, dec_host[:, 0]),
+                                     dec_host[:, 1], dec_host[:, 2:], tokens, tpos, seg,
+                                     last_table[:, 0], last_table[:, 1:], backends=mb,
+                                     fresh=fresh, mesh=mesh)
+
     @functools.partial(jax.jit, static_argnames=("chunk", "fresh"), donate_argnums=(1,))
     def prefill_scores(params, cache, host, targets, chunk, fresh=False):
       kw = {"fresh": fresh} if has_fresh else {}
@@ -211,7 +219,7 @@ class ModelRunner:
                                host[:, tq + 1:], backends=db, mesh=mesh)
 
     return (prefill, decode, decode_multi, mixed, prefill_packed, prefill_scores, check_prefill,
-            check_decode)
+            check_decode, mixed_packed)
 
   def prefill(self, tokens, positions, lengths, page_table):
     if self._fast is not None:
@@ -279,7 +287,7 @@ class ModelRunner:
     if self._fast is None:
       return None
     names = ("prefill", "decode", "decode_multi_step", "mixed", "prefill_packed",
-             "prefill_scores", "check_prefill", "check_decode")
+             "prefill_scores", "check_prefill", "check_decode", "mixed_packed")
     return {name: f._cache_size() for name, f in zip(names, self._fast)}
 
   @functools.cached_property
@@ -372,6 +380,16 @@ class ModelRunner:
         fresh=not np.any(positions))
     return logits
 
+  def mixed_packed_slots(self, last, slots, dec_lengths, dec_table, tokens, tpos, seg,
+                         last_idx, page_table, fresh=False):
+    """``mixed_slots`` with the prompt chunks packed in one row, as
+    ``prefill_packed`` takes them: logits [Bd + R, V]."""
+    logits, self.cache = self._fast[8](
+        self.model.params, self.cache, last, _side_by_side(slots, dec_lengths, dec_table),
+        np.stack([tokens, tpos, seg]).astype(np.int32), _side_by_side(last_idx, page_table),
+        fresh=fresh)
+    return logits
+
   def decode_multi(self, slots, lengths, page_table, arrays, counts, slot_tokens, last, *,
                    steps: int, greedy_only: bool, logprobs: bool):
     """``steps`` decode steps with on-device sampling in one call (models.Model only),
@@ -460,3 +478,10 @@ class CountingRunner:
     del dec_lengths, dec_table, positions, page_table
     time.sleep(self.step_delay)  # one call, one delay
     return self._logits(np.concatenate([np.asarray(dec_tokens), self._chunk_last(tokens, lengths)]))
+
+  def mixed_packed(self, dec_tokens, dec_lengths, dec_table, tokens, tpos, seg, last, page_table,
+                   fresh=False):
+    del dec_lengths, dec_table, tpos, seg, page_table, fresh
+    time.sleep(self.step_delay)
+    return self._logits(np.concatenate([np.asarray(dec_tokens),
+                                        np.asarray(tokens)[np.asarray(last)]]))

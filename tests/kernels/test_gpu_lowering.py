@@ -465,7 +465,8 @@ def _llama_8b(cache_dtype="bfloat16", folded=False, decode_append=True):
     ("decode", "bfloat16", False, 64), ("prefill", "bfloat16", False, 1),
     ("decode", "float8_e4m3fn", False, 64), ("decode", "bfloat16", True, 1),
     ("decode", "bfloat16", True, 64), ("prefill", "bfloat16", True, 1),
-    ("prefill_packed", "bfloat16", True, 4), ("prefill_packed_continued", "bfloat16", True, 4)])
+    ("prefill_packed", "bfloat16", True, 4), ("prefill_packed_continued", "bfloat16", True, 4),
+    ("mixed_packed", "bfloat16", True, 4)])
 def test_llama_8b_steps_lower_for_h200_on_mosaic_kernels(step, cache_dtype, folded, b):
   llama, graphdef, params, cache = _llama_8b(cache_dtype, folded)
   names = llama.backends(attention_prefill="mosaic", attention_decode="mosaic",
@@ -473,7 +474,14 @@ def test_llama_8b_steps_lower_for_h200_on_mosaic_kernels(step, cache_dtype, fold
   # Packed: b prompts' 2048 tokens in one row (attention by segment ids);
   # continued, over their 16 pages each laid end to end.
   t, width = (1, 64) if step == "decode" else (2048 // b, 32)
-  if step == "decode":
+  logit_rows = b
+  if step == "mixed_packed":  # 64 decode rows and 4 continued chunks of 32 tokens, packed
+    t, logit_rows = 32, 72  # 64 + 4 rows, padded to 8 for lm_head
+    fn = lambda p, c, dt, dl, dtab, tok, tpos, seg, last, tab: llama.mixed_packed_step(
+        graphdef, p, c, dt, dl, dtab, tok, tpos, seg, last, tab, backends=names, fresh=False)
+    args = ((S((64,), I32), S((64,), I32), S((64, 64), I32)) + (S((b * t,), I32),) * 3
+            + (S((b,), I32), S((b, 16), I32)))
+  elif step == "decode":
     fn = lambda p, c, tok, n, tab: llama.decode_step(graphdef, p, c, tok, n, tab, backends=names)
     args = (S((b, 1), I32), S((b,), I32), S((b, width), I32))
   elif step.startswith("prefill_packed"):
@@ -489,10 +497,13 @@ def test_llama_8b_steps_lower_for_h200_on_mosaic_kernels(step, cache_dtype, fold
   # In the layer scan: the norm (both norms call one kernel), qkv, attention,
   # o, gate_up with the SwiGLU gate, down; after it the final norm and lm_head.
   # Folded norms: no norm kernel in the layer (qkv and gate_up normalize).
-  lowered = _lower(fn, params, cache, *args, kernels=7 if folded else 8)
-  rows = b * t
+  # A mixed step runs decode attention too.
+  lowered = _lower(fn, params, cache, *args,
+                   kernels=(7 if folded else 8) + (step == "mixed_packed"))
+  rows = b * t + (64 if step == "mixed_packed" else 0)
   outs = " ".join(lowered.kernel_results)
-  for want in (f"{rows}x6144xbf16", f"{rows}x14336xbf16", f"{b}x128256xf32"):
+  # (qkv's split-K partials at 192 rows: 2x192x6144xf32)
+  for want in (f"{rows}x6144x", f"{rows}x14336xbf16", f"{logit_rows}x128256xf32"):
     assert want in outs, (want, lowered.kernel_results)
 
 
@@ -534,7 +545,7 @@ def _primitives(jaxpr) -> list[str]:
 
 
 @pytest.mark.parametrize("step", ["prefill_continued", "mixed", "prefill_packed",
-                                  "prefill_packed_continued"])
+                                  "prefill_packed_continued", "mixed_packed"])
 def test_fa3_block_ranges_are_planned_once_per_step_not_per_layer(step):
   # The FA3 kernel's kv block ranges depend on positions only. Built inside
   # the layer scan, XLA's GPU pipeline left them there (5 small kernels a
@@ -547,6 +558,11 @@ def test_fa3_block_ranges_are_planned_once_per_step_not_per_layer(step):
         graphdef, p, c, dt, dl, dtab, tok, pos, n, tab, backends=names)
     args = (S((64,), I32), S((64,), I32), S((64, 64), I32), S((1, 128), I32), S((1,), I32),
             S((1,), I32), S((1, 16), I32))
+  elif step == "mixed_packed":  # 64 decode rows and 128 continued prompt tokens
+    fn = lambda p, c, dt, dl, dtab, tok, tpos, seg, last, tab: llama.mixed_packed_step(
+        graphdef, p, c, dt, dl, dtab, tok, tpos, seg, last, tab, backends=names)
+    args = ((S((64,), I32), S((64,), I32), S((64, 64), I32)) + (S((128,), I32),) * 3
+            + (S((4,), I32), S((4, 16), I32)))
   elif step.startswith("prefill_packed"):  # 2048 prompt tokens in one row, segment ids
     fresh = step == "prefill_packed"
     fn = lambda p, c, tok, tpos, seg, last, tab: llama.prefill_packed_step(

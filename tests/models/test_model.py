@@ -388,6 +388,45 @@ def test_packed_continued_chunks_equal_row_prefill(tiny):
                          what=f"packed continued cache {name}")
 
 
+@pytest.mark.parametrize("fresh, pad_rows", [(True, 1), (False, 6)])
+def test_mixed_packed_step_equals_decode_then_packed_prefill(tiny, fresh, pad_rows):
+  """Decode rows and packed prompt chunks in one call give the logits and the
+  cache of a decode call, then a packed prefill call. Not fresh: the second
+  chunk continues a prompt whose first 4 tokens are in the cache."""
+  rng = np.random.default_rng()
+  ps, per_seq = 4, 6
+  pages = rng.permutation(np.arange(1, 1 + per_seq * 4)).reshape(4, per_seq).astype(np.int32)
+  cache = tiny.init_cache(1 + per_seq * 4, ps)
+  cached = 0 if fresh else 4
+  prompts = [rng.integers(3, 259, n).astype(np.int32) for n in (6, 9)]  # rows 0, 1: decoding
+  chunks = [rng.integers(3, 259, 7).astype(np.int32), rng.integers(3, 259, 10).astype(np.int32)]
+  toks = np.zeros((3, 9), np.int32)
+  toks[0, :6], toks[1, :9], toks[2, :cached] = prompts[0], prompts[1], chunks[1][:cached]
+  _, cache = tiny.prefill(cache, toks, [0, 0, 0], [6, 9, cached], pages[[0, 1, 3]])
+  dec_tokens = np.asarray([11, 12] + [0] * pad_rows, np.int32)
+  dec_lengths = np.asarray([7, 10] + [0] * pad_rows, np.int32)
+  dec_table = np.stack([pages[0], pages[1]] + [np.zeros(per_seq, np.int32)] * pad_rows)
+  packed = _packed([chunks[0], chunks[1][cached:]], 24, [0, cached])
+  table = np.concatenate([pages[[2, 3]], np.zeros((1, per_seq), np.int32)])
+
+  ref_cache = jax.tree.map(jnp.copy, cache)
+  dec_ref, ref_cache = llama.decode_step(tiny.graphdef, tiny.params, ref_cache,
+                                         jnp.asarray(dec_tokens)[:, None], dec_lengths, dec_table)
+  pre_ref, ref_cache = llama.prefill_packed_step(tiny.graphdef, tiny.params, ref_cache, *packed,
+                                                 table, fresh=fresh)
+  got, cache = llama.mixed_packed_step(tiny.graphdef, tiny.params, cache, dec_tokens,
+                                       dec_lengths, dec_table, *packed, table, fresh=fresh)
+  bd = 2 + pad_rows
+  assert got.shape == (bd + 3, tiny.config.vocab_size)
+  want = np.concatenate([np.asarray(dec_ref[:, 0]), np.asarray(pre_ref)])
+  live = [0, 1, bd, bd + 1]
+  testing.assert_close(np.asarray(got)[live], want[live], dtype=jnp.float32,
+                       what="mixed packed logits")
+  for name in ("k", "v"):
+    testing.assert_close(np.asarray(getattr(cache, name)), np.asarray(getattr(ref_cache, name)),
+                         dtype=jnp.float32, what=f"mixed packed cache {name}")
+
+
 @pytest.mark.parametrize("folded", [True, False])
 def test_layers_read_their_weight_stacks_in_place(tiny, monkeypatch, folded):
   """Inside the layer scan every matmul and rms_norm gets the whole [layers, ...]

@@ -421,9 +421,11 @@ def test_packed_prefill_continues_a_split_prompt_packed():
   assert all(len(o) == 3 for o in outs[True])
 
 
-def test_mixed_steps_keep_outputs_on_the_llama_decoder():
+@pytest.mark.parametrize("packed", [True, False])
+def test_mixed_steps_keep_outputs_on_the_llama_decoder(packed):
   """mixed_steps: prompts arriving while others decode share their steps (one
-  call for both); greedy tokens must not change, and pages come back."""
+  call for both, its chunks packed in one row or padded rows); greedy tokens
+  must not change, and pages come back."""
   import models
   from serving.engine import api
 
@@ -432,23 +434,30 @@ def test_mixed_steps_keep_outputs_on_the_llama_decoder():
   outs, calls = {}, {}
   for mixed in (False, True):
     runner, engine = _llama_engine(model, prefill_rows=2, decode_prefill_budget=16,
-                                   warmup=mixed, mixed_steps=mixed)
+                                   warmup=mixed, mixed_steps=mixed, packed_prefill=packed)
     if mixed:
       engine.warmup()  # the mixed shapes too: steady state must not compile
       compiled = _compiled(runner)
-      widths, run_mixed = [], runner.mixed_slots
+      widths, name = [], "mixed_packed_slots" if packed else "mixed_slots"
+      run_mixed = getattr(runner, name)
 
-      def spy(*args):  # last, slots, decode lengths and table, then the chunks'
-        positions, lengths, table = args[5:]
+      def spy(*args, **kw):  # last, slots, decode lengths and table, then the chunks'
+        if packed:
+          _, tpos, seg, _, table = args[4:]
+          kv_end = int(np.where(seg > 0, tpos + 1, 0).max())
+          continued = not kw["fresh"]
+        else:
+          positions, lengths, table = args[5:]
+          kv_end, continued = int((positions + lengths).max()), positions.any()
         # A continued chunk gets the bucketed width its rows need, not the
         # whole context's (its attention gathers that many pages per row).
-        if positions.any():
-          need = -(-int((positions + lengths).max()) // engine.page_size)
+        if continued:
           widths.append(table.shape[1])
+          need = -(-kv_end // engine.page_size)
           assert table.shape[1] in engine.table_buckets and table.shape[1] >= need
-        return run_mixed(*args)
+        return run_mixed(*args, **kw)
 
-      runner.mixed_slots = spy
+      setattr(runner, name, spy)
     sub = lambda i: engine.submit(api.Request(  # noqa: E731
         f"r{i}", prompt_ids=prompts[i], add_bos=False,
         sampling=api.SamplingParams(max_tokens=6, ignore_eos=True)))
@@ -661,15 +670,17 @@ def _reference_logprobs(model, prompt):
       -1, keepdims=True)
 
 
-@pytest.mark.parametrize("layout", [{}, {"packed_prefill": True}, {"mixed_steps": True}],
-                         ids=["rows", "packed", "mixed"])
+@pytest.mark.parametrize("layout", [{"packed_prefill": False}, {}, {"mixed_steps": True},
+                                    {"mixed_steps": True, "packed_prefill": False}],
+                         ids=["rows", "packed", "mixed_packed", "mixed_rows"])
 def test_prompt_logprobs_on_the_llama_decoder(layout):
   """prompt_logprobs=3: entry i is prompt token i + 1's logprob given tokens
   0..i, with the 3 likeliest tokens there, as a float32 forward over the whole
   prompt says. A 100-token prompt is scored in two chunks (64, then 36 over
   the cache) beside a plain request with the same prompt, which gets no
   scores; a third request's prompt arrives while the second chunk is due and
-  keeps its call layout (rows, packed, or mixed with the decodes). Every
+  keeps its call layout (rows, packed, or mixed with the decodes, packed or
+  in rows). Every
   completion equals a lone request's. The scored request reads nothing from
   the prefix cache."""
   import models

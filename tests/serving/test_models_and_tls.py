@@ -39,7 +39,7 @@ def test_models_tiny_through_the_server_equals_models_generate(decode_steps):
     assert compiled == {"prefill": 0, "decode": 1,
                         "decode_multi_step": 3 if decode_steps > 1 else 0, "mixed": 0,
                         "prefill_packed": 4, "prefill_scores": 0,
-                        "check_prefill": 0, "check_decode": 0}
+                        "check_prefill": 0, "check_decode": 0, "mixed_packed": 0}
     assert c.model_info().model_name == model.config.name
     got = [list(c.generate(prompt, max_tokens=8, ignore_eos=True).token_ids) for _ in range(2)]
     assert got == [want, want]
@@ -101,7 +101,7 @@ def test_warmup_compiles_on_threads_and_then_runs_without_compiling():
       # widths; other prefills packed (the default), as many.
       assert compiled == {"prefill": 0, "decode": 1, "decode_multi_step": 3, "mixed": 0,
                           "prefill_packed": 4, "prefill_scores": 4,
-                          "check_prefill": 0, "check_decode": 0}
+                          "check_prefill": 0, "check_decode": 0, "mixed_packed": 0}
       got = [list(c.generate(prompt, max_tokens=n, ignore_eos=True).token_ids) for n in (8, 5)]
       assert got == [want, want[:5]]
       # Sampled, with and without logprobs: the variants the warm-up compiled.
