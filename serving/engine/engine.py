@@ -29,7 +29,8 @@ has prefill chunks: decoding requests keep their pages and wait.
 
 A prefill batch goes to the device as one row of its chunks' tokens (segment
 ids keep each chunk's attention to its own sequence) wherever the runner can
-(``EngineConfig.packed_prefill``), else as one padded row each.
+(``EngineConfig.packed_prefill``), else as one padded row each; a mixed
+step's chunks too.
 
 With ``EngineConfig.decode_steps`` = n > 1, an iteration with no prompt
 waiting runs n decode steps in one device call (sampling on the device, each
