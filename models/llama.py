@@ -366,6 +366,15 @@ class Llama(nnx.Module):
 
   # -- pieces shared by prefill and decode
 
+  def _row_logits(self, x, rows):
+    """Logits [R, vocab] of x[rows] (x [N, D]). The lm_head matmul tiles rows
+    by 8 (TMA): past 8 rows, the rows are padded with row 0 up to a multiple
+    of 8 and those logits dropped."""
+    r = rows.shape[0]
+    m = r if r <= 8 else -(-r // 8) * 8
+    rows = jnp.concatenate([rows, jnp.zeros((m - r,), rows.dtype)])
+    return self._logits(jnp.take(x, rows, axis=0))[:r]
+
   def _logits(self, x):
     """x [..., D] -> [..., vocab] float32."""
     with jax.named_scope("final_norm"):
@@ -608,12 +617,7 @@ class Llama(nnx.Module):
       x = jnp.take(self.embed[...], flat(dec_tokens, tokens), axis=0)  # [1, N, D]
     x, cache = self._run_layers(x, cache, attend)
     last = bd + jnp.arange(b) * t + jnp.maximum(lengths - 1, 0)
-    rows = jnp.concatenate([jnp.arange(bd), last])  # [Bd + B]
-    # The lm_head matmul tiles rows by 8 (TMA): past 8 rows, pad with row 0
-    # up to a multiple of 8; those logits are dropped.
-    n = bd + b if bd + b <= 8 else -(-(bd + b) // 8) * 8
-    rows = jnp.concatenate([rows, jnp.zeros((n - bd - b,), rows.dtype)])
-    return self._logits(jnp.take(x[0], rows, axis=0))[:bd + b], cache
+    return self._row_logits(x[0], jnp.concatenate([jnp.arange(bd), last])), cache  # [Bd + B]
 
   def mixed_packed(self, cache: KVCache, dec_tokens, dec_lengths, dec_table, tokens, tpos, seg,
                    last, page_table, *, fresh: bool = False):
@@ -625,7 +629,7 @@ class Llama(nnx.Module):
     if cfg.sliding_window is not None:
       raise NotImplementedError("mixed steps: sliding-window models decode through the masked "
                                 "prefill attention; run prefill and decode apart")
-    bd, n, r = dec_tokens.shape[0], tokens.shape[0], last.shape[0]
+    bd, n = dec_tokens.shape[0], tokens.shape[0]
     ps = cache.page_size
     dpos = dec_lengths - 1  # [Bd]
     page, slot, valid, attend_kv = self._packed_parts(tpos, seg, page_table, ps, fresh)
@@ -648,11 +652,7 @@ class Llama(nnx.Module):
     with jax.named_scope("embed"):
       x = jnp.take(self.embed[...], flat(dec_tokens, tokens), axis=0)  # [1, Bd + N, D]
     x, cache = self._run_layers(x, cache, attend)
-    rows = jnp.concatenate([jnp.arange(bd), bd + last])  # [Bd + R]
-    # As in ``mixed``: past 8 rows, pad to a multiple of 8 for lm_head's tiles.
-    m = bd + r if bd + r <= 8 else -(-(bd + r) // 8) * 8
-    rows = jnp.concatenate([rows, jnp.zeros((m - bd - r,), rows.dtype)])
-    return self._logits(jnp.take(x[0], rows, axis=0))[:bd + r], cache
+    return self._row_logits(x[0], jnp.concatenate([jnp.arange(bd), bd + last])), cache
 
   def decode(self, cache: KVCache, tokens, lengths, page_table):
     """tokens [B, Tq]; lengths [B] include the Tq new tokens -> logits [B, Tq, vocab]."""
