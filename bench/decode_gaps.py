@@ -30,7 +30,7 @@ import jax
 import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from serving_gpu import apply_model_flags, flags_model, model_flags  # noqa: E402
+from serving_gpu import apply_model_flags, flags_model, flags_num_pages, model_flags  # noqa: E402
 
 
 def kind(name: str) -> str:
@@ -114,7 +114,8 @@ def main():
 
   model = flags_model(a)
   page = E.default_page_size()
-  runner = E.ModelRunner(model, num_pages=a.num_pages, page_size=page, attention=a.attention,
+  num_pages = flags_num_pages(a, model, page)
+  runner = E.ModelRunner(model, num_pages=num_pages, page_size=page, attention=a.attention,
                          matmul=a.matmul, kv_cache_dtype=a.kv_cache_dtype)
   b, per_row = a.batch, -(-a.context // page)
   table = np.zeros((b, -(-4096 // page)), np.int32)

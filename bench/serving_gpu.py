@@ -252,6 +252,17 @@ def time_scored(target, vocab, n, requests=5) -> float:
   return float(statistics.median(times))
 
 
+def flags_num_pages(a, model, page: int) -> int:
+  """--num-pages, or as serve sizes the cache: what fits in
+  --gpu-memory-utilization of the device beside the weights."""
+  from serving import engine as E
+
+  n = a.num_pages or E.fit_num_pages(model, page, a.gpu_memory_utilization,
+                                     kv_cache_dtype=a.kv_cache_dtype, tp=a.tp)
+  print(f"KV cache: {n} pages of {page} tokens", flush=True)
+  return n
+
+
 def build_engine(a):
   """The benchmark's engine (random weights of ``a.config``); module-level, so
   that an engine process can build it from ``a``."""
@@ -263,7 +274,7 @@ def build_engine(a):
   jax.block_until_ready(model.params)
   print(f"model {model!r} ready in {time.perf_counter() - t0:.1f} s", flush=True)
   page = a.page_size or E.default_page_size()
-  runner = E.ModelRunner(model, num_pages=a.num_pages, page_size=page, attention=a.attention,
+  runner = E.ModelRunner(model, num_pages=flags_num_pages(a, model, page), page_size=page, attention=a.attention,
                          decode_attention=a.decode_attention, matmul=a.matmul,
                          kv_cache_dtype=a.kv_cache_dtype)
   cmax, chunk = a.concurrency, a.ttft_len
@@ -294,7 +305,10 @@ def model_flags(ap: argparse.ArgumentParser) -> None:
   ap.add_argument("--matmul", default="mosaic")
   ap.add_argument("--dtype", default="bfloat16")
   ap.add_argument("--decode-steps", type=int, default=1, help="EngineConfig.decode_steps")
-  ap.add_argument("--num-pages", type=int, default=1400)
+  ap.add_argument("--num-pages", type=int, default=None,
+                  help="KV pages (default: as serve, what fits in --gpu-memory-utilization)")
+  ap.add_argument("--gpu-memory-utilization", type=float, default=0.8,
+                  help="as serve's flag: the device memory share for weights and KV cache")
   ap.add_argument("--kv-cache-dtype", default=None, choices=(None, "float8_e4m3fn"),
                   help="the KV cache's dtype (default the model's)")
   ap.add_argument("--stream-interval", type=int, default=1, help="EngineConfig.stream_interval")

@@ -35,7 +35,7 @@ import jax
 import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from serving_gpu import apply_model_flags, flags_model, host_share, model_flags  # noqa: E402
+from serving_gpu import apply_model_flags, flags_model, flags_num_pages, host_share, model_flags  # noqa: E402
 
 
 def _timed_calls(f, n):
@@ -79,11 +79,12 @@ def main():
   model = flags_model(a)
   page = a.page_size or E.default_page_size()
   res["page_size"] = page
-  runner = E.ModelRunner(model, num_pages=a.num_pages, page_size=page, attention=a.attention,
+  num_pages = flags_num_pages(a, model, page)
+  runner = E.ModelRunner(model, num_pages=num_pages, page_size=page, attention=a.attention,
                          matmul=a.matmul, kv_cache_dtype=a.kv_cache_dtype)
   max_pages = -(-4096 // page)
-  if a.max_batch * -(-600 // page) >= a.num_pages:
-    raise SystemExit(f"--num-pages {a.num_pages} is too few for {a.max_batch} rows of 600 tokens")
+  if a.max_batch * -(-600 // page) >= num_pages:
+    raise SystemExit(f"--num-pages {num_pages} is too few for {a.max_batch} rows of 600 tokens")
   for b in sorted({1, a.max_batch}):
     tokens = jax.numpy.asarray(np.random.default_rng(0).integers(0, min(1000, runner.vocab_size), b), jax.numpy.int32)
     lengths = np.full((b,), 600, np.int32)

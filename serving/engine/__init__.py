@@ -70,6 +70,30 @@ def kv_pages(stats: dict | None, page_bytes: int, fraction: float) -> int | None
   return max(int(free // page_bytes), 0)
 
 
+def fit_num_pages(model, page_size: int, gpu_memory_utilization: float, *,
+                  kv_cache_dtype: str | None = None, tp: int = 1) -> int:
+  """KV pages of ``model``'s cache that fit beside what the device already
+  holds (``kv_pages``), or DEFAULT_NUM_PAGES where it reports no memory."""
+  import jax
+
+  two = jax.eval_shape(lambda: model.init_cache(2, page_size=page_size, dtype=kv_cache_dtype))
+  # Per device: the cache splits its heads over the tp devices.
+  page_bytes = sum(x.size * x.dtype.itemsize for x in two) // (2 * tp)
+  stats = _memory_stats()
+  num_pages = kv_pages(stats, page_bytes, gpu_memory_utilization)
+  if num_pages is None:
+    return DEFAULT_NUM_PAGES
+  if num_pages < 2:
+    raise ValueError(
+        f"no room for a KV cache in {gpu_memory_utilization:.0%} of the device's "
+        f"{stats['bytes_limit'] / 2**30:.1f} GiB beside the "
+        f"{stats.get('bytes_in_use', 0) / 2**30:.1f} GiB it holds; raise "
+        "gpu_memory_utilization or pass num_pages")
+  log.info("KV cache: %d pages of %d tokens (%.1f GiB a device)", num_pages, page_size,
+           num_pages * page_bytes / 2**30)
+  return num_pages
+
+
 def model_engine(spec: str | None = None, *, dtype: str = "bfloat16",
                  num_pages: int | None = DEFAULT_NUM_PAGES, gpu_memory_utilization: float = 0.8,
                  page_size: int | None = None, attention: str | None = None,
@@ -99,21 +123,8 @@ def model_engine(spec: str | None = None, *, dtype: str = "bfloat16",
   model = models.load(spec, dtype=dtype, decode_unroll=decode_unroll, tp=tp)
   page_size = page_size or default_page_size()
   if num_pages is None:
-    two = jax.eval_shape(lambda: model.init_cache(2, page_size=page_size, dtype=kv_cache_dtype))
-    # Per device: the cache splits its heads over the tp devices.
-    page_bytes = sum(x.size * x.dtype.itemsize for x in two) // (2 * tp)
-    stats = _memory_stats()
-    num_pages = kv_pages(stats, page_bytes, gpu_memory_utilization)
-    if num_pages is None:
-      num_pages = DEFAULT_NUM_PAGES
-    elif num_pages < 2:
-      raise ValueError(
-          f"no room for a KV cache in {gpu_memory_utilization:.0%} of the device's "
-          f"{stats['bytes_limit'] / 2**30:.1f} GiB beside the "
-          f"{stats.get('bytes_in_use', 0) / 2**30:.1f} GiB it holds; raise "
-          "gpu_memory_utilization or pass num_pages")
-    log.info("KV cache: %d pages of %d tokens (%.1f GiB a device)", num_pages, page_size,
-             num_pages * page_bytes / 2**30)
+    num_pages = fit_num_pages(model, page_size, gpu_memory_utilization,
+                              kv_cache_dtype=kv_cache_dtype, tp=tp)
   runner = ModelRunner(model, num_pages=num_pages, page_size=page_size,
                        attention=attention, decode_attention=decode_attention, matmul=matmul,
                        kv_cache_dtype=kv_cache_dtype)

@@ -1597,8 +1597,9 @@ class BatchingEngine(api.Engine):
     shapes = self._warm_calls()
     log.info("warm-up compiled %d decode, %d prefill and %d mixed shapes in %.1f s", *shapes,
              time.perf_counter() - t0)
-    if not self._grammars.prepare():  # (the first structured request would build it)
-      log.info("structured outputs are off: no llguidance package")
+    why_not = self._grammars.prepare()  # (else the first structured request would build it)
+    if why_not:
+      log.info("structured outputs are off: %s", why_not)
 
   def _warm_calls(self) -> tuple[int, int, int]:
     """Runs every bucketed shape once: (decode, prefill, mixed) shapes."""

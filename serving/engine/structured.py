@@ -161,15 +161,19 @@ class Grammars:
         self._ll = ll_tokenizer(self._tok, self._vocab)
       return self._ll
 
-  def prepare(self) -> bool:
+  def prepare(self) -> str | None:
     """Builds the llguidance tokenizer now (at warm-up: half a second even for
-    a small vocabulary) if llguidance is installed; whether it is."""
+    a small vocabulary); None if built, else why structured outputs are off
+    (structured requests then get that as their error)."""
     try:
       import llguidance  # noqa: F401
     except ImportError:
-      return False
-    self._tokenizer()
-    return True
+      return "no llguidance package"
+    try:
+      self._tokenizer()
+    except api.InvalidRequest as e:  # a tokenizer without token bytes: plain text still serves
+      return str(e)
+    return None
 
   def fill(self, guides: list[Guide], words: np.ndarray) -> None:
     """Row i of ``words`` [>= len(guides), W] int32 <- guides[i]'s bitmask,

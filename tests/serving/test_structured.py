@@ -313,3 +313,30 @@ def test_jump_forward_takes_forced_tokens_without_steps(config):
   for kw in (dict(logprobs=True), dict(repetition_penalty=1.1)):
     got, n = run(True, **kw)
     assert got == run(False, **kw)[0] and n["jump_forward_tokens"] == 0, kw
+
+
+class _NoTokenBytes:
+  """A tokenizer that does not say what bytes its tokens stand for (as a
+  benchmark's id-only tokenizer): every other attribute is the wrapped one's."""
+
+  def __init__(self, tok):
+    self._tok = tok
+
+  def __getattr__(self, name):
+    if name in ("token_bytes", "tk"):
+      raise AttributeError(name)
+    return getattr(self._tok, name)
+
+
+def test_a_tokenizer_without_token_bytes_serves_text_and_refuses_structured_outputs():
+  """The warm-up builds the grammar tokenizer; where it cannot, the server
+  still starts and serves plain requests, and structured ones are refused."""
+  runner = E.CountingRunner()
+  runner.tokenizer = _NoTokenBytes(runner.tokenizer)
+  engine = E.BatchingEngine(runner, E.EngineConfig(warmup=True))
+  with running(engine) as (_, c):
+    assert c.generate("a", max_tokens=3).text == "bcd"
+    with pytest.raises(grpc.RpcError) as e:
+      c.generate("a", structured_outputs=dict(regex="[b-z]{3}"))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "does not say what bytes" in e.value.details()
