@@ -5,6 +5,10 @@
 #   bench/gpu.sh                      # tests + calibration + every benchmark
 #   BENCHES="rms_norm matmul" TESTS=0 bench/gpu.sh
 #   BENCH_ARGS="--tune" bench/gpu.sh  # also autotune where a bench supports it
+#   # one bench under several flag sets (name:flags, ';' between), one after
+#   # another in this call (sharing its compilation cache), each in its own folder:
+#   VARIANTS="fixed:;mixed:--mixed-steps --decode-prefill-budget 128" BENCHES=serving_gpu \
+#     BENCH_ARGS="--engine-process --decode-steps 8 --compilation-cache /tmp/jcc" TESTS=0 bench/gpu.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=. PYTHONUNBUFFERED=1
@@ -20,14 +24,22 @@ if [ "${TESTS:-1}" = 1 ]; then
   timeout "${TEST_TIMEOUT:-900}" python3 -m pytest -q -m gpu -p no:cacheprovider ${TEST_PATHS:-tests} 2>&1 | tee "$R/gpu_tests.log"
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
+pack() { tar czf "$OUT/results.tgz" -C "$OUT" results; }  # after each run: a timeout keeps the rest
 for b in ${BENCHES:-$(cd bench && ls *.py | grep -v -e calibrate -e __init__ | sed 's/\.py$//')}; do
-  echo "== bench $b"
-  timeout "${BENCH_TIMEOUT:-400}" python3 "bench/$b.py" --out "$R" ${BENCH_ARGS:-} 2>&1 | tee "$R/$b.log"
-  [ "${PIPESTATUS[0]}" = 0 ] || status=1
+  IFS=';' read -ra variants <<< "${VARIANTS:-:}"
+  for v in "${variants[@]}"; do
+    name=${v%%:*}; flags=${v#*:}
+    out=$R; log=$R/$b.log
+    [ -n "$name" ] && { out=$R/${b}_$name; log=$out.log; }
+    echo "== bench $b $name $flags"
+    timeout "${BENCH_TIMEOUT:-400}" python3 "bench/$b.py" --out "$out" ${BENCH_ARGS:-} $flags 2>&1 | tee "$log"
+    [ "${PIPESTATUS[0]}" = 0 ] || status=1
+    pack
+  done
 done
 mkdir -p "$R/tables"
 cp -r mosaic/calibration "$R/tables/" 2>/dev/null
 cp -r kernels/tuning "$R/tables/" 2>/dev/null
-tar czf "$OUT/results.tgz" -C "$OUT" results
+pack
 echo "gpu.sh: status $status"
 exit $status
