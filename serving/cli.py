@@ -121,8 +121,12 @@ def cmd_serve(a) -> int:
       engine = build_engine(a)
     except (ValueError, FileNotFoundError) as e:  # a flag the model cannot take, a bad path
       raise SystemExit(f"serve: {e}") from None
-  server = Server(engine, host=a.host, port=a.port, auth_token=a.auth_token, tls=tls,
-                  metrics_port=a.metrics_port, http_port=a.http_port)
+  try:
+    server = Server(engine, host=a.host, port=a.port, auth_token=a.auth_token, tls=tls,
+                    metrics_port=a.metrics_port, http_port=a.http_port)
+  except (ValueError, OSError) as e:  # a port out of range or taken
+    engine.stop()
+    raise SystemExit(f"serve: {e}") from None
   server.handle_signals(a.drain_timeout)
   server.start()
   print(f"serving {engine.info.model_name} on {server.address}", flush=True)
@@ -173,6 +177,16 @@ def _text_or_file(text: str) -> str:
     return pathlib.Path(text[1:]).read_text()
   except OSError as e:
     raise argparse.ArgumentTypeError(f"{text[1:]}: {e.strerror}") from None
+
+
+def _port(text: str) -> int:
+  try:
+    port = int(text)
+  except ValueError:
+    port = -1
+  if not 0 <= port <= 65535:
+    raise argparse.ArgumentTypeError(f"{text!r} is not a port in 0..65535")
+  return port
 
 
 def _token_ids(text: str) -> list[int]:
@@ -279,7 +293,7 @@ def parser() -> argparse.ArgumentParser:
                  help="devices the weights and KV cache are split over (Megatron layout: "
                       "heads and MLP features; two all-reduces a layer)")
   s.add_argument("--host", default="127.0.0.1")
-  s.add_argument("--port", type=int, default=50051, help="0 picks a free port")
+  s.add_argument("--port", type=_port, default=50051, help="0 picks a free port")
   s.add_argument("--max-batch", type=int, default=64)
   s.add_argument("--max-waiting", type=int, default=256)
   s.add_argument("--num-pages", type=int,
@@ -361,8 +375,8 @@ def parser() -> argparse.ArgumentParser:
                  help="require this bearer token (default $MOSAIC_SERVING_TOKEN)")
   s.add_argument("--tls-cert", type=pathlib.Path)
   s.add_argument("--tls-key", type=pathlib.Path)
-  s.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port")
-  s.add_argument("--http-port", type=int,
+  s.add_argument("--metrics-port", type=_port, help="serve Prometheus /metrics on this port")
+  s.add_argument("--http-port", type=_port,
                  help="also serve OpenAI-compatible HTTP (/v1/completions, "
                       "/v1/chat/completions, /v1/models) on this port")
   s.add_argument("--drain-timeout", type=float, default=30.0)

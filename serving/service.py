@@ -510,6 +510,9 @@ class Server:
                auth_token: str | None = None, tls: tuple[bytes, bytes] | None = None,
                metrics_port: int | None = None, max_workers: int | None = None,
                http_port: int | None = None):
+    for name, p in (("port", port), ("metrics_port", metrics_port), ("http_port", http_port)):
+      if p is not None and not 0 <= p <= 65535:  # (gRPC would bind port % 65536)
+        raise ValueError(f"{name}={p} must be in 0..65535 (0 picks a free port)")
     self.engine = engine
     self._auth_token, self._tls = auth_token, tls
     self.host, self.port = host, port

@@ -106,6 +106,8 @@ def model_engine(spec: str | None = None, *, dtype: str = "bfloat16",
   KV pages as fit in ``gpu_memory_utilization`` of the device's memory once
   the weights are on it (``kv_pages``), or DEFAULT_NUM_PAGES where the device
   reports no memory."""
+  if page_size is not None and page_size < 1:
+    raise ValueError(f"page_size={page_size} must be >= 1 (None: the kernel's)")
   if spec in ("toy", "counting"):
     for what, value in (("KV cache dtype", kv_cache_dtype), ("decode_unroll", decode_unroll),
                         ("tensor parallelism", None if tp == 1 else tp)):

@@ -244,31 +244,34 @@ class EngineConfig:
   speculative_patience: int = 4
 
   def __post_init__(self):
+    v = lambda f: f"EngineConfig.{f}={getattr(self, f)}"  # errors name the field and value
     for f in ("max_batch", "max_waiting", "prefill_chunk", "min_chunk", "prefill_rows",
               "default_max_tokens", "decode_steps", "stream_interval", "compile_threads",
               "prompt_lookup_min", "speculative_max_batch"):
       if getattr(self, f) < 1:
-        raise ValueError(f"EngineConfig.{f}={getattr(self, f)} must be >= 1")
+        raise ValueError(f"{v(f)} must be >= 1")
     if self.speculative_patience < 0:
-      raise ValueError(f"{self.speculative_patience=} must be >= 0 (0: never pause drafting)")
+      raise ValueError(f"{v('speculative_patience')} must be >= 0 (0: never pause drafting)")
     if self.num_speculative_tokens < 0:
-      raise ValueError(f"{self.num_speculative_tokens=} must be >= 0 (0: no speculation)")
+      raise ValueError(f"{v('num_speculative_tokens')} must be >= 0 (0: no speculation)")
     if self.num_speculative_tokens >= self.prefill_chunk:
-      raise ValueError(f"{self.num_speculative_tokens=} must be < {self.prefill_chunk=} "
+      raise ValueError(f"{v('num_speculative_tokens')} must be < {v('prefill_chunk')} "
                        "(the last token and the drafts are checked as one chunk)")
     if self.prompt_lookup_max < self.prompt_lookup_min:
-      raise ValueError(f"{self.prompt_lookup_max=} must be >= {self.prompt_lookup_min=}")
+      raise ValueError(f"{v('prompt_lookup_max')} must be >= {v('prompt_lookup_min')}")
+    if self.max_seq_len is not None and self.max_seq_len < 1:
+      raise ValueError(f"{v('max_seq_len')} must be >= 1 (None: the model's context)")
     if self.min_chunk > self.prefill_chunk:
-      raise ValueError(f"{self.min_chunk=} must be <= {self.prefill_chunk=}")
+      raise ValueError(f"{v('min_chunk')} must be <= {v('prefill_chunk')}")
     if self.token_budget is not None and self.token_budget < self.max_batch:
       # A full decode batch takes one token of the budget per row: below
       # max_batch, waiting prompts would get no tokens while it runs (vLLM
       # refuses max_num_batched_tokens < max_num_seqs for the same reason).
-      raise ValueError(f"{self.token_budget=} must be >= {self.max_batch=}")
+      raise ValueError(f"{v('token_budget')} must be >= {v('max_batch')}")
     if self.decode_prefill_budget is not None and self.decode_prefill_budget < 1:
-      raise ValueError(f"{self.decode_prefill_budget=} must be >= 1")
+      raise ValueError(f"{v('decode_prefill_budget')} must be >= 1")
     if self.scheduling not in SCHEDULING:
-      raise ValueError(f"{self.scheduling=} must be one of {SCHEDULING}")
+      raise ValueError(f"{v('scheduling')} must be one of {SCHEDULING}")
     if self.prefill_first and (self.mixed_steps or self.decode_prefill_budget is not None):
       raise ValueError("prefill_first runs no decodes beside prompt chunks: it cannot be "
                        "combined with mixed_steps or decode_prefill_budget")

@@ -12,6 +12,7 @@ import time
 import grpc
 import pytest
 
+from serving import engine as E
 from serving.client import Client
 from serving.proto import generate_pb2 as pb
 from serving.proto import health_pb2
@@ -156,15 +157,39 @@ def test_generate_and_loadgen_commands(server_proc, tmp_path):
   assert "ttft" in out.stdout
 
 
+def _never_start(self):
+  raise AssertionError("the server started: the flag was taken")
+
+
 @pytest.mark.parametrize("flag, value, field", [
     ("--stream-interval", "0", "stream_interval"), ("--decode-steps", "0", "decode_steps"),
-    ("--max-batch", "-1", "max_batch")])
-def test_serve_refuses_bad_engine_flags_with_a_message(flag, value, field):
+    ("--max-batch", "-1", "max_batch"), ("--max-seq-len", "0", "max_seq_len=0"),
+    ("--page-size", "0", "page_size=0"),
+    ("--prefill-chunk", "8", "EngineConfig.min_chunk=16 must be <= EngineConfig.prefill_chunk=8")])
+def test_serve_refuses_bad_engine_flags_with_a_message(flag, value, field, monkeypatch):
   from serving import cli
+  from serving.service import Server
 
+  monkeypatch.setattr(Server, "start", _never_start)  # a taken flag fails, never serves
   with pytest.raises(SystemExit) as e:
     cli.main(["serve", "--model", "counting", "--no-warmup", flag, value])
   assert str(e.value).startswith("serve: ") and field in str(e.value)
+
+
+@pytest.mark.parametrize("flag", ["--port", "--metrics-port", "--http-port"])
+def test_serve_refuses_a_port_outside_0_65535(flag, capsys, monkeypatch):
+  """gRPC would bind 70000 as 70000 % 65536 = 4464: refused before anything loads."""
+  from serving import cli
+  from serving.service import Server
+
+  monkeypatch.setattr(Server, "start", _never_start)
+  for bad in ("70000", "-1", "http"):
+    with pytest.raises(SystemExit) as e:
+      cli.main(["serve", "--model", "counting", "--no-warmup", flag, bad])
+    assert e.value.code == 2 and "is not a port in 0..65535" in capsys.readouterr().err
+  field = flag[2:].replace("-", "_")
+  with pytest.raises(ValueError, match=f"{field}=70000 must be in 0..65535"):
+    Server(E.tiny_engine(), **{field: 70000})
 
 
 def test_loadgen_refuses_a_range_ratio_outside_0_1(capsys):
