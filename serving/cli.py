@@ -179,6 +179,29 @@ def _text_or_file(text: str) -> str:
     raise argparse.ArgumentTypeError(f"{text[1:]}: {e.strerror}") from None
 
 
+def _at_least(lo: int):
+  """An argparse type: an integer >= lo."""
+  def parse(text: str) -> int:
+    try:
+      n = int(text)
+    except ValueError:
+      n = lo - 1
+    if n < lo:
+      raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= {lo}")
+    return n
+  return parse
+
+
+def _positive(text: str) -> float:
+  try:
+    x = float(text)
+  except ValueError:
+    x = 0.0
+  if not x > 0:  # (NaN too)
+    raise argparse.ArgumentTypeError(f"{text!r} is not a number > 0")
+  return x
+
+
 def _port(text: str) -> int:
   try:
     port = int(text)
@@ -418,17 +441,17 @@ def parser() -> argparse.ArgumentParser:
 
   l = sub.add_parser("loadgen", help="measure TTFT / ITL / throughput")
   _client_args(l)
-  l.add_argument("--concurrency", type=int)
-  l.add_argument("--rate", type=float, help="Poisson arrivals per second")
-  l.add_argument("--num-requests", type=int, default=64)
-  l.add_argument("--input-len", type=int, default=512)
-  l.add_argument("--output-len", type=int, default=256)
+  l.add_argument("--concurrency", type=_at_least(1))
+  l.add_argument("--rate", type=_positive, help="Poisson arrivals per second")
+  l.add_argument("--num-requests", type=_at_least(1), default=64)
+  l.add_argument("--input-len", type=_at_least(1), default=512)
+  l.add_argument("--output-len", type=_at_least(1), default=256)
   l.add_argument("--range-ratio", type=float, default=0.0,
                  help="draw each request's lengths from [L(1-r), L(1+r)] (0: all equal)")
-  l.add_argument("--shared-prefix-len", type=int, default=0,
+  l.add_argument("--shared-prefix-len", type=_at_least(0), default=0,
                  help="each prompt starts with one of --prefix-groups shared random prefixes "
                  "of this many tokens (a system prompt)")
-  l.add_argument("--prefix-groups", type=int, default=1)
+  l.add_argument("--prefix-groups", type=_at_least(1), default=1)
   l.add_argument("--byte-prompts", action="store_true", help="prompt ids below 256 only")
   lso = l.add_mutually_exclusive_group()
   lso.add_argument("--regex", help="every request's output matches this (structured outputs)")
@@ -458,4 +481,11 @@ def main(argv=None) -> int:
   logging.basicConfig(level=logging.INFO if a.verbose or a.cmd == "serve" else logging.WARNING,
                       format="%(asctime)s %(name)s %(levelname)s %(message)s")
   logging.getLogger("jax").setLevel(logging.WARNING)
-  return a.fn(a)
+  if a.cmd not in ("generate", "loadgen"):
+    return a.fn(a)
+  import grpc
+
+  try:
+    return a.fn(a)
+  except grpc.RpcError as e:  # the server's answer, or none: one line, not a traceback
+    raise SystemExit(f"{a.cmd}: {e.code().name}: {e.details()}") from None

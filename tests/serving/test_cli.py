@@ -146,6 +146,13 @@ def test_generate_and_loadgen_commands(server_proc, tmp_path):
     out = subprocess.run([sys.executable, "-m", "serving", "generate", "--target", target,
                           "a", *flags], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == want, (out.stdout, out.stderr)
+  # The server's refusal is one line naming its status, not a traceback; so is no server.
+  for t, flags, want in ((target, ["--temperature", "-1"], "generate: INVALID_ARGUMENT: "),
+                         ("127.0.0.1:1", [], "generate: UNAVAILABLE: ")):
+    out = subprocess.run([sys.executable, "-m", "serving", "generate", "--target", t, "a",
+                          *flags], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1 and out.stderr.startswith(want), out.stderr
+    assert "Traceback" not in out.stderr
   js = tmp_path / "load.json"
   out = subprocess.run([sys.executable, "-m", "serving", "loadgen", "--target", target,
                         "--concurrency", "4", "--num-requests", "8", "--input-len", "8",
@@ -192,14 +199,23 @@ def test_serve_refuses_a_port_outside_0_65535(flag, capsys, monkeypatch):
     Server(E.tiny_engine(), **{field: 70000})
 
 
-def test_loadgen_refuses_a_range_ratio_outside_0_1(capsys):
+@pytest.mark.parametrize("flag, bad, message", [
+    ("--range-ratio", "1", "--range-ratio must be in [0, 1)"),
+    ("--range-ratio", "-0.5", "--range-ratio must be in [0, 1)"),
+    ("--concurrency", "0", "is not an integer >= 1"),
+    ("--num-requests", "0", "is not an integer >= 1"),
+    ("--input-len", "-2", "is not an integer >= 1"),
+    ("--output-len", "x", "is not an integer >= 1"),
+    ("--prefix-groups", "0", "is not an integer >= 1"),
+    ("--shared-prefix-len", "-1", "is not an integer >= 0"),
+    ("--rate", "0", "is not a number > 0"), ("--rate", "nan", "is not a number > 0")])
+def test_loadgen_refuses_bad_counts_before_connecting(flag, bad, message, capsys):
   from serving import cli
 
-  for bad in ("1", "-0.5"):
-    with pytest.raises(SystemExit) as e:
-      cli.main(["loadgen", "--target", "127.0.0.1:1", "--range-ratio", bad])
-    assert e.value.code == 2  # argparse's usage error, before any connection
-    assert "--range-ratio must be in [0, 1)" in capsys.readouterr().err
+  with pytest.raises(SystemExit) as e:
+    cli.main(["loadgen", "--target", "127.0.0.1:1", flag, bad])
+  assert e.value.code == 2  # argparse's usage error, before any connection
+  assert message in capsys.readouterr().err
 
 
 def test_serve_kv_cache_dtype_flag():
