@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import os
@@ -106,7 +107,10 @@ def cmd_serve(a) -> int:
   if a.tls_cert or a.tls_key:
     if not (a.tls_cert and a.tls_key):
       raise SystemExit("--tls-cert and --tls-key go together")
-    tls = (a.tls_cert.read_bytes(), a.tls_key.read_bytes())
+    try:
+      tls = (a.tls_cert.read_bytes(), a.tls_key.read_bytes())
+    except OSError as e:
+      raise SystemExit(f"serve: TLS: {e.filename}: {e.strerror}") from None
   if a.engine_process:
     from serving.engine import api
     from serving.engine.process import ProcessEngine
@@ -192,14 +196,18 @@ def _at_least(lo: int):
   return parse
 
 
-def _positive(text: str) -> float:
+def _number(text: str, *, positive: bool) -> float:
   try:
     x = float(text)
   except ValueError:
-    x = 0.0
-  if not x > 0:  # (NaN too)
-    raise argparse.ArgumentTypeError(f"{text!r} is not a number > 0")
+    x = float("nan")
+  if not (x > 0 if positive else x >= 0):  # (NaN fails both)
+    raise argparse.ArgumentTypeError(f"{text!r} is not a number {'>' if positive else '>='} 0")
   return x
+
+
+_positive = functools.partial(_number, positive=True)
+_seconds = functools.partial(_number, positive=False)
 
 
 def _port(text: str) -> int:
@@ -402,7 +410,8 @@ def parser() -> argparse.ArgumentParser:
   s.add_argument("--http-port", type=_port,
                  help="also serve OpenAI-compatible HTTP (/v1/completions, "
                       "/v1/chat/completions, /v1/models) on this port")
-  s.add_argument("--drain-timeout", type=float, default=30.0)
+  s.add_argument("--drain-timeout", type=_seconds, default=30.0,
+                 help="seconds SIGTERM waits for in-flight requests before stopping")
   s.add_argument("--step-delay", type=float, default=0.0,
                  help="counting model only: seconds per step (drain and timeout tests)")
   s.add_argument("--ready-file", type=pathlib.Path,

@@ -110,7 +110,10 @@ def model_engine(spec: str | None = None, *, dtype: str = "bfloat16",
     raise ValueError(f"page_size={page_size} must be >= 1 (None: the kernel's)")
   if spec in ("toy", "counting"):
     for what, value in (("KV cache dtype", kv_cache_dtype), ("decode_unroll", decode_unroll),
-                        ("tensor parallelism", None if tp == 1 else tp)):
+                        ("tensor parallelism", None if tp == 1 else tp),
+                        ("attention backend", attention),
+                        ("decode attention backend", decode_attention),
+                        ("matmul backend", matmul)):
       if value is not None:
         raise ValueError(f"the {spec} model has no {what} option")
   if spec == "toy":

@@ -172,15 +172,28 @@ def _never_start(self):
     ("--stream-interval", "0", "stream_interval"), ("--decode-steps", "0", "decode_steps"),
     ("--max-batch", "-1", "max_batch"), ("--max-seq-len", "0", "max_seq_len=0"),
     ("--page-size", "0", "page_size=0"),
-    ("--prefill-chunk", "8", "EngineConfig.min_chunk=16 must be <= EngineConfig.prefill_chunk=8")])
+    ("--prefill-chunk", "8", "EngineConfig.min_chunk=16 must be <= EngineConfig.prefill_chunk=8"),
+    ("--matmul-backend", "xla", "the counting model has no matmul backend option"),
+    ("--tls-cert", "/nonexistent/cert.pem", "TLS: /nonexistent/cert.pem: No such file")])
 def test_serve_refuses_bad_engine_flags_with_a_message(flag, value, field, monkeypatch):
   from serving import cli
   from serving.service import Server
 
   monkeypatch.setattr(Server, "start", _never_start)  # a taken flag fails, never serves
   with pytest.raises(SystemExit) as e:
-    cli.main(["serve", "--model", "counting", "--no-warmup", flag, value])
+    cli.main(["serve", "--model", "counting", "--no-warmup", flag, value,
+              *(["--tls-key", value] if flag == "--tls-cert" else [])])
   assert str(e.value).startswith("serve: ") and field in str(e.value)
+
+
+def test_serve_refuses_a_negative_drain_timeout(capsys, monkeypatch):
+  from serving import cli
+  from serving.service import Server
+
+  monkeypatch.setattr(Server, "start", _never_start)
+  with pytest.raises(SystemExit) as e:
+    cli.main(["serve", "--model", "counting", "--no-warmup", "--drain-timeout", "-1"])
+  assert e.value.code == 2 and "'-1' is not a number >= 0" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("flag", ["--port", "--metrics-port", "--http-port"])
