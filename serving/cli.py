@@ -13,11 +13,6 @@ import time
 
 # --kv-cache-dtype (serve, and the profiler's flags): flag -> cache dtype (None = the model's).
 KV_CACHE_DTYPES = {"auto": None, "fp8": "float8_e4m3fn"}
-_SAMPLING_FLAGS = (("temperature", float), ("top_k", int), ("top_p", float), ("min_p", float),
-                   ("repetition_penalty", float), ("presence_penalty", float),
-                   ("frequency_penalty", float), ("seed", int), ("max_tokens", int),
-                   ("min_tokens", int), ("top_logprobs", int), ("n", int),
-                   ("prompt_logprobs", int), ("truncate_prompt_tokens", int))
 
 
 def _client_args(p):
@@ -183,17 +178,29 @@ def _text_or_file(text: str) -> str:
     raise argparse.ArgumentTypeError(f"{text[1:]}: {e.strerror}") from None
 
 
-def _at_least(lo: int):
-  """An argparse type: an integer >= lo."""
+def _int_in(lo: int, hi: int | None = None, what: str = "an integer"):
+  """An argparse type: an integer in [lo, hi] (hi None: no upper bound)."""
   def parse(text: str) -> int:
     try:
       n = int(text)
     except ValueError:
-      n = lo - 1
-    if n < lo:
-      raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= {lo}")
+      n = None
+    if n is None or n < lo or (hi is not None and n > hi):
+      raise argparse.ArgumentTypeError(
+          f"{text!r} is not {what} {f'>= {lo}' if hi is None else f'in {lo}..{hi}'}")
     return n
   return parse
+
+
+# The request's wire types (generate.proto): the server judges the values,
+# these only keep a number from failing to encode.
+_INT32 = _int_in(-2**31, 2**31 - 1)
+_UINT64 = _int_in(0, 2**64 - 1)
+_SAMPLING_FLAGS = (("temperature", float), ("top_k", _INT32), ("top_p", float), ("min_p", float),
+                   ("repetition_penalty", float), ("presence_penalty", float),
+                   ("frequency_penalty", float), ("seed", _UINT64), ("max_tokens", _INT32),
+                   ("min_tokens", _INT32), ("top_logprobs", _INT32), ("n", _INT32),
+                   ("prompt_logprobs", _INT32), ("truncate_prompt_tokens", _INT32))
 
 
 def _number(text: str, *, positive: bool) -> float:
@@ -210,28 +217,21 @@ _positive = functools.partial(_number, positive=True)
 _seconds = functools.partial(_number, positive=False)
 
 
-def _port(text: str) -> int:
-  try:
-    port = int(text)
-  except ValueError:
-    port = -1
-  if not 0 <= port <= 65535:
-    raise argparse.ArgumentTypeError(f"{text!r} is not a port in 0..65535")
-  return port
+_port = _int_in(0, 65535, "a port")
 
 
 def _token_ids(text: str) -> list[int]:
   try:
-    return [int(t) for t in text.split(",")]
-  except ValueError:
+    return [_INT32(t) for t in text.split(",")]
+  except argparse.ArgumentTypeError:
     raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of ids") from None
 
 
 def _token_bias(text: str) -> tuple[int, float]:
   tid, sep, bias = text.partition("=")
   try:
-    return int(tid), float(bias)
-  except ValueError:
+    return _INT32(tid), float(bias)
+  except (ValueError, argparse.ArgumentTypeError):
     raise argparse.ArgumentTypeError(f"{text!r} is not TOKEN_ID=BIAS") from None
 
 
@@ -444,23 +444,23 @@ def parser() -> argparse.ArgumentParser:
   so.add_argument("--grammar", type=_text_or_file, metavar="LARK|@FILE",
                   help="the output matches this Lark grammar")
   g.add_argument("--timeout", type=float, help="deadline in seconds")
-  g.add_argument("--priority", type=int, default=0,
+  g.add_argument("--priority", type=_INT32, default=0,
                  help="lower is more urgent (a server with --scheduling-policy priority)")
   g.set_defaults(fn=cmd_generate)
 
   l = sub.add_parser("loadgen", help="measure TTFT / ITL / throughput")
   _client_args(l)
-  l.add_argument("--concurrency", type=_at_least(1))
+  l.add_argument("--concurrency", type=_int_in(1))
   l.add_argument("--rate", type=_positive, help="Poisson arrivals per second")
-  l.add_argument("--num-requests", type=_at_least(1), default=64)
-  l.add_argument("--input-len", type=_at_least(1), default=512)
-  l.add_argument("--output-len", type=_at_least(1), default=256)
+  l.add_argument("--num-requests", type=_int_in(1), default=64)
+  l.add_argument("--input-len", type=_int_in(1), default=512)
+  l.add_argument("--output-len", type=_int_in(1), default=256)
   l.add_argument("--range-ratio", type=float, default=0.0,
                  help="draw each request's lengths from [L(1-r), L(1+r)] (0: all equal)")
-  l.add_argument("--shared-prefix-len", type=_at_least(0), default=0,
+  l.add_argument("--shared-prefix-len", type=_int_in(0), default=0,
                  help="each prompt starts with one of --prefix-groups shared random prefixes "
                  "of this many tokens (a system prompt)")
-  l.add_argument("--prefix-groups", type=_at_least(1), default=1)
+  l.add_argument("--prefix-groups", type=_int_in(1), default=1)
   l.add_argument("--byte-prompts", action="store_true", help="prompt ids below 256 only")
   lso = l.add_mutually_exclusive_group()
   lso.add_argument("--regex", help="every request's output matches this (structured outputs)")

@@ -186,6 +186,22 @@ def test_serve_refuses_bad_engine_flags_with_a_message(flag, value, field, monke
   assert str(e.value).startswith("serve: ") and field in str(e.value)
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--seed", "-1"], "argument --seed: '-1' is not an integer in 0..18446744073709551615"),
+    (["--max-tokens", str(2**31)], "argument --max-tokens: '2147483648' is not an integer in"),
+    (["--allowed-token-ids", f"1,{2**40}"], "is not a comma-separated list of ids"),
+    (["--logit-bias", f"{2**40}=1"], "is not TOKEN_ID=BIAS")])
+def test_generate_refuses_numbers_the_request_cannot_carry(flags, message, capsys):
+  """A value outside its proto field's type is a usage error (protobuf would
+  raise while building the request); values the field holds are the server's
+  to judge."""
+  from serving import cli
+
+  with pytest.raises(SystemExit) as e:
+    cli.main(["generate", "--target", "127.0.0.1:1", *flags, "a"])
+  assert e.value.code == 2 and message in capsys.readouterr().err
+
+
 def test_serve_refuses_a_negative_drain_timeout(capsys, monkeypatch):
   from serving import cli
   from serving.service import Server
