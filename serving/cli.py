@@ -127,7 +127,10 @@ def cmd_serve(a) -> int:
     engine.stop()
     raise SystemExit(f"serve: {e}") from None
   server.handle_signals(a.drain_timeout)
-  server.start()
+  try:
+    server.start()
+  except OSError as e:  # an HTTP port taken (the server has stopped)
+    raise SystemExit(f"serve: {e}") from None
   print(f"serving {engine.info.model_name} on {server.address}", flush=True)
   if a.ready_file:
     tmp = a.ready_file.with_suffix(".tmp")

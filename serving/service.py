@@ -562,11 +562,17 @@ class Server:
       self.health.set(s, HealthServicer.Status.NOT_SERVING)
     self._grpc.start()
     self.engine.start()  # warm-up compiles here: health says NOT_SERVING meanwhile
-    if self._metrics_port is not None:
-      self.metrics_http = serve_http(self.metrics, self.host, self._metrics_port)
-    if self._http_port is not None:
-      self.openai_http = serve_openai(self.engine, self.servicer, self.host, self._http_port,
-                                      self._auth_token, self._tls)
+    try:
+      if self._metrics_port is not None:
+        what = f"metrics on {self.host}:{self._metrics_port}"
+        self.metrics_http = serve_http(self.metrics, self.host, self._metrics_port)
+      if self._http_port is not None:
+        what = f"OpenAI HTTP on {self.host}:{self._http_port}"
+        self.openai_http = serve_openai(self.engine, self.servicer, self.host, self._http_port,
+                                        self._auth_token, self._tls)
+    except OSError as e:  # a port taken (or the gRPC one): nothing half-started stays up
+      self.stop(grace=0)
+      raise OSError(f"cannot serve {what}: {e.strerror or e}") from e
     for s in ("", SERVICE_NAME):
       self.health.set(s, HealthServicer.Status.SERVING)
     log.info("serving %s on %s", self.engine.info.model_name, self.address)

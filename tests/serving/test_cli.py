@@ -202,6 +202,21 @@ def test_generate_refuses_numbers_the_request_cannot_carry(flags, message, capsy
   assert e.value.code == 2 and message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flag", ["--http-port", "--metrics-port"])
+def test_serve_reports_a_taken_http_port_and_stops(flag):
+  import socket
+
+  from serving import cli
+
+  with socket.socket() as taken:
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    with pytest.raises(SystemExit) as e:
+      cli.main(["serve", "--model", "counting", "--no-warmup", "--port", "0", flag, str(port)])
+  assert str(e.value).startswith("serve: cannot serve ") and f"127.0.0.1:{port}" in str(e.value)
+
+
 def test_serve_refuses_a_negative_drain_timeout(capsys, monkeypatch):
   from serving import cli
   from serving.service import Server
