@@ -274,9 +274,9 @@ def build_engine(a):
   jax.block_until_ready(model.params)
   print(f"model {model!r} ready in {time.perf_counter() - t0:.1f} s", flush=True)
   page = a.page_size or E.default_page_size()
-  runner = E.ModelRunner(model, num_pages=flags_num_pages(a, model, page), page_size=page, attention=a.attention,
-                         decode_attention=a.decode_attention, matmul=a.matmul,
-                         kv_cache_dtype=a.kv_cache_dtype)
+  runner = E.ModelRunner(model, num_pages=flags_num_pages(a, model, page), page_size=page,
+                         attention=a.attention, decode_attention=a.decode_attention,
+                         matmul=a.matmul, kv_cache_dtype=a.kv_cache_dtype)
   cmax, chunk = a.concurrency, a.ttft_len
   cfg = E.EngineConfig(max_batch=cmax, max_waiting=512, max_seq_len=a.max_seq_len,
                        prefill_chunk=chunk, min_chunk=min(a.min_chunk or a.input_len, chunk),

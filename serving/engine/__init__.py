@@ -122,7 +122,6 @@ def model_engine(spec: str | None = None, *, dtype: str = "bfloat16",
   if spec == "counting":
     return tiny_engine(num_pages=num_pages or DEFAULT_NUM_PAGES, page_size=page_size or 4,
                        step_delay=step_delay, **config)
-  import jax
   import models
 
   model = models.load(spec, dtype=dtype, decode_unroll=decode_unroll, tp=tp)

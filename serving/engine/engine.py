@@ -495,10 +495,9 @@ class BatchingEngine(api.Engine):
     # A packed mixed step carries the prompt tokens the step's budget leaves.
     self._mixed_packed = self.mixed and self.packed and (
         hasattr(runner, "mixed_packed_slots") or hasattr(runner, "mixed_packed"))
-    total = min(config.decode_prefill_budget or config.budget, config.budget,
-                config.prefill_rows * config.prefill_chunk)
+    cap = min(config.decode_prefill_budget or config.budget, self.packed_buckets[-1])
     self._mixed_packed_ns = tuple(n for n in self.packed_buckets
-                                  if n <= _bucket(total, self.packed_buckets))
+                                  if n <= _bucket(cap, self.packed_buckets))
     if config.mixed_steps and not self.mixed:
       log.warning("mixed_steps: runner %s has no mixed step; prefill and decode run apart",
                   runner.name)

@@ -281,7 +281,6 @@ def test_serve_sizes_the_kv_cache_from_device_memory(monkeypatch):
   # allocated (its bytes fit, one page more would not), at two fractions and
   # with fp8 pages (half the bytes, twice the pages).
   from serving import cli
-  from serving import engine as E
 
   limit, held = 256 * 2**20, 64 * 2**20
   monkeypatch.setattr(E, "_memory_stats", lambda: {"bytes_limit": limit, "bytes_in_use": held})
