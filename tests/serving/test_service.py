@@ -512,10 +512,17 @@ def test_stream_interval_groups_tokens_and_loses_none(interval, decode_steps):
 
 
 def test_stream_interval_over_grpc_gives_fewer_messages():
-  with running(E.tiny_engine(max_batch=8, stream_interval=8)) as (_, c):
+  """The engine emits [1, 8, 8]; a server thread that lags merges queued
+  deltas, so messages may only end where an engine delta ended. The step
+  delay (8 steps, 0.4 s, between deltas) keeps the later deltas apart on a
+  busy machine, where the undelayed engine could finish before the first
+  message was sent and arrive as one."""
+  with running(E.tiny_engine(max_batch=8, stream_interval=8, step_delay=0.05)) as (_, c):
     chunks = [ch for ch in c.stream("a", max_tokens=17) if ch.token_ids]
   assert "".join(ch.text for ch in chunks) == _expected("a", 17)
-  assert 2 <= len(chunks) <= 3  # [1, 8, 8]; the server may merge the first two
+  ends = np.cumsum([len(ch.token_ids) for ch in chunks]).tolist()
+  assert set(ends) <= {1, 9, 17}, ends
+  assert 2 <= len(chunks) <= 3, ends  # the first two may merge
 
 
 def test_itl_counts_every_token_of_a_grouped_message():
