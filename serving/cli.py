@@ -123,14 +123,11 @@ def cmd_serve(a) -> int:
   try:
     server = Server(engine, host=a.host, port=a.port, auth_token=a.auth_token, tls=tls,
                     metrics_port=a.metrics_port, http_port=a.http_port)
-  except (ValueError, OSError) as e:  # a port out of range or taken
+  except (ValueError, OSError) as e:  # a port out of range or taken: before the warm-up
     engine.stop()
     raise SystemExit(f"serve: {e}") from None
   server.handle_signals(a.drain_timeout)
-  try:
-    server.start()
-  except OSError as e:  # an HTTP port taken (the server has stopped)
-    raise SystemExit(f"serve: {e}") from None
+  server.start()
   print(f"serving {engine.info.model_name} on {server.address}", flush=True)
   if a.ready_file:
     tmp = a.ready_file.with_suffix(".tmp")

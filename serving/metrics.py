@@ -2,8 +2,8 @@
 
 A small self-contained registry (counters, gauges, histograms) so the server
 runs where prometheus-client is not installed (the GPU machine). ``Metrics``
-holds the server's series and is the engine's observer; ``serve_http`` exposes
-``/metrics`` on its own port.
+holds the server's series and is the engine's observer; ``metrics_http``
+binds ``/metrics`` to its own port (the server serves it once warmed up).
 """
 
 from __future__ import annotations
@@ -167,8 +167,9 @@ class Metrics:
     return "\n".join(line for m in self._all for line in m.render()) + "\n"
 
 
-def serve_http(metrics: Metrics, host: str, port: int) -> http.server.ThreadingHTTPServer:
-  """Serves ``/metrics`` in a daemon thread; returns the server (``.server_port``)."""
+def metrics_http(metrics: Metrics, host: str, port: int) -> http.server.ThreadingHTTPServer:
+  """``/metrics`` bound to ``host:port`` (``.server_port``); the caller runs
+  ``serve_forever``."""
 
   class Handler(http.server.BaseHTTPRequestHandler):
     def do_GET(self):  # noqa: N802
@@ -185,6 +186,4 @@ def serve_http(metrics: Metrics, host: str, port: int) -> http.server.ThreadingH
     def log_message(self, *args):
       pass
 
-  srv = http.server.ThreadingHTTPServer((host, port), Handler)
-  threading.Thread(target=srv.serve_forever, name="metrics", daemon=True).start()
-  return srv
+  return http.server.ThreadingHTTPServer((host, port), Handler)

@@ -1,6 +1,6 @@
 """OpenAI-compatible HTTP endpoints over the same engine, beside gRPC.
 
-``serve_openai(engine, servicer, host, port)`` answers what vLLM's and
+``openai_http(engine, servicer, host, port)`` answers what vLLM's and
 SGLang's OpenAI servers answer: ``POST /v1/completions``,
 ``POST /v1/chat/completions`` (server-sent events with ``"stream": true``),
 ``GET /v1/models``, ``POST /tokenize``, ``POST /detokenize``, ``GET /health`` and
@@ -27,7 +27,6 @@ import select
 import socket
 import ssl
 import tempfile
-import threading
 import time
 import uuid
 
@@ -336,11 +335,12 @@ def _tls_context(cert: bytes, key: bytes) -> ssl.SSLContext:
   return ctx
 
 
-def serve_openai(engine: api.Engine, servicer, host: str, port: int,
-                 auth_token: str | None = None,
-                 tls: tuple[bytes, bytes] | None = None) -> http.server.ThreadingHTTPServer:
-  """Serves the OpenAI endpoints in a daemon thread; returns the server.
-  ``tls``: (certificate, key) in PEM, as the gRPC server takes them."""
+def openai_http(engine: api.Engine, servicer, host: str, port: int,
+                auth_token: str | None = None,
+                tls: tuple[bytes, bytes] | None = None) -> http.server.ThreadingHTTPServer:
+  """The OpenAI endpoints bound to ``host:port``; the caller runs
+  ``serve_forever``. ``tls``: (certificate, key) in PEM, as the gRPC server
+  takes them."""
   expected = f"Bearer {auth_token}" if auth_token else None
 
   class Handler(http.server.BaseHTTPRequestHandler):
@@ -586,5 +586,4 @@ def serve_openai(engine: api.Engine, servicer, host: str, port: int,
     # the accept loop, where a slow client would hold up every other.
     srv.socket = _tls_context(*tls).wrap_socket(srv.socket, server_side=True,
                                                 do_handshake_on_connect=False)
-  threading.Thread(target=srv.serve_forever, name="openai-http", daemon=True).start()
   return srv

@@ -10,6 +10,11 @@ request's deadline (the engine ends it within one step: DEADLINE_EXCEEDED);
 a client that goes away cancels its request through the RPC's done callback,
 which frees its pages at the next step. ``drain`` flips health to
 NOT_SERVING, refuses new requests and lets the running ones finish.
+
+Every port (gRPC, metrics, OpenAI HTTP) is bound when the ``Server`` is built,
+so a taken one fails before the warm-up's minutes, not after; ``start``
+warms the engine up, then serves the HTTP ports (connections made
+meanwhile wait in the listen queue).
 """
 
 from __future__ import annotations
@@ -28,8 +33,8 @@ import grpc
 from google.protobuf import descriptor_pool
 
 from serving.engine import api
-from serving.metrics import Metrics, serve_http
-from serving.openai_api import serve_openai
+from serving.metrics import Metrics, metrics_http
+from serving.openai_api import openai_http
 from serving.proto import generate_pb2 as pb
 from serving.proto import generate_pb2_grpc as pb_grpc
 from serving.proto import health_pb2, health_pb2_grpc
@@ -514,7 +519,6 @@ class Server:
       if p is not None and not 0 <= p <= 65535:  # (gRPC would bind port % 65536)
         raise ValueError(f"{name}={p} must be in 0..65535 (0 picks a free port)")
     self.engine = engine
-    self._auth_token, self._tls = auth_token, tls
     self.host, self.port = host, port
     self.metrics = Metrics(engine)
     if hasattr(engine, "observer"):
@@ -546,10 +550,22 @@ class Server:
       self.port = self._grpc.add_insecure_port(addr)
     if not self.port:
       raise OSError(f"cannot bind {addr}")
-    self._metrics_port = metrics_port
-    self.metrics_http = None
-    self._http_port = http_port
-    self.openai_http = None  # OpenAI-compatible endpoints (serving.openai_api)
+    self.metrics_http = self.openai_http = None  # OpenAI endpoints: serving.openai_api
+    try:
+      if metrics_port is not None:
+        what = f"metrics on {host}:{metrics_port}"
+        self.metrics_http = metrics_http(self.metrics, host, metrics_port)
+      if http_port is not None:
+        what = f"OpenAI HTTP on {host}:{http_port}"
+        self.openai_http = openai_http(engine, self.servicer, host, http_port, auth_token, tls)
+    except OSError as e:  # a port taken (gRPC's among them): nothing stays bound
+      # A gRPC server that never started keeps its port until the process
+      # ends; started and stopped, it lets go.
+      self._grpc.start()
+      self._grpc.stop(0).wait()
+      self._close_http()
+      raise OSError(f"cannot serve {what}: {e.strerror or e}") from e
+    self._http_threads: list[threading.Thread] = []
     self._stopped = threading.Event()
     self._drain_lock = threading.Lock()
 
@@ -562,17 +578,11 @@ class Server:
       self.health.set(s, HealthServicer.Status.NOT_SERVING)
     self._grpc.start()
     self.engine.start()  # warm-up compiles here: health says NOT_SERVING meanwhile
-    try:
-      if self._metrics_port is not None:
-        what = f"metrics on {self.host}:{self._metrics_port}"
-        self.metrics_http = serve_http(self.metrics, self.host, self._metrics_port)
-      if self._http_port is not None:
-        what = f"OpenAI HTTP on {self.host}:{self._http_port}"
-        self.openai_http = serve_openai(self.engine, self.servicer, self.host, self._http_port,
-                                        self._auth_token, self._tls)
-    except OSError as e:  # a port taken (or the gRPC one): nothing half-started stays up
-      self.stop(grace=0)
-      raise OSError(f"cannot serve {what}: {e.strerror or e}") from e
+    for name, srv in (("metrics", self.metrics_http), ("openai-http", self.openai_http)):
+      if srv is not None:
+        t = threading.Thread(target=srv.serve_forever, name=name, daemon=True)
+        t.start()
+        self._http_threads.append(t)
     for s in ("", SERVICE_NAME):
       self.health.set(s, HealthServicer.Status.SERVING)
     log.info("serving %s on %s", self.engine.info.model_name, self.address)
@@ -598,10 +608,17 @@ class Server:
     self.health.set_all(HealthServicer.Status.NOT_SERVING)
     self.engine.stop()
     self._grpc.stop(grace).wait()
+    if self._http_threads:  # (shutdown waits for a serve_forever that ran)
+      for srv in (self.metrics_http, self.openai_http):
+        if srv is not None:
+          srv.shutdown()
+    self._close_http()
+    self._stopped.set()
+
+  def _close_http(self) -> None:
     for srv in (self.metrics_http, self.openai_http):
       if srv is not None:
-        srv.shutdown()
-    self._stopped.set()
+        srv.server_close()
 
   def wait(self) -> None:
     # The kernel may hand SIGTERM to any thread, and Python runs its handler

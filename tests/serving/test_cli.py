@@ -203,11 +203,13 @@ def test_generate_refuses_numbers_the_request_cannot_carry(flags, message, capsy
 
 
 @pytest.mark.parametrize("flag", ["--http-port", "--metrics-port"])
-def test_serve_reports_a_taken_http_port_and_stops(flag):
+def test_serve_reports_a_taken_http_port_before_the_warm_up(flag, monkeypatch):
   import socket
 
   from serving import cli
+  from serving.service import Server
 
+  monkeypatch.setattr(Server, "start", _never_start)
   with socket.socket() as taken:
     taken.bind(("127.0.0.1", 0))
     taken.listen()

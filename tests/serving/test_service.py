@@ -376,6 +376,29 @@ def test_drain_waits_for_calls_still_sending():
     assert not t.is_alive()
 
 
+def test_a_taken_http_port_fails_the_constructor_and_frees_the_other_ports():
+  """Ports are bound before the warm-up; a taken one leaves none bound."""
+  import socket
+
+  from serving.service import Server
+
+  def free_port():
+    with socket.socket() as s:
+      s.bind(("127.0.0.1", 0))
+      return s.getsockname()[1]
+
+  with socket.socket() as taken:
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    busy = taken.getsockname()[1]
+    grpc_port, metrics_port = free_port(), free_port()
+    with pytest.raises(OSError, match=f"cannot serve OpenAI HTTP on 127.0.0.1:{busy}"):
+      Server(E.tiny_engine(), port=grpc_port, metrics_port=metrics_port, http_port=busy)
+  for p in (grpc_port, metrics_port):
+    with socket.socket() as s:
+      s.bind(("127.0.0.1", p))  # OSError if the failed server kept it
+
+
 def test_metrics_are_exposed():
   import urllib.request
 
