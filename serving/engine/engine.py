@@ -54,7 +54,9 @@ tokens, drafts up to k tokens per request from an earlier occurrence of its
 last few tokens, and checks the drafts in one call over [last token, drafts]
 (sampling.verify): each request keeps the drafts equal to what it would
 have decoded there (greedy: its argmax; sampled: its draw with that step's
-key) plus one token of the model's own.
+key) plus one token of the model's own. A structured request drafts only
+what its grammar admits, and each position is checked under the grammar's
+allowed set after the drafts before it.
 """
 
 from __future__ import annotations
@@ -218,7 +220,7 @@ class EngineConfig:
   jump_forward: bool = False
   # N-gram (prompt lookup) speculative decoding, vLLM's "ngram" method. With
   # num_speculative_tokens = k > 0, an iteration whose running requests (at
-  # most speculative_max_batch, nothing waiting, no grammar) all decode
+  # most speculative_max_batch, nothing waiting) all decode
   # drafts up to k tokens for each one: what followed the latest earlier
   # occurrence of its last n tokens (n from prompt_lookup_max down to
   # prompt_lookup_min), in its prompt or output. One call over [last token,
@@ -228,7 +230,9 @@ class EngineConfig:
   # model keeps and one token of its own, up to k + 1 tokens a call. Its
   # output is what decoding without drafts gives: greedy, the argmax's;
   # sampled, each position's draw with the key and the penalties, bias and
-  # min_tokens a decode step there would use. The other requests take one
+  # min_tokens a decode step there would use (and a structured request's
+  # grammar: its drafts stop at the first it refuses, or at one that would
+  # complete the output, which is sampled). The other requests take one
   # token from the same call, sampled as usual. Those iterations read their
   # tokens back before the next is dispatched (the next drafts need them);
   # warm-up compiles the checking call's shapes too.
@@ -855,18 +859,18 @@ class BatchingEngine(api.Engine):
 
   def _speculates(self) -> bool:
     """Whether this iteration may check drafts (EngineConfig.num_speculative_tokens):
-    every running request decodes, none follows a grammar, one may draft."""
+    every running request decodes, one may draft."""
     c = self.config
     if (not c.num_speculative_tokens or self._waiting or not self._running
         or len(self._running) > c.speculative_max_batch):
       return False
-    return (all(s.state == _State.DECODE and s.guide is None for s in self._running)
+    return (all(s.state == _State.DECODE for s in self._running)
             and any(map(self._drafts, self._running)))
 
   @staticmethod
   def _drafts(seq: _Seq) -> bool:
     """Whether a request's tokens may come from drafts: not while paused
-    (_spec_outcome). (Grammars: _speculates.)"""
+    (_spec_outcome)."""
     return len(seq.generated) >= seq.spec_resume
 
   def _spec_outcome(self, seq: _Seq, gained: bool) -> None:
@@ -885,6 +889,24 @@ class BatchingEngine(api.Engine):
     return ngram_draft(seq.tokens, c.num_speculative_tokens, c.prompt_lookup_max,
                        c.prompt_lookup_min)
 
+  @staticmethod
+  def _guided_drafts(seq: _Seq, d: list[int]) -> tuple[list[int], np.ndarray]:
+    """A structured request's drafts cut at the first its grammar refuses or
+    that would complete the output (that one is sampled, as a decode step
+    would), and the grammar's allow words at each position [kept + 1, W]:
+    now, then after each kept draft. The grammar is left where it was."""
+    g = seq.guide
+    words, taken = [g.words()], 0
+    for t in d:
+      if not (words[-1][t >> 5] >> (t & 31)) & 1 or not g.accept([t]):
+        break  # (the mask refused it: accept is never asked, it would fail the grammar)
+      taken += 1
+      if g.stopped:
+        break
+      words.append(g.words())
+    g.rollback(taken)
+    return d[:len(words) - 1], np.stack(words)
+
   def _run_speculative(self):
     """One checking call for the running requests (their tokens read back):
     [last token, drafts] per row at its next positions. A request with
@@ -898,12 +920,14 @@ class BatchingEngine(api.Engine):
     request has a draft (a plain decode step runs instead)."""
     t0 = time.perf_counter()
     seqs = self._schedule_decodes(1)  # pages for the next token (preempting as usual)
-    drafts = []
-    for seq in seqs:
+    drafts, guided = [], {}  # guided: row -> its grammar's allow words a position
+    for i, seq in enumerate(seqs):
       room = min(seq.max_tokens - len(seq.generated), self.capacity - seq.num_tokens) - 1
       d = []
       if self._drafts(seq):
         d = self._draft(seq)[:max(room, 0)]
+        if d and seq.guide is not None:
+          d, guided[i] = self._guided_drafts(seq, d)
         if d and not self._reserve(seq, seq.computed + 1 + len(d)):
           d = []  # no pages for the drafts: no preemption for a guess
         if not d:
@@ -921,8 +945,13 @@ class BatchingEngine(api.Engine):
     arrays, want_lp, _ = self._sampling_inputs(drafting, rows)
     # Penalties, bias and min_tokens read the slot's state at each position.
     penalized = any(seq is not None and seq.params.slot_state for seq in drafting)
+    allow = None  # (structured requests' slot state: penalized)
+    if any(drafts[i] for i in guided):
+      allow = np.full((rows, k1, sampling.mask_words(self.runner.vocab_size)), -1, np.int32)
+      for i, words in guided.items():
+        allow[i, :len(words)] = words
     checked = sampling.verify_jit(
-        logits, tokens, lengths, arrays, self._counts, self._slot_tokens, logprobs=want_lp,
+        logits, tokens, lengths, arrays, self._counts, self._slot_tokens, allow, logprobs=want_lp,
         greedy_only=all(seq is None or seq.params.greedy for seq in drafting),
         penalized=penalized)
     # Rows without drafts: sampled from their only position's logits, as a
@@ -957,6 +986,7 @@ class BatchingEngine(api.Engine):
     if penalized:  # a decode step counts what it samples; these were taken on the host
       self._counts = sampling.add_counts(self._counts, slot_of, emitted, n_emitted)
     self._flush_deferred()
+    self._guide_next()  # structured requests' allow rows, before the next call
     return launched, len(seqs), t_launch, t_wait
 
   def _checking_call(self, seqs, tokens, lengths):
@@ -1694,9 +1724,13 @@ class BatchingEngine(api.Engine):
         for w in self.table_buckets:
           logits = self.runner.check_prefill(z, zr, zr, np.zeros((rows, w), np.int32), width=k1)
         arrays = sampling.pack([], [], [], [], rows)
-        for greedy_only, lp, penalized in itertools.product((True, False), repeat=3):
+        allow = np.full((rows, k1, sampling.mask_words(self.runner.vocab_size)), -1, np.int32)
+        for greedy_only, lp, penalized, guided in itertools.product((True, False), repeat=4):
+          if guided and not penalized:  # (a structured request's slot state: penalized)
+            continue
           sampling.verify_jit(logits, z[:, :k1], zr, arrays, self._counts, self._slot_tokens,
-                              greedy_only=greedy_only, logprobs=lp, penalized=penalized)
+                              allow if guided else None, greedy_only=greedy_only, logprobs=lp,
+                              penalized=penalized)
         self._counts = sampling.add_counts(
             self._counts, np.full((rows,), self.config.max_batch, np.int32), z[:, :k1], zr)
         self._warm_sampling(logits[:, 0], rows)  # the rows without drafts

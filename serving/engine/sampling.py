@@ -215,12 +215,13 @@ def _penalize(logits, s, counts, tok: SlotTokens):
   return _penalize_rows(logits, s, counts[jnp.maximum(s.slot, 0)], tok)
 
 
-def _penalize_rows(logits, s, c, tok: SlotTokens):
-  """_penalize with each row's generated-token counts ``c`` [B, V] given."""
+def _penalize_rows(logits, s, c, tok: SlotTokens, allow=None):
+  """_penalize with each row's generated-token counts ``c`` [B, V] given (and
+  its allow words [B, W], else its slot's)."""
   rows = jnp.maximum(s.slot, 0)
   f = tok.flags[rows]  # [B, V]
-  logits = jnp.where(_allowed(tok.allow[rows], logits.shape[-1]), logits + tok.bias[rows],
-                     -jnp.inf)
+  allow = tok.allow[rows] if allow is None else allow
+  logits = jnp.where(_allowed(allow, logits.shape[-1]), logits + tok.bias[rows], -jnp.inf)
   seen = ((f & IN_PROMPT) != 0) | (c > 0)
   rep = s.repetition[:, None]
   logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
@@ -269,7 +270,7 @@ def _sample(logits, s: SamplingArrays, counts, tok: SlotTokens, last=None):
 
 
 def verify(logits, tokens, lengths, s: SamplingArrays, counts=None, tok: SlotTokens | None = None,
-           *, greedy_only: bool, logprobs: bool = False, penalized: bool = False):
+           allow=None, *, greedy_only: bool, logprobs: bool = False, penalized: bool = False):
   """Which drafted tokens a checking call's rows keep.
 
   logits [B, T, V] after each of a row's tokens [B, T] = [its last token,
@@ -283,7 +284,9 @@ def verify(logits, tokens, lengths, s: SamplingArrays, counts=None, tok: SlotTok
   (``counts`` [slots, V], ``tok``) as a decode step there would: logit bias
   and allowed ids, penalties over the generated tokens counted with the
   drafts before that position, the end-token ban while its step is under
-  min_tokens. (A grammar's allow bitmask is per step: such rows never draft.)
+  min_tokens. ``allow`` [B, T, W] (optional) holds each position's allow
+  words in place of the slot's: a grammar's allowed set changes with each
+  draft before the position.
 
   Each position draws its token as a decode step at that step would: the
   same cut distribution, the same key (seed, step + j), the same draw. A
@@ -303,10 +306,14 @@ def verify(logits, tokens, lengths, s: SamplingArrays, counts=None, tok: SlotTok
   # Every (row, position) as one row of sampling arrays: position j is step + j.
   rows = jnp.repeat(s.rows, t, axis=0)
   rows = SamplingArrays(rows=rows.at[:, 3].add(jnp.tile(jnp.arange(t, dtype=jnp.int32), b)))
+  words = None if allow is None else allow.reshape(b * t, -1)
   if penalized:
     onehot = jax.nn.one_hot(drafts, v, dtype=jnp.int32)  # [B, T, V]
     c = counts[jnp.maximum(s.slot, 0)][:, None] + jnp.cumsum(onehot, axis=1) - onehot
-    x = _penalize_rows(x.reshape(b * t, v), rows, c.reshape(b * t, v), tok).reshape(b, t, v)
+    x = _penalize_rows(x.reshape(b * t, v), rows, c.reshape(b * t, v), tok,
+                       words).reshape(b, t, v)
+  elif words is not None:
+    x = jnp.where(_allowed(words, v).reshape(b, t, v), x, -jnp.inf)
   best = jnp.argmax(x, axis=-1).astype(jnp.int32)  # [B, T]
 
   def first_refused(keep):  # [B, T] -> [B]: leading kept drafts

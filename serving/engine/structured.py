@@ -135,6 +135,11 @@ class Guide:
     """Follows the tokens; False if the grammar refused one (the matcher's error)."""
     return self._m.consume_tokens(ids)
 
+  def rollback(self, n: int) -> None:
+    """Takes back the last ``n`` accepted tokens (checked drafts)."""
+    if n and not self._m.rollback(n):
+      raise RuntimeError(f"grammar rollback of {n} tokens failed: {self._m.get_error()}")
+
   @property
   def stopped(self) -> bool:
     """Nothing more can follow: the output is complete."""

@@ -340,3 +340,94 @@ def test_a_tokenizer_without_token_bytes_serves_text_and_refuses_structured_outp
       c.generate("a", structured_outputs=dict(regex="[b-z]{3}"))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "does not say what bytes" in e.value.details()
+
+
+def test_ngram_speculation_of_structured_outputs_is_plain_decodings_output():
+  """Structured requests draft too (k = 4, counting model: after byte b
+  comes b + 1). The drafts stop at the first token the grammar refuses ("g"
+  after "def" for [b-f]+0) or at one that would complete the output (the
+  "f" of "def"), and each position is checked under the grammar's set after
+  the drafts before it, so the model's "g" gives way to the lowest allowed
+  "0". Greedy, seeded and with logprobs, the outputs (finish reasons and
+  logprobs too) are those of decoding without drafts, beside a plain
+  request; drafts are kept, and the pages come back."""
+  from tests.serving.test_batching import _spec_run
+
+  text = lambda t: [ord(c) for c in t]  # noqa: E731
+  rx = lambda r: api.StructuredOutputs(regex=r)  # noqa: E731
+  requests = [(text("abcdefgabc"), dict(max_tokens=20, structured=rx("[b-f]+0"))),
+              (text("abcdefabc"), dict(max_tokens=20, structured=rx("def"))),
+              (text("abcdefghijabcd"), dict(max_tokens=20, temperature=0.8, seed=3,
+                                            structured=rx("[a-z]{3,9}"))),
+              (text("klmnopklm"), dict(max_tokens=6, logprobs=True, top_logprobs=2,
+                                       structured=rx("[k-z]+"))),
+              (text("uvwxyzuvw"), dict(max_tokens=8))]
+  runs = {}
+  for k in (0, 4):
+    engine = E.tiny_engine(max_batch=8, batch_buckets=(1, 2, 4, 8), num_speculative_tokens=k,
+                           speculative_max_batch=8, speculative_patience=0)
+    runs[k] = _spec_run(engine, requests, logprobs=True)
+    assert engine.stats().pages_in_use == 0
+  outs = {k: [(ids, f.reason, f.completion_tokens) for ids, f, _ in run] for k, run in runs.items()}
+  assert outs[4] == outs[0]
+  assert engine.spec_accepted_tokens > 0 and engine.spec_draft_tokens > engine.spec_accepted_tokens
+  got = [bytes(ids).decode() for ids, _, _ in outs[4]]
+  assert got[:2] == ["def0", "def"]
+  stop = api.FinishReason.STOP
+  assert outs[4][0][1] == outs[4][1][1] == stop
+  assert re.fullmatch("[a-z]{3,9}", got[2]) and re.fullmatch("[k-z]+", got[3])
+  for a, b in zip(runs[4][3][2], runs[0][3][2]):
+    assert a.token_id == b.token_id and a.logprob == pytest.approx(b.logprob, abs=1e-5)
+    assert [t for t, _ in a.top] == [t for t, _ in b.top]
+  assert len(runs[4][3][2]) == 6
+  # Alone, the first takes "d" with its prompt, then "ef" as checked drafts
+  # and the "0" after them: 2 calls, not 4.
+  engine = E.tiny_engine(max_batch=8, batch_buckets=(1, 2, 4, 8), num_speculative_tokens=4)
+  ((ids, _),) = _spec_run(engine, requests[:1])
+  assert ids == text("def0") and engine.steps == 2 and engine.spec_accepted_tokens == 2
+
+
+def test_ngram_speculation_of_json_on_the_llama_decoder():
+  """The tiny Llama (random weights), a JSON schema, greedy and seeded, with
+  k = 3 drafts that are plain decoding's own next tokens (every other call's
+  last one changed, which the grammar refuses before it is checked): the
+  outputs are plain decoding's, drafts are kept, and the checking calls'
+  grammar form was compiled by the warm-up."""
+  import itertools
+
+  import models
+  from serving.engine import sampling
+
+  from tests.serving.test_batching import _llama_engine, _spec_run
+
+  model = models.load("tiny", dtype="float32")
+  spec = api.StructuredOutputs(json=_OK_SCHEMA)
+  prompt = [7, 300, 12, 45, 99, 3, 18]
+  requests = [(prompt, dict(max_tokens=40, structured=spec)),
+              (prompt[2:], dict(max_tokens=40, temperature=0.9, seed=4, structured=spec))]
+  outs = {}
+  for k in (0, 3):
+    _, engine = _llama_engine(model, warmup=bool(k), num_speculative_tokens=k,
+                              speculative_patience=0)
+    if k:
+      engine.warmup()
+      verify_shapes = sampling.verify_jit._cache_size()
+      want = {f"r{i}": list(p) + outs[0][i] for i, (p, _) in enumerate(requests)}
+      made, offered = itertools.count(), []
+
+      def draft(seq, want=want, made=made, offered=offered):
+        d = want[seq.req.request_id][len(seq.tokens):len(seq.tokens) + 3]
+        if d and next(made) % 2:
+          d[-1] = (d[-1] + 1) % model.config.vocab_size
+        offered.append(len(d))
+        return d
+      engine._draft = draft
+    run = _spec_run(engine, requests)
+    assert all(f.reason == api.FinishReason.STOP for _, f in run)
+    outs[k] = [ids for ids, _ in run]
+    assert engine.stats().pages_in_use == 0
+  assert outs[3] == outs[0]
+  for ids in outs[3]:
+    assert set(json.loads(model.tokenizer.decode(ids))) == {"ok", "tag"}
+  assert 0 < engine.spec_accepted_tokens <= engine.spec_draft_tokens < sum(offered)
+  assert sampling.verify_jit._cache_size() == verify_shapes
