@@ -342,7 +342,8 @@ def test_a_tokenizer_without_token_bytes_serves_text_and_refuses_structured_outp
     assert "does not say what bytes" in e.value.details()
 
 
-def test_ngram_speculation_of_structured_outputs_is_plain_decodings_output():
+@pytest.mark.parametrize("jump_forward", [False, True])
+def test_ngram_speculation_of_structured_outputs_is_plain_decodings_output(jump_forward):
   """Structured requests draft too (k = 4, counting model: after byte b
   comes b + 1). The drafts stop at the first token the grammar refuses ("g"
   after "def" for [b-f]+0) or at one that would complete the output (the
@@ -350,7 +351,8 @@ def test_ngram_speculation_of_structured_outputs_is_plain_decodings_output():
   the drafts before it, so the model's "g" gives way to the lowest allowed
   "0". Greedy, seeded and with logprobs, the outputs (finish reasons and
   logprobs too) are those of decoding without drafts, beside a plain
-  request; drafts are kept, and the pages come back."""
+  request, with and without jump_forward (a JSON output drafted from its
+  prompt); drafts are kept, and the pages come back."""
   from tests.serving.test_batching import _spec_run
 
   text = lambda t: [ord(c) for c in t]  # noqa: E731
@@ -361,18 +363,21 @@ def test_ngram_speculation_of_structured_outputs_is_plain_decodings_output():
                                             structured=rx("[a-z]{3,9}"))),
               (text("klmnopklm"), dict(max_tokens=6, logprobs=True, top_logprobs=2,
                                        structured=rx("[k-z]+"))),
-              (text("uvwxyzuvw"), dict(max_tokens=8))]
+              (text("uvwxyzuvw"), dict(max_tokens=8)),
+              (text('{"ok":false,"tag":"ab"}{"ok"'),
+               dict(max_tokens=40, structured=api.StructuredOutputs(json=_OK_SCHEMA)))]
   runs = {}
   for k in (0, 4):
     engine = E.tiny_engine(max_batch=8, batch_buckets=(1, 2, 4, 8), num_speculative_tokens=k,
-                           speculative_max_batch=8, speculative_patience=0)
+                           speculative_max_batch=8, speculative_patience=0,
+                           jump_forward=jump_forward)
     runs[k] = _spec_run(engine, requests, logprobs=True)
     assert engine.stats().pages_in_use == 0
   outs = {k: [(ids, f.reason, f.completion_tokens) for ids, f, _ in run] for k, run in runs.items()}
   assert outs[4] == outs[0]
   assert engine.spec_accepted_tokens > 0 and engine.spec_draft_tokens > engine.spec_accepted_tokens
   got = [bytes(ids).decode() for ids, _, _ in outs[4]]
-  assert got[:2] == ["def0", "def"]
+  assert got[:2] == ["def0", "def"] and got[5] == '{"ok":false,"tag":"ab"}'
   stop = api.FinishReason.STOP
   assert outs[4][0][1] == outs[4][1][1] == stop
   assert re.fullmatch("[a-z]{3,9}", got[2]) and re.fullmatch("[k-z]+", got[3])
