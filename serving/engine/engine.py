@@ -898,8 +898,10 @@ class BatchingEngine(api.Engine):
     g = seq.guide
     words, taken = [g.words()], 0
     for t in d:
+      # Offered only where the mask admits it: a refused token would leave
+      # the matcher in its error state.
       if not (words[-1][t >> 5] >> (t & 31)) & 1 or not g.accept([t]):
-        break  # (the mask refused it: accept is never asked, it would fail the grammar)
+        break
       taken += 1
       if g.stopped:
         break

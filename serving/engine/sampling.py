@@ -284,9 +284,9 @@ def verify(logits, tokens, lengths, s: SamplingArrays, counts=None, tok: SlotTok
   (``counts`` [slots, V], ``tok``) as a decode step there would: logit bias
   and allowed ids, penalties over the generated tokens counted with the
   drafts before that position, the end-token ban while its step is under
-  min_tokens. ``allow`` [B, T, W] (optional) holds each position's allow
-  words in place of the slot's: a grammar's allowed set changes with each
-  draft before the position.
+  min_tokens; and ``allow`` [B, T, W], if given, holds each position's allow
+  words in place of the slot's (a grammar's allowed set changes with each
+  draft before the position).
 
   Each position draws its token as a decode step at that step would: the
   same cut distribution, the same key (seed, step + j), the same draw. A
@@ -312,8 +312,6 @@ def verify(logits, tokens, lengths, s: SamplingArrays, counts=None, tok: SlotTok
     c = counts[jnp.maximum(s.slot, 0)][:, None] + jnp.cumsum(onehot, axis=1) - onehot
     x = _penalize_rows(x.reshape(b * t, v), rows, c.reshape(b * t, v), tok,
                        words).reshape(b, t, v)
-  elif words is not None:
-    x = jnp.where(_allowed(words, v).reshape(b, t, v), x, -jnp.inf)
   best = jnp.argmax(x, axis=-1).astype(jnp.int32)  # [B, T]
 
   def first_refused(keep):  # [B, T] -> [B]: leading kept drafts
