@@ -35,6 +35,9 @@ from serving.engine import api
 log = logging.getLogger("serving.openai")
 
 MAX_BODY = 1 << 24
+# A body that stops arriving (fewer bytes than its Content-Length) holds its
+# connection's thread no longer than this.
+BODY_TIMEOUT_S = 30.0
 MAX_COMPLETIONS = 256  # prompts x n in one call
 _POLL_S = 0.05  # how often a call waiting for events checks its client is still there
 _FINISH = {api.FinishReason.LENGTH: "length", api.FinishReason.STOP: "stop",
@@ -441,16 +444,57 @@ def openai_http(engine: api.Engine, servicer, host: str, port: int,
         raise _HTTPError(400, str(e)) from None
 
     def _body(self) -> dict:
-      length = int(self.headers.get("Content-Length") or 0)
-      if not 0 < length <= MAX_BODY:
-        raise _HTTPError(400, f"the body must be JSON of 1..{MAX_BODY} bytes")
+      self.connection.settimeout(BODY_TIMEOUT_S)
       try:
-        body = json.loads(self.rfile.read(length))
+        data = self._read_body()
+      except TimeoutError:
+        raise _HTTPError(408, f"the body did not arrive within {BODY_TIMEOUT_S:g} s",
+                         "timeout") from None
+      finally:
+        self.connection.settimeout(None)
+      try:
+        body = json.loads(data)
       except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise _HTTPError(400, f"the body is not JSON: {e}") from None
       if not isinstance(body, dict):
         raise _HTTPError(400, "the body must be a JSON object")
       return body
+
+    def _read_body(self) -> bytes:
+      """The request's body: Content-Length bytes, or chunks (Transfer-Encoding:
+      chunked, as uvicorn takes them), at most MAX_BODY."""
+      too_big = _HTTPError(413, f"the body is over {MAX_BODY} bytes")
+      if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
+        parts, total = [], 0
+        while True:
+          line = self.rfile.readline(1024)
+          try:
+            size = int(line.split(b";")[0], 16)
+          except ValueError:
+            raise _HTTPError(400, f"a bad chunk size line {line[:40]!r}") from None
+          if size == 0:
+            while self.rfile.readline(1024).strip():  # trailers, then the blank line
+              pass
+            return b"".join(parts)
+          total += size
+          if total > MAX_BODY:
+            raise too_big
+          parts.append(self.rfile.read(size))
+          if len(parts[-1]) < size or self.rfile.readline(3).strip():
+            raise _HTTPError(400, "a chunk shorter than its size, or longer")
+      raw = self.headers.get("Content-Length")
+      try:
+        length = int(raw or 0)
+      except ValueError:
+        raise _HTTPError(400, f"Content-Length {raw!r} is not a number") from None
+      if length > MAX_BODY:
+        raise too_big
+      if length <= 0:
+        raise _HTTPError(400, f"the body must be JSON of 1..{MAX_BODY} bytes")
+      data = self.rfile.read(length)
+      if len(data) < length:
+        raise _HTTPError(400, f"the body ended after {len(data)} of its {length} bytes")
+      return data
 
     def _call(self, body: dict, chat: bool) -> _Call:
       """The call's engine requests, submitted; a refusal counts as a refused

@@ -166,6 +166,51 @@ def test_a_body_that_is_not_json_is_400(openai):
   assert status == 400 and "not JSON" in r["error"]["message"]
 
 
+def _raw_post(port, head: bytes, body: bytes) -> tuple[int, dict]:
+  """POSTs /v1/completions with the header lines and body as given: (status, JSON)."""
+  with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n" + head + b"\r\n" + body)
+    r = http.client.HTTPResponse(s)
+    r.begin()
+    return r.status, json.loads(r.read())
+
+
+_BODY = json.dumps({"prompt": "a", "max_tokens": 3}).encode()
+
+
+@pytest.mark.parametrize("head, body, status, match", [
+    (b"Content-Length: abc\r\n", _BODY, 400, "Content-Length 'abc' is not a number"),
+    (b"Content-Length: -5\r\n", _BODY, 400, "the body must be JSON"),
+    (b"Content-Length: 99999999999\r\n", _BODY, 413, "over 16777216 bytes"),
+    (b"Transfer-Encoding: chunked\r\n", b"zz\r\n", 400, "bad chunk size"),
+    (b"Transfer-Encoding: chunked\r\n", b"3\r\n" + _BODY + b"\r\n0\r\n\r\n", 400,
+     "a chunk shorter than its size, or longer"),
+    (b"Transfer-Encoding: chunked\r\n", b"%x\r\n%s\r\n%x\r\n%s\r\n0\r\n\r\n" % (
+        10, _BODY[:10], len(_BODY) - 10, _BODY[10:]), 200, "bcd"),
+])
+def test_content_length_and_chunked_bodies(openai, head, body, status, match):
+  """A Content-Length that is not a count is 400 (was a dropped connection),
+  one over MAX_BODY 413; chunked bodies are read (as uvicorn reads them) and
+  a malformed chunk is 400."""
+  _, port = openai
+  got, r = _raw_post(port, head, body)
+  assert got == status, r
+  assert match in (r["choices"][0]["text"] if got == 200 else r["error"]["message"]), r
+
+
+def test_a_body_that_stops_arriving_is_408(openai, monkeypatch):
+  """Fewer bytes than the Content-Length: the connection's thread waits
+  BODY_TIMEOUT_S for the rest, then answers 408, and the server serves on."""
+  from serving import openai_api
+
+  monkeypatch.setattr(openai_api, "BODY_TIMEOUT_S", 0.3)
+  _, port = openai
+  got, r = _raw_post(port, b"Content-Length: %d\r\n" % (len(_BODY) + 5), _BODY)
+  assert got == 408 and "did not arrive within 0.3 s" in r["error"]["message"], r
+  assert _post(port, "/v1/completions", {"prompt": "a", "max_tokens": 3})[1]["choices"][0][
+      "text"] == "bcd"
+
+
 def test_bearer_token_and_a_client_gone_mid_stream():
   """With a token, a call without it is 401. A stream whose client closes
   the connection after the first chunk cancels its request: its pages come
