@@ -35,9 +35,10 @@ from serving.engine import api
 log = logging.getLogger("serving.openai")
 
 MAX_BODY = 1 << 24
-# A body that stops arriving (fewer bytes than its Content-Length) holds its
-# connection's thread no longer than this.
-BODY_TIMEOUT_S = 30.0
+# A client that stops sending its request (the request line, headers or a
+# body short of its Content-Length) holds its connection's thread no longer
+# than this at a time.
+READ_TIMEOUT_S = 30.0
 MAX_COMPLETIONS = 256  # prompts x n in one call
 _POLL_S = 0.05  # how often a call waiting for events checks its client is still there
 _FINISH = {api.FinishReason.LENGTH: "length", api.FinishReason.STOP: "stop",
@@ -348,6 +349,12 @@ def openai_http(engine: api.Engine, servicer, host: str, port: int,
 
   class Handler(http.server.BaseHTTPRequestHandler):
 
+    def setup(self):
+      super().setup()
+      # Until the request is read (_body lifts it): a connection that sends
+      # nothing is closed (handle_one_request's timeout), not kept forever.
+      self.connection.settimeout(READ_TIMEOUT_S)
+
     def _json(self, status: int, obj) -> None:
       body = json.dumps(obj).encode()
       try:
@@ -444,11 +451,10 @@ def openai_http(engine: api.Engine, servicer, host: str, port: int,
         raise _HTTPError(400, str(e)) from None
 
     def _body(self) -> dict:
-      self.connection.settimeout(BODY_TIMEOUT_S)
       try:
         data = self._read_body()
       except TimeoutError:
-        raise _HTTPError(408, f"the body did not arrive within {BODY_TIMEOUT_S:g} s",
+        raise _HTTPError(408, f"the body did not arrive within {READ_TIMEOUT_S:g} s",
                          "timeout") from None
       finally:
         self.connection.settimeout(None)

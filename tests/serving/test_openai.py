@@ -198,17 +198,21 @@ def test_content_length_and_chunked_bodies(openai, head, body, status, match):
   assert match in (r["choices"][0]["text"] if got == 200 else r["error"]["message"]), r
 
 
-def test_a_body_that_stops_arriving_is_408(openai, monkeypatch):
+def test_a_request_that_stops_arriving_is_408_or_closed(openai, monkeypatch):
   """Fewer bytes than the Content-Length: the connection's thread waits
-  BODY_TIMEOUT_S for the rest, then answers 408, and the server serves on."""
+  READ_TIMEOUT_S for the rest, then answers 408, and the server serves on;
+  a connection that sends no request is closed."""
   from serving import openai_api
 
-  monkeypatch.setattr(openai_api, "BODY_TIMEOUT_S", 0.3)
+  monkeypatch.setattr(openai_api, "READ_TIMEOUT_S", 0.3)
   _, port = openai
   got, r = _raw_post(port, b"Content-Length: %d\r\n" % (len(_BODY) + 5), _BODY)
   assert got == 408 and "did not arrive within 0.3 s" in r["error"]["message"], r
   assert _post(port, "/v1/completions", {"prompt": "a", "max_tokens": 3})[1]["choices"][0][
       "text"] == "bcd"
+  # A connection that sends nothing at all is closed after the timeout.
+  with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+    assert s.recv(100) == b""  # (the server's close; a kept thread would time this out)
 
 
 def test_bearer_token_and_a_client_gone_mid_stream():
