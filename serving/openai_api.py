@@ -9,7 +9,9 @@ request's; vLLM's extra sampling fields and structured outputs, OpenAI's
 ``response_format``), and their events become OpenAI objects. Errors are
 OpenAI error objects: 400 for a bad request, 401 without the bearer token,
 429 when the queue is full, 503 while draining, 500 when the engine failed.
-With the server's TLS certificate, it speaks HTTPS only.
+With the server's TLS certificate, it speaks HTTPS only. Connections are
+HTTP/1.1 and kept alive between calls (a stream ends its own); one that
+sends nothing for READ_TIMEOUT_S is closed.
 A client that goes away (its connection closed, streaming or not) cancels
 its requests. Calls count as in progress for the server's drain, like gRPC
 calls.
@@ -348,12 +350,23 @@ def openai_http(engine: api.Engine, servicer, host: str, port: int,
   expected = f"Bearer {auth_token}" if auth_token else None
 
   class Handler(http.server.BaseHTTPRequestHandler):
+    # Keep-alive: a client's next request reuses its connection (and its TLS
+    # session). A stream ends its connection, as does an answer to a request
+    # whose body was left unread (the next request would start inside it).
+    protocol_version = "HTTP/1.1"
 
-    def setup(self):
-      super().setup()
+    def handle_one_request(self):
       # Until the request is read (_body lifts it): a connection that sends
-      # nothing is closed (handle_one_request's timeout), not kept forever.
+      # nothing, or idles between requests, is closed (the base class's
+      # TimeoutError path), not kept forever.
       self.connection.settimeout(READ_TIMEOUT_S)
+      self._unread = False  # a body not read (yet): the answer closes the connection
+      super().handle_one_request()
+
+    def end_headers(self):
+      if self._unread:
+        self.send_header("Connection", "close")
+      super().end_headers()
 
     def _json(self, status: int, obj) -> None:
       body = json.dumps(obj).encode()
@@ -377,6 +390,8 @@ def openai_http(engine: api.Engine, servicer, host: str, port: int,
 
     def do_GET(self):  # noqa: N802
       path = self.path.split("?")[0]
+      self._unread = (self.headers.get("Content-Length", "0").strip() != "0"
+                      or "Transfer-Encoding" in self.headers)
       if path == "/health":
         ok = getattr(engine, "error", None) is None and not engine.stats().draining
         self._json(200 if ok else 503, {"status": "ok" if ok else "unavailable"})
@@ -398,6 +413,7 @@ def openai_http(engine: api.Engine, servicer, host: str, port: int,
 
     def do_POST(self):  # noqa: N802
       path = self.path.split("?")[0]
+      self._unread = True
       if path not in ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"):
         self._error(_HTTPError(404, f"no route {path}", "not_found"))
         return
@@ -453,6 +469,7 @@ def openai_http(engine: api.Engine, servicer, host: str, port: int,
     def _body(self) -> dict:
       try:
         data = self._read_body()
+        self._unread = False
       except TimeoutError:
         raise _HTTPError(408, f"the body did not arrive within {READ_TIMEOUT_S:g} s",
                          "timeout") from None
@@ -581,6 +598,7 @@ def openai_http(engine: api.Engine, servicer, host: str, port: int,
       self.send_response(200)
       self.send_header("Content-Type", "text/event-stream")
       self.send_header("Cache-Control", "no-cache")
+      self.send_header("Connection", "close")  # the stream ends where the connection does
       self.end_headers()
 
       def send(obj) -> None:

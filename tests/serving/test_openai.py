@@ -215,6 +215,46 @@ def test_a_request_that_stops_arriving_is_408_or_closed(openai, monkeypatch):
     assert s.recv(100) == b""  # (the server's close; a kept thread would time this out)
 
 
+def test_keep_alive_reuses_the_connection_and_closes_where_it_must(openai, monkeypatch):
+  """HTTP/1.1: completions one after another on one connection; an answer
+  given before the body was read (a 404) and a stream close it (the client
+  then reconnects and is served); an idle kept connection is closed after
+  READ_TIMEOUT_S."""
+  from serving import openai_api
+
+  _, port = openai
+  # (under READ_TIMEOUT_S: a stream that left its connection open would
+  # end only when the server gave up waiting for the next request)
+  conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+
+  def post(path, body):
+    conn.request("POST", path, body=json.dumps(body),
+                 headers={"Content-Type": "application/json"})
+    r = conn.getresponse()
+    return r, r.read()
+
+  one = {"prompt": "a", "max_tokens": 3}
+  r, data = post("/v1/completions", one)
+  sock = conn.sock
+  assert r.status == 200 and json.loads(data)["choices"][0]["text"] == "bcd"
+  assert r.version == 11 and not r.will_close
+  r, data = post("/v1/completions", {"prompt": "x", "max_tokens": 2})
+  assert conn.sock is sock and json.loads(data)["choices"][0]["text"] == "yz"
+  r, _ = post("/v1/nothing", one)  # its body is never read: the connection ends
+  assert r.status == 404 and r.will_close and conn.sock is None
+  r, data = post("/v1/completions", one)
+  assert r.status == 200 and json.loads(data)["choices"][0]["text"] == "bcd"
+  r, data = post("/v1/completions", {**one, "stream": True})
+  assert r.will_close and data.endswith(b"data: [DONE]\n\n")
+  r, data = post("/v1/completions", one)
+  assert r.status == 200 and json.loads(data)["choices"][0]["text"] == "bcd"
+  monkeypatch.setattr(openai_api, "READ_TIMEOUT_S", 0.3)
+  r, data = post("/v1/completions", one)  # the timeout is set as each request starts
+  conn.sock.settimeout(30)
+  assert conn.sock.recv(1) == b""  # closed by the server after 0.3 s idle
+  conn.close()
+
+
 def test_bearer_token_and_a_client_gone_mid_stream():
   """With a token, a call without it is 401. A stream whose client closes
   the connection after the first chunk cancels its request: its pages come
@@ -234,7 +274,7 @@ def test_bearer_token_and_a_client_gone_mid_stream():
     got = b""
     while b"data: " not in got:
       got += sock.recv(4096)
-    assert got.startswith(b"HTTP/1.0 200")
+    assert got.startswith(b"HTTP/1.1 200")
     wait_for(lambda: engine.stats().running == 1, what="the stream's request running")
     sock.close()
     wait_for(lambda: engine.stats().running == 0 and engine.stats().pages_in_use == 0,
