@@ -493,6 +493,8 @@ def openai_http(engine: api.Engine, servicer, host: str, port: int,
           line = self.rfile.readline(1024)
           try:
             size = int(line.split(b";")[0], 16)
+            if size < 0:
+              raise ValueError
           except ValueError:
             raise _HTTPError(400, f"a bad chunk size line {line[:40]!r}") from None
           if size == 0:

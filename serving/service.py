@@ -550,7 +550,7 @@ class Server:
       self.port = self._grpc.add_insecure_port(addr)
     if not self.port:
       raise OSError(f"cannot bind {addr}")
-    self.metrics_http = self.openai_http = None  # OpenAI endpoints: serving.openai_api
+    self.metrics_http = self.openai_http = None  # bound here, served by start()
     try:
       if metrics_port is not None:
         what = f"metrics on {host}:{metrics_port}"

@@ -183,6 +183,7 @@ _BODY = json.dumps({"prompt": "a", "max_tokens": 3}).encode()
     (b"Content-Length: -5\r\n", _BODY, 400, "the body must be JSON"),
     (b"Content-Length: 99999999999\r\n", _BODY, 413, "over 16777216 bytes"),
     (b"Transfer-Encoding: chunked\r\n", b"zz\r\n", 400, "bad chunk size"),
+    (b"Transfer-Encoding: chunked\r\n", b"-5\r\n", 400, "bad chunk size"),  # (read to EOF)
     (b"Transfer-Encoding: chunked\r\n", b"3\r\n" + _BODY + b"\r\n0\r\n\r\n", 400,
      "a chunk shorter than its size, or longer"),
     (b"Transfer-Encoding: chunked\r\n", b"%x\r\n%s\r\n%x\r\n%s\r\n0\r\n\r\n" % (
