@@ -196,6 +196,10 @@ def test_tls(tmp_path: pathlib.Path):
         "localhost", port, timeout=30, context=ssl.create_default_context(cafile=str(cert)))
     https.request("POST", "/v1/completions", body=body)
     assert json.loads(https.getresponse().read())["choices"][0]["text"] == "bcd"
+    sock = https.sock  # kept alive: the next call reuses the TLS session's socket
+    https.request("POST", "/v1/completions", body=body)
+    assert json.loads(https.getresponse().read())["choices"][0]["text"] == "bcd"
+    assert https.sock is sock
     https.close()
     plain_http = http.client.HTTPConnection("localhost", port, timeout=5)
     with pytest.raises((http.client.HTTPException, OSError)):
