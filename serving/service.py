@@ -565,7 +565,7 @@ class Server:
       self._grpc.stop(0).wait()
       self._close_http()
       raise OSError(f"cannot serve {what}: {e.strerror or e}") from e
-    self._http_threads: list[threading.Thread] = []
+    self._http_serving = False  # (shutdown waits for a serve_forever that ran)
     self._stopped = threading.Event()
     self._drain_lock = threading.Lock()
 
@@ -580,9 +580,8 @@ class Server:
     self.engine.start()  # warm-up compiles here: health says NOT_SERVING meanwhile
     for name, srv in (("metrics", self.metrics_http), ("openai-http", self.openai_http)):
       if srv is not None:
-        t = threading.Thread(target=srv.serve_forever, name=name, daemon=True)
-        t.start()
-        self._http_threads.append(t)
+        threading.Thread(target=srv.serve_forever, name=name, daemon=True).start()
+    self._http_serving = True
     for s in ("", SERVICE_NAME):
       self.health.set(s, HealthServicer.Status.SERVING)
     log.info("serving %s on %s", self.engine.info.model_name, self.address)
@@ -608,7 +607,7 @@ class Server:
     self.health.set_all(HealthServicer.Status.NOT_SERVING)
     self.engine.stop()
     self._grpc.stop(grace).wait()
-    if self._http_threads:  # (shutdown waits for a serve_forever that ran)
+    if self._http_serving:
       for srv in (self.metrics_http, self.openai_http):
         if srv is not None:
           srv.shutdown()

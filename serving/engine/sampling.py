@@ -306,10 +306,10 @@ def verify(logits, tokens, lengths, s: SamplingArrays, counts=None, tok: SlotTok
   # Every (row, position) as one row of sampling arrays: position j is step + j.
   rows = jnp.repeat(s.rows, t, axis=0)
   rows = SamplingArrays(rows=rows.at[:, 3].add(jnp.tile(jnp.arange(t, dtype=jnp.int32), b)))
-  words = None if allow is None else allow.reshape(b * t, -1)
   if penalized:
     onehot = jax.nn.one_hot(drafts, v, dtype=jnp.int32)  # [B, T, V]
     c = counts[jnp.maximum(s.slot, 0)][:, None] + jnp.cumsum(onehot, axis=1) - onehot
+    words = None if allow is None else allow.reshape(b * t, -1)
     x = _penalize_rows(x.reshape(b * t, v), rows, c.reshape(b * t, v), tok,
                        words).reshape(b, t, v)
   best = jnp.argmax(x, axis=-1).astype(jnp.int32)  # [B, T]
