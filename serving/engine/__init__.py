@@ -89,8 +89,6 @@ def fit_num_pages(model, page_size: int, gpu_memory_utilization: float, *,
         f"{stats['bytes_limit'] / 2**30:.1f} GiB beside the "
         f"{stats.get('bytes_in_use', 0) / 2**30:.1f} GiB it holds; raise "
         "gpu_memory_utilization or pass num_pages")
-  log.info("KV cache: %d pages of %d tokens (%.1f GiB a device)", num_pages, page_size,
-           num_pages * page_bytes / 2**30)
   return num_pages
 
 
@@ -122,6 +120,8 @@ def model_engine(spec: str | None = None, *, dtype: str = "bfloat16",
   if spec == "counting":
     return tiny_engine(num_pages=num_pages or DEFAULT_NUM_PAGES, page_size=page_size or 4,
                        step_delay=step_delay, **config)
+  import jax
+
   import models
 
   model = models.load(spec, dtype=dtype, decode_unroll=decode_unroll, tp=tp)
@@ -132,4 +132,7 @@ def model_engine(spec: str | None = None, *, dtype: str = "bfloat16",
   runner = ModelRunner(model, num_pages=num_pages, page_size=page_size,
                        attention=attention, decode_attention=decode_attention, matmul=matmul,
                        kv_cache_dtype=kv_cache_dtype)
+  cache_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(runner.cache)) // tp
+  log.info("KV cache: %d pages of %d tokens (%.2f GiB a device)", num_pages, page_size,
+           cache_bytes / 2**30)
   return BatchingEngine(runner, EngineConfig(**config))

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import itertools
+import logging
 import multiprocessing
 import pickle
 import queue
@@ -105,8 +106,26 @@ class _StepObserver:
     del final
 
 
-def _serve(factory: Callable[..., Any], args: tuple, kwargs: dict, commands, results) -> None:
+def _log_config() -> tuple[int, str | None, dict[str, int]]:
+  """The server process's logging (root level, its first handler's format,
+  levels set on named loggers), for the engine process to log as it does: a
+  spawned child starts with logging unconfigured, and would drop the engine's
+  INFO lines (KV cache size, warm-up times)."""
+  root = logging.getLogger()
+  fmt = next((h.formatter._fmt for h in root.handlers if h.formatter is not None), None)
+  named = {name: lg.level for name, lg in logging.Logger.manager.loggerDict.items()
+           if isinstance(lg, logging.Logger) and lg.level != logging.NOTSET}
+  return root.level, fmt, named
+
+
+def _serve(factory: Callable[..., Any], args: tuple, kwargs: dict, commands, results,
+           log_config=None) -> None:
   """The engine process: builds the engine, then answers calls until 'stop'."""
+  if log_config is not None:
+    level, fmt, named = log_config
+    logging.basicConfig(level=level, format=fmt)
+    for name, lvl in named.items():
+      logging.getLogger(name).setLevel(lvl)
   # The server process decides when to stop (SIGTERM drains there); a ^C to
   # the process group must not kill the engine under it.
   signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -197,7 +216,8 @@ class ProcessEngine(api.Engine):
     cmd_recv, self._cmd = ctx.Pipe(duplex=False)
     self._res, res_send = ctx.Pipe(duplex=False)
     self._proc = ctx.Process(target=_serve, name="engine",
-                             args=(factory, args, kwargs, cmd_recv, res_send), daemon=True)
+                             args=(factory, args, kwargs, cmd_recv, res_send, _log_config()),
+                             daemon=True)
     self._proc.start()
     cmd_recv.close()
     res_send.close()
