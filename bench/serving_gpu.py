@@ -78,28 +78,14 @@ class IdTokenizer:
 
 def random_model(config: str, dtype: str, fold_norms: bool = True,
                  decode_append: bool = True, decode_unroll: int | None = None, tp: int = 1):
-  from flax import nnx
-
+  """models.load's random weights of a named config (random_device_params),
+  with the model's layout options, behind an IdTokenizer."""
   import models
   from models import config as config_lib
-  from models import llama
   from models import model as model_lib
 
   cfg = config_lib.get(config)
-  abstract = nnx.eval_shape(lambda: llama.Llama(cfg, dtype=jnp.dtype(dtype), rngs=nnx.Rngs(0)))
-  _, state = nnx.split(abstract)
-  pure = nnx.to_pure_dict(state)
-  leaves, treedef = jax.tree.flatten(pure)
-  keys = jax.random.split(jax.random.key(0), len(leaves))
-
-  @functools.partial(jax.jit, static_argnums=(1, 2))
-  def init(key, shape, dt):
-    if len(shape) == 1:
-      return jnp.ones(shape, dt)
-    return (jax.random.normal(key, shape, jnp.float32) * shape[-2] ** -0.5).astype(dt)
-
-  params = jax.tree.unflatten(
-      treedef, [init(k, tuple(l.shape), jnp.dtype(dtype)) for k, l in zip(keys, leaves)])
+  params = model_lib.random_device_params(cfg, dtype)
   return models.Model(cfg, params, IdTokenizer(cfg.vocab_size), dtype=dtype,
                       fold_norms=fold_norms, decode_append=decode_append,
                       decode_unroll=decode_unroll, mesh=model_lib.tp_mesh(cfg, tp))
@@ -263,39 +249,54 @@ def flags_num_pages(a, model, page: int) -> int:
   return n
 
 
-def build_engine(a):
-  """The benchmark's engine (random weights of ``a.config``); module-level, so
-  that an engine process can build it from ``a``."""
-  from serving import engine as E
-
-  apply_model_flags(a)  # again: an engine process starts without the parent's settings
-  t0 = time.perf_counter()
-  model = flags_model(a)
-  jax.block_until_ready(model.params)
-  print(f"model {model!r} ready in {time.perf_counter() - t0:.1f} s", flush=True)
-  page = a.page_size or E.default_page_size()
-  runner = E.ModelRunner(model, num_pages=flags_num_pages(a, model, page), page_size=page,
-                         attention=a.attention, decode_attention=a.decode_attention,
-                         matmul=a.matmul, kv_cache_dtype=a.kv_cache_dtype)
+def serve_flags(a) -> list[str]:
+  """The `python -m serving serve` flags of this benchmark's engine: it is
+  built by the CLI's own code (serving.cli.build_engine), so a benchmark
+  cannot pass where the README's command fails."""
+  if not (a.fold_norms and a.decode_append):
+    raise SystemExit("--no-fold-norms / --no-decode-append are not serve options; "
+                     "bench/model.py measures those layouts")
   cmax, chunk = a.concurrency, a.ttft_len
-  cfg = E.EngineConfig(max_batch=cmax, max_waiting=512, max_seq_len=a.max_seq_len,
-                       prefill_chunk=chunk, min_chunk=min(a.min_chunk or a.input_len, chunk),
-                       prefill_rows=4,
-                       batch_buckets=tuple(sorted({1, min(8, cmax), cmax})),
-                       token_budget=cmax + chunk, default_max_tokens=a.output_len,
-                       # Prompts of one length fit one chunk and are random (no
-                       # prefix hits): fresh prefill only, to keep the warm-up short.
-                       # Ragged ones get split by the step's token budget.
-                       # Shared prefixes are prefix-cache hits: continued chunks.
-                       warmup_continued=(a.warmup_continued or a.range_ratio > 0
-                                         or a.shared_prefix_len > 0),
-                       decode_steps=a.decode_steps, stream_interval=a.stream_interval,
-                       mixed_steps=a.mixed_steps, decode_prefill_budget=a.decode_prefill_budget,
-                       prefill_first=a.prefill_first, packed_prefill=a.packed_prefill,
-                       compile_threads=a.compile_threads,
-                       prompt_logprobs=a.prompt_logprobs,
-                       num_speculative_tokens=a.num_speculative_tokens)
-  return E.BatchingEngine(runner, cfg)
+  flags = ["--model", a.config, "--dtype", a.dtype, "--attention-backend", a.attention,
+           "--matmul-backend", a.matmul, "--max-batch", str(cmax), "--max-waiting", "512",
+           "--max-seq-len", str(a.max_seq_len), "--prefill-chunk", str(chunk),
+           "--prefill-rows", "4", "--token-budget", str(cmax + chunk),
+           "--default-max-tokens", str(a.output_len), "--decode-steps", str(a.decode_steps),
+           "--stream-interval", str(a.stream_interval),
+           "--gpu-memory-utilization", str(a.gpu_memory_utilization),
+           "--compile-threads", str(a.compile_threads),
+           "--tensor-parallel-size", str(a.tp)]
+  for flag, value in (("--decode-attention-backend", a.decode_attention),
+                      ("--page-size", a.page_size),
+                      ("--num-pages", a.num_pages),
+                      ("--decode-prefill-budget", a.decode_prefill_budget),
+                      ("--decode-unroll", a.decode_unroll),
+                      ("--compilation-cache", a.compilation_cache),
+                      ("--num-speculative-tokens", a.num_speculative_tokens or None)):
+    if value is not None:
+      flags += [flag, str(value)]
+  if a.kv_cache_dtype:
+    flags += ["--kv-cache-dtype", "fp8"]
+  for flag, on in (("--mixed-steps", a.mixed_steps), ("--prefill-first", a.prefill_first),
+                   ("--enable-prompt-logprobs", a.prompt_logprobs)):
+    if on:
+      flags.append(flag)
+  if a.packed_prefill is not None:
+    flags.append("--packed-prefill" if a.packed_prefill else "--no-packed-prefill")
+  return flags
+
+
+def build_engine(a):
+  """The benchmark's engine, as `python -m serving serve` builds it from
+  ``serve_flags(a)`` (module-level, so that an engine process can build it)."""
+  from serving import cli
+
+  flags = serve_flags(a)
+  print("serve flags:", " ".join(flags), flush=True)
+  t0 = time.perf_counter()
+  engine = cli.build_engine(cli.parser().parse_args(["serve", *flags]))
+  print(f"engine built in {time.perf_counter() - t0:.1f} s", flush=True)
+  return engine
 
 
 def model_flags(ap: argparse.ArgumentParser) -> None:
@@ -370,9 +371,6 @@ def main():
                   help="engine iterations the trace covers from the round's start")
   ap.add_argument("--max-seq-len", type=int, default=4096)
   ap.add_argument("--page-size", type=int, help="default: the decode kernel's")
-  ap.add_argument("--warmup-continued", action="store_true",
-                  help="also compile prefill of continued chunks at start")
-  ap.add_argument("--min-chunk", type=int, help="EngineConfig.min_chunk (default: --input-len)")
   ap.add_argument("--range-ratio", type=float, default=0.0,
                   help="c=1 and c=64 lengths drawn from [L(1-r), L(1+r)] (0: all equal)")
   ap.add_argument("--shared-prefix-len", type=int, default=0,
@@ -428,7 +426,9 @@ def main():
   warm = time.perf_counter() - t0
   print(f"warm-up + start {warm:.1f} s; serving on {server.address}", flush=True)
   target = server.address
-  rows, summary = [], {"warmup_s": warm, "config": a.config, "attention": a.attention,
+  rows, summary = [], {"warmup_s": warm,
+                       "serve_command": "python -m serving serve " + " ".join(serve_flags(a)),
+                       "config": a.config, "attention": a.attention,
                        "matmul": a.matmul, "page_size": page,
                        "decode_steps": a.decode_steps, "stream_interval": a.stream_interval,
                        "mixed_steps": a.mixed_steps,
