@@ -181,14 +181,25 @@ def tp_mesh(cfg: config_lib.ModelConfig, tp: int):
   return make_mesh(tp)
 
 
-def load(spec: str | os.PathLike | None = None, *, dtype="bfloat16", tp: int = 1,
-         decode_unroll: int | None = None) -> Model:
+def default_dtype() -> str:
+  """float32 where jax's default device is the CPU (bf16 buys no speed there
+  and can flip near-tied tokens), else bfloat16."""
+  return "float32" if jax.default_backend() == "cpu" else "bfloat16"
+
+
+def load(spec: str | os.PathLike | None = None, *, dtype=None, tp: int = 1,
+         decode_unroll: int | None = None, tokenizer=None) -> Model:
   """A Model from: None/"default" (embedded SmolLM2-135M-Instruct), "tiny" or
   another named config of models.config ("llama3.1-8b", ...: random weights,
   fixed seed, byte-level tokenizer; for tests and benchmarks), an HF folder,
-  a .gguf file, or an orbax directory written by ``save``. ``decode_unroll``:
-  as ``Model``'s."""
-  dtype = jnp.dtype(dtype)
+  a .gguf file, or an orbax directory written by ``save``. ``dtype``: None
+  is ``default_dtype()``. ``decode_unroll``: as ``Model``'s.
+
+  ``tokenizer``: None, the checkpoint's own (an HF folder without one loads
+  for token-id prompts only: models.tokenizer.NoTokenizer); False, no
+  tokenizer (token ids only); a folder, the tokenizer read from there; or a
+  models.tokenizer.Tokenizer."""
+  dtype = jnp.dtype(default_dtype() if dtype is None else dtype)
   if dtype.name not in ("bfloat16", "float16", "float32"):
     raise ValueError(f"{dtype=} is not supported; use bfloat16, float16 or float32")
   if spec is None or spec == "default":
@@ -219,7 +230,13 @@ def load(spec: str | os.PathLike | None = None, *, dtype="bfloat16", tp: int = 1
     elif checkpoint.is_orbax_dir(path):
       cfg, params, tok = checkpoint.read_orbax(path, dtype)
     else:
-      cfg, params, tok = checkpoint.read_hf(path, _np_dtype(dtype))
+      cfg, params, tok = checkpoint.read_hf(path, _np_dtype(dtype), tokenizer=tokenizer is None)
+  if tokenizer is False:
+    tok = tok_lib.NoTokenizer(str(spec or "default"), bos_id=tok.bos_id, eos_ids=tok.eos_ids)
+  elif isinstance(tokenizer, tok_lib.Tokenizer):
+    tok = tokenizer
+  elif tokenizer is not None:
+    tok = tok_lib.from_folder(pathlib.Path(tokenizer))
   return Model(cfg, params, tok, dtype=dtype, mesh=tp_mesh(cfg, tp), decode_unroll=decode_unroll)
 
 
@@ -248,6 +265,11 @@ def generate(model: Model, prompt_ids: Sequence[int], max_new_tokens: int, *,
     raise ValueError(f"{max_new_tokens=} must be >= 1")
   ps = page_size or llama.DEFAULT_PAGE_SIZE
   total = len(prompt_ids) + max_new_tokens
+  scaling = model.config.rope_scaling
+  if scaling is not None and scaling.rope_type == "dynamic" and \
+      total > model.config.max_position_embeddings:
+    raise ValueError(f"{total} tokens: dynamic RoPE is computed up to max_position_embeddings="
+                     f"{model.config.max_position_embeddings}")
   n_pages = math.ceil(total / ps)
   cache = model.init_cache(n_pages + 1, ps)
   page_table = np.arange(1, n_pages + 1, dtype=np.int32)[None]  # page 0 is scratch
