@@ -200,14 +200,22 @@ DEFAULT = model_lib.default_model_path()
 
 @pytest.mark.skipif(not DEFAULT.exists(), reason=f"{DEFAULT} missing: run .ci/setup")
 def test_default_model_answers_paris():
-  m = models.load("default", dtype="bfloat16")
+  """With the default flags (float32 on the CPU: in bfloat16 the chat answer's
+  near-tied first token flips and the answer is wrong), plain and chat."""
+  m = models.load("default")
   assert m.config.num_layers == 30 and m.config.vocab_size == 49152
+  if jax.default_backend() == "cpu":
+    assert m.dtype == jnp.float32
   tok = m.tokenizer
   prompt = "The capital of France is"
   ids = tok.encode(prompt)
   assert tok.decode(ids) == prompt
   out = models.generate(m, ids, 4)
   assert "Paris" in tok.decode(out), tok.decode(out)
+  ids = tok.encode(tok.apply_chat_template([{"role": "user",
+                                             "content": "What is the capital of France?"}]))
+  answer = tok.decode(models.generate(m, ids, 10))
+  assert answer.startswith("The capital of France is Paris"), answer
   chat = tok.apply_chat_template([{"role": "user", "content": "Hi"}])
   assert chat.startswith("<|im_start|>system") and chat.endswith("<|im_start|>assistant\n")
   assert tok.encode("<|im_start|>")[0] in range(49152) and len(tok.encode("<|im_start|>")) == 1
