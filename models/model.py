@@ -161,8 +161,17 @@ def _pad(a: np.ndarray, shape) -> jax.Array:
 
 
 def random_params(cfg: config_lib.ModelConfig, seed: int = TINY_SEED, dtype="float32"):
+  """Random weights of ``cfg``; the MLP's padding features (ffn_size beyond
+  intermediate_size) are zeros, as a checkpoint's are at load."""
   m = llama.Llama(cfg, dtype=dtype, rngs=nnx.Rngs(seed))
-  return nnx.to_pure_dict(nnx.state(m))
+  params = nnx.to_pure_dict(nnx.state(m))
+  if cfg.ffn_size != cfg.intermediate_size:
+    mlp = params["layers"]["mlp"]
+    keep = np.arange(cfg.ffn_size) < cfg.intermediate_size
+    gate_up = jnp.asarray(checkpoint.fuse_gate_up(keep, keep))  # the fused column order
+    mlp["w_gate_up"] = {k: jnp.where(gate_up, v, 0) for k, v in mlp["w_gate_up"].items()}
+    mlp["w_down"]["w"] = jnp.where(jnp.asarray(keep)[:, None], mlp["w_down"]["w"], 0)
+  return params
 
 
 def make_mesh(tp: int):

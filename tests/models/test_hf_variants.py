@@ -98,6 +98,9 @@ def test_variant_through_the_engine(hf_variants, name):
     elif isinstance(ev, api.Final):
       final = ev
   assert final is not None and ids == greedy.tolist(), f"{name}: engine greedy tokens differ"
+  for kw in (dict(prompt_text="hi"), dict(messages=[("user", "hi")])):
+    with pytest.raises(api.InvalidRequest, match="loaded without a tokenizer"):
+      engine.submit(api.Request("t", **kw))
 
 
 def test_activations_match_transformers(hf_variants):
