@@ -8,7 +8,8 @@ run the jitted decoder (models.llama) against a paged KV cache.
 
 API used by serving::
 
-  model = models.load(spec=None, dtype="bfloat16")
+  model = models.load(spec=None, dtype=None, tokenizer=None)
+    # dtype None: float32 where jax's default device is the CPU, else bfloat16.
     # spec: None / "default" -> embedded SmolLM2-135M-Instruct (GGUF fetched
     #         into .cache/ by .ci/setup); "tiny" (or another named config of
     #         models.config, e.g. "llama3.1-8b") -> random weights (fixed seed)
@@ -18,6 +19,11 @@ API used by serving::
   model.config      # models.config.ModelConfig (frozen): vocab_size, num_layers,
                     #   num_heads, num_kv_heads, head_dim, max_position_embeddings ...
   model.params      # pytree (nested dict) of jax arrays
+    # tokenizer: None = the checkpoint's (an HF folder without one loads for
+    #   token-id prompts only: tokenizer.NoTokenizer, whose encode raises);
+    #   False = none; a folder to read one from; or a Tokenizer.
+    # HF config.json: every field is computed or refused at load with its name
+    #   (models.config.hf_fields); README lists the supported features.
   model.tokenizer   # .encode(str) -> list[int]  (no BOS added)
                     # .decode(list[int]) -> str
                     # .bos_id: int | None, .eos_ids: tuple[int, ...]

@@ -92,22 +92,43 @@ def _gate_up_from_pairs(w):
 
 
 def unfused_layers(params: dict, cfg: ModelConfig) -> dict[str, Any]:
-  """The stacked layer matrices as separate wq/wk/wv [n, D, out] and w_gate/w_up
-  (and qkv biases bq/bk/bv when present), for writing other formats."""
+  """The stacked layer matrices as separate wq/wk/wv [n, D, out], w_gate/w_up
+  [n, D, F] and w_down [n, F, D] (F = intermediate_size, without the zero
+  padding of ``ModelConfig.ffn_size``; and the qkv biases bq/bk/bv when
+  present), for writing other formats."""
   attn, mlp = params["layers"]["attn"], params["layers"]["mlp"]
+  f = cfg.intermediate_size
   out = dict(zip(("wq", "wk", "wv"), split_qkv(attn["wqkv"]["w"], cfg)))
   if "b" in attn["wqkv"]:
     out.update(zip(("bq", "bk", "bv"), split_qkv(attn["wqkv"]["b"], cfg)))
-  out.update(zip(("w_gate", "w_up"), split_gate_up(mlp["w_gate_up"]["w"])))
+  out.update(zip(("w_gate", "w_up"), (w[..., :f] for w in split_gate_up(mlp["w_gate_up"]["w"]))))
+  out["w_down"] = np.asarray(mlp["w_down"]["w"])[..., :f, :]
   return out
+
+
+def _pad_ffn(a, axis: int, cfg: ModelConfig):
+  """``a`` with its FFN axis zero-padded from intermediate_size to ffn_size
+  (exact: a padded feature is act(0 + 0) * 0 = 0 and meets a zero row of w_down)."""
+  a = np.asarray(a)
+  extra = cfg.ffn_size - a.shape[axis]
+  if extra <= 0:
+    return a
+  widths = [(0, 0)] * a.ndim
+  widths[axis] = (0, extra)
+  return np.pad(a, widths)
 
 
 # Fused leaves: (source leaves, combine(arrays, cfg)).
 _FUSED = {
     "layers.attn.wqkv.w": (("wq.w", "wk.w", "wv.w"), lambda a, cfg: fuse_qkv(*a, cfg)),
     "layers.attn.wqkv.b": (("wq.b", "wk.b", "wv.b"), lambda a, cfg: fuse_qkv(*a, cfg)),
-    "layers.mlp.w_gate_up.w": (("w_gate.w", "w_up.w"), lambda a, cfg: fuse_gate_up(*a)),
+    "layers.mlp.w_gate_up.w": (("w_gate.w", "w_up.w"),
+                               lambda a, cfg: fuse_gate_up(*(_pad_ffn(x, -1, cfg) for x in a))),
+    "layers.mlp.w_gate_up.b": (("w_gate.b", "w_up.b"),
+                               lambda a, cfg: fuse_gate_up(*(_pad_ffn(x, -1, cfg) for x in a))),
 }
+# Leaves whose FFN axis is padded to ffn_size as they are read: (leaf, axis).
+_FFN_ROWS = {"layers.mlp.w_down.w": 0}
 
 
 def _fused_parts(key: str) -> list[str]:
@@ -119,11 +140,13 @@ def _fused_parts(key: str) -> list[str]:
 def _target(cfg: ModelConfig, fused: bool = True) -> dict[str, Any]:
   """Shapes of our params tree, nested like nnx.state(Llama); ``fused=False``:
   the layout before q/k/v and gate/up were fused (older orbax directories)."""
-  d, hd, f, n = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size, cfg.num_layers
+  d, hd, f, n = cfg.hidden_size, cfg.head_dim, cfg.ffn_size, cfg.num_layers
   lin = lambda i, o, bias=False: {"w": (n, i, o), **({"b": (n, o)} if bias else {})}
   if fused:
     attn = {"wqkv": lin(d, (cfg.num_heads + 2 * cfg.num_kv_heads) * hd, cfg.qkv_bias)}
-    mlp = {"w_gate_up": lin(d, 2 * f)}
+    if cfg.qk_norm:
+      attn.update(q_norm=(n, hd), k_norm=(n, hd))
+    mlp = {"w_gate_up": lin(d, 2 * f, cfg.mlp_bias)}
   else:
     attn = {"wq": lin(d, cfg.num_heads * hd, cfg.qkv_bias),
             "wk": lin(d, cfg.num_kv_heads * hd, cfg.qkv_bias),
@@ -133,9 +156,9 @@ def _target(cfg: ModelConfig, fused: bool = True) -> dict[str, Any]:
       "embed": (cfg.vocab_size, d),
       "layers": {
           "attn_norm": {"w": (n, d)},
-          "attn": {**attn, "wo": lin(cfg.num_heads * hd, d)},
+          "attn": {**attn, "wo": lin(cfg.num_heads * hd, d, cfg.o_bias)},
           "mlp_norm": {"w": (n, d)},
-          "mlp": {**mlp, "w_down": lin(f, d)},
+          "mlp": {**mlp, "w_down": lin(f, d, cfg.mlp_bias)},
       },
       "final_norm": {"w": (d,)},
   }
@@ -176,6 +199,8 @@ def _fill(cfg: ModelConfig, get: Callable[[str, int | None], np.ndarray], names:
           layer = _FUSED[key][1](part, cfg)
         else:
           layer = get(name.format(i=i), i)
+          if key in _FFN_ROWS and layer.shape[_FFN_ROWS[key]] == cfg.intermediate_size:
+            layer = _pad_ffn(layer, _FFN_ROWS[key], cfg)
         arr[i] = _checked(layer, shape[1:], name.format(i=i), source)
         next(it, None)
     else:
@@ -244,10 +269,16 @@ def _hf_names(cfg: ModelConfig) -> dict[str, str]:
     names[f"layers.attn.{ours}.b"] = p + f"self_attn.{theirs}.bias"
   for ours, theirs in (("w_gate", "gate_proj"), ("w_up", "up_proj"), ("w_down", "down_proj")):
     names[f"layers.mlp.{ours}.w"] = p + f"mlp.{theirs}.weight"
+    names[f"layers.mlp.{ours}.b"] = p + f"mlp.{theirs}.bias"
+  names["layers.attn.q_norm"] = p + "self_attn.q_norm.weight"  # Qwen3
+  names["layers.attn.k_norm"] = p + "self_attn.k_norm.weight"
   return names
 
 
-def read_hf(folder, dtype=np.float32) -> tuple[ModelConfig, dict, tok_lib.Tokenizer]:
+def read_hf(folder, dtype=np.float32, tokenizer: bool = True
+            ) -> tuple[ModelConfig, dict, tok_lib.Tokenizer]:
+  """``tokenizer``: read the folder's tokenizer (a NoTokenizer, token ids
+  only, where it has none); False: a NoTokenizer regardless."""
   folder = pathlib.Path(folder)
   if not folder.is_dir():
     raise FileNotFoundError(f"{folder}: not a directory")
@@ -262,7 +293,16 @@ def read_hf(folder, dtype=np.float32) -> tuple[ModelConfig, dict, tok_lib.Tokeni
     cfg = ModelConfig.from_hf(hf, name=folder.name)
   except ValueError as e:
     raise ValueError(f"{cfg_path}: {e}") from None
-  tokenizer = tok_lib.from_folder(folder)
+  if tokenizer and tok_lib.has_tokenizer(folder):
+    tok = tok_lib.from_folder(folder)
+  else:
+    if tokenizer:
+      import logging
+
+      logging.getLogger(__name__).warning(
+          "%s: no tokenizer (tokenizer.json / tokenizer.model): loaded for token-id prompts only",
+          folder)
+    tok = tok_lib.no_tokenizer(folder, hf)
 
   files = sorted(folder.glob("*.safetensors"))
   if not files:
@@ -287,7 +327,7 @@ def read_hf(folder, dtype=np.float32) -> tuple[ModelConfig, dict, tok_lib.Tokeni
     return a
 
   params = _fill(cfg, get, _hf_names(cfg), dtype, str(folder), "loading safetensors")
-  return cfg, params, tokenizer
+  return cfg, params, tok
 
 
 # ---------------------------------------------------------------- GGUF
@@ -420,6 +460,9 @@ def save(directory, model) -> pathlib.Path:
                           "gate_up_layout": GATE_UP_LAYOUT}
   if isinstance(tok, tok_lib.ByteTokenizer):
     meta["tokenizer"] = "byte"
+  elif isinstance(tok, tok_lib.NoTokenizer):
+    meta["tokenizer"] = "none"
+    meta["token_ids"] = {"bos_token_id": tok.bos_id, "eos_token_id": list(tok.eos_ids)}
   elif isinstance(tok, tok_lib.HFTokenizer):
     meta["tokenizer"] = "tokenizer.json"
     tok.tk.save(str(directory / "tokenizer.json"))
@@ -428,7 +471,7 @@ def save(directory, model) -> pathlib.Path:
     (directory / "tokenizer.model").write_bytes(tok.sp.serialized_model_proto())
   else:
     raise ValueError(f"cannot save tokenizer of type {type(tok).__name__}")
-  if not isinstance(tok, tok_lib.ByteTokenizer):
+  if not isinstance(tok, (tok_lib.ByteTokenizer, tok_lib.NoTokenizer)):
     (directory / "tokenizer_config.json").write_text(json.dumps({
         "bos_token": tok.bos_token or None, "eos_token": tok.eos_token or None,
         "chat_template": tok.chat_template}))
@@ -457,6 +500,8 @@ def read_orbax(directory, dtype) -> tuple[ModelConfig, dict, tok_lib.Tokenizer]:
   cfg = ModelConfig.from_dict(meta["config"])
   if meta.get("tokenizer") == "byte":
     tokenizer: tok_lib.Tokenizer = tok_lib.ByteTokenizer()
+  elif meta.get("tokenizer") == "none":
+    tokenizer = tok_lib.no_tokenizer(directory, meta.get("token_ids"))
   else:
     tokenizer = tok_lib.from_folder(directory)
   saved = jnp.dtype(meta.get("dtype", "float32"))

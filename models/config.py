@@ -8,26 +8,61 @@ Mistral, Qwen2 architectures); ``get(name)`` returns a named config.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
-ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+
+# The fused gate/up matmul pairs gate and up features in blocks of this many
+# (kernels.matmul.SWIGLU_BLOCK; models.llama checks they agree). A checkpoint
+# whose intermediate_size is not a multiple is zero-padded at load (exact:
+# the padded features are act(0) * 0 = 0 and meet zero rows of w_down).
+FFN_BLOCK = 64
+
+# hidden_act values computed (transformers' ACT2FN names); the MLP applies
+# act(gate) * up. "silu" runs fused in the gate/up matmul's epilogue.
+ACTIVATIONS = ("silu", "swish", "gelu", "gelu_new", "gelu_pytorch_tanh", "gelu_fast",
+               "quick_gelu", "relu")
+
+ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
 
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
-  """Llama-3 style frequency scaling (rope_type "llama3")."""
+  """RoPE frequency scaling (HF ``rope_scaling`` / ``rope_parameters``).
+
+  rope_type "llama3": Llama-3 band-wise scaling (factor, low/high_freq_factor,
+  original_max_position_embeddings). "linear": every frequency divided by
+  ``factor`` (position interpolation). "dynamic": NTK scaling, which
+  transformers applies only once a sequence passes max_position_embeddings:
+  below it the frequencies are the plain ones, which is what is computed here,
+  and the context is capped there (beyond it transformers' own result depends
+  on when each key was cached). "yarn": YaRN (factor,
+  original_max_position_embeddings, beta_fast, beta_slow, truncate) with cos and
+  sin multiplied by ``attention_factor``.
+  """
 
   factor: float = 8.0
   low_freq_factor: float = 1.0
   high_freq_factor: float = 4.0
   original_max_position_embeddings: int = 8192
+  rope_type: str = "llama3"
+  beta_fast: float = 32.0
+  beta_slow: float = 1.0
+  attention_factor: float = 1.0
+  truncate: bool = True
 
   def __post_init__(self):
+    if self.rope_type not in ROPE_TYPES[1:]:
+      raise ValueError(f"rope scaling {self.rope_type=} is not one of {ROPE_TYPES[1:]}")
     if self.factor <= 0:
       raise ValueError(f"rope scaling {self.factor=} must be positive")
-    if not self.high_freq_factor > self.low_freq_factor:
+    if self.rope_type == "llama3" and not self.high_freq_factor > self.low_freq_factor:
       raise ValueError(
           f"rope scaling needs {self.high_freq_factor=} > {self.low_freq_factor=}")
+    if self.original_max_position_embeddings <= 0 or self.attention_factor <= 0:
+      raise ValueError(f"rope scaling {self.original_max_position_embeddings=} and "
+                       f"{self.attention_factor=} must be positive")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,12 +79,21 @@ class ModelConfig:
   rope_scaling: RopeScaling | None = None
   rms_norm_eps: float = 1e-5
   tie_embeddings: bool = False
-  qkv_bias: bool = False  # Qwen2
-  sliding_window: int | None = None  # Mistral: a query sees this many latest keys
+  qkv_bias: bool = False  # Qwen2; Llama/Qwen3 attention_bias
+  # Mistral/Qwen2: a query sees this many latest keys, in the layers of
+  # ``sliding_layers`` (None: every layer). None: no window anywhere.
+  sliding_window: int | None = None
   max_position_embeddings: int = 8192
   # Per-frequency divisors of the RoPE inverse frequencies, as GGUF files store
   # Llama-3 scaling (rope_freqs.weight); exclusive with rope_scaling.
   rope_freq_factors: tuple[float, ...] | None = None
+  hidden_act: str = "silu"  # the MLP's act(gate) * up; one of ACTIVATIONS
+  mlp_bias: bool = False  # Llama mlp_bias: gate, up and down projections
+  o_bias: bool = False  # Llama/Qwen3 attention_bias: the output projection too
+  qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k, before RoPE
+  # Which layers the window applies to (num_layers flags; Qwen2/3
+  # max_window_layers, layer_types). None: all of them.
+  sliding_layers: tuple[bool, ...] | None = None
 
   def __post_init__(self):
     for f in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
@@ -63,12 +107,17 @@ class ModelConfig:
           f"{self.num_kv_heads=}")
     if self.head_dim % 2:
       raise ValueError(f"RoPE needs an even head_dim: {self.head_dim=}")
-    if self.intermediate_size % 64:
-      # The fused gate/up matmul pairs them in blocks of 64 features
-      # (kernels.matmul.SWIGLU_BLOCK); every Llama-family release fits.
-      raise ValueError(f"intermediate_size={self.intermediate_size} must be a multiple of 64")
     if self.sliding_window is not None and self.sliding_window <= 0:
       raise ValueError(f"{self.sliding_window=} must be positive or None")
+    if self.sliding_layers is not None:
+      if self.sliding_window is None:
+        raise ValueError("sliding_layers needs a sliding_window")
+      if len(self.sliding_layers) != self.num_layers or not any(self.sliding_layers):
+        raise ValueError(f"sliding_layers needs {self.num_layers} flags, at least one set; "
+                         f"got {self.sliding_layers}")
+    if self.hidden_act not in ACTIVATIONS:
+      raise ValueError(f"hidden_act={self.hidden_act!r} is not supported; supported: "
+                       f"{', '.join(ACTIVATIONS)}")
     if self.rope_freq_factors is not None:
       if self.rope_scaling is not None:
         raise ValueError("give rope_scaling or rope_freq_factors, not both")
@@ -82,6 +131,28 @@ class ModelConfig:
   def q_per_kv(self) -> int:
     return self.num_heads // self.num_kv_heads
 
+  @property
+  def ffn_size(self) -> int:
+    """The MLP width the weights are stored with: intermediate_size rounded up
+    to whole fused gate/up blocks (the extra features are zeros)."""
+    return -(-self.intermediate_size // FFN_BLOCK) * FFN_BLOCK
+
+  def layer_windows(self) -> tuple[int | None, ...]:
+    """Each layer's sliding window (None: full causal attention)."""
+    if self.sliding_layers is None:
+      return (self.sliding_window,) * self.num_layers
+    return tuple(self.sliding_window if s else None for s in self.sliding_layers)
+
+  def layer_runs(self) -> list[tuple[int, int, int | None]]:
+    """(first, end, window) of each run of consecutive layers sharing a window."""
+    runs: list[tuple[int, int, int | None]] = []
+    for i, w in enumerate(self.layer_windows()):
+      if runs and runs[-1][2] == w:
+        runs[-1] = (runs[-1][0], i + 1, w)
+      else:
+        runs.append((i, i + 1, w))
+    return runs
+
   def to_dict(self) -> dict[str, Any]:
     return dataclasses.asdict(self)
 
@@ -90,8 +161,9 @@ class ModelConfig:
     d = dict(d)
     if d.get("rope_scaling") is not None:
       d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
-    if d.get("rope_freq_factors") is not None:
-      d["rope_freq_factors"] = tuple(d["rope_freq_factors"])
+    for k in ("rope_freq_factors", "sliding_layers"):
+      if d.get(k) is not None:
+        d[k] = tuple(d[k])
     return cls(**d)
 
   def replace(self, **kw) -> "ModelConfig":
@@ -102,62 +174,247 @@ class ModelConfig:
     attn = d * hd * (self.num_heads * 2 + self.num_kv_heads * 2)
     if self.qkv_bias:
       attn += hd * (self.num_heads + 2 * self.num_kv_heads)
-    per_layer = attn + 3 * d * f + 2 * d
+    if self.o_bias:
+      attn += d
+    if self.qk_norm:
+      attn += 2 * hd
+    per_layer = attn + 3 * d * f + 2 * d + (2 * f + d if self.mlp_bias else 0)
     emb = self.vocab_size * d * (1 if self.tie_embeddings else 2)
     return self.num_layers * per_layer + emb + d
 
   @classmethod
   def from_hf(cls, hf: dict[str, Any], name: str = "hf") -> "ModelConfig":
-    """From a Hugging Face config.json dict; unknown architectures are refused."""
-    archs = hf.get("architectures") or []
-    arch = archs[0] if archs else hf.get("model_type", "?")
-    if arch not in ARCHITECTURES:
-      raise ValueError(
-          f"unsupported architecture {arch!r}; supported: {', '.join(ARCHITECTURES)}")
-    missing = [k for k in ("vocab_size", "hidden_size", "num_hidden_layers",
-                           "num_attention_heads", "intermediate_size") if k not in hf]
-    if missing:
-      raise ValueError(f"config.json lacks {missing}")
-    heads = hf["num_attention_heads"]
-    head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
-    scaling = None
-    rs = hf.get("rope_scaling") or None
-    rope_theta = hf.get("rope_theta")
-    if rs is None and isinstance(hf.get("rope_parameters"), dict):
-      rs = hf["rope_parameters"]  # newer transformers spell it this way
-      rope_theta = rope_theta or rs.get("rope_theta")
-    if rs:
-      kind = rs.get("rope_type", rs.get("type", "default"))
-      if kind == "llama3":
-        scaling = RopeScaling(
-            factor=float(rs["factor"]),
-            low_freq_factor=float(rs["low_freq_factor"]),
-            high_freq_factor=float(rs["high_freq_factor"]),
-            original_max_position_embeddings=int(rs["original_max_position_embeddings"]))
-      elif kind not in ("default", None):
-        raise ValueError(f"unsupported rope_scaling type {kind!r}; supported: llama3, default")
-    window = None
-    if arch == "MistralForCausalLM":
-      window = hf.get("sliding_window")
-    elif arch == "Qwen2ForCausalLM" and hf.get("use_sliding_window"):
-      window = hf.get("sliding_window")
-    return cls(
-        name=name,
-        vocab_size=hf["vocab_size"],
-        hidden_size=hf["hidden_size"],
-        num_layers=hf["num_hidden_layers"],
-        num_heads=heads,
-        num_kv_heads=hf.get("num_key_value_heads") or heads,
-        head_dim=head_dim,
-        intermediate_size=hf["intermediate_size"],
-        rope_theta=float(rope_theta or 10000.0),
-        rope_scaling=scaling,
-        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        qkv_bias=arch == "Qwen2ForCausalLM" or bool(hf.get("attention_bias", False)),
-        sliding_window=window,
-        max_position_embeddings=hf.get("max_position_embeddings", 8192),
-    )
+    """From a Hugging Face config.json dict. Every field is either computed or
+    refused with one line naming it (``hf_fields``); unknown architectures are
+    refused."""
+    return _from_hf(cls, hf, name)
+
+
+# ---------------------------------------------------------------- Hugging Face config.json
+
+# Fields every supported architecture computes.
+_COMMON_FIELDS = frozenset({
+    "architectures", "model_type", "vocab_size", "hidden_size", "intermediate_size",
+    "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+    "max_position_embeddings", "rms_norm_eps", "tie_word_embeddings", "hidden_act",
+    "rope_theta", "rope_scaling", "rope_parameters",
+    # Token ids: the tokenizer's (or, without one, models.tokenizer.NoTokenizer's).
+    "bos_token_id", "eos_token_id", "pad_token_id",
+})
+
+# Fields each architecture computes on top of the common ones. A field of
+# another family (say mlp_bias in a Mistral config) is refused: transformers
+# would ignore it, and whoever wrote it meant something.
+ARCH_FIELDS: dict[str, frozenset[str]] = {
+    "LlamaForCausalLM": _COMMON_FIELDS | {"attention_bias", "mlp_bias"},
+    "MistralForCausalLM": _COMMON_FIELDS | {"sliding_window"},
+    "Qwen2ForCausalLM": _COMMON_FIELDS | {"use_sliding_window", "sliding_window",
+                                          "max_window_layers", "layer_types"},
+    "Qwen3ForCausalLM": _COMMON_FIELDS | {"attention_bias", "use_sliding_window",
+                                          "sliding_window", "max_window_layers", "layer_types"},
+}
+
+# Fields with no effect on a causal LM's logits in inference: training
+# settings, generation defaults (requests carry their own), bookkeeping.
+INERT_FIELDS = frozenset({
+    "initializer_range", "use_cache", "attention_dropout", "hidden_dropout", "dropout",
+    "pretraining_tp",  # transformers no longer splits the matmuls: same function
+    "dtype", "torch_dtype", "transformers_version", "id2label", "label2id", "num_labels",
+    "problem_type", "return_dict", "output_hidden_states", "output_attentions",
+    "chunk_size_feed_forward", "is_encoder_decoder", "is_decoder", "add_cross_attention",
+    "cross_attention_hidden_size", "tie_encoder_decoder", "torchscript", "use_bfloat16",
+    "tf_legacy_loss", "finetuning_task", "tokenizer_class", "prefix", "task_specific_params",
+    "sep_token_id", "decoder_start_token_id", "max_length", "min_length", "do_sample",
+    "early_stopping", "num_beams", "num_beam_groups", "diversity_penalty", "temperature",
+    "top_k", "top_p", "typical_p", "repetition_penalty", "length_penalty",
+    "no_repeat_ngram_size", "encoder_no_repeat_ngram_size", "bad_words_ids",
+    "num_return_sequences", "output_scores", "return_dict_in_generate", "forced_bos_token_id",
+    "forced_eos_token_id", "remove_invalid_values", "exponential_decay_length_penalty",
+    "suppress_tokens", "begin_suppress_tokens", "output_router_logits",
+})
+
+# Fields known to change the computation in ways not computed here, with the
+# values that compute the same as their absence (and say what is supported).
+REFUSED_FIELDS: dict[str, tuple[Any, str]] = {
+    "quantization_config": (None, "unquantized weights only"),
+    "partial_rotary_factor": (1.0, "1.0 (RoPE over the whole head)"),
+    "pruned_heads": ({}, "no pruned heads"),
+    "auto_map": (None, "no custom modeling code"),
+    "rope_interleave": (False, "half-split RoPE (false)"),
+    "attn_logit_softcapping": (None, "no softcapping"),
+    "final_logit_softcapping": (None, "no softcapping"),
+    "use_mrope": (False, "1-D positions (false)"),
+    "rope_local_base_freq": (None, "one RoPE base"),
+    "original_max_position_embeddings": (None, "it inside rope_scaling"),
+    "num_experts": (None, "dense MLPs"),
+    "num_local_experts": (None, "dense MLPs"),
+    "attention_chunk_size": (None, "no chunked attention"),
+    "query_pre_attn_scalar": (None, "1/sqrt(head_dim) attention scale"),
+}
+
+# Keys inside rope_scaling / rope_parameters each rope_type computes.
+_ROPE_KEYS = {
+    "default": set(),
+    "linear": {"factor"},
+    "dynamic": {"factor", "original_max_position_embeddings"},
+    "llama3": {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"},
+    "yarn": {"factor", "original_max_position_embeddings", "attention_factor", "beta_fast",
+             "beta_slow", "mscale", "mscale_all_dim", "truncate"},
+}
+
+# transformers' defaults of the fields a config.json may leave out, per architecture.
+_DEFAULTS = {
+    "LlamaForCausalLM": dict(max_position_embeddings=2048, head_dim=None),
+    "MistralForCausalLM": dict(max_position_embeddings=131072, head_dim=None,
+                               sliding_window=4096),
+    "Qwen2ForCausalLM": dict(max_position_embeddings=32768, head_dim=None, sliding_window=4096,
+                             max_window_layers=28),
+    "Qwen3ForCausalLM": dict(max_position_embeddings=32768, head_dim=128, sliding_window=4096,
+                             max_window_layers=28),
+}
+
+
+def hf_fields(arch: str) -> dict[str, str]:
+  """Every config.json field this loader knows for ``arch``, and what it does
+  with it: "computed", "inert" (no effect on the logits) or "refused unless
+  <supported>". Anything else is refused as unknown."""
+  out = {k: "inert" for k in INERT_FIELDS}
+  out.update({k: f"refused unless {why}" for k, (_, why) in REFUSED_FIELDS.items()})
+  out.update({k: "computed" for k in ARCH_FIELDS[arch]})
+  return out
+
+
+def _refuse(field, value, supported) -> ValueError:
+  return ValueError(f"config field {field}={value!r} is not supported; supported: {supported}")
+
+
+def _rope(hf: dict[str, Any], max_pos: int) -> tuple[float, RopeScaling | None]:
+  """(rope_theta, scaling) from rope_scaling / rope_parameters."""
+  rs = hf.get("rope_scaling")
+  field = "rope_scaling"
+  rope_theta = hf.get("rope_theta")
+  params = hf.get("rope_parameters")
+  if rs is None and params is not None:
+    if not isinstance(params, dict):
+      raise _refuse("rope_parameters", params, "one dict for every layer")
+    rs, field = dict(params), "rope_parameters"
+    if rope_theta is None:
+      rope_theta = rs.get("rope_theta")
+  rs = dict(rs or {})
+  rs.pop("rope_theta", None)
+  kind = rs.pop("rope_type", None) or rs.pop("type", None) or "default"
+  rs.pop("type", None)
+  if kind not in _ROPE_KEYS:
+    raise _refuse(f"{field}.rope_type", kind, ", ".join(ROPE_TYPES))
+  prf = rs.pop("partial_rotary_factor", 1.0)
+  if prf != 1.0:
+    raise _refuse(f"{field}.partial_rotary_factor", prf, "1.0 (RoPE over the whole head)")
+  for k in rs:
+    if k not in _ROPE_KEYS[kind]:
+      raise _refuse(f"{field}.{k}", rs[k], f"rope_type {kind!r} with keys "
+                    f"{sorted(_ROPE_KEYS[kind]) or 'none'}")
+  theta = float(rope_theta if rope_theta is not None else 10000.0)
+  if kind == "default":
+    return theta, None
+  factor = rs.get("factor")
+  orig = int(rs.get("original_max_position_embeddings") or max_pos)
+  if kind == "llama3":
+    return theta, RopeScaling(float(factor), float(rs["low_freq_factor"]),
+                              float(rs["high_freq_factor"]), orig, rope_type="llama3")
+  if kind in ("linear", "dynamic"):
+    # dynamic: transformers scales from config.max_position_embeddings on,
+    # whatever original_max_position_embeddings says.
+    return theta, RopeScaling(float(factor), original_max_position_embeddings=max_pos
+                              if kind == "dynamic" else orig, rope_type=kind)
+  # yarn, as transformers' _compute_yarn_parameters
+  if factor is None:
+    factor = max_pos / orig
+  factor = float(factor)
+  att = rs.get("attention_factor")
+  if att is None:
+    mscale = lambda scale, m=1.0: 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+    m, m_all = rs.get("mscale"), rs.get("mscale_all_dim")
+    att = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+  return theta, RopeScaling(factor, original_max_position_embeddings=orig, rope_type="yarn",
+                            beta_fast=float(rs.get("beta_fast") or 32),
+                            beta_slow=float(rs.get("beta_slow") or 1),
+                            attention_factor=float(att), truncate=bool(rs.get("truncate", True)))
+
+
+def _from_hf(cls, hf: dict[str, Any], name: str) -> ModelConfig:
+  archs = hf.get("architectures") or []
+  arch = archs[0] if archs else hf.get("model_type", "?")
+  if arch not in ARCHITECTURES or len(archs) > 1:
+    raise ValueError(
+        f"unsupported architecture {arch!r}; supported: {', '.join(ARCHITECTURES)}")
+  known = ARCH_FIELDS[arch]
+  for k, v in hf.items():
+    if k in known or k in INERT_FIELDS or k.startswith("_"):
+      continue
+    if k in REFUSED_FIELDS:
+      if v == REFUSED_FIELDS[k][0] or v is None:
+        continue
+      raise _refuse(k, v, REFUSED_FIELDS[k][1])
+    raise ValueError(f"config field {k}={v!r} is not one that {arch} computes here; refused "
+                     "rather than ignored")
+  missing = [k for k in ("vocab_size", "hidden_size", "num_hidden_layers",
+                         "num_attention_heads", "intermediate_size") if k not in hf]
+  if missing:
+    raise ValueError(f"config.json lacks {missing}")
+  get = lambda k, default=None: hf[k] if k in hf else _DEFAULTS[arch].get(k, default)
+  act = hf.get("hidden_act", "silu")
+  if act not in ACTIVATIONS:
+    raise _refuse("hidden_act", act, ", ".join(ACTIVATIONS))
+  heads = hf["num_attention_heads"]
+  layers = hf["num_hidden_layers"]
+  head_dim = get("head_dim") or hf["hidden_size"] // heads
+  max_pos = int(get("max_position_embeddings", 8192))
+  rope_theta, scaling = _rope(hf, max_pos)
+  window, sliding = None, None
+  if arch == "MistralForCausalLM":
+    window = get("sliding_window")
+  elif arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and hf.get("use_sliding_window"):
+    window = get("sliding_window")
+  if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+    types = hf.get("layer_types")
+    if types is None:  # transformers: sliding from max_window_layers on
+      n = int(get("max_window_layers"))
+      types = ["sliding_attention" if i >= n else "full_attention" for i in range(layers)]
+    bad = [t for t in types if t not in ("full_attention", "sliding_attention")]
+    if bad or len(types) != layers:
+      raise _refuse("layer_types", types, f"{layers} entries of full_attention / "
+                    "sliding_attention")
+    flags = tuple(t == "sliding_attention" for t in types)
+    if window is not None and not any(flags):
+      window = None
+    elif window is not None and not all(flags):
+      sliding = flags
+  for k in ("attention_bias", "mlp_bias"):
+    if not isinstance(hf.get(k, False), bool):
+      raise _refuse(k, hf[k], "true or false")
+  attention_bias = bool(hf.get("attention_bias", False))
+  return cls(
+      name=name,
+      vocab_size=hf["vocab_size"],
+      hidden_size=hf["hidden_size"],
+      num_layers=layers,
+      num_heads=heads,
+      num_kv_heads=hf.get("num_key_value_heads") or heads,
+      head_dim=head_dim,
+      intermediate_size=hf["intermediate_size"],
+      rope_theta=rope_theta,
+      rope_scaling=scaling,
+      rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+      tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+      qkv_bias=arch == "Qwen2ForCausalLM" or attention_bias,
+      o_bias=arch in ("LlamaForCausalLM", "Qwen3ForCausalLM") and attention_bias,
+      mlp_bias=bool(hf.get("mlp_bias", False)),
+      qk_norm=arch == "Qwen3ForCausalLM",
+      hidden_act=act,
+      sliding_window=window,
+      sliding_layers=sliding,
+      max_position_embeddings=max_pos,
+  )
 
 
 _L3 = RopeScaling(32.0, 1.0, 4.0, 8192)

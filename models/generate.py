@@ -27,7 +27,8 @@ def main(argv=None) -> int:
   p.add_argument("--model", default="default")
   p.add_argument("--prompt", required=True)
   p.add_argument("--max-new-tokens", type=int, default=32)
-  p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+  p.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"],
+                 help="default: float32 on the CPU, bfloat16 elsewhere")
   p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
   p.add_argument("--attention", default=None, help="attention_prefill backend")
   p.add_argument("--decode-attention", default=None, help="attention_decode backend")

@@ -85,13 +85,15 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from kernels.matmul import SWIGLU_BLOCK, fold_rms_weight
-from models.config import ModelConfig
+from models.config import FFN_BLOCK, ModelConfig
 from mosaic import registry
 
 try:
   from kernels.attention_decode import DEFAULT_PAGE_SIZE
 except Exception:  # the decode kernel module may not import on every install
   DEFAULT_PAGE_SIZE = 128
+
+assert SWIGLU_BLOCK == FFN_BLOCK, "models.config.FFN_BLOCK must be kernels.matmul.SWIGLU_BLOCK"
 
 # Bucket ladders: a call is padded up to the next entry so the jitted functions
 # see few distinct shapes. Beyond the last entry, the next power of two is used.
@@ -165,14 +167,20 @@ def init_cache(cfg: ModelConfig, num_pages: int, page_size: int = DEFAULT_PAGE_S
 
 
 def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
-  """[hd/2] inverse frequencies, with Llama-3 scaling when configured."""
+  """[hd/2] inverse frequencies, with the configured scaling (models.config.RopeScaling)."""
   hd = cfg.head_dim
   inv = 1.0 / (cfg.rope_theta ** (np.arange(0, hd, 2, dtype=np.float64) / hd))
   if cfg.rope_freq_factors is not None:
     return (inv / np.asarray(cfg.rope_freq_factors, np.float64)).astype(np.float32)
   s = cfg.rope_scaling
-  if s is None:
+  if s is None or s.rope_type == "dynamic":
+    # dynamic (NTK): transformers scales only past max_position_embeddings,
+    # where the context is capped; below it, the plain frequencies.
     return inv.astype(np.float32)
+  if s.rope_type == "linear":
+    return (inv / s.factor).astype(np.float32)
+  if s.rope_type == "yarn":
+    return _yarn_inv_freq(inv, s, cfg.rope_theta, hd)
   low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
   high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
   wavelen = 2 * math.pi / inv
@@ -186,13 +194,47 @@ def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
   return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
-def rope_angles(positions, inv_freq):
-  """positions [B, T] -> (cos, sin), each [B, T, 1, hd/2] float32.
+def _yarn_inv_freq(inv, s, base, dim) -> np.ndarray:
+  """YaRN's blend of interpolated and extrapolated frequencies, as
+  transformers' _compute_yarn_parameters computes it."""
+  def correction_dim(rotations):
+    return dim * math.log(s.original_max_position_embeddings / (rotations * 2 * math.pi)) / (
+        2 * math.log(base))
+
+  low, high = correction_dim(s.beta_fast), correction_dim(s.beta_slow)
+  if s.truncate:
+    low, high = math.floor(low), math.ceil(high)
+  low, high = max(low, 0), min(high, dim - 1)
+  if low == high:
+    high += 0.001
+  ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - low) / (high - low), 0, 1)
+  extrapolation = 1 - ramp  # 1: keep the frequency, 0: interpolate it
+  inv = inv.astype(np.float32)
+  return ((inv / s.factor) * (1 - extrapolation) + inv * extrapolation).astype(np.float32)
+
+
+def rope_scale(cfg: ModelConfig) -> float:
+  """The factor on cos and sin (YaRN's attention_factor; 1 otherwise)."""
+  s = cfg.rope_scaling
+  return s.attention_factor if s is not None and s.rope_type == "yarn" else 1.0
+
+
+def rope_angles(positions, inv_freq, scale: float = 1.0):
+  """positions [B, T] -> (cos, sin), each [B, T, 1, hd/2] float32, times
+  ``scale`` (rope_scale).
 
   A step computes them once, outside the layer loop: inside it XLA would
   evaluate them again in every layer (one more kernel per layer)."""
   ang = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, hd/2]
-  return jnp.cos(ang)[:, :, None, :], jnp.sin(ang)[:, :, None, :]
+  cos, sin = jnp.cos(ang)[:, :, None, :], jnp.sin(ang)[:, :, None, :]
+  if scale != 1.0:
+    cos, sin = cos * scale, sin * scale
+  return cos, sin
+
+
+def model_rope(cfg: ModelConfig, positions):
+  """rope_angles of ``cfg``'s RoPE at positions [B, T]."""
+  return rope_angles(positions, jnp.asarray(rope_inv_freq(cfg)), rope_scale(cfg))
 
 
 def rotate(x, cos, sin):
@@ -248,6 +290,8 @@ class Linear(nnx.Module):
     if axis is not None:
       y = ops()["matmul"](a, self.w[...], out_dtype=jnp.float32, layer=layer)
       y = jax.lax.psum(y, axis)
+      if self.b is not None:  # replicated: added once, after the sum
+        y = y + _layer_param(self.b[...], layer).astype(jnp.float32)
       if r is not None:
         y = y + r.astype(jnp.float32)
       y = y.astype(out_dtype or x.dtype)
@@ -258,6 +302,34 @@ class Linear(nnx.Module):
     # The float32 reference backends may hand back float32: keep the model dtype.
     y = y.astype(out_dtype or x.dtype)
     return y.reshape(*lead, y.shape[-1])
+
+
+def _layer_param(p, layer):
+  """A stacked [num_layers, ...] parameter's entry for ``layer`` (inside the
+  layer loop), or ``p`` itself outside it."""
+  return p if layer is None else jnp.take(p, layer, axis=0)
+
+
+def head_rms_norm(x, w, eps):
+  """RMSNorm over the last axis (head_dim) in float32, as transformers'
+  Qwen3RMSNorm: normalized, cast back, then times the weight."""
+  x32 = x.astype(jnp.float32)
+  y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+  return y.astype(x.dtype) * w.astype(x.dtype)
+
+
+# hidden_act -> act(gate) in float32 (transformers' ACT2FN names).
+_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+ACTIVATIONS = {
+    "silu": jax.nn.silu,
+    "swish": jax.nn.silu,
+    "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+    "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),
+    "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+    "gelu_fast": lambda x: 0.5 * x * (1.0 + jnp.tanh(x * 0.7978845608 * (1.0 + 0.044715 * x * x))),
+    "quick_gelu": lambda x: x * jax.nn.sigmoid(1.702 * x),
+    "relu": jax.nn.relu,
+}
 
 
 class RMSNorm(nnx.Module):
@@ -280,7 +352,10 @@ class Attention(nnx.Module):
     # split of the columns over 'tp' gives each device whole groups.
     self.wqkv = Linear(d, (cfg.num_heads + 2 * cfg.num_kv_heads) * hd, bias=cfg.qkv_bias,
                        dtype=dtype, rngs=rngs)
-    self.wo = Linear(cfg.num_heads * hd, d, dtype=dtype, rngs=rngs)
+    self.wo = Linear(cfg.num_heads * hd, d, bias=cfg.o_bias, dtype=dtype, rngs=rngs)
+    # Qwen3: RMSNorm weights over head_dim for q and k (applied before RoPE).
+    self.q_norm = nnx.Param(jnp.ones((hd,), dtype)) if cfg.qk_norm else None
+    self.k_norm = nnx.Param(jnp.ones((hd,), dtype)) if cfg.qk_norm else None
 
   def qkv_packed(self, h, rms_eps=None):
     """h [B, T, D] -> [B, T, Hkv, G + 2, hd]: each kv head's G query heads,
@@ -290,7 +365,14 @@ class Attention(nnx.Module):
     with jax.named_scope("qkv"):  # scopes name the ops in profiles (serving.profiler)
       # -1 kv heads: all of them, or this device's shard under tensor parallelism.
       y = self.wqkv(h, rms_eps=rms_eps)
-      return y.reshape(b, t, -1, self.cfg.q_per_kv + 2, self.cfg.head_dim)
+      y = y.reshape(b, t, -1, self.cfg.q_per_kv + 2, self.cfg.head_dim)
+    if self.q_norm is not None:
+      with jax.named_scope("qk_norm"):
+        layer, g, eps = _LAYER.get(), self.cfg.q_per_kv, self.cfg.rms_norm_eps
+        q = head_rms_norm(y[:, :, :, :g], _layer_param(self.q_norm[...], layer), eps)
+        k = head_rms_norm(y[:, :, :, g:g + 1], _layer_param(self.k_norm[...], layer), eps)
+        y = jnp.concatenate([q, k, y[:, :, :, g + 1:]], axis=3)
+    return y
 
   def qkv(self, h, rope, rms_eps=None):
     """h [B, T, D] -> q [B, T, Hq, hd], k/v [B, T, Hkv, hd]; RoPE applied with
@@ -306,19 +388,28 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
-  """SwiGLU: (silu(h @ w_gate) * (h @ w_up)) @ w_down, gate and up in one matmul
-  that applies the gate in its epilogue. Its columns come in blocks of
-  SWIGLU_BLOCK gate features followed by the same up features
-  (kernels.matmul.swiglu_columns); a 'tp' split keeps blocks whole."""
+  """Gated MLP: (act(h @ w_gate) * (h @ w_up)) @ w_down, gate and up in one
+  matmul, which applies SiLU's gate in its epilogue (other activations run on
+  its output). Its columns come in blocks of SWIGLU_BLOCK gate features
+  followed by the same up features (kernels.matmul.swiglu_columns); a 'tp'
+  split keeps blocks whole. F is ``cfg.ffn_size``: intermediate_size padded
+  with zero features up to whole blocks."""
 
   def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
-    d, f = cfg.hidden_size, cfg.intermediate_size
-    self.w_gate_up = Linear(d, 2 * f, dtype=dtype, rngs=rngs)
-    self.w_down = Linear(f, d, dtype=dtype, rngs=rngs)
+    d, f = cfg.hidden_size, cfg.ffn_size
+    self.act = cfg.hidden_act
+    self.w_gate_up = Linear(d, 2 * f, bias=cfg.mlp_bias, dtype=dtype, rngs=rngs)
+    self.w_down = Linear(f, d, bias=cfg.mlp_bias, dtype=dtype, rngs=rngs)
 
   def __call__(self, h, residual, rms_eps=None):
     with jax.named_scope("gate_up"):
-      act = self.w_gate_up(h, activation="swiglu", rms_eps=rms_eps)  # [..., F]
+      if self.act in ("silu", "swish"):
+        act = self.w_gate_up(h, activation="swiglu", rms_eps=rms_eps)  # [..., F]
+      else:
+        y = self.w_gate_up(h, rms_eps=rms_eps, out_dtype=jnp.float32)  # [..., 2F]
+        y = y.reshape(*y.shape[:-1], -1, 2, SWIGLU_BLOCK)
+        act = ACTIVATIONS[self.act](y[..., 0, :]) * y[..., 1, :]
+        act = act.reshape(*act.shape[:-2], -1).astype(h.dtype)
     with jax.named_scope("down"):
       return self.w_down(act, residual=residual, row_parallel=True)
 
@@ -390,8 +481,11 @@ class Llama(nnx.Module):
       return y.reshape(*lead, -1)
 
   def _run_layers(self, x, cache: KVCache, attend, unroll: int = 1):
-    """Loops over the layer index; ``attend(block, h, k_cache, v_cache, layer, rms_eps)``
-    does the attention part (q/k/v, cache write, attention, output projection input).
+    """Loops over the layer index; ``attend(block, h, k_cache, v_cache, layer, rms_eps,
+    window)`` does the attention part (q/k/v, cache write, attention, output
+    projection input) with the layer's sliding window (static; None: none).
+    Layers whose windows differ (Qwen2's max_window_layers) run as one loop
+    per run of equal windows (``ModelConfig.layer_runs``).
 
     The loop carries no parameters: ``block`` holds every layer's stacked
     parameters and the ops pick layer ``layer`` in place (see _LAYER).
@@ -408,13 +502,13 @@ class Llama(nnx.Module):
 
     # The loop counter is the layer index: a scan over arange(L) would slice
     # its index out of an array each iteration, one more kernel per layer.
-    def body(layer, carry):
+    def body(window, layer, carry):
       x, kc, vc = carry
       token = _LAYER.set(layer)
       try:
         with jax.named_scope("attn_norm"):
           h = norm(block.attn_norm, x)
-        o, kc, vc = attend(block, h, kc, vc, layer, eps)
+        o, kc, vc = attend(block, h, kc, vc, layer, eps, window)
         with jax.named_scope("o_proj"):
           x = block.attn.wo(o, residual=x, row_parallel=True)
         with jax.named_scope("mlp_norm"):
@@ -426,10 +520,17 @@ class Llama(nnx.Module):
 
     # The "layers" scope tells the profiler (serving.profiler.classify) which
     # ops run in a layer when no loop says so (unrolled).
+    carry = (x, cache.k, cache.v)
     with jax.named_scope("layers"):
-      x, k, v = jax.lax.fori_loop(0, self.cfg.num_layers, body, (x, cache.k, cache.v),
-                                  unroll=min(unroll, self.cfg.num_layers))
+      for first, end, window in self.cfg.layer_runs():
+        carry = jax.lax.fori_loop(first, end, functools.partial(body, window), carry,
+                                  unroll=min(unroll, end - first))
+    x, k, v = carry
     return x, KVCache(k, v)
+
+  def _windows(self) -> tuple[int | None, ...]:
+    """The distinct sliding windows of the layers (None: full attention)."""
+    return tuple(dict.fromkeys(self.cfg.layer_windows()))
 
   # -- entry points (called inside jit by the functions below)
 
@@ -451,15 +552,15 @@ class Llama(nnx.Module):
     ps = cache.page_size
     tpos, valid, page, slot = _chunk_slots(positions, lengths, t, page_table, ps)  # [B, T]
     with jax.named_scope("rope"):  # once per step: the profiler books it as rope
-      rope = rope_angles(tpos, jnp.asarray(rope_inv_freq(cfg)))
-    chunk_attention = self._chunk_attention(tpos, valid, positions + lengths, page_table, ps,
-                                           fresh)
+      rope = model_rope(cfg, tpos)
+    chunk_attention = {w: self._chunk_attention(tpos, valid, positions + lengths, page_table,
+                                                ps, fresh, w) for w in self._windows()}
 
-    def attend(block, h, kc, vc, layer, rms_eps):
+    def attend(block, h, kc, vc, layer, rms_eps, window):
       q, k, v = block.attn.qkv(h, rope, rms_eps)
       kc, vc = _write_kv(kc, vc, layer, page, slot, valid, k, v)
       with jax.named_scope("attention"):
-        o = chunk_attention(q, k, v, kc, vc, layer)
+        o = chunk_attention[window](q, k, v, kc, vc, layer)
       return o.reshape(b, t, -1).astype(h.dtype), kc, vc
 
     with jax.named_scope("embed"):
@@ -489,16 +590,17 @@ class Llama(nnx.Module):
     a query block visits only its own row's keys.
     """
     n = tokens.shape[0]
-    page, slot, valid, attend_kv = self._packed_parts(tpos, seg, page_table, cache.page_size,
-                                                      fresh)
+    parts = {w: self._packed_parts(tpos, seg, page_table, cache.page_size, fresh, w)
+             for w in self._windows()}
+    page, slot, valid, _ = parts[self._windows()[0]]
     with jax.named_scope("rope"):
-      rope = rope_angles(tpos[None], jnp.asarray(rope_inv_freq(self.cfg)))
+      rope = model_rope(self.cfg, tpos[None])
 
-    def attend(block, h, kc, vc, layer, rms_eps):
+    def attend(block, h, kc, vc, layer, rms_eps, window):
       q, k, v = block.attn.qkv(h, rope, rms_eps)  # [1, N, H, hd]
       kc, vc = _write_kv(kc, vc, layer, page[None], slot[None], valid[None], k, v)
       with jax.named_scope("attention"):
-        o = attend_kv(q, k, v, kc, vc, layer)
+        o = parts[window][3](q, k, v, kc, vc, layer)
       return o.reshape(1, n, -1).astype(h.dtype), kc, vc
 
     with jax.named_scope("embed"):
@@ -506,7 +608,7 @@ class Llama(nnx.Module):
     x, cache = self._run_layers(x, cache, attend)
     return self._logits(jnp.take(x[0], last, axis=0)), cache  # [R, vocab]
 
-  def _packed_parts(self, tpos, seg, page_table, ps: int, fresh: bool):
+  def _packed_parts(self, tpos, seg, page_table, ps: int, fresh: bool, window=None):
     """Of packed chunks (tpos/seg [N], page_table [R, W]): each token's K/V
     page and slot [N], whether it is real [N], and attend_kv(q, k, v, kc, vc,
     layer) over q/k/v [1, N, ...] (``prefill_packed`` says what it attends)."""
@@ -517,7 +619,7 @@ class Llama(nnx.Module):
     page, slot = (a.reshape(n) for a in _page_slot(tpos[:, None], valid[:, None], rows, ps))
     q_masks = dict(q_positions=tpos[None], q_segment_ids=seg[None])
     if fresh:
-      attention = self._prefill_attention(1, n, n, kv_positions=tpos[None],
+      attention = self._prefill_attention(1, n, n, window, kv_positions=tpos[None],
                                           kv_segment_ids=seg[None], **q_masks)
       return page, slot, valid, lambda q, k, v, kc, vc, layer: attention(q, k, v)
     skv = w * ps
@@ -526,7 +628,7 @@ class Llama(nnx.Module):
     total = jnp.maximum(jax.ops.segment_max(jnp.where(valid, tpos + 1, 0), seg,
                                             num_segments=r + 1)[1:], 0)
     kv_seg = (kv_pos < total[:, None]) * jnp.arange(1, r + 1, dtype=jnp.int32)[:, None]
-    attention = self._prefill_attention(1, n, r * skv, kv_positions=kv_pos.reshape(1, -1),
+    attention = self._prefill_attention(1, n, r * skv, window, kv_positions=kv_pos.reshape(1, -1),
                                         kv_segment_ids=kv_seg.reshape(1, -1), **q_masks)
 
     def attend_kv(q, k, v, kc, vc, layer):
@@ -542,28 +644,31 @@ class Llama(nnx.Module):
     return (jax.ShapeDtypeStruct((b, t, cfg.num_heads, cfg.head_dim), dt),
             jax.ShapeDtypeStruct((b, skv, cfg.num_kv_heads, cfg.head_dim), dt))
 
-  def _prefill_attention(self, b, t, skv, **kw):
-    """attention(q, k, v) over [B, Skv] keys with the masks in ``kw``. Its plan
+  def _prefill_attention(self, b, t, skv, window=None, **kw):
+    """attention(q, k, v) over [B, Skv] keys with the masks in ``kw`` and the
+    sliding ``window`` (None: none). Its plan
     (the kernel's block ranges, from positions alone) is built here, once per
     step: built inside the layer loop, XLA's GPU pipeline keeps it there."""
     qa, ka = self._attention_shapes(b, t, skv)
-    kw = dict(causal=True, sliding_window=self.cfg.sliding_window, **kw)
+    kw = dict(causal=True, sliding_window=window, **kw)
     plan = ops()["attention_prefill"].plan(qa, ka, ka, **kw)
     return lambda q, k, v: ops()["attention_prefill"](q, k, v, plan=plan, **kw)
 
-  def _chunk_attention(self, tpos, valid, total, page_table, page_size: int, fresh: bool):
+  def _chunk_attention(self, tpos, valid, total, page_table, page_size: int, fresh: bool,
+                       window=None):
     """attention(q, k, v, kc, vc, layer) of prefill chunks (tpos/valid [B, T],
     total [B] kv tokens after the chunk; k/v: the chunk's own, already written
     into kc/vc): within the chunk when ``fresh``, else over the row's gathered
     pages, masked by position and segment ids."""
     b, t = tpos.shape
     if fresh:
-      attention = self._prefill_attention(b, t, t)
+      attention = self._prefill_attention(b, t, t, window)
       return lambda q, k, v, kc, vc, layer: attention(q, k, v)
     skv = page_table.shape[1] * page_size
     kv_pos = jnp.broadcast_to(jnp.arange(skv, dtype=jnp.int32), (b, skv))
     attention = self._prefill_attention(
-        b, t, skv, q_positions=tpos, kv_positions=kv_pos, q_segment_ids=valid.astype(jnp.int32),
+        b, t, skv, window, q_positions=tpos, kv_positions=kv_pos,
+        q_segment_ids=valid.astype(jnp.int32),
         kv_segment_ids=(kv_pos < total[:, None]).astype(jnp.int32))
 
     def attend(q, k, v, kc, vc, layer):
@@ -598,11 +703,12 @@ class Llama(nnx.Module):
     flat = lambda d, p: jnp.concatenate([d.reshape(bd), p.reshape(b * t)])[None]  # [1, N]
     page, slot, valid_kv = flat(dpage, page), flat(dslot, slot), flat(dpos >= 0, valid)
     with jax.named_scope("rope"):
-      rope = rope_angles(flat(jnp.maximum(dpos, 0), tpos), jnp.asarray(rope_inv_freq(cfg)))
+      rope = model_rope(cfg, flat(jnp.maximum(dpos, 0), tpos))
     chunk_attention = self._chunk_attention(tpos, valid, positions + lengths, page_table, ps,
                                            fresh)
 
-    def attend(block, h, kc, vc, layer, rms_eps):
+    def attend(block, h, kc, vc, layer, rms_eps, window):
+      del window  # None: sliding-window models are refused above
       q, k, v = block.attn.qkv(h, rope, rms_eps)  # [1, N, H, hd]
       kc, vc = _write_kv(kc, vc, layer, page, slot, valid_kv, k, v)
       with jax.named_scope("attention"):
@@ -637,9 +743,10 @@ class Llama(nnx.Module):
     flat = lambda d, p: jnp.concatenate([d.reshape(bd), p])[None]  # [1, Bd + N]
     page, slot, valid_kv = flat(dpage, page), flat(dslot, slot), flat(dpos >= 0, valid)
     with jax.named_scope("rope"):
-      rope = rope_angles(flat(jnp.maximum(dpos, 0), tpos), jnp.asarray(rope_inv_freq(cfg)))
+      rope = model_rope(cfg, flat(jnp.maximum(dpos, 0), tpos))
 
-    def attend(block, h, kc, vc, layer, rms_eps):
+    def attend(block, h, kc, vc, layer, rms_eps, window):
+      del window  # None: sliding-window models are refused above
       q, k, v = block.attn.qkv(h, rope, rms_eps)  # [1, Bd + N, H, hd]
       kc, vc = _write_kv(kc, vc, layer, page, slot, valid_kv, k, v)
       with jax.named_scope("attention"):
@@ -662,26 +769,30 @@ class Llama(nnx.Module):
     tpos = lengths[:, None] - tq + jnp.arange(tq, dtype=jnp.int32)  # [B, Tq]
     valid = tpos >= 0
     with jax.named_scope("rope"):
-      rope = rope_angles(jnp.maximum(tpos, 0), jnp.asarray(rope_inv_freq(cfg)))
+      rope = model_rope(cfg, jnp.maximum(tpos, 0))
     page, slot = _page_slot(tpos, valid, page_table, ps)
-    if cfg.sliding_window is not None:
-      # attention_decode has no window: read the pages through the masked
-      # prefill attention instead (same positions rule).
+    windowed = {}
+    for w in self._windows():
+      if w is None:
+        continue
+      # attention_decode has no window: the windowed layers read the pages
+      # through the masked prefill attention instead (same positions rule).
       skv = page_table.shape[1] * ps
       kv_pos = jnp.broadcast_to(jnp.arange(skv, dtype=jnp.int32), (b, skv))
-      windowed = self._prefill_attention(
-          b, tq, skv, q_positions=tpos, kv_positions=kv_pos, q_segment_ids=valid.astype(jnp.int32),
+      windowed[w] = self._prefill_attention(
+          b, tq, skv, w, q_positions=tpos, kv_positions=kv_pos,
+          q_segment_ids=valid.astype(jnp.int32),
           kv_segment_ids=(kv_pos < lengths[:, None]).astype(jnp.int32))
 
     rope_tab = None
-    if tq == 1 and cfg.sliding_window is None and self.decode_append:
+    if tq == 1 and None in self._windows() and self.decode_append:
       from kernels.attention_decode_append import rope_table
 
       with jax.named_scope("rope"):
         rope_tab = rope_table(*rope)  # once per step, like the angles
 
-    def attend(block, h, kc, vc, layer, rms_eps):
-      if rope_tab is not None:
+    def attend(block, h, kc, vc, layer, rms_eps, window):
+      if rope_tab is not None and window is None:
         qkv = block.attn.qkv_packed(h, rms_eps)
         backend = _append_backend(qkv, kc, vc, lengths, page_table, rope_tab, layer)
         if backend is not None:
@@ -692,13 +803,13 @@ class Llama(nnx.Module):
           return o.reshape(b, tq, -1).astype(h.dtype), kc, vc
       q, k, v = block.attn.qkv(h, rope, rms_eps)
       kc, vc = _write_kv(kc, vc, layer, page, slot, valid, k, v)
-      if cfg.sliding_window is None:
+      if window is None:
         with jax.named_scope("attention"):
           # layer=: the kernel reads this layer's pages from the stack in place
           # (slicing kc[layer] would copy the layer's whole cache every step).
           o = ops()["attention_decode"](q, kc, vc, lengths, page_table, layer=layer)
       else:
-        o = windowed(q, *_gather_pages(kc, vc, layer, page_table, q.dtype))
+        o = windowed[window](q, *_gather_pages(kc, vc, layer, page_table, q.dtype))
       return o.reshape(b, tq, -1).astype(h.dtype), kc, vc
 
     with jax.named_scope("embed"):
@@ -933,12 +1044,12 @@ def param_spec(path: tuple[str, ...], ndim: int) -> P:
 
 def check_tp(cfg: ModelConfig, tp: int) -> None:
   for what, n in (("num_kv_heads", cfg.num_kv_heads), ("num_heads", cfg.num_heads),
-                  ("intermediate_size", cfg.intermediate_size),
+                  ("intermediate_size (padded)", cfg.ffn_size),
                   ("vocab_size", cfg.vocab_size)):
     if n % tp:
       raise ValueError(f"tensor parallelism {tp=} must divide {what}={n}")
-  if (cfg.intermediate_size // tp) % SWIGLU_BLOCK:
-    raise ValueError(f"with {tp=} each device holds {cfg.intermediate_size // tp} FFN features, "
+  if (cfg.ffn_size // tp) % SWIGLU_BLOCK:
+    raise ValueError(f"with {tp=} each device holds {cfg.ffn_size // tp} FFN features, "
                      f"not whole fused gate/up blocks of {SWIGLU_BLOCK}")
 
 

@@ -162,8 +162,17 @@ def _pad(a: np.ndarray, shape) -> jax.Array:
 
 
 def random_params(cfg: config_lib.ModelConfig, seed: int = TINY_SEED, dtype="float32"):
+  """Random weights of ``cfg``; the MLP's padding features (ffn_size beyond
+  intermediate_size) are zeros, as a checkpoint's are at load."""
   m = llama.Llama(cfg, dtype=dtype, rngs=nnx.Rngs(seed))
-  return nnx.to_pure_dict(nnx.state(m))
+  params = nnx.to_pure_dict(nnx.state(m))
+  if cfg.ffn_size != cfg.intermediate_size:
+    mlp = params["layers"]["mlp"]
+    keep = np.arange(cfg.ffn_size) < cfg.intermediate_size
+    gate_up = jnp.asarray(checkpoint.fuse_gate_up(keep, keep))  # the fused column order
+    mlp["w_gate_up"] = {k: jnp.where(gate_up, v, 0) for k, v in mlp["w_gate_up"].items()}
+    mlp["w_down"]["w"] = jnp.where(jnp.asarray(keep)[:, None], mlp["w_down"]["w"], 0)
+  return params
 
 
 def random_device_params(cfg: config_lib.ModelConfig, dtype="bfloat16", seed: int = 0):
@@ -202,14 +211,25 @@ def tp_mesh(cfg: config_lib.ModelConfig, tp: int):
   return make_mesh(tp)
 
 
-def load(spec: str | os.PathLike | None = None, *, dtype="bfloat16", tp: int = 1,
-         decode_unroll: int | None = None) -> Model:
+def default_dtype() -> str:
+  """float32 where jax's default device is the CPU (bf16 buys no speed there
+  and can flip near-tied tokens), else bfloat16."""
+  return "float32" if jax.default_backend() == "cpu" else "bfloat16"
+
+
+def load(spec: str | os.PathLike | None = None, *, dtype=None, tp: int = 1,
+         decode_unroll: int | None = None, tokenizer=None) -> Model:
   """A Model from: None/"default" (embedded SmolLM2-135M-Instruct), "tiny" or
   another named config of models.config ("llama3.1-8b", ...: random weights,
   fixed seed, byte-level tokenizer; for tests and benchmarks), an HF folder,
-  a .gguf file, or an orbax directory written by ``save``. ``decode_unroll``:
-  as ``Model``'s."""
-  dtype = jnp.dtype(dtype)
+  a .gguf file, or an orbax directory written by ``save``. ``dtype``: None
+  is ``default_dtype()``. ``decode_unroll``: as ``Model``'s.
+
+  ``tokenizer``: None, the checkpoint's own (an HF folder without one loads
+  for token-id prompts only: models.tokenizer.NoTokenizer); False, no
+  tokenizer (token ids only); a folder, the tokenizer read from there; or a
+  models.tokenizer.Tokenizer."""
+  dtype = jnp.dtype(default_dtype() if dtype is None else dtype)
   if dtype.name not in ("bfloat16", "float16", "float32"):
     raise ValueError(f"{dtype=} is not supported; use bfloat16, float16 or float32")
   if spec is None or spec == "default":
@@ -240,7 +260,13 @@ def load(spec: str | os.PathLike | None = None, *, dtype="bfloat16", tp: int = 1
     elif checkpoint.is_orbax_dir(path):
       cfg, params, tok = checkpoint.read_orbax(path, dtype)
     else:
-      cfg, params, tok = checkpoint.read_hf(path, _np_dtype(dtype))
+      cfg, params, tok = checkpoint.read_hf(path, _np_dtype(dtype), tokenizer=tokenizer is None)
+  if tokenizer is False:
+    tok = tok_lib.NoTokenizer(str(spec or "default"), bos_id=tok.bos_id, eos_ids=tok.eos_ids)
+  elif isinstance(tokenizer, tok_lib.Tokenizer):
+    tok = tokenizer
+  elif tokenizer is not None:
+    tok = tok_lib.from_folder(pathlib.Path(tokenizer))
   return Model(cfg, params, tok, dtype=dtype, mesh=tp_mesh(cfg, tp), decode_unroll=decode_unroll)
 
 
@@ -269,6 +295,11 @@ def generate(model: Model, prompt_ids: Sequence[int], max_new_tokens: int, *,
     raise ValueError(f"{max_new_tokens=} must be >= 1")
   ps = page_size or llama.DEFAULT_PAGE_SIZE
   total = len(prompt_ids) + max_new_tokens
+  scaling = model.config.rope_scaling
+  if scaling is not None and scaling.rope_type == "dynamic" and \
+      total > model.config.max_position_embeddings:
+    raise ValueError(f"{total} tokens: dynamic RoPE is computed up to max_position_embeddings="
+                     f"{model.config.max_position_embeddings}")
   n_pages = math.ceil(total / ps)
   cache = model.init_cache(n_pages + 1, ps)
   page_table = np.arange(1, n_pages + 1, dtype=np.int32)[None]  # page 0 is scratch

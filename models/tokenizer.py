@@ -79,6 +79,58 @@ class ByteTokenizer(Tokenizer):
     return [None] * self.OFFSET + [bytes([b]) for b in range(256)]
 
 
+class NoTokenizer(Tokenizer):
+  """A checkpoint loaded without a tokenizer: prompts are token ids, outputs
+  are token ids. ``encode`` (text prompts), chat templates and grammars
+  raise a ValueError that says so; ``decode`` gives "" (there is no text).
+  bos/eos ids come from the checkpoint's config.json / generation_config.json."""
+
+  def __init__(self, source: str, *, bos_id=None, eos_ids=()):
+    self.source = source
+    self.bos_id = bos_id
+    self.eos_ids = tuple(eos_ids)
+    self.add_bos = False  # token-id prompts are taken as given
+
+  def _refuse(self, what):
+    return ValueError(f"{self.source}: the model was loaded without a tokenizer, so {what} is "
+                      "not possible; give prompts as token ids, or load it with "
+                      "tokenizer=<folder with tokenizer.json or tokenizer.model>")
+
+  def encode(self, text: str) -> list[int]:
+    raise self._refuse("encoding text")
+
+  def decode(self, ids: Sequence[int]) -> str:
+    return ""
+
+  def token_bytes(self) -> list[bytes | None]:
+    raise self._refuse("matching token bytes")
+
+  def apply_chat_template(self, messages, *, add_generation_prompt: bool = True):
+    raise self._refuse("rendering chat messages")
+
+
+def _ids(v) -> list[int]:
+  return [v] if isinstance(v, int) else [int(i) for i in (v or []) if isinstance(i, int)]
+
+
+def no_tokenizer(folder: pathlib.Path, hf_config: dict[str, Any] | None = None) -> NoTokenizer:
+  """A NoTokenizer for ``folder`` with bos/eos ids from its generation_config.json
+  (first) or config.json."""
+  folder = pathlib.Path(folder)
+  gcfg: dict[str, Any] = {}
+  if (folder / "generation_config.json").exists():
+    gcfg = json.loads((folder / "generation_config.json").read_text())
+  hf = hf_config or {}
+  bos = gcfg.get("bos_token_id", hf.get("bos_token_id"))
+  eos = _ids(gcfg.get("eos_token_id")) or _ids(hf.get("eos_token_id"))
+  return NoTokenizer(str(folder), bos_id=bos if isinstance(bos, int) else None, eos_ids=eos)
+
+
+def has_tokenizer(folder) -> bool:
+  folder = pathlib.Path(folder)
+  return (folder / "tokenizer.json").exists() or (folder / "tokenizer.model").exists()
+
+
 class HFTokenizer(Tokenizer):
   """A ``tokenizers.Tokenizer`` (from tokenizer.json or built from GGUF)."""
 

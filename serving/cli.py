@@ -314,7 +314,8 @@ def parser() -> argparse.ArgumentParser:
   s = sub.add_parser("serve", help="run the gRPC server")
   s.add_argument("--model", default="default",
                  help="default (embedded model), tiny, toy, counting, or a checkpoint path")
-  s.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+  s.add_argument("--dtype", default=None, choices=("bfloat16", "float16", "float32"),
+                 help="weights and activations (default: float32 on the CPU, bfloat16 on a GPU)")
   s.add_argument("--attention-backend",
                  help="attention implementation (mosaic, cudnn, triton, xla, ...); "
                  "also used for decode unless --decode-attention-backend is given")

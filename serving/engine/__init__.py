@@ -92,7 +92,7 @@ def fit_num_pages(model, page_size: int, gpu_memory_utilization: float, *,
   return num_pages
 
 
-def model_engine(spec: str | None = None, *, dtype: str = "bfloat16",
+def model_engine(spec: str | None = None, *, dtype: str | None = None,
                  num_pages: int | None = DEFAULT_NUM_PAGES, gpu_memory_utilization: float = 0.8,
                  page_size: int | None = None, attention: str | None = None,
                  decode_attention: str | None = None, matmul: str | None = None,
@@ -100,7 +100,8 @@ def model_engine(spec: str | None = None, *, dtype: str = "bfloat16",
                  decode_unroll: int | None = None, tp: int = 1, **config) -> BatchingEngine:
   """An engine over ``models.load(spec)``; "toy" and "counting" are the test models.
   ``tp`` > 1: the model's weights and KV cache split over that many devices
-  (Megatron layout), each step running per shard. ``num_pages=None``: as many
+  (Megatron layout), each step running per shard. ``dtype`` None: float32 on
+  the CPU, bfloat16 elsewhere (models.load). ``num_pages=None``: as many
   KV pages as fit in ``gpu_memory_utilization`` of the device's memory once
   the weights are on it (``kv_pages``), or DEFAULT_NUM_PAGES where the device
   reports no memory."""

@@ -527,7 +527,10 @@ class BatchingEngine(api.Engine):
     self._thread.start()
 
   def tokenize(self, text: str, add_bos: bool = False) -> list[int]:
-    ids = list(self.tok.encode(text))
+    try:
+      ids = list(self.tok.encode(text))
+    except ValueError as e:  # a model loaded without a tokenizer: token ids only
+      raise api.InvalidRequest(str(e)) from None
     bos = getattr(self.tok, "bos_id", None)
     return [bos] + ids if add_bos and bos is not None else ids
 

@@ -23,25 +23,37 @@ def oracle_python() -> str | None:
   return p if pathlib.Path(p).exists() else None
 
 
-@pytest.fixture(scope="session")
-def hf_oracle(tmp_path_factory, _xdist_worker) -> pathlib.Path:
+def _run_oracle(tmp_path_factory, worker, script: str) -> pathlib.Path:
+  """Runs tests/models/<script>.py OUT SEED once per test run (shared by xdist
+  workers through a lock file) and returns OUT."""
   py = oracle_python()
   if py is None:
     pytest.skip("no oracle interpreter (.venv-oracle with torch + transformers): run .ci/setup")
   root = tmp_path_factory.getbasetemp()
-  if _xdist_worker != "master":
+  if worker != "master":
     root = root.parent  # shared by all xdist workers of this run
-  out = root / "hf_oracle"
-  with open(root / "hf_oracle.lock", "w") as lock:
+  out = root / script
+  with open(root / f"{script}.lock", "w") as lock:
     fcntl.flock(lock, fcntl.LOCK_EX)
     if not (out / "done").exists():
       seed = testing._BASE_SEED % (2**31)  # fresh per run unless MOSAIC_TEST_SEED is set
-      r = subprocess.run([py, str(pathlib.Path(__file__).parent / "hf_oracle.py"), str(out),
+      r = subprocess.run([py, str(pathlib.Path(__file__).parent / f"{script}.py"), str(out),
                           str(seed)], capture_output=True, text=True, timeout=600)
       if r.returncode:
-        raise RuntimeError(f"hf_oracle.py failed:\n{r.stderr[-4000:]}")
+        raise RuntimeError(f"{script}.py failed:\n{r.stderr[-4000:]}")
       (out / "done").write_text(str(seed))
   return out
+
+
+@pytest.fixture(scope="session")
+def hf_oracle(tmp_path_factory, _xdist_worker) -> pathlib.Path:
+  return _run_oracle(tmp_path_factory, _xdist_worker, "hf_oracle")
+
+
+@pytest.fixture(scope="session")
+def hf_variants(tmp_path_factory, _xdist_worker) -> pathlib.Path:
+  """Tiny checkpoints of the config variants (hf_variants.py), without tokenizers."""
+  return _run_oracle(tmp_path_factory, _xdist_worker, "hf_variants")
 
 
 @pytest.fixture(scope="session")

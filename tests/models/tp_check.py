@@ -14,10 +14,7 @@ from models import model as model_lib, tokenizer as tok_lib
 from mosaic import testing
 
 
-def main():
-  seed = int(sys.argv[1])
-  assert len(jax.devices()) >= 2, jax.devices()
-  cfg = models.config.get("tiny")
+def _compare(cfg, seed):
   params = model_lib.random_params(cfg, seed=seed)
   one = models.Model(cfg, params, tok_lib.ByteTokenizer(), dtype="float32")
   two = models.Model(cfg, params, tok_lib.ByteTokenizer(), dtype="float32",
@@ -37,7 +34,20 @@ def main():
       assert len(cache.k.sharding.device_set) == 2, cache.k.sharding
     dec, cache = m.decode(cache, [[7, 8], [9, 10]], [11, 6], table)
     outs.append(np.concatenate([np.asarray(pre).reshape(-1), np.asarray(dec).reshape(-1)]))
-  err = testing.assert_close(outs[1], outs[0], tol=1e-5, what="tp=2 vs tp=1")
+  err = testing.assert_close(outs[1], outs[0], tol=1e-5, what=f"{cfg.name} tp=2 vs tp=1")
+  return one, two, err
+
+
+def main():
+  seed = int(sys.argv[1])
+  assert len(jax.devices()) >= 2, jax.devices()
+  # The tiny model, and one with every bias, gelu, q/k norms, a padded MLP
+  # width (100 -> 128: 64 features a device) and a window on one layer.
+  variant = models.config.get("tiny").replace(
+      qkv_bias=True, o_bias=True, mlp_bias=True, hidden_act="gelu", qk_norm=True,
+      intermediate_size=100, sliding_window=3, sliding_layers=(False, True))
+  for cfg in (models.config.get("tiny"), variant):
+    one, two, err = _compare(cfg, seed)
   # The step ran per shard (shard_map) with all-reduces, not as a replicated program.
   from models import llama
   import jax.numpy as jnp
