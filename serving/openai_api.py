@@ -249,6 +249,8 @@ class _Call:
         if ev is None:
           continue
         if isinstance(ev, api.Failed):
+          if ev.invalid:
+            raise _HTTPError(400, ev.message)
           raise _HTTPError(500, ev.message, "internal_error")
         if isinstance(ev, api.Final) and ev.reason not in _FINISH:
           raise _HTTPError(500, f"the request ended: {ev.reason.name.lower()}", "internal_error")
@@ -629,9 +631,11 @@ def openai_http(engine: api.Engine, servicer, host: str, port: int,
         if include_usage:
           send({**head, "choices": [], "usage": _usage(finals, call.per)})
         send(b"[DONE]")
-      except _HTTPError as e:  # after the headers: the error is the stream's last event
+      except _HTTPError as e:  # after the headers: an error event, then the stream's end
+        call.cancel()  # (the call's other completions)
         try:
           send({"error": {"message": str(e), "type": e.kind, "code": e.status}})
+          send(b"[DONE]")
         except (BrokenPipeError, ConnectionResetError):
           pass
       except (BrokenPipeError, ConnectionResetError, _ClientGone):

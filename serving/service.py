@@ -281,7 +281,8 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
       # An ended deadline or cancel is the call's status, not a response:
       # abort before handing the Final on (Generate returns on the last Final).
       if isinstance(ev, api.Failed):
-        context.abort(grpc.StatusCode.INTERNAL, ev.message)
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT if ev.invalid else
+                      grpc.StatusCode.INTERNAL, ev.message)
       if isinstance(ev, api.Final) and ev.reason == api.FinishReason.DEADLINE:
         context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
                       f"deadline exceeded after {ev.completion_tokens} tokens")

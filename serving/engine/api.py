@@ -303,9 +303,13 @@ class Final:
 
 @dataclasses.dataclass(frozen=True)
 class Failed:
-  """The engine failed on this request (an internal error, not the client's)."""
+  """The request ended in an error inside the engine, never a normal finish:
+  an internal error (``invalid`` False: gRPC INTERNAL, HTTP 500), or one its
+  own input caused that submit could not see (``invalid`` True: a grammar past
+  the structured-output library's limits; INVALID_ARGUMENT, HTTP 400)."""
 
   message: str
+  invalid: bool = False
 
 
 @dataclasses.dataclass

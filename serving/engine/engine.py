@@ -340,6 +340,24 @@ class _Compiles:
       cls._by_thread.pop(ident, None)
 
 
+class _RequestError(Exception):
+  """One request cannot go on (its grammar failed): it ends with api.Failed."""
+
+  def __init__(self, message: str, invalid: bool = False):
+    super().__init__(message)
+    self.invalid = invalid
+
+
+def _grammar_error(seq, guide) -> _RequestError:
+  """The error that ends a structured request whose grammar refused a token
+  its own allowed set admitted: a limit of llguidance's (a lexer too complex
+  for the grammar, INVALID_ARGUMENT: the client's grammar), else our bug."""
+  first = (guide.error.strip().splitlines() or ["the grammar refused a token"])[0]
+  limit = any(w in first.lower() for w in ("lexer error", "too many", "too complex", "limit"))
+  return _RequestError(f"structured output failed after {len(seq.generated)} tokens: {first}",
+                       invalid=limit)
+
+
 class _State(enum.Enum):
   WAITING = 0
   PREFILL = 1
@@ -734,8 +752,12 @@ class BatchingEngine(api.Engine):
       with self._lock:
         seqs = list(self._by_id.values())
         self._by_id.clear()
+      on_failed = getattr(self.observer, "on_failed", None)
       for s in seqs:
-        s.handle.events.put(api.Failed(f"engine error: {e!r}"))
+        failed = api.Failed(f"engine error: {e!r}")
+        s.handle.events.put(failed)
+        if on_failed is not None:
+          on_failed(failed)
 
   def step(self) -> bool:
     """One iteration; False when there was nothing to do.
@@ -899,9 +921,11 @@ class BatchingEngine(api.Engine):
     words, taken = [g.words()], 0
     for t in d:
       # Offered only where the mask admits it: a refused token would leave
-      # the matcher in its error state.
-      if not (words[-1][t >> 5] >> (t & 31)) & 1 or not g.accept([t]):
+      # the matcher in its error state (which no rollback leaves).
+      if not (words[-1][t >> 5] >> (t & 31)) & 1:
         break
+      if not g.accept([t]):
+        raise _grammar_error(seq, g)
       taken += 1
       if g.stopped:
         break
@@ -921,20 +945,26 @@ class BatchingEngine(api.Engine):
     entry or None, requests, launch seconds, seconds waiting), or None when no
     request has a draft (a plain decode step runs instead)."""
     t0 = time.perf_counter()
-    seqs = self._schedule_decodes(1)  # pages for the next token (preempting as usual)
+    seqs, kept = self._schedule_decodes(1), []  # pages for the next token (preempting as usual)
     drafts, guided = [], {}  # guided: row -> its grammar's allow words a position
-    for i, seq in enumerate(seqs):
+    for seq in seqs:
       room = min(seq.max_tokens - len(seq.generated), self.capacity - seq.num_tokens) - 1
       d = []
       if self._drafts(seq):
         d = self._draft(seq)[:max(room, 0)]
         if d and seq.guide is not None:
-          d, guided[i] = self._guided_drafts(seq, d)
+          try:
+            d, guided[len(kept)] = self._guided_drafts(seq, d)
+          except _RequestError as e:  # its grammar failed: it ends, the others go on
+            self._fail(seq, str(e), e.invalid)
+            continue
         if d and not self._reserve(seq, seq.computed + 1 + len(d)):
           d = []  # no pages for the drafts: no preemption for a guess
         if not d:
           self._spec_outcome(seq, False)
+      kept.append(seq)
       drafts.append(d)
+    seqs = kept
     if not any(drafts):
       return None
     rows, k1 = _bucket(len(seqs), self._spec_rows), self.config.num_speculative_tokens + 1
@@ -1449,12 +1479,16 @@ class BatchingEngine(api.Engine):
         seq.stop_token = tokens[n - 1]
     ids = tokens[:n]
     if seq.guide is not None:
-      reason = self._follow(seq, ids, reason)
-      if reason is None and self.config.jump_forward:
-        forced = self._jump_forward(seq, len(ids))
-        ids = ids + forced
-        if forced and seq.guide.stopped:  # they complete the output
-          reason = api.FinishReason.STOP
+      try:
+        reason = self._follow(seq, ids, reason)
+        if reason is None and self.config.jump_forward:
+          forced = self._jump_forward(seq, len(ids))
+          ids = ids + forced
+          if forced and seq.guide.stopped:  # they complete the output
+            reason = api.FinishReason.STOP
+      except _RequestError as e:
+        self._fail(seq, str(e), e.invalid)
+        return
     self._deferred.append((seq, ids, None if lps is None else lps[:n], silent, reason,
                            len(seq.generated)))
     seq.generated.extend(ids)
@@ -1467,8 +1501,7 @@ class BatchingEngine(api.Engine):
     (``_guide_next``). Returns the finish reason."""
     g = seq.guide
     if not g.accept(ids):  # cannot happen while the allow row holds: a limit, or a bug
-      log.error("request %s: structured output failed: %s", seq.req.request_id, g.error)
-      return reason or api.FinishReason.STOP
+      raise _grammar_error(seq, g)
     if g.stopped:
       return reason or api.FinishReason.STOP
     if reason is None:
@@ -1491,9 +1524,8 @@ class BatchingEngine(api.Engine):
     forced = seq.guide.forced()[:max(room, 0)]
     if not forced or not self._reserve(seq, total + len(forced)):
       return []
-    if not seq.guide.accept(forced):
-      log.error("request %s: forced tokens refused: %s", seq.req.request_id, seq.guide.error)
-      return []
+    if not seq.guide.accept(forced):  # (the matcher is in its error state now)
+      raise _grammar_error(seq, seq.guide)
     if not seq.guide.stopped:
       seq.state = _State.PREFILL
     self.jump_forward_tokens += len(forced)
@@ -1580,6 +1612,22 @@ class BatchingEngine(api.Engine):
       seq.pages = []
       self._free_slots.append(seq.slot)
     seq.state = _State.DONE
+
+  def _fail(self, seq: _Seq, message: str, invalid: bool = False) -> None:
+    """Ends one request with an error (``api.Failed``), never a normal finish:
+    its tokens not sent yet are dropped, its pages freed; the others run on."""
+    if seq.final_sent:
+      return
+    log.warning("request %s failed: %s", seq.req.request_id, message)
+    self._release(seq)
+    seq.final_sent = True
+    failed = api.Failed(message, invalid=invalid)
+    seq.handle.events.put(failed)
+    with self._lock:
+      self._by_id.pop(seq.req.request_id, None)
+    on_failed = getattr(self.observer, "on_failed", None)
+    if on_failed is not None:
+      on_failed(failed)
 
   def _finish(self, seq: _Seq, reason: api.FinishReason) -> None:
     """Ends a request now (cancel, deadline): its pending tokens are not sent."""

@@ -104,6 +104,9 @@ class _StepObserver:
   def on_final(self, final) -> None:  # the server process hears it from the Final event
     del final
 
+  def on_failed(self, failed) -> None:  # (and from the Failed event)
+    del failed
+
 
 def _serve(factory: Callable[..., Any], args: tuple, kwargs: dict, commands, results) -> None:
   """The engine process: builds the engine, then answers calls until 'stop'."""
@@ -248,6 +251,8 @@ class ProcessEngine(api.Engine):
             self._handles.pop(rid, None)
         if isinstance(event, api.Final) and self.observer is not None:
           self.observer.on_final(event)  # what the engine's observer hears in-process
+        if isinstance(event, api.Failed) and handle is not None:
+          self._on_failed(event)
         if handle is not None:
           handle.events.put(event)
       elif item[0] == "step":
@@ -262,10 +267,17 @@ class ProcessEngine(api.Engine):
       handles, self._handles = list(self._handles.values()), {}
       waiting = list(self._replies.values())
     for h in handles:
-      h.events.put(api.Failed("the engine process exited"))
+      failed = api.Failed("the engine process exited")
+      h.events.put(failed)
+      self._on_failed(failed)
     for slot in waiting:
       slot.append((False, api.EngineFailed("the engine process exited")))
       slot[0].set()
+
+  def _on_failed(self, failed: api.Failed) -> None:
+    on_failed = getattr(self.observer, "on_failed", None)
+    if on_failed is not None:
+      on_failed(failed)
 
   def _call(self, name: str, *args, **kwargs):
     call_id = next(self._ids)
