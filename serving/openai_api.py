@@ -199,18 +199,15 @@ class _Call:
     if echo and sampling.logprobs:
       sampling = dataclasses.replace(sampling, prompt_logprobs=sampling.top_logprobs)
     priority = int(body.get("priority") or 0)
-    self.keys, handles = [], []
-    try:
-      for prompt in prompts:
-        for j in range(self.per):
-          self.keys.append(uuid.uuid4().hex)
-          handles.append(engine.submit(api.Request(
-              request_id=self.keys[-1], sampling=completion_params(sampling, j),
-              priority=priority, **prompt)))
-    except BaseException:
-      self.cancel()
-      raise
-    self.events = Events(handles)
+    self.keys, requests = [], []
+    for prompt in prompts:
+      for j in range(self.per):
+        self.keys.append(uuid.uuid4().hex)
+        requests.append(api.Request(
+            request_id=self.keys[-1], sampling=completion_params(sampling, j),
+            priority=priority, **prompt))
+    # One admission decision for the call's completions: all or none.
+    self.events = Events(engine.submit_all(requests))
 
   def _text(self, prompt: dict) -> str:
     if "prompt_text" in prompt:

@@ -218,15 +218,19 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
         raise api.InvalidRequest(f"n={n} must be in [1, {MAX_N}]")
       sampling = sampling_from_proto(request.sampling)
       remaining = context.time_remaining()
+      prompt_ids = list(request.token_ids.ids) if which == "token_ids" else None
+      requests = []
       for i in range(n):
         keys.append(uuid.uuid4().hex)
-        handles.append(self.engine.submit(api.Request(
+        requests.append(api.Request(
             request_id=keys[-1],
             prompt_text=request.text if which == "text" else None,
-            prompt_ids=list(request.token_ids.ids) if which == "token_ids" else None,
-            messages=messages, add_generation_prompt=_generation_prompt(request.chat),
+            prompt_ids=prompt_ids, messages=messages,
+            add_generation_prompt=_generation_prompt(request.chat),
             sampling=completion_params(sampling, i), priority=request.priority,
-            deadline=None if remaining is None else time.monotonic() + remaining)))
+            deadline=None if remaining is None else time.monotonic() + remaining))
+      # One admission decision for the call's n completions: all or none.
+      handles = self.engine.submit_all(requests)
     except (api.InvalidRequest, api.QueueFull, api.Draining, api.EngineFailed) as e:
       for key in keys[:len(handles)]:
         self.engine.cancel(key)

@@ -363,6 +363,19 @@ class Engine(abc.ABC):
   def submit(self, request: Request) -> RequestHandle:
     """Queues a request; raises InvalidRequest, QueueFull or Draining."""
 
+  def submit_all(self, requests: Sequence[Request]) -> list[RequestHandle]:
+    """Queues one call's requests (its n completions) as one admission
+    decision: all of them or none (the error of the first refused)."""
+    handles: list[RequestHandle] = []
+    try:
+      for r in requests:
+        handles.append(self.submit(r))
+    except BaseException:
+      for h in handles:
+        self.cancel(h.request_id)
+      raise
+    return handles
+
   @abc.abstractmethod
   def cancel(self, request_id: str) -> None:
     """Ends the request within one step (no-op if it already ended)."""

@@ -135,7 +135,10 @@ def auto_compile_threads() -> int:
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
   max_batch: int = 64  # requests decoding together
-  max_waiting: int = 256  # bounded queue: beyond it, submit raises QueueFull
+  # Bounded queue: the engine holds at most max_batch + max_waiting requests
+  # (running or waiting); a call that would take it past that is refused
+  # (QueueFull), one that never fits (n completions over it) is InvalidRequest.
+  max_waiting: int = 256
   max_seq_len: int | None = None  # default: the model's context
   prefill_chunk: int = 512  # largest prompt chunk per request and step
   min_chunk: int = 16
@@ -564,10 +567,54 @@ class BatchingEngine(api.Engine):
                                f"[0, {self.runner.vocab_size})")
 
   def submit(self, request: api.Request) -> api.RequestHandle:
+    return self.submit_all([request])[0]
+
+  def submit_all(self, requests: Sequence[api.Request]) -> list[api.RequestHandle]:
+    """One admission decision for a call's requests (its n completions): all
+    are queued or none. The engine holds at most max_batch + max_waiting
+    requests, running or waiting; a call that would take it past that is
+    QueueFull (retry later), one larger than that can never be admitted
+    (InvalidRequest, naming the limits)."""
     if self._draining or self._stopping:
       raise api.Draining("the server is shutting down and admits no new requests")
     if self.error is not None:
       raise api.EngineFailed(f"the engine stopped after an error: {self.error!r}")
+    c, n = self.config, len(requests)
+    most = c.max_batch + c.max_waiting
+    if n > most:
+      raise api.InvalidRequest(
+          f"a call of {n} completions can never be admitted: the server holds at most {most} "
+          f"requests at once ({c.max_batch} running, --max-batch, + {c.max_waiting} waiting, "
+          "--max-waiting)")
+    ids = [r.request_id for r in requests]
+    if len(set(ids)) < n:
+      raise api.InvalidRequest("a call names a request_id twice")
+    made = [self._prepare(r) for r in requests]
+    with self._lock:
+      for rid in ids:
+        if rid in self._by_id:
+          raise api.InvalidRequest(f"request_id {rid!r} is already running")
+      held = len(self._by_id)
+      if held + n > most:
+        running = min(len(self._running), held)
+        raise api.QueueFull(
+            f"the server is full: {running} requests running and {held - running} waiting "
+            f"(at most {c.max_batch} + {c.max_waiting}); this call needs {n}")
+      handles = []
+      for request, (handle, prompt, max_tokens, seed, guide) in zip(requests, made):
+        self._order += 1
+        seq = _Seq(request, handle, prompt, max_tokens, seed, self.tok, self._order,
+                   self.eos_ids, c.scheduling == "priority")
+        seq.guide = guide
+        self._by_id[request.request_id] = seq
+        self._inbox.append(seq)
+        handles.append(handle)
+      self._wake.notify()
+    return handles
+
+  def _prepare(self, request: api.Request):
+    """A request's checks and what its _Seq is made of: (handle, prompt ids,
+    max_tokens, seed, grammar state); InvalidRequest where it cannot run."""
     prompt = self._prompt_ids(request)
     p = request.sampling
     if p.truncate_prompt_tokens is not None:
@@ -615,19 +662,7 @@ class BatchingEngine(api.Engine):
     seed = p.seed if p.seed is not None else random.getrandbits(64)
     handle = api.RequestHandle(request.request_id, len(prompt),
                                self.make_events(request.request_id))
-    with self._lock:
-      if request.request_id in self._by_id:
-        raise api.InvalidRequest(f"request_id {request.request_id!r} is already running")
-      if len(self._waiting) + len(self._inbox) >= self.config.max_waiting:
-        raise api.QueueFull(f"{self.config.max_waiting} requests are waiting already")
-      self._order += 1
-      seq = _Seq(request, handle, prompt, max_tokens, seed, self.tok, self._order, self.eos_ids,
-                 self.config.scheduling == "priority")
-      seq.guide = guide
-      self._by_id[request.request_id] = seq
-      self._inbox.append(seq)
-      self._wake.notify()
-    return handle
+    return handle, prompt, max_tokens, seed, guide
 
   def _prompt_ids(self, request: api.Request) -> list[int]:
     forms = (request.prompt_ids, request.prompt_text, request.messages)

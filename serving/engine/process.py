@@ -154,6 +154,8 @@ def _serve(factory: Callable[..., Any], args: tuple, kwargs: dict, commands, res
         value = getattr(engine, name)(*a, **kw)
         if name == "submit":  # the handle's queue stays here; the server builds its own
           value = (value.prompt_tokens, value.submitted)
+        elif name == "submit_all":
+          value = [(h.prompt_tokens, h.submitted) for h in value]
       return ("reply", call_id, True, value)
     except Exception as e:  # noqa: BLE001 - raised again in the caller
       try:
@@ -303,22 +305,31 @@ class ProcessEngine(api.Engine):
   # -- api.Engine
 
   def submit(self, request: api.Request) -> api.RequestHandle:
-    rid = request.request_id
+    return self.submit_all([request])[0]
+
+  def submit_all(self, requests: Sequence[api.Request]) -> list[api.RequestHandle]:
+    """The engine's one admission decision for the call's requests."""
+    rids = [r.request_id for r in requests]
     with self._lock:
-      if rid in self._handles:
-        raise api.InvalidRequest(f"request_id {rid!r} is already running")
-      # Registered before the call: its first events may arrive before the reply.
-      handle = api.RequestHandle(rid, 0, queue.SimpleQueue())
-      self._handles[rid] = handle
+      if len(set(rids)) < len(rids):
+        raise api.InvalidRequest("a call names a request_id twice")
+      for rid in rids:
+        if rid in self._handles:
+          raise api.InvalidRequest(f"request_id {rid!r} is already running")
+      # Registered before the call: their first events may arrive before the reply.
+      handles = [api.RequestHandle(rid, 0, queue.SimpleQueue()) for rid in rids]
+      self._handles.update(zip(rids, handles))
     try:
-      prompt_tokens, submitted = self._call("submit", request)
+      made = self._call("submit_all", list(requests))
     except BaseException:
       with self._lock:
-        if self._handles.get(rid) is handle:
-          del self._handles[rid]
+        for rid, handle in zip(rids, handles):
+          if self._handles.get(rid) is handle:
+            del self._handles[rid]
       raise
-    handle.prompt_tokens, handle.submitted = prompt_tokens, submitted
-    return handle
+    for handle, (prompt_tokens, submitted) in zip(handles, made):
+      handle.prompt_tokens, handle.submitted = prompt_tokens, submitted
+    return handles
 
   def cancel(self, request_id: str) -> None:
     self._call("cancel", request_id)
