@@ -249,6 +249,10 @@ class _Call:
           if ev.invalid:
             raise _HTTPError(400, ev.message)
           raise _HTTPError(500, ev.message, "internal_error")
+        if isinstance(ev, api.Final) and ev.reason == api.FinishReason.CANCELLED:
+          # (the client's own going away ends the call above, _ClientGone)
+          raise _HTTPError(503, "the server shut down before the request finished "
+                           f"({ev.completion_tokens} tokens generated)", "unavailable")
         if isinstance(ev, api.Final) and ev.reason not in _FINISH:
           raise _HTTPError(500, f"the request ended: {ev.reason.name.lower()}", "internal_error")
         yield i, ev

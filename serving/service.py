@@ -47,6 +47,9 @@ SERVICE_NAME = "mosaic.serving.v1.TextGeneration"
 MAX_PROMPT_CHARS = 1 << 20
 MAX_N = 64  # completions per call
 _POLL_S = 0.05
+# After a drain's timeout the requests still running are cancelled: their
+# calls get this long to send the end of their streams before the server stops.
+_DRAIN_SLACK_S = 0.3
 
 
 def completion_seed(seed: int, i: int) -> int:
@@ -182,6 +185,9 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
     # engine forgets a request when its last event is queued, not when sent.
     self._active = 0
     self._idle = threading.Condition()
+    # Set once the server cancels what still runs (a drain's timeout, a stop):
+    # a cancelled request is then UNAVAILABLE (retry elsewhere), not CANCELLED.
+    self.stopping = False
 
   @contextlib.contextmanager
   def call_in_progress(self):
@@ -291,6 +297,9 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
         context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
                       f"deadline exceeded after {ev.completion_tokens} tokens")
       if isinstance(ev, api.Final) and ev.reason == api.FinishReason.CANCELLED:
+        if self.stopping:
+          context.abort(grpc.StatusCode.UNAVAILABLE, "the server shut down before the request "
+                        f"finished ({ev.completion_tokens} tokens generated)")
         context.abort(grpc.StatusCode.CANCELLED, "the request was cancelled")
       yield i, ev
       if isinstance(ev, api.Final):
@@ -593,23 +602,30 @@ class Server:
     return self
 
   def drain_and_stop(self, timeout: float = 30.0) -> None:
-    """Health NOT_SERVING, no new requests, running ones finish, then stop."""
+    """Health NOT_SERVING, no new requests, running ones finish, then stop.
+    Requests still running at ``timeout`` are cancelled then (their calls end
+    UNAVAILABLE; an HTTP stream with an error event and [DONE]), and the
+    server stops within _DRAIN_SLACK_S and a step more."""
     with self._drain_lock:
       if self._stopped.is_set():
         return
       self.health.set_all(HealthServicer.Status.NOT_SERVING)
       end = time.monotonic() + timeout
       finished = self.engine.drain(timeout)
-      # The engine is done with every request; their calls may still be sending
-      # the last events. A few seconds past the timeout at least, so a drain
-      # that used it all still delivers what was already generated.
-      finished = self.servicer.wait_idle(max(end - time.monotonic(), 5.0)) and finished
       if not finished:
-        log.warning("drain timed out after %.0f s; cancelling the rest", timeout)
-      self.stop(grace=1.0)
+        log.warning("drain timed out after %g s; cancelling the requests still running",
+                    timeout)
+        self.servicer.stopping = True
+        self.engine.stop()  # cancels every request within a step
+      # The engine is done with every request; their calls may still be
+      # sending the last events (a stream's end).
+      if not self.servicer.wait_idle(max(end - time.monotonic(), 0.0) + _DRAIN_SLACK_S):
+        log.warning("calls still sending after the drain; stopping")
+      self.stop(grace=_DRAIN_SLACK_S)
 
   def stop(self, grace: float | None = 1.0) -> None:
     self.health.set_all(HealthServicer.Status.NOT_SERVING)
+    self.servicer.stopping = True
     self.engine.stop()
     self._grpc.stop(grace).wait()
     if self._http_serving:
@@ -628,7 +644,7 @@ class Server:
     # The kernel may hand SIGTERM to any thread, and Python runs its handler
     # (the drain) only when the main thread is back in the interpreter: an
     # untimed wait here could sleep through it, so wake up now and then.
-    while not self._stopped.wait(timeout=0.2):
+    while not self._stopped.wait(timeout=0.05):
       pass
 
   def handle_signals(self, drain_timeout: float = 30.0) -> None:

@@ -332,7 +332,10 @@ class ProcessEngine(api.Engine):
     return handles
 
   def cancel(self, request_id: str) -> None:
-    self._call("cancel", request_id)
+    try:
+      self._call("cancel", request_id)
+    except api.EngineFailed:  # the engine process is gone: so is the request
+      pass
 
   def tokenize(self, text: str, add_bos: bool = False) -> list[int]:
     return self._call("tokenize", text, add_bos)

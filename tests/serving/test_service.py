@@ -952,3 +952,36 @@ def test_a_burst_is_admitted_up_to_max_batch_plus_max_waiting():
     assert codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED) == 6, codes
     wait_for(lambda: engine.stats().pages_in_use == 0, what="pages freed")
 
+
+def test_drain_cancels_at_its_timeout_and_streams_end_with_a_status():
+  """A drain whose requests outlast its timeout cancels them at the timeout
+  (within 0.5 s, and the server stops then), not 5 s later while they go
+  on generating: the gRPC stream ends UNAVAILABLE, the HTTP stream with an
+  error event and [DONE]."""
+  import http.client
+  import json
+
+  engine = E.tiny_engine(max_batch=4, step_delay=0.01)
+  with running(engine, http_port=0) as (server, c):
+    stream = c.stream("a", max_tokens=1000, ignore_eos=True)
+    next(stream)
+    conn = http.client.HTTPConnection("127.0.0.1", server.openai_http.server_port, timeout=30)
+    conn.request("POST", "/v1/completions", body=json.dumps(
+        {"prompt": "a", "max_tokens": 1000, "ignore_eos": True, "stream": True}))
+    r = conn.getresponse()
+    assert r.status == 200 and r.fp.readline().startswith(b"data: ")
+    t0 = time.monotonic()
+    drain = threading.Thread(target=server.drain_and_stop, args=(1.0,))
+    drain.start()
+    with pytest.raises(grpc.RpcError) as e:
+      for _ in stream:
+        pass
+    ended = time.monotonic() - t0
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE, e.value.details()
+    assert 1.0 <= ended < 1.5, ended
+    events = [x[len("data: "):] for x in r.read().decode().split("\n\n") if x.strip()]
+    conn.close()
+    assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == 503, events[-2:]
+    drain.join(5)
+    assert not drain.is_alive() and time.monotonic() - t0 < 1.75
+    assert engine.stats().pages_in_use == 0
