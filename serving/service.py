@@ -522,6 +522,70 @@ class _BearerAuth(grpc.ServerInterceptor):
     return make(deny, handler.request_deserializer, handler.response_serializer)
 
 
+class _Undecodable:
+  """What the deserializer hands on for bytes that are no valid message."""
+
+  def __init__(self, error: Exception):
+    self.error = error
+
+
+def _safe_deserializer(deserialize):
+  if deserialize is None:
+    return None
+
+  def safe(data: bytes):
+    try:
+      return deserialize(data)
+    except Exception as e:  # noqa: BLE001 - corrupt wire bytes, bad UTF-8 in a string field
+      return _Undecodable(e)
+
+  return safe
+
+
+class _DecodeErrors(grpc.ServerInterceptor):
+  """A request whose bytes do not decode (corrupt protobuf, invalid UTF-8 in
+  a string field) is INVALID_ARGUMENT with one log line, where grpc would
+  answer INTERNAL and log a traceback for each (a flood any client can cause)."""
+
+  def intercept_service(self, continuation, details):
+    handler = continuation(details)
+    if handler is None:
+      return None
+    method = details.method
+
+    def refuse(bad: _Undecodable, context):
+      reason = str(bad.error).strip().splitlines()[0] if str(bad.error).strip() else repr(
+          bad.error)
+      log.warning("%s: an undecodable request from %s: %s", method, context.peer(), reason)
+      context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"the request does not decode: {reason}")
+
+    if handler.request_streaming:
+      inner = handler.stream_stream or handler.stream_unary
+
+      def behavior(requests, context):
+        def checked():
+          for r in requests:
+            if isinstance(r, _Undecodable):
+              refuse(r, context)
+            yield r
+        return inner(checked(), context)
+    else:
+      inner = handler.unary_unary or handler.unary_stream
+
+      def behavior(request, context):
+        if isinstance(request, _Undecodable):
+          refuse(request, context)
+        return inner(request, context)
+
+    make = {(False, False): grpc.unary_unary_rpc_method_handler,
+            (False, True): grpc.unary_stream_rpc_method_handler,
+            (True, False): grpc.stream_unary_rpc_method_handler,
+            (True, True): grpc.stream_stream_rpc_method_handler}[
+                (handler.request_streaming, handler.response_streaming)]
+    return make(behavior, request_deserializer=_safe_deserializer(handler.request_deserializer),
+                response_serializer=handler.response_serializer)
+
+
 class Server:
   """The engine behind gRPC; ``start`` returns once both are ready."""
 
@@ -542,7 +606,8 @@ class Server:
     workers = max_workers or info.max_batch + waiting + 16
     self._grpc = grpc.server(
         concurrent.futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="rpc"),
-        interceptors=[_BearerAuth(auth_token)] if auth_token else [],
+        # (decoding innermost: every handler, the refusals of auth too, decodes safely)
+        interceptors=([_BearerAuth(auth_token)] if auth_token else []) + [_DecodeErrors()],
         maximum_concurrent_rpcs=workers - 4,
         options=[("grpc.so_reuseport", 0)])
     self.servicer = TextGenerationServicer(engine, self.metrics)
