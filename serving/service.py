@@ -604,6 +604,7 @@ class Server:
     info = engine.info
     waiting = getattr(getattr(engine, "config", None), "max_waiting", 256)
     workers = max_workers or info.max_batch + waiting + 16
+    self._grpc_workers = workers
     self._grpc = grpc.server(
         concurrent.futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="rpc"),
         # (decoding innermost: every handler, the refusals of auth too, decodes safely)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import itertools
+import logging
 import multiprocessing
 import pickle
 import queue
@@ -36,6 +37,8 @@ from multiprocessing import reduction
 from typing import Any
 
 from serving.engine import api
+
+log = logging.getLogger("serving.engine")
 
 # The forwarder's idle tick: events added outside a step (a failure, a stop)
 # leave the engine process within two of them.
@@ -198,6 +201,10 @@ class ProcessEngine(api.Engine):
     self._lock = threading.Lock()
     self._send_lock = threading.Lock()
     self._gone = False  # the engine process exited: calls fail at once
+    self._why = "the engine process exited"
+    self._stopping = False  # (its exit is then no news)
+    self._closed = False  # stopped: the process object released (its descriptors closed)
+    self.exitcode: int | None = None  # the engine process's, once it has exited
     ctx = multiprocessing.get_context("spawn")  # a forked child would share the CUDA context
     cmd_recv, self._cmd = ctx.Pipe(duplex=False)
     self._res, res_send = ctx.Pipe(duplex=False)
@@ -219,7 +226,8 @@ class ProcessEngine(api.Engine):
       raise api.EngineFailed(f"the engine process failed to build the engine: {msg[1]}")
     _, self.info, max_waiting = msg
     self.config = _Config(max_waiting)
-    threading.Thread(target=self._read, name="engine-events", daemon=True).start()
+    self._reader = threading.Thread(target=self._read, name="engine-events", daemon=True)
+    self._reader.start()
 
   def start(self) -> None:
     self._call("start")
@@ -242,6 +250,8 @@ class ProcessEngine(api.Engine):
     except Exception:  # noqa: BLE001 - a message this side cannot take: stop trusting the pipe
       self._proc.kill()
       self._engine_gone()
+    finally:
+      self._res.close()
 
   def _dispatch(self, batch) -> None:
     for item in batch:
@@ -263,17 +273,33 @@ class ProcessEngine(api.Engine):
         if self.observer is not None:
           self.observer.on_step(self, record)
 
+  def _exit_status(self) -> str:
+    """How the engine process ended ("killed by SIGKILL", "code 3"), once reaped."""
+    self._proc.join(timeout=2.0)
+    code = self._proc.exitcode
+    if code is None:
+      return "the engine process exited"
+    if code < 0:
+      try:
+        return f"the engine process exited (killed by {signal.Signals(-code).name})"
+      except ValueError:
+        pass
+    return f"the engine process exited (code {code})"
+
   def _engine_gone(self) -> None:
+    why = self._exit_status()
     with self._lock:
-      self._gone = True
+      self._gone, self._why = True, why
       handles, self._handles = list(self._handles.values()), {}
       waiting = list(self._replies.values())
+    if not self._stopping:
+      log.error("%s; failing its %d requests", why, len(handles))
     for h in handles:
-      failed = api.Failed("the engine process exited")
+      failed = api.Failed(why)
       h.events.put(failed)
       self._on_failed(failed)
     for slot in waiting:
-      slot.append((False, api.EngineFailed("the engine process exited")))
+      slot.append((False, api.EngineFailed(why)))
       slot[0].set()
 
   def _on_failed(self, failed: api.Failed) -> None:
@@ -286,7 +312,7 @@ class ProcessEngine(api.Engine):
     slot = [threading.Event()]
     with self._lock:
       if self._gone:
-        raise api.EngineFailed("the engine process exited")
+        raise api.EngineFailed(self._why)
       self._replies[call_id] = slot
     try:
       with self._send_lock:
@@ -366,23 +392,32 @@ class ProcessEngine(api.Engine):
 
   @property
   def error(self):
-    if not self._proc.is_alive():
-      return "the engine process exited"
+    if self._closed or not self._proc.is_alive():
+      return self._why
     try:
       return self._call("error")
     except api.EngineFailed as e:
       return repr(e)
 
   def stop(self) -> None:
-    if not self._proc.is_alive():
+    if self._closed:
       return
-    try:
-      self._call("stop")
-    except api.EngineFailed:
-      pass
-    self._proc.join(timeout=30)
+    self._stopping = True
     if self._proc.is_alive():
-      self._proc.kill()
+      try:
+        self._call("stop")
+      except api.EngineFailed:
+        pass
+      self._proc.join(timeout=30)
+      if self._proc.is_alive():
+        self._proc.kill()
+    self._proc.join(timeout=5)
+    self._reader.join(timeout=5)  # it closes its end of the pipe as it leaves
+    self._cmd.close()
+    if not self._proc.is_alive() and not self._reader.is_alive():
+      self.exitcode = self._proc.exitcode
+      self._closed = True
+      self._proc.close()  # (its sentinel descriptor)
 
 
 class _Config:
