@@ -364,7 +364,10 @@ def openai_http(engine: api.Engine, servicer, host: str, port: int,
       # TimeoutError path), not kept forever.
       self.connection.settimeout(READ_TIMEOUT_S)
       self._unread = False  # a body not read (yet): the answer closes the connection
-      super().handle_one_request()
+      try:
+        super().handle_one_request()
+      except (ConnectionResetError, BrokenPipeError):  # the client went away: no traceback
+        self.close_connection = True
 
     def end_headers(self):
       if self._unread:
