@@ -163,6 +163,12 @@ class Metrics:
     self.generated_tokens.inc(final.completion_tokens)
     self.cached_tokens.inc(final.cached_prompt_tokens)
 
+  def on_failed(self, failed) -> None:
+    """A request that ended in an error (api.Failed): reason "error"."""
+    del failed
+    self.requests.inc()
+    self.finished.inc(1, "error")
+
   def render(self) -> str:
     return "\n".join(line for m in self._all for line in m.render()) + "\n"
 

@@ -199,18 +199,15 @@ class _Call:
     if echo and sampling.logprobs:
       sampling = dataclasses.replace(sampling, prompt_logprobs=sampling.top_logprobs)
     priority = int(body.get("priority") or 0)
-    self.keys, handles = [], []
-    try:
-      for prompt in prompts:
-        for j in range(self.per):
-          self.keys.append(uuid.uuid4().hex)
-          handles.append(engine.submit(api.Request(
-              request_id=self.keys[-1], sampling=completion_params(sampling, j),
-              priority=priority, **prompt)))
-    except BaseException:
-      self.cancel()
-      raise
-    self.events = Events(handles)
+    self.keys, requests = [], []
+    for prompt in prompts:
+      for j in range(self.per):
+        self.keys.append(uuid.uuid4().hex)
+        requests.append(api.Request(
+            request_id=self.keys[-1], sampling=completion_params(sampling, j),
+            priority=priority, **prompt))
+    # One admission decision for the call's completions: all or none.
+    self.events = Events(engine.submit_all(requests))
 
   def _text(self, prompt: dict) -> str:
     if "prompt_text" in prompt:
@@ -249,7 +246,13 @@ class _Call:
         if ev is None:
           continue
         if isinstance(ev, api.Failed):
+          if ev.invalid:
+            raise _HTTPError(400, ev.message)
           raise _HTTPError(500, ev.message, "internal_error")
+        if isinstance(ev, api.Final) and ev.reason == api.FinishReason.CANCELLED:
+          # (the client's own going away ends the call above, _ClientGone)
+          raise _HTTPError(503, "the server shut down before the request finished "
+                           f"({ev.completion_tokens} tokens generated)", "unavailable")
         if isinstance(ev, api.Final) and ev.reason not in _FINISH:
           raise _HTTPError(500, f"the request ended: {ev.reason.name.lower()}", "internal_error")
         yield i, ev
@@ -361,7 +364,10 @@ def openai_http(engine: api.Engine, servicer, host: str, port: int,
       # TimeoutError path), not kept forever.
       self.connection.settimeout(READ_TIMEOUT_S)
       self._unread = False  # a body not read (yet): the answer closes the connection
-      super().handle_one_request()
+      try:
+        super().handle_one_request()
+      except (ConnectionResetError, BrokenPipeError):  # the client went away: no traceback
+        self.close_connection = True
 
     def end_headers(self):
       if self._unread:
@@ -629,9 +635,11 @@ def openai_http(engine: api.Engine, servicer, host: str, port: int,
         if include_usage:
           send({**head, "choices": [], "usage": _usage(finals, call.per)})
         send(b"[DONE]")
-      except _HTTPError as e:  # after the headers: the error is the stream's last event
+      except _HTTPError as e:  # after the headers: an error event, then the stream's end
+        call.cancel()  # (the call's other completions)
         try:
           send({"error": {"message": str(e), "type": e.kind, "code": e.status}})
+          send(b"[DONE]")
         except (BrokenPipeError, ConnectionResetError):
           pass
       except (BrokenPipeError, ConnectionResetError, _ClientGone):

@@ -47,6 +47,9 @@ SERVICE_NAME = "mosaic.serving.v1.TextGeneration"
 MAX_PROMPT_CHARS = 1 << 20
 MAX_N = 64  # completions per call
 _POLL_S = 0.05
+# After a drain's timeout the requests still running are cancelled: their
+# calls get this long to send the end of their streams before the server stops.
+_DRAIN_SLACK_S = 0.3
 
 
 def completion_seed(seed: int, i: int) -> int:
@@ -182,6 +185,9 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
     # engine forgets a request when its last event is queued, not when sent.
     self._active = 0
     self._idle = threading.Condition()
+    # Set once the server cancels what still runs (a drain's timeout, a stop):
+    # a cancelled request is then UNAVAILABLE (retry elsewhere), not CANCELLED.
+    self.stopping = False
 
   @contextlib.contextmanager
   def call_in_progress(self):
@@ -218,15 +224,19 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
         raise api.InvalidRequest(f"n={n} must be in [1, {MAX_N}]")
       sampling = sampling_from_proto(request.sampling)
       remaining = context.time_remaining()
+      prompt_ids = list(request.token_ids.ids) if which == "token_ids" else None
+      requests = []
       for i in range(n):
         keys.append(uuid.uuid4().hex)
-        handles.append(self.engine.submit(api.Request(
+        requests.append(api.Request(
             request_id=keys[-1],
             prompt_text=request.text if which == "text" else None,
-            prompt_ids=list(request.token_ids.ids) if which == "token_ids" else None,
-            messages=messages, add_generation_prompt=_generation_prompt(request.chat),
+            prompt_ids=prompt_ids, messages=messages,
+            add_generation_prompt=_generation_prompt(request.chat),
             sampling=completion_params(sampling, i), priority=request.priority,
-            deadline=None if remaining is None else time.monotonic() + remaining)))
+            deadline=None if remaining is None else time.monotonic() + remaining))
+      # One admission decision for the call's n completions: all or none.
+      handles = self.engine.submit_all(requests)
     except (api.InvalidRequest, api.QueueFull, api.Draining, api.EngineFailed) as e:
       for key in keys[:len(handles)]:
         self.engine.cancel(key)
@@ -281,11 +291,15 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
       # An ended deadline or cancel is the call's status, not a response:
       # abort before handing the Final on (Generate returns on the last Final).
       if isinstance(ev, api.Failed):
-        context.abort(grpc.StatusCode.INTERNAL, ev.message)
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT if ev.invalid else
+                      grpc.StatusCode.INTERNAL, ev.message)
       if isinstance(ev, api.Final) and ev.reason == api.FinishReason.DEADLINE:
         context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
                       f"deadline exceeded after {ev.completion_tokens} tokens")
       if isinstance(ev, api.Final) and ev.reason == api.FinishReason.CANCELLED:
+        if self.stopping:
+          context.abort(grpc.StatusCode.UNAVAILABLE, "the server shut down before the request "
+                        f"finished ({ev.completion_tokens} tokens generated)")
         context.abort(grpc.StatusCode.CANCELLED, "the request was cancelled")
       yield i, ev
       if isinstance(ev, api.Final):
@@ -508,6 +522,70 @@ class _BearerAuth(grpc.ServerInterceptor):
     return make(deny, handler.request_deserializer, handler.response_serializer)
 
 
+class _Undecodable:
+  """What the deserializer hands on for bytes that are no valid message."""
+
+  def __init__(self, error: Exception):
+    self.error = error
+
+
+def _safe_deserializer(deserialize):
+  if deserialize is None:
+    return None
+
+  def safe(data: bytes):
+    try:
+      return deserialize(data)
+    except Exception as e:  # noqa: BLE001 - corrupt wire bytes, bad UTF-8 in a string field
+      return _Undecodable(e)
+
+  return safe
+
+
+class _DecodeErrors(grpc.ServerInterceptor):
+  """A request whose bytes do not decode (corrupt protobuf, invalid UTF-8 in
+  a string field) is INVALID_ARGUMENT with one log line, where grpc would
+  answer INTERNAL and log a traceback for each (a flood any client can cause)."""
+
+  def intercept_service(self, continuation, details):
+    handler = continuation(details)
+    if handler is None:
+      return None
+    method = details.method
+
+    def refuse(bad: _Undecodable, context):
+      reason = str(bad.error).strip().splitlines()[0] if str(bad.error).strip() else repr(
+          bad.error)
+      log.warning("%s: an undecodable request from %s: %s", method, context.peer(), reason)
+      context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"the request does not decode: {reason}")
+
+    if handler.request_streaming:
+      inner = handler.stream_stream or handler.stream_unary
+
+      def behavior(requests, context):
+        def checked():
+          for r in requests:
+            if isinstance(r, _Undecodable):
+              refuse(r, context)
+            yield r
+        return inner(checked(), context)
+    else:
+      inner = handler.unary_unary or handler.unary_stream
+
+      def behavior(request, context):
+        if isinstance(request, _Undecodable):
+          refuse(request, context)
+        return inner(request, context)
+
+    make = {(False, False): grpc.unary_unary_rpc_method_handler,
+            (False, True): grpc.unary_stream_rpc_method_handler,
+            (True, False): grpc.stream_unary_rpc_method_handler,
+            (True, True): grpc.stream_stream_rpc_method_handler}[
+                (handler.request_streaming, handler.response_streaming)]
+    return make(behavior, request_deserializer=_safe_deserializer(handler.request_deserializer),
+                response_serializer=handler.response_serializer)
+
+
 class Server:
   """The engine behind gRPC; ``start`` returns once both are ready."""
 
@@ -526,9 +604,11 @@ class Server:
     info = engine.info
     waiting = getattr(getattr(engine, "config", None), "max_waiting", 256)
     workers = max_workers or info.max_batch + waiting + 16
+    self._grpc_workers = workers
     self._grpc = grpc.server(
         concurrent.futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="rpc"),
-        interceptors=[_BearerAuth(auth_token)] if auth_token else [],
+        # (decoding innermost: every handler, the refusals of auth too, decodes safely)
+        interceptors=([_BearerAuth(auth_token)] if auth_token else []) + [_DecodeErrors()],
         maximum_concurrent_rpcs=workers - 4,
         options=[("grpc.so_reuseport", 0)])
     self.servicer = TextGenerationServicer(engine, self.metrics)
@@ -588,23 +668,30 @@ class Server:
     return self
 
   def drain_and_stop(self, timeout: float = 30.0) -> None:
-    """Health NOT_SERVING, no new requests, running ones finish, then stop."""
+    """Health NOT_SERVING, no new requests, running ones finish, then stop.
+    Requests still running at ``timeout`` are cancelled then (their calls end
+    UNAVAILABLE; an HTTP stream with an error event and [DONE]), and the
+    server stops within _DRAIN_SLACK_S and a step more."""
     with self._drain_lock:
       if self._stopped.is_set():
         return
       self.health.set_all(HealthServicer.Status.NOT_SERVING)
       end = time.monotonic() + timeout
       finished = self.engine.drain(timeout)
-      # The engine is done with every request; their calls may still be sending
-      # the last events. A few seconds past the timeout at least, so a drain
-      # that used it all still delivers what was already generated.
-      finished = self.servicer.wait_idle(max(end - time.monotonic(), 5.0)) and finished
       if not finished:
-        log.warning("drain timed out after %.0f s; cancelling the rest", timeout)
-      self.stop(grace=1.0)
+        log.warning("drain timed out after %g s; cancelling the requests still running",
+                    timeout)
+        self.servicer.stopping = True
+        self.engine.stop()  # cancels every request within a step
+      # The engine is done with every request; their calls may still be
+      # sending the last events (a stream's end).
+      if not self.servicer.wait_idle(max(end - time.monotonic(), 0.0) + _DRAIN_SLACK_S):
+        log.warning("calls still sending after the drain; stopping")
+      self.stop(grace=_DRAIN_SLACK_S)
 
   def stop(self, grace: float | None = 1.0) -> None:
     self.health.set_all(HealthServicer.Status.NOT_SERVING)
+    self.servicer.stopping = True
     self.engine.stop()
     self._grpc.stop(grace).wait()
     if self._http_serving:
@@ -623,7 +710,7 @@ class Server:
     # The kernel may hand SIGTERM to any thread, and Python runs its handler
     # (the drain) only when the main thread is back in the interpreter: an
     # untimed wait here could sleep through it, so wake up now and then.
-    while not self._stopped.wait(timeout=0.2):
+    while not self._stopped.wait(timeout=0.05):
       pass
 
   def handle_signals(self, drain_timeout: float = 30.0) -> None:

@@ -303,9 +303,13 @@ class Final:
 
 @dataclasses.dataclass(frozen=True)
 class Failed:
-  """The engine failed on this request (an internal error, not the client's)."""
+  """The request ended in an error inside the engine, never a normal finish:
+  an internal error (``invalid`` False: gRPC INTERNAL, HTTP 500), or one its
+  own input caused that submit could not see (``invalid`` True: a grammar past
+  the structured-output library's limits; INVALID_ARGUMENT, HTTP 400)."""
 
   message: str
+  invalid: bool = False
 
 
 @dataclasses.dataclass
@@ -358,6 +362,19 @@ class Engine(abc.ABC):
   @abc.abstractmethod
   def submit(self, request: Request) -> RequestHandle:
     """Queues a request; raises InvalidRequest, QueueFull or Draining."""
+
+  def submit_all(self, requests: Sequence[Request]) -> list[RequestHandle]:
+    """Queues one call's requests (its n completions) as one admission
+    decision: all of them or none (the error of the first refused)."""
+    handles: list[RequestHandle] = []
+    try:
+      for r in requests:
+        handles.append(self.submit(r))
+    except BaseException:
+      for h in handles:
+        self.cancel(h.request_id)
+      raise
+    return handles
 
   @abc.abstractmethod
   def cancel(self, request_id: str) -> None:

@@ -135,7 +135,10 @@ def auto_compile_threads() -> int:
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
   max_batch: int = 64  # requests decoding together
-  max_waiting: int = 256  # bounded queue: beyond it, submit raises QueueFull
+  # Bounded queue: the engine holds at most max_batch + max_waiting requests
+  # (running or waiting); a call that would take it past that is refused
+  # (QueueFull), one that never fits (n completions over it) is InvalidRequest.
+  max_waiting: int = 256
   max_seq_len: int | None = None  # default: the model's context
   prefill_chunk: int = 512  # largest prompt chunk per request and step
   min_chunk: int = 16
@@ -338,6 +341,24 @@ class _Compiles:
   def reset(cls, ident: int) -> None:  # a thread's ident may be a dead thread's
     with cls._lock:
       cls._by_thread.pop(ident, None)
+
+
+class _RequestError(Exception):
+  """One request cannot go on (its grammar failed): it ends with api.Failed."""
+
+  def __init__(self, message: str, invalid: bool = False):
+    super().__init__(message)
+    self.invalid = invalid
+
+
+def _grammar_error(seq, guide) -> _RequestError:
+  """The error that ends a structured request whose grammar refused a token
+  its own allowed set admitted: a limit of llguidance's (a lexer too complex
+  for the grammar, INVALID_ARGUMENT: the client's grammar), else our bug."""
+  first = (guide.error.strip().splitlines() or ["the grammar refused a token"])[0]
+  limit = any(w in first.lower() for w in ("lexer error", "too many", "too complex", "limit"))
+  return _RequestError(f"structured output failed after {len(seq.generated)} tokens: {first}",
+                       invalid=limit)
 
 
 class _State(enum.Enum):
@@ -549,10 +570,54 @@ class BatchingEngine(api.Engine):
                                f"[0, {self.runner.vocab_size})")
 
   def submit(self, request: api.Request) -> api.RequestHandle:
+    return self.submit_all([request])[0]
+
+  def submit_all(self, requests: Sequence[api.Request]) -> list[api.RequestHandle]:
+    """One admission decision for a call's requests (its n completions): all
+    are queued or none. The engine holds at most max_batch + max_waiting
+    requests, running or waiting; a call that would take it past that is
+    QueueFull (retry later), one larger than that can never be admitted
+    (InvalidRequest, naming the limits)."""
     if self._draining or self._stopping:
       raise api.Draining("the server is shutting down and admits no new requests")
     if self.error is not None:
       raise api.EngineFailed(f"the engine stopped after an error: {self.error!r}")
+    c, n = self.config, len(requests)
+    most = c.max_batch + c.max_waiting
+    if n > most:
+      raise api.InvalidRequest(
+          f"a call of {n} completions can never be admitted: the server holds at most {most} "
+          f"requests at once ({c.max_batch} running, --max-batch, + {c.max_waiting} waiting, "
+          "--max-waiting)")
+    ids = [r.request_id for r in requests]
+    if len(set(ids)) < n:
+      raise api.InvalidRequest("a call names a request_id twice")
+    made = [self._prepare(r) for r in requests]
+    with self._lock:
+      for rid in ids:
+        if rid in self._by_id:
+          raise api.InvalidRequest(f"request_id {rid!r} is already running")
+      held = len(self._by_id)
+      if held + n > most:
+        running = min(len(self._running), held)
+        raise api.QueueFull(
+            f"the server is full: {running} requests running and {held - running} waiting "
+            f"(at most {c.max_batch} + {c.max_waiting}); this call needs {n}")
+      handles = []
+      for request, (handle, prompt, max_tokens, seed, guide) in zip(requests, made):
+        self._order += 1
+        seq = _Seq(request, handle, prompt, max_tokens, seed, self.tok, self._order,
+                   self.eos_ids, c.scheduling == "priority")
+        seq.guide = guide
+        self._by_id[request.request_id] = seq
+        self._inbox.append(seq)
+        handles.append(handle)
+      self._wake.notify()
+    return handles
+
+  def _prepare(self, request: api.Request):
+    """A request's checks and what its _Seq is made of: (handle, prompt ids,
+    max_tokens, seed, grammar state); InvalidRequest where it cannot run."""
     prompt = self._prompt_ids(request)
     p = request.sampling
     if p.truncate_prompt_tokens is not None:
@@ -600,19 +665,7 @@ class BatchingEngine(api.Engine):
     seed = p.seed if p.seed is not None else random.getrandbits(64)
     handle = api.RequestHandle(request.request_id, len(prompt),
                                self.make_events(request.request_id))
-    with self._lock:
-      if request.request_id in self._by_id:
-        raise api.InvalidRequest(f"request_id {request.request_id!r} is already running")
-      if len(self._waiting) + len(self._inbox) >= self.config.max_waiting:
-        raise api.QueueFull(f"{self.config.max_waiting} requests are waiting already")
-      self._order += 1
-      seq = _Seq(request, handle, prompt, max_tokens, seed, self.tok, self._order, self.eos_ids,
-                 self.config.scheduling == "priority")
-      seq.guide = guide
-      self._by_id[request.request_id] = seq
-      self._inbox.append(seq)
-      self._wake.notify()
-    return handle
+    return handle, prompt, max_tokens, seed, guide
 
   def _prompt_ids(self, request: api.Request) -> list[int]:
     forms = (request.prompt_ids, request.prompt_text, request.messages)
@@ -737,8 +790,12 @@ class BatchingEngine(api.Engine):
       with self._lock:
         seqs = list(self._by_id.values())
         self._by_id.clear()
+      on_failed = getattr(self.observer, "on_failed", None)
       for s in seqs:
-        s.handle.events.put(api.Failed(f"engine error: {e!r}"))
+        failed = api.Failed(f"engine error: {e!r}")
+        s.handle.events.put(failed)
+        if on_failed is not None:
+          on_failed(failed)
 
   def step(self) -> bool:
     """One iteration; False when there was nothing to do.
@@ -902,9 +959,11 @@ class BatchingEngine(api.Engine):
     words, taken = [g.words()], 0
     for t in d:
       # Offered only where the mask admits it: a refused token would leave
-      # the matcher in its error state.
-      if not (words[-1][t >> 5] >> (t & 31)) & 1 or not g.accept([t]):
+      # the matcher in its error state (which no rollback leaves).
+      if not (words[-1][t >> 5] >> (t & 31)) & 1:
         break
+      if not g.accept([t]):
+        raise _grammar_error(seq, g)
       taken += 1
       if g.stopped:
         break
@@ -924,20 +983,26 @@ class BatchingEngine(api.Engine):
     entry or None, requests, launch seconds, seconds waiting), or None when no
     request has a draft (a plain decode step runs instead)."""
     t0 = time.perf_counter()
-    seqs = self._schedule_decodes(1)  # pages for the next token (preempting as usual)
+    seqs, kept = self._schedule_decodes(1), []  # pages for the next token (preempting as usual)
     drafts, guided = [], {}  # guided: row -> its grammar's allow words a position
-    for i, seq in enumerate(seqs):
+    for seq in seqs:
       room = min(seq.max_tokens - len(seq.generated), self.capacity - seq.num_tokens) - 1
       d = []
       if self._drafts(seq):
         d = self._draft(seq)[:max(room, 0)]
         if d and seq.guide is not None:
-          d, guided[i] = self._guided_drafts(seq, d)
+          try:
+            d, guided[len(kept)] = self._guided_drafts(seq, d)
+          except _RequestError as e:  # its grammar failed: it ends, the others go on
+            self._fail(seq, str(e), e.invalid)
+            continue
         if d and not self._reserve(seq, seq.computed + 1 + len(d)):
           d = []  # no pages for the drafts: no preemption for a guess
         if not d:
           self._spec_outcome(seq, False)
+      kept.append(seq)
       drafts.append(d)
+    seqs = kept
     if not any(drafts):
       return None
     rows, k1 = _bucket(len(seqs), self._spec_rows), self.config.num_speculative_tokens + 1
@@ -1452,12 +1517,16 @@ class BatchingEngine(api.Engine):
         seq.stop_token = tokens[n - 1]
     ids = tokens[:n]
     if seq.guide is not None:
-      reason = self._follow(seq, ids, reason)
-      if reason is None and self.config.jump_forward:
-        forced = self._jump_forward(seq, len(ids))
-        ids = ids + forced
-        if forced and seq.guide.stopped:  # they complete the output
-          reason = api.FinishReason.STOP
+      try:
+        reason = self._follow(seq, ids, reason)
+        if reason is None and self.config.jump_forward:
+          forced = self._jump_forward(seq, len(ids))
+          ids = ids + forced
+          if forced and seq.guide.stopped:  # they complete the output
+            reason = api.FinishReason.STOP
+      except _RequestError as e:
+        self._fail(seq, str(e), e.invalid)
+        return
     self._deferred.append((seq, ids, None if lps is None else lps[:n], silent, reason,
                            len(seq.generated)))
     seq.generated.extend(ids)
@@ -1470,8 +1539,7 @@ class BatchingEngine(api.Engine):
     (``_guide_next``). Returns the finish reason."""
     g = seq.guide
     if not g.accept(ids):  # cannot happen while the allow row holds: a limit, or a bug
-      log.error("request %s: structured output failed: %s", seq.req.request_id, g.error)
-      return reason or api.FinishReason.STOP
+      raise _grammar_error(seq, g)
     if g.stopped:
       return reason or api.FinishReason.STOP
     if reason is None:
@@ -1494,9 +1562,8 @@ class BatchingEngine(api.Engine):
     forced = seq.guide.forced()[:max(room, 0)]
     if not forced or not self._reserve(seq, total + len(forced)):
       return []
-    if not seq.guide.accept(forced):
-      log.error("request %s: forced tokens refused: %s", seq.req.request_id, seq.guide.error)
-      return []
+    if not seq.guide.accept(forced):  # (the matcher is in its error state now)
+      raise _grammar_error(seq, seq.guide)
     if not seq.guide.stopped:
       seq.state = _State.PREFILL
     self.jump_forward_tokens += len(forced)
@@ -1583,6 +1650,22 @@ class BatchingEngine(api.Engine):
       seq.pages = []
       self._free_slots.append(seq.slot)
     seq.state = _State.DONE
+
+  def _fail(self, seq: _Seq, message: str, invalid: bool = False) -> None:
+    """Ends one request with an error (``api.Failed``), never a normal finish:
+    its tokens not sent yet are dropped, its pages freed; the others run on."""
+    if seq.final_sent:
+      return
+    log.warning("request %s failed: %s", seq.req.request_id, message)
+    self._release(seq)
+    seq.final_sent = True
+    failed = api.Failed(message, invalid=invalid)
+    seq.handle.events.put(failed)
+    with self._lock:
+      self._by_id.pop(seq.req.request_id, None)
+    on_failed = getattr(self.observer, "on_failed", None)
+    if on_failed is not None:
+      on_failed(failed)
 
   def _finish(self, seq: _Seq, reason: api.FinishReason) -> None:
     """Ends a request now (cancel, deadline): its pending tokens are not sent."""

@@ -38,6 +38,8 @@ from typing import Any
 
 from serving.engine import api
 
+log = logging.getLogger("serving.engine")
+
 # The forwarder's idle tick: events added outside a step (a failure, a stop)
 # leave the engine process within two of them.
 _IDLE_FLUSH_S = 0.01
@@ -105,6 +107,9 @@ class _StepObserver:
   def on_final(self, final) -> None:  # the server process hears it from the Final event
     del final
 
+  def on_failed(self, failed) -> None:  # (and from the Failed event)
+    del failed
+
 
 def _log_config() -> tuple[int, str | None, dict[str, int]]:
   """The server process's logging (root level, its first handler's format,
@@ -170,6 +175,8 @@ def _serve(factory: Callable[..., Any], args: tuple, kwargs: dict, commands, res
         value = getattr(engine, name)(*a, **kw)
         if name == "submit":  # the handle's queue stays here; the server builds its own
           value = (value.prompt_tokens, value.submitted)
+        elif name == "submit_all":
+          value = [(h.prompt_tokens, h.submitted) for h in value]
       return ("reply", call_id, True, value)
     except Exception as e:  # noqa: BLE001 - raised again in the caller
       try:
@@ -212,6 +219,10 @@ class ProcessEngine(api.Engine):
     self._lock = threading.Lock()
     self._send_lock = threading.Lock()
     self._gone = False  # the engine process exited: calls fail at once
+    self._why = "the engine process exited"
+    self._stopping = False  # (its exit is then no news)
+    self._closed = False  # stopped: the process object released (its descriptors closed)
+    self.exitcode: int | None = None  # the engine process's, once it has exited
     ctx = multiprocessing.get_context("spawn")  # a forked child would share the CUDA context
     cmd_recv, self._cmd = ctx.Pipe(duplex=False)
     self._res, res_send = ctx.Pipe(duplex=False)
@@ -234,7 +245,8 @@ class ProcessEngine(api.Engine):
       raise api.EngineFailed(f"the engine process failed to build the engine: {msg[1]}")
     _, self.info, max_waiting = msg
     self.config = _Config(max_waiting)
-    threading.Thread(target=self._read, name="engine-events", daemon=True).start()
+    self._reader = threading.Thread(target=self._read, name="engine-events", daemon=True)
+    self._reader.start()
 
   def start(self) -> None:
     self._call("start")
@@ -257,6 +269,8 @@ class ProcessEngine(api.Engine):
     except Exception:  # noqa: BLE001 - a message this side cannot take: stop trusting the pipe
       self._proc.kill()
       self._engine_gone()
+    finally:
+      self._res.close()
 
   def _dispatch(self, batch) -> None:
     for item in batch:
@@ -268,6 +282,8 @@ class ProcessEngine(api.Engine):
             self._handles.pop(rid, None)
         if isinstance(event, api.Final) and self.observer is not None:
           self.observer.on_final(event)  # what the engine's observer hears in-process
+        if isinstance(event, api.Failed) and handle is not None:
+          self._on_failed(event)
         if handle is not None:
           handle.events.put(event)
       elif item[0] == "step":
@@ -276,23 +292,46 @@ class ProcessEngine(api.Engine):
         if self.observer is not None:
           self.observer.on_step(self, record)
 
+  def _exit_status(self) -> str:
+    """How the engine process ended ("killed by SIGKILL", "code 3"), once reaped."""
+    self._proc.join(timeout=2.0)
+    code = self._proc.exitcode
+    if code is None:
+      return "the engine process exited"
+    if code < 0:
+      try:
+        return f"the engine process exited (killed by {signal.Signals(-code).name})"
+      except ValueError:
+        pass
+    return f"the engine process exited (code {code})"
+
   def _engine_gone(self) -> None:
+    why = self._exit_status()
     with self._lock:
-      self._gone = True
+      self._gone, self._why = True, why
       handles, self._handles = list(self._handles.values()), {}
       waiting = list(self._replies.values())
+    if not self._stopping:
+      log.error("%s; failing its %d requests", why, len(handles))
     for h in handles:
-      h.events.put(api.Failed("the engine process exited"))
+      failed = api.Failed(why)
+      h.events.put(failed)
+      self._on_failed(failed)
     for slot in waiting:
-      slot.append((False, api.EngineFailed("the engine process exited")))
+      slot.append((False, api.EngineFailed(why)))
       slot[0].set()
+
+  def _on_failed(self, failed: api.Failed) -> None:
+    on_failed = getattr(self.observer, "on_failed", None)
+    if on_failed is not None:
+      on_failed(failed)
 
   def _call(self, name: str, *args, **kwargs):
     call_id = next(self._ids)
     slot = [threading.Event()]
     with self._lock:
       if self._gone:
-        raise api.EngineFailed("the engine process exited")
+        raise api.EngineFailed(self._why)
       self._replies[call_id] = slot
     try:
       with self._send_lock:
@@ -311,25 +350,37 @@ class ProcessEngine(api.Engine):
   # -- api.Engine
 
   def submit(self, request: api.Request) -> api.RequestHandle:
-    rid = request.request_id
+    return self.submit_all([request])[0]
+
+  def submit_all(self, requests: Sequence[api.Request]) -> list[api.RequestHandle]:
+    """The engine's one admission decision for the call's requests."""
+    rids = [r.request_id for r in requests]
     with self._lock:
-      if rid in self._handles:
-        raise api.InvalidRequest(f"request_id {rid!r} is already running")
-      # Registered before the call: its first events may arrive before the reply.
-      handle = api.RequestHandle(rid, 0, queue.SimpleQueue())
-      self._handles[rid] = handle
+      if len(set(rids)) < len(rids):
+        raise api.InvalidRequest("a call names a request_id twice")
+      for rid in rids:
+        if rid in self._handles:
+          raise api.InvalidRequest(f"request_id {rid!r} is already running")
+      # Registered before the call: their first events may arrive before the reply.
+      handles = [api.RequestHandle(rid, 0, queue.SimpleQueue()) for rid in rids]
+      self._handles.update(zip(rids, handles))
     try:
-      prompt_tokens, submitted = self._call("submit", request)
+      made = self._call("submit_all", list(requests))
     except BaseException:
       with self._lock:
-        if self._handles.get(rid) is handle:
-          del self._handles[rid]
+        for rid, handle in zip(rids, handles):
+          if self._handles.get(rid) is handle:
+            del self._handles[rid]
       raise
-    handle.prompt_tokens, handle.submitted = prompt_tokens, submitted
-    return handle
+    for handle, (prompt_tokens, submitted) in zip(handles, made):
+      handle.prompt_tokens, handle.submitted = prompt_tokens, submitted
+    return handles
 
   def cancel(self, request_id: str) -> None:
-    self._call("cancel", request_id)
+    try:
+      self._call("cancel", request_id)
+    except api.EngineFailed:  # the engine process is gone: so is the request
+      pass
 
   def tokenize(self, text: str, add_bos: bool = False) -> list[int]:
     return self._call("tokenize", text, add_bos)
@@ -360,23 +411,32 @@ class ProcessEngine(api.Engine):
 
   @property
   def error(self):
-    if not self._proc.is_alive():
-      return "the engine process exited"
+    if self._closed or not self._proc.is_alive():
+      return self._why
     try:
       return self._call("error")
     except api.EngineFailed as e:
       return repr(e)
 
   def stop(self) -> None:
-    if not self._proc.is_alive():
+    if self._closed:
       return
-    try:
-      self._call("stop")
-    except api.EngineFailed:
-      pass
-    self._proc.join(timeout=30)
+    self._stopping = True
     if self._proc.is_alive():
-      self._proc.kill()
+      try:
+        self._call("stop")
+      except api.EngineFailed:
+        pass
+      self._proc.join(timeout=30)
+      if self._proc.is_alive():
+        self._proc.kill()
+    self._proc.join(timeout=5)
+    self._reader.join(timeout=5)  # it closes its end of the pipe as it leaves
+    self._cmd.close()
+    if not self._proc.is_alive() and not self._reader.is_alive():
+      self.exitcode = self._proc.exitcode
+      self._closed = True
+      self._proc.close()  # (its sentinel descriptor)
 
 
 class _Config:

@@ -20,15 +20,15 @@ from serving.proto import health_pb2
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(params=[[], ["--engine-process"]], ids=["in-process", "engine-process"])
-def server_proc(tmp_path, request):
+def serve_process(tmp_path, args: list[str]) -> tuple[subprocess.Popen, str]:
+  """``python -m serving serve --model counting ...`` on loopback, once ready:
+  (the process, with .http_port and .log, and its gRPC target)."""
   ready, log = tmp_path / "ready.json", tmp_path / "server.log"
   # The server's output goes to a file: a pipe nobody reads can fill and block it.
   with open(log, "w") as out:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "serving", "serve", "--model", "counting", "--port", "0",
-         "--step-delay", "0.02", "--max-batch", "4", "--enable-prompt-logprobs",
-         "--http-port", "0", "--ready-file", str(ready)] + request.param,
+        [sys.executable, "-m", "serving", "serve", "--model", "counting", "--host", "127.0.0.1",
+         "--port", "0", "--ready-file", str(ready)] + args,
         cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, text=True,
         env={**os.environ, "JAX_PLATFORMS": "cpu"})
   end = time.monotonic() + 120
@@ -38,11 +38,47 @@ def server_proc(tmp_path, request):
       raise AssertionError(f"server did not start:\n{log.read_text()}")
     time.sleep(0.1)
   info = json.loads(ready.read_text())
-  proc.http_port = info["http_port"]
-  yield proc, f"127.0.0.1:{info['port']}"
+  proc.http_port, proc.log = info["http_port"], log
+  return proc, f"127.0.0.1:{info['port']}"
+
+
+@pytest.fixture(params=[[], ["--engine-process"]], ids=["in-process", "engine-process"])
+def server_proc(tmp_path, request):
+  proc, target = serve_process(tmp_path, [
+      "--step-delay", "0.02", "--max-batch", "4", "--enable-prompt-logprobs",
+      "--http-port", "0"] + request.param)
+  yield proc, target
   if proc.poll() is None:
     proc.kill()
     proc.wait()
+
+
+@pytest.mark.parametrize("extra", [[], ["--engine-process"]], ids=["in-process", "engine-process"])
+def test_sigterm_past_the_drain_timeout_cancels_at_the_timeout(tmp_path, extra):
+  """--drain-timeout 1 with a stream of ~20 s left: the stream ends
+  UNAVAILABLE within 0.5 s of the timeout (it went on for 5 s more,
+  generating meanwhile), and the server exits."""
+  proc, target = serve_process(tmp_path, ["--step-delay", "0.02", "--drain-timeout", "1"] + extra)
+  try:
+    c = Client(target)
+    stream = c.stream("a", max_tokens=1000, ignore_eos=True)
+    next(stream)
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    with pytest.raises(grpc.RpcError) as e:
+      for _ in stream:
+        pass
+    ended = time.monotonic() - t0
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE, e.value.details()
+    assert ended < 1.5, ended
+    assert proc.wait(timeout=10) == 0
+    assert time.monotonic() - t0 < 3.0
+    assert "Traceback" not in proc.log.read_text()
+    c.close()
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+      proc.wait()
 
 
 def test_sigterm_drains_in_flight_and_reports_not_serving(server_proc):

@@ -219,3 +219,13 @@ def test_events_cross_a_pickle_unchanged():
             api.Delta((), "tail"),
             api.Final(api.FinishReason.STOP, 3, 2, 0, 0.1, 0.2, 0.3), api.Failed("boom")]
   assert pickle.loads(pickle.dumps(events)) == events
+
+
+def test_n_completions_are_one_admission_decision_across_the_process(served):
+  engine, server, c = served  # max_batch 8 + max_waiting 12
+  r = c.generate("k", max_tokens=2, n=20)
+  assert [x.text for x in r.completions] == ["lm"] * 20
+  with pytest.raises(grpc.RpcError) as e:
+    c.generate("k", max_tokens=2, n=21)
+  assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "--max-waiting" in e.value.details()
+  wait_for(lambda: engine.stats().pages_in_use == 0, what="pages freed")

@@ -257,14 +257,35 @@ def test_malformed_requests_never_crash_the_server(counting, req, stream):
   assert server.engine.error is None
 
 
-def test_raw_garbage_bytes_get_a_status_not_a_crash(counting):
+def test_raw_garbage_bytes_get_a_status_not_a_crash(counting, caplog):
+  """Corrupt protobuf and invalid UTF-8 in a string field are INVALID_ARGUMENT
+  with one log line each, no traceback (grpc's own answer was INTERNAL
+  "Exception deserializing request!" and a traceback per request: a log
+  flood any client could cause); on unary, streaming and reflection calls."""
+  import logging
+
   server, c = counting
-  call = c.channel.unary_unary("/mosaic.serving.v1.TextGeneration/Generate",
-                               request_serializer=lambda b: b, response_deserializer=lambda b: b)
-  for junk in (b"\xff\xff\xff", b"\x12\x05abc", b"\x1a\x02\x08"):
-    with pytest.raises(grpc.RpcError) as e:
-      call(junk, timeout=10)
-    assert e.value.code() in (grpc.StatusCode.INTERNAL, grpc.StatusCode.INVALID_ARGUMENT)
+  raw = lambda kind, method: getattr(c.channel, kind)(  # noqa: E731
+      method, request_serializer=lambda b: b, response_deserializer=lambda b: b)
+  generate = raw("unary_unary", "/mosaic.serving.v1.TextGeneration/Generate")
+  stream = raw("unary_stream", "/mosaic.serving.v1.TextGeneration/GenerateStream")
+  reflect = raw("stream_stream", "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo")
+  # b"\xff\xfe" as the request's text (field 2), as reflection's host (field 1)
+  calls = [(lambda j: generate(j, timeout=10), b"\x12\x02\xff\xfe"),
+           (lambda j: list(stream(j, timeout=10)), b"\x12\x02\xff\xfe"),
+           (lambda j: list(reflect(iter([j]), timeout=10)), b"\x0a\x02\xff\xfe")]
+  caplog.clear()
+  with caplog.at_level(logging.INFO):
+    for call, bad_utf8 in calls:
+      for junk in (b"\xff\xff\xff", b"\x12\x05abc", b"\x1a\x02\x08", bad_utf8):
+        with pytest.raises(grpc.RpcError) as e:
+          call(junk)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
+        assert "does not decode" in e.value.details()
+  assert not any(r.exc_info for r in caplog.records), [r.getMessage() for r in caplog.records]
+  undecodable = [r for r in caplog.records if "undecodable" in r.getMessage()]
+  assert len(undecodable) == 12 and all("\n" not in r.getMessage() for r in undecodable)
+  assert "bad UTF-8" in undecodable[-1].getMessage()
   assert c.generate("a", max_tokens=2).text == "bc"
 
 
@@ -753,23 +774,43 @@ def test_n_completions_are_accepted_all_or_none_and_cancelled_together():
     assert [x.text for x in r.completions] == ["bc", "bc"]
 
 
-def test_an_unexpected_submit_failure_cancels_the_completions_before_it():
-  """n = 3 where the third submission raises something the service does not
-  map to a status: the call fails, and the two accepted requests are ended."""
+def test_an_unexpected_submit_failure_admits_none_of_the_calls_completions():
+  """n = 3 where the third completion's checks raise something the service
+  does not map to a status: the call fails and none of its requests runs
+  (one admission decision); Engine.submit_all's default, for engines that
+  only submit one by one, ends the ones accepted before it."""
+  from serving.engine import api
+
   engine = E.tiny_engine(max_batch=4, step_delay=0.01)
-  submit, calls = engine.submit, []
+  prepare, calls = engine._prepare, []
 
   def flaky(req):
     calls.append(req.request_id)
     if len(calls) == 3:
       raise RuntimeError("submit broke")
-    return submit(req)
+    return prepare(req)
 
-  engine.submit = flaky
+  engine._prepare = flaky
   with running(engine) as (server, c):
     with pytest.raises(grpc.RpcError) as e:
       c.generate("a", max_tokens=1000, ignore_eos=True, n=3)
     assert e.value.code() == grpc.StatusCode.UNKNOWN
+    assert engine.stats().running + engine.stats().waiting == 0 and engine.steps == 0
+    engine._prepare, calls[:] = prepare, []
+    submit = engine.submit
+
+    def flaky_submit(req):
+      calls.append(req.request_id)
+      if len(calls) == 3:
+        raise RuntimeError("submit broke")
+      return submit(req)
+
+    engine.submit = flaky_submit
+    reqs = [api.Request(f"r{i}", prompt_ids=[97], add_bos=False,
+                        sampling=api.SamplingParams(max_tokens=1000, ignore_eos=True))
+            for i in range(3)]
+    with pytest.raises(RuntimeError, match="submit broke"):
+      api.Engine.submit_all(engine, reqs)
     # Within a few steps, not the ~10 s that 1000 tokens of 10 ms steps take.
     wait_for(lambda: engine.stats().running + engine.stats().waiting == 0, timeout=3.0,
              what="the accepted completions cancelled")
@@ -879,3 +920,89 @@ def test_chat_templates_missing_refusing_or_writing_bos():
   sp.encode = lambda text: [ord(ch) for ch in text]
   engine.tok = sp
   assert ids() == [7] + [ord(ch) for ch in "[hi]"]
+
+
+def test_a_call_of_n_completions_is_one_admission_decision():
+  """On an idle server with --max-waiting 2, n = 4 runs (its completions fill
+  the batch), where each completion counted as one more waiting request
+  ("2 requests are waiting already", RESOURCE_EXHAUSTED forever). A call that
+  can never fit (n over max_batch + max_waiting) is INVALID_ARGUMENT naming
+  the limits, not a retry; while the server is full, RESOURCE_EXHAUSTED says
+  what holds it."""
+  engine = E.tiny_engine(max_batch=4, max_waiting=2, step_delay=0.002)
+  with running(engine) as (server, c):
+    for n in (4, 6):
+      r = c.generate("a", max_tokens=3, n=n)
+      assert [x.text for x in r.completions] == ["bcd"] * n
+    with pytest.raises(grpc.RpcError) as e:
+      c.generate("a", max_tokens=3, n=7)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "--max-batch" in e.value.details() and "--max-waiting" in e.value.details()
+    s = c.stream("a", max_tokens=1000, ignore_eos=True, n=5)
+    next(s)
+    with pytest.raises(grpc.RpcError) as e:
+      c.generate("a", max_tokens=3, n=2)
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "4 requests running and 1 waiting" in e.value.details(), e.value.details()
+    assert c.generate("a", max_tokens=3).text == "bcd"  # the one place left
+    s.cancel()
+    wait_for(lambda: engine.stats().pages_in_use == engine.stats().running == 0, what="idle")
+    engine.alloc.check()
+
+
+def test_a_burst_is_admitted_up_to_max_batch_plus_max_waiting():
+  """12 calls at once on max_batch 4, max_waiting 2: 6 are admitted (4 run,
+  2 wait), 6 refused, however fast they come (submissions not yet seen by
+  the scheduler counted as waiting, so 3-4 were admitted)."""
+  import concurrent.futures
+
+  engine = E.tiny_engine(max_batch=4, max_waiting=2, step_delay=0.005)
+  with running(engine) as (server, c):
+    barrier = threading.Barrier(12)
+
+    def call(_):
+      barrier.wait()
+      try:
+        return c.generate("a", max_tokens=300, ignore_eos=True, timeout=20).finish_reason
+      except grpc.RpcError as e:
+        return e.code()
+
+    with concurrent.futures.ThreadPoolExecutor(12) as pool:
+      codes = list(pool.map(call, range(12)))
+    assert codes.count(pb.FINISH_REASON_LENGTH) == 6, codes
+    assert codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED) == 6, codes
+    wait_for(lambda: engine.stats().pages_in_use == 0, what="pages freed")
+
+
+def test_drain_cancels_at_its_timeout_and_streams_end_with_a_status():
+  """A drain whose requests outlast its timeout cancels them at the timeout
+  (within 0.5 s, and the server stops then), not 5 s later while they go
+  on generating: the gRPC stream ends UNAVAILABLE, the HTTP stream with an
+  error event and [DONE]."""
+  import http.client
+  import json
+
+  engine = E.tiny_engine(max_batch=4, step_delay=0.01)
+  with running(engine, http_port=0) as (server, c):
+    stream = c.stream("a", max_tokens=1000, ignore_eos=True)
+    next(stream)
+    conn = http.client.HTTPConnection("127.0.0.1", server.openai_http.server_port, timeout=30)
+    conn.request("POST", "/v1/completions", body=json.dumps(
+        {"prompt": "a", "max_tokens": 1000, "ignore_eos": True, "stream": True}))
+    r = conn.getresponse()
+    assert r.status == 200 and r.fp.readline().startswith(b"data: ")
+    t0 = time.monotonic()
+    drain = threading.Thread(target=server.drain_and_stop, args=(1.0,))
+    drain.start()
+    with pytest.raises(grpc.RpcError) as e:
+      for _ in stream:
+        pass
+    ended = time.monotonic() - t0
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE, e.value.details()
+    assert 1.0 <= ended < 1.5, ended
+    events = [x[len("data: "):] for x in r.read().decode().split("\n\n") if x.strip()]
+    conn.close()
+    assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == 503, events[-2:]
+    drain.join(5)
+    assert not drain.is_alive() and time.monotonic() - t0 < 1.75
+    assert engine.stats().pages_in_use == 0

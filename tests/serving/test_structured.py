@@ -436,3 +436,86 @@ def test_ngram_speculation_of_json_on_the_llama_decoder():
     assert set(json.loads(model.tokenizer.decode(ids))) == {"ok", "tag"}
   assert 0 < engine.spec_accepted_tokens <= engine.spec_draft_tokens < sum(offered)
   assert sampling.verify_jit._cache_size() == verify_shapes
+
+
+_TOO_COMPLEX = dict(regex="a{1000000}")  # compiles; llguidance's lexer gives up at a token
+
+
+@pytest.mark.parametrize("config", [
+    dict(), dict(jump_forward=True),
+    dict(num_speculative_tokens=4, speculative_patience=0)], ids=["plain", "jump", "spec"])
+def test_a_grammar_that_fails_inside_the_engine_ends_its_request_with_an_error(config):
+  """A grammar that compiles but fails once tokens come (the lexer of
+  a{1000000} gives up: "too many expressions constructed") ends its request
+  with INVALID_ARGUMENT naming the reason, never OK/STOP with partial text;
+  metrics count it as an error. Its n completions fail alike, the pages come
+  back, and the server goes on serving (structured requests too)."""
+  engine = E.tiny_engine(max_batch=4, **config)
+  with running(engine) as (server, c):
+    calls = (c.generate, lambda *a, **k: list(c.stream(*a, **k)))
+    for call, n in ((calls[0], 1), (calls[1], 1), (calls[0], 2)):
+      with pytest.raises(grpc.RpcError) as e:
+        call("aaaaaaaa", max_tokens=20, n=n, structured_outputs=_TOO_COMPLEX)
+      assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
+      assert "too many expressions" in e.value.details()
+    r = c.generate("a", structured_outputs=dict(regex="[b-d]{3}"))
+    assert r.text == "bcd" and r.finish_reason == pb.FINISH_REASON_STOP
+    wait_for(lambda: engine.stats().pages_in_use == engine.stats().running == 0,
+             what="pages freed")
+    finished = dict(re.findall(r'requests_finished_total\{reason="(\w+)"\} (\S+)',
+                               server.metrics.render()))
+    # (the failed call's second completion may be cancelled before it fails)
+    assert float(finished["error"]) >= 3 and finished["stop"] == "1.0", finished
+    assert float(finished["error"]) + float(finished.get("cancelled", 0)) == 4, finished
+    engine.alloc.check()
+
+
+def test_a_grammar_failure_over_http_is_400_or_an_error_event_then_done():
+  import http.client
+
+  engine = E.tiny_engine(max_batch=4)
+  with running(engine, http_port=0) as (server, _):
+    port = server.openai_http.server_port
+    for stream in (False, True):
+      conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+      conn.request("POST", "/v1/completions", body=json.dumps(
+          {"prompt": "a", "max_tokens": 20, "stream": stream, "structured_outputs": _TOO_COMPLEX}))
+      r = conn.getresponse()
+      data = r.read().decode()
+      conn.close()
+      if not stream:
+        assert r.status == 400 and "too many expressions" in json.loads(data)["error"]["message"]
+        continue
+      events = [e[len("data: "):] for e in data.split("\n\n") if e]
+      assert events[-1] == "[DONE]", events
+      error = json.loads(events[-2])["error"]
+      assert error["code"] == 400 and "too many expressions" in error["message"]
+      assert not any(json.loads(e).get("choices", [{}])[0].get("finish_reason")
+                     for e in events[:-2])  # no finish before the error
+    assert 'reason="error"} 2.0' in server.metrics.render()
+
+
+def test_an_engine_process_reports_a_grammar_failure_and_counts_it():
+  from serving.engine.process import ProcessEngine
+
+  engine = ProcessEngine(E.tiny_engine, max_batch=4)
+  with running(engine) as (server, c):
+    with pytest.raises(grpc.RpcError) as e:
+      c.generate("a", max_tokens=20, structured_outputs=_TOO_COMPLEX)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert c.generate("a", max_tokens=2).text == "bc"
+    assert 'requests_finished_total{reason="error"} 1.0' in server.metrics.render()
+    wait_for(lambda: engine.stats().pages_in_use == 0, what="pages freed")
+
+
+def test_a_refused_token_that_is_no_limit_is_internal(monkeypatch):
+  """A grammar that refuses a token its own allowed set admitted, for no
+  limit of the library's, is our bug: INTERNAL, still never a STOP."""
+  engine = E.tiny_engine(max_batch=4)
+  monkeypatch.setattr(structured.Guide, "accept", lambda self, ids: False)
+  monkeypatch.setattr(structured.Guide, "error", property(lambda self: "Parser Error: no"))
+  with running(engine) as (server, c):
+    with pytest.raises(grpc.RpcError) as e:
+      c.generate("a", max_tokens=20, structured_outputs=dict(regex="[b-d]{3}"))
+    assert e.value.code() == grpc.StatusCode.INTERNAL and "Parser Error" in e.value.details()
+    assert c.generate("a", max_tokens=2).text == "bc"
