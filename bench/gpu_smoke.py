@@ -24,6 +24,7 @@ import os
 import pathlib
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -61,7 +62,9 @@ class Smoke:
 
 
 def run(cmd: list[str], log: pathlib.Path, timeout: float) -> subprocess.CompletedProcess:
-  p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+  # Clients never take the GPU (a jax import that found it would hold most of its memory).
+  p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                     env={**os.environ, "JAX_PLATFORMS": "cpu"})
   log.write_text(f"$ {shlex.join(cmd)}\n--- stdout\n{p.stdout}\n--- stderr\n{p.stderr}")
   if p.returncode:
     raise RuntimeError(f"exit {p.returncode}: {p.stderr.strip()[-800:]}")
@@ -127,27 +130,37 @@ def loadgen(target: str, out: pathlib.Path, name: str, concurrency: int, request
           "itl_p50_ms": r["itl_p50_ms"]}
 
 
+def _post(url: str, body: str, log: pathlib.Path) -> str:
+  """curl -d BODY URL, or the same POST through urllib where curl is missing."""
+  if shutil.which("curl"):
+    return run(["curl", "-sS", "-N", "--fail-with-body", "-m", "120", "-H",
+                "Content-Type: application/json", "-d", body, url], log, 150).stdout
+  import urllib.request
+  req = urllib.request.Request(url, body.encode(), {"Content-Type": "application/json"})
+  with urllib.request.urlopen(req, timeout=120) as r:
+    text = r.read().decode()
+  log.write_text(f"POST {url} (urllib: no curl here)\n{body}\n--- response\n{text}")
+  return text
+
+
 def curl(http_port: int, out: pathlib.Path, name: str):
   base = f"http://127.0.0.1:{http_port}"
   body = json.dumps({"prompt": "The capital of France is", "max_tokens": 16,
                      "ignore_eos": True})
-  p = run(["curl", "-sS", "--fail-with-body", "-m", "120", "-H", "Content-Type: application/json",
-           "-d", body, f"{base}/v1/completions"], out / f"{name}_completions.log", 150)
-  r = json.loads(p.stdout)
+  r = json.loads(_post(f"{base}/v1/completions", body, out / f"{name}_completions.log"))
   usage = r["usage"]["completion_tokens"]
   if usage != 16:
     raise RuntimeError(f"/v1/completions: {usage} completion tokens, asked for 16")
   chat = json.dumps({"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8,
                      "stream": True})
-  p = run(["curl", "-sS", "-N", "--fail-with-body", "-m", "120", "-H",
-           "Content-Type: application/json", "-d", chat, f"{base}/v1/chat/completions"],
-          out / f"{name}_chat_stream.log", 150)
-  events = [line[6:] for line in p.stdout.splitlines() if line.startswith("data: ")]
+  text = _post(f"{base}/v1/chat/completions", chat, out / f"{name}_chat_stream.log")
+  events = [line[6:] for line in text.splitlines() if line.startswith("data: ")]
   if not events or events[-1] != "[DONE]":
-    raise RuntimeError(f"chat stream did not end with [DONE]: {p.stdout[-300:]}")
+    raise RuntimeError(f"chat stream did not end with [DONE]: {text[-300:]}")
   if any('"error"' in e for e in events):
-    raise RuntimeError(f"chat stream carried an error: {p.stdout[-300:]}")
-  return {"completion_tokens": usage, "chat_stream_events": len(events)}
+    raise RuntimeError(f"chat stream carried an error: {text[-300:]}")
+  return {"completion_tokens": usage, "chat_stream_events": len(events),
+          "client": "curl" if shutil.which("curl") else "urllib"}
 
 
 def sigterm(proc: subprocess.Popen, drain_timeout: float):
@@ -195,12 +208,18 @@ def main() -> int:
   smoke = Smoke(a.out)
   summary = {"commit": git_commit(), "date": datetime.datetime.now(datetime.UTC).isoformat(),
              "model": a.model, "readme_flags": a.readme_flags, "extra_flags": a.serve_flags}
+  # Read without starting a jax backend here: the servers need the GPU's memory.
+  import importlib.metadata
   try:
-    import jax
-    summary["jax"] = jax.__version__
-    summary["device"] = str(jax.devices()[0].device_kind)
-  except Exception as e:  # noqa: BLE001 (reported, not fatal: the servers say more)
-    summary["jax"] = f"unavailable: {e}"
+    summary["jax"] = importlib.metadata.version("jax")
+  except importlib.metadata.PackageNotFoundError:
+    summary["jax"] = "not installed"
+  try:
+    summary["device"] = subprocess.run(
+        ["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
+        capture_output=True, text=True, timeout=30).stdout.strip() or "no GPU"
+  except (OSError, subprocess.TimeoutExpired):
+    summary["device"] = "no GPU (nvidia-smi not found)"
   drain = 30.0
   for variant in a.servers.split(","):
     if variant not in VARIANTS:

@@ -97,8 +97,9 @@ def main():
     # once, so every call sees the same input addresses (what XLA's command
     # buffers and their traces of our kernels key on); "rotating": on the
     # device, but four copies taken in turn (no transfer, new addresses).
-    # The step takes lengths and page table side by side in one array.
-    joined = np.concatenate([lengths[:, None], table], axis=1)
+    # The step takes slot, length and page table side by side in one array.
+    from serving.engine import runners as R
+    joined = R._side_by_side(np.arange(b, dtype=np.int32), lengths, table)
     dev_joined = jax.device_put(joined)
     copies = [jax.device_put(joined.copy()) for _ in range(4)]
     turn = itertools.count()

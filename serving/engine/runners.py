@@ -38,30 +38,62 @@ def _has_backend(op: str, name: str) -> bool:
     return True
 
 
-# A packed decode row: slot, length, the page table row (P columns), then the
-# row of SamplingArrays.rows.
-_PACKED_COLS = 2 + sampling.I_COLS + sampling.F_COLS  # besides the page table
+# Mosaic GPU kernels take only 256-byte-aligned buffers, and where a step
+# slices its packed host array contiguously (one row, or one row of a stack),
+# XLA hands the slice to a kernel as a view into that array: each field of a
+# packed host array therefore starts on a 256-byte boundary. (Fields packed
+# back to back gave the decode kernel its page table at byte offset 8 for a
+# one-row step: "Input buffer 1 is not 256-byte aligned".)
+_ALIGN = 64  # int32 columns in 256 bytes
 
 
-def pack_decode_inputs(slots, lengths, page_table, arrays: sampling.SamplingArrays) -> np.ndarray:
-  """A decode call's host inputs side by side in one int32 array [B, P + _PACKED_COLS].
-  Each host array handed to a jitted call is a transfer of its own, and back
-  to back with a running step each one cost the dispatching thread 0.3-0.6 ms
-  on the H200 (bench/results/decode_merge_pack_h200/)."""
-  return _side_by_side(slots, lengths, page_table, arrays.rows)
+def _aligned(n: int) -> int:
+  return -(-n // _ALIGN) * _ALIGN
 
 
 def _side_by_side(*cols) -> np.ndarray:
-  """Host int arrays with one leading dim as one int32 array [B, sum of widths]:
-  one transfer instead of one each (see pack_decode_inputs, the multi-step call's)."""
+  """Host int arrays with one leading dim as one int32 array [B, ...]: one
+  transfer instead of one each (back to back with a running step each one
+  cost the dispatching thread 0.3-0.6 ms on the H200,
+  bench/results/decode_merge_pack_h200/). Every field but the last is padded
+  to a multiple of _ALIGN columns; ``_fields`` splits them again in a step."""
   b = len(cols[0])
-  return np.concatenate([np.asarray(c, np.int32).reshape(b, -1) for c in cols], axis=1)
+  parts = [np.asarray(c, np.int32).reshape(b, -1) for c in cols]
+  parts = [np.pad(x, ((0, 0), (0, _aligned(x.shape[1]) - x.shape[1]))) for x in parts[:-1]]
+  return np.concatenate(parts + [np.asarray(cols[-1], np.int32).reshape(b, -1)], axis=1)
+
+
+def _fields(host, *widths):
+  """``_side_by_side`` inverted in a step: the fields of ``widths`` columns
+  (width 1: a vector [B]), then the last field (the rest)."""
+  out, at = [], 0
+  for w in widths:
+    out.append(host[:, at] if w == 1 else host[:, at:at + w])
+    at += _aligned(w)
+  return out + [host[:, at:]]
+
+
+def _stacked(*rows) -> np.ndarray:
+  """Equal-length host int vectors as one int32 array [k, aligned length]
+  whose rows start on 256-byte boundaries; a step takes ``[:, :n]``."""
+  n = len(rows[0])
+  return np.stack([np.pad(np.asarray(r, np.int32), (0, _aligned(n) - n)) for r in rows])
+
+
+# A packed decode row: slot, length, the row of SamplingArrays.rows, then the
+# page table row (P columns).
+_ROW_COLS = sampling.I_COLS + sampling.F_COLS
+
+
+def pack_decode_inputs(slots, lengths, page_table, arrays: sampling.SamplingArrays) -> np.ndarray:
+  """A decode call's host inputs side by side in one int32 array."""
+  return _side_by_side(slots, lengths, arrays.rows, page_table)
 
 
 def _unpack_decode_inputs(host):
   """pack_decode_inputs, inverted on the device: (slots, lengths, page table, arrays)."""
-  p = host.shape[1] - _PACKED_COLS
-  return host[:, 0], host[:, 1], host[:, 2:2 + p], sampling.SamplingArrays(rows=host[:, 2 + p:])
+  slots, lengths, rows, table = _fields(host, 1, 1, _ROW_COLS)
+  return slots, lengths, table, sampling.SamplingArrays(rows=rows)
 
 
 class ModelRunner:
@@ -133,7 +165,7 @@ class ModelRunner:
     # leading dims allow (_side_by_side), split again here: a chunk row is
     # [tokens (chunk) | position | length | page table].
     def chunk_rows(host, chunk):
-      return host[:, :chunk], host[:, chunk], host[:, chunk + 1], host[:, chunk + 2:]
+      return _fields(host, chunk, 1, 1)
 
     @functools.partial(jax.jit, static_argnames=("chunk", "fresh"), donate_argnums=(1,))
     def prefill(params, cache, host, chunk, fresh=False):
@@ -141,19 +173,20 @@ class ModelRunner:
       return llama.prefill_step(graphdef, params, cache, *chunk_rows(host, chunk), backends=pb,
                                 mesh=mesh, **kw)
 
-    @functools.partial(jax.jit, static_argnames=("fresh",), donate_argnums=(1,))
-    def prefill_packed(params, cache, tokens_pos_seg, last_table, fresh=True):
-      tokens, tpos, seg = tokens_pos_seg
+    @functools.partial(jax.jit, static_argnames=("n", "fresh"), donate_argnums=(1,))
+    def prefill_packed(params, cache, tokens_pos_seg, last_table, n, fresh=True):
+      tokens, tpos, seg = tokens_pos_seg[:, :n]
       return llama.prefill_packed_step(graphdef, params, cache, tokens, tpos, seg,
-                                       last_table[:, 0], last_table[:, 1:], backends=pb,
-                                       fresh=fresh, mesh=mesh)
+                                       *_fields(last_table, 1), backends=pb, fresh=fresh,
+                                       mesh=mesh)
 
     @functools.partial(jax.jit, donate_argnums=(1,))
     def decode(params, cache, last, host):
       # host: [slot | length | page table]; row r's input is its slot's last token.
-      tokens = sampling.take(last, host[:, 0])
-      logits, cache = llama.decode_step(graphdef, params, cache, tokens[:, None], host[:, 1],
-                                        host[:, 2:], backends=db, mesh=mesh)
+      slots, lengths, table = _fields(host, 1, 1)
+      tokens = sampling.take(last, slots)
+      logits, cache = llama.decode_step(graphdef, params, cache, tokens[:, None], lengths,
+                                        table, backends=db, mesh=mesh)
       return logits[:, 0], cache
 
     @functools.partial(jax.jit, donate_argnums=(1, 3, 5),
@@ -182,17 +215,19 @@ class ModelRunner:
 
     @functools.partial(jax.jit, static_argnames=("chunk", "fresh"), donate_argnums=(1,))
     def mixed(params, cache, last, dec_host, host, chunk, fresh=False):
-      return llama.mixed_step(graphdef, params, cache, sampling.take(last, dec_host[:, 0]),
-                              dec_host[:, 1], dec_host[:, 2:], *chunk_rows(host, chunk),
-                              backends=mb, fresh=fresh, mesh=mesh)
+      slots, dec_lengths, dec_table = _fields(dec_host, 1, 1)
+      return llama.mixed_step(graphdef, params, cache, sampling.take(last, slots), dec_lengths,
+                              dec_table, *chunk_rows(host, chunk), backends=mb, fresh=fresh,
+                              mesh=mesh)
 
-    @functools.partial(jax.jit, static_argnames=("fresh",), donate_argnums=(1,))
-    def mixed_packed(params, cache, last, dec_host, tokens_pos_seg, last_table, fresh=False):
-      tokens, tpos, seg = tokens_pos_seg
-      return llama.mixed_packed_step(graphdef, params, cache, sampling.take(last, dec_host[:, 0]),
-                                     dec_host[:, 1], dec_host[:, 2:], tokens, tpos, seg,
-                                     last_table[:, 0], last_table[:, 1:], backends=mb,
-                                     fresh=fresh, mesh=mesh)
+    @functools.partial(jax.jit, static_argnames=("n", "fresh"), donate_argnums=(1,))
+    def mixed_packed(params, cache, last, dec_host, tokens_pos_seg, last_table, n, fresh=False):
+      tokens, tpos, seg = tokens_pos_seg[:, :n]
+      slots, dec_lengths, dec_table = _fields(dec_host, 1, 1)
+      return llama.mixed_packed_step(graphdef, params, cache, sampling.take(last, slots),
+                                     dec_lengths, dec_table, tokens, tpos, seg,
+                                     *_fields(last_table, 1), backends=mb, fresh=fresh,
+                                     mesh=mesh)
 
     @functools.partial(jax.jit, static_argnames=("chunk", "fresh"), donate_argnums=(1,))
     def prefill_scores(params, cache, host, targets, chunk, fresh=False):
@@ -215,8 +250,8 @@ class ModelRunner:
     def check_decode(params, cache, host, tq):
       # host: [tokens (tq) | length | page table]; the tokens sit at positions
       # length - tq ... length - 1.
-      return llama.decode_step(graphdef, params, cache, host[:, :tq], host[:, tq],
-                               host[:, tq + 1:], backends=db, mesh=mesh)
+      return llama.decode_step(graphdef, params, cache, *_fields(host, tq, 1), backends=db,
+                               mesh=mesh)
 
     return (prefill, decode, decode_multi, mixed, prefill_packed, prefill_scores, check_prefill,
             check_decode, mixed_packed)
@@ -318,8 +353,8 @@ class ModelRunner:
     logits [R, V] at each row's ``last`` token. ``fresh``: no chunk has a
     cached prefix (no page gather)."""
     logits, self.cache = self._fast[4](
-        self.model.params, self.cache, np.stack([tokens, tpos, seg]).astype(np.int32),
-        _side_by_side(last, page_table), fresh=fresh)
+        self.model.params, self.cache, _stacked(tokens, tpos, seg),
+        _side_by_side(last, page_table), n=len(tokens), fresh=fresh)
     return logits
 
   @property
@@ -386,7 +421,7 @@ class ModelRunner:
     ``prefill_packed`` takes them: logits [Bd + R, V]."""
     logits, self.cache = self._fast[8](
         self.model.params, self.cache, last, _side_by_side(slots, dec_lengths, dec_table),
-        np.stack([tokens, tpos, seg]).astype(np.int32), _side_by_side(last_idx, page_table),
+        _stacked(tokens, tpos, seg), _side_by_side(last_idx, page_table), n=len(tokens),
         fresh=fresh)
     return logits
 

@@ -476,13 +476,46 @@ def test_decode_inputs_travel_packed_and_unpack_exactly():
   arrays = sampling.pack(params, [2**63 + 12345, 7, 0], [3, 0, 0], [3, 0, -1], b)
   assert len(jax.tree_util.tree_leaves(arrays)) == 1  # a sampling call: one transfer
   host = runners.pack_decode_inputs(slots, lengths, table, arrays)
-  assert host.dtype == np.int32 and host.shape == (b, 2 + p + 6 + 6)
+  # Every field but the last (the page table) starts on a 256-byte boundary:
+  # a one-row step hands its slices to Mosaic GPU kernels as views.
+  assert host.dtype == np.int32 and host.shape == (b, 3 * 64 + p)
+  np.testing.assert_array_equal(host[:, 3 * 64:], table)
   assert np.asarray(arrays.min_tokens).tolist() == [3, 0, 0, 0, 0]
   got = jax.jit(runners._unpack_decode_inputs)(host)
   for want, x in zip((slots, lengths, table, arrays.i), got[:3] + (got[3].i,)):
     np.testing.assert_array_equal(np.asarray(x), want)
   assert np.asarray(got[3].f).dtype == np.float32
   np.testing.assert_array_equal(np.asarray(got[3].f).view(np.int32), arrays.f.view(np.int32))
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(1, 200), min_size=1, max_size=5), st.integers(1, 3),
+       st.integers(1, 300))
+def test_packed_host_fields_start_on_256_byte_boundaries(widths, b, n):
+  """A one-row step hands slices of its packed host array to Mosaic GPU
+  kernels as views, and those kernels refuse buffers that are not 256-byte
+  aligned: every field of _side_by_side and every row of _stacked starts on
+  such a boundary (the decode kernel got its page table at byte 8 before)."""
+  import jax
+
+  from serving.engine import runners
+
+  rng = np.random.default_rng(len(widths) * 1000 + b * 10 + n)
+  cols = [rng.integers(-5, 1 << 20, (b, w)).astype(np.int32) for w in widths]
+  host = runners._side_by_side(*cols)
+  at = 0
+  for w, c in zip(widths[:-1], cols):
+    assert (at * 4) % 256 == 0
+    np.testing.assert_array_equal(host[:, at:at + w], c)
+    at += -(-w // 64) * 64
+  assert (at * 4) % 256 == 0 and host.shape[1] == at + widths[-1]
+  got = jax.jit(lambda h: runners._fields(h, *widths[:-1]))(host)
+  for w, c, x in zip(widths, cols, got):
+    np.testing.assert_array_equal(np.asarray(x), c[:, 0] if w == 1 and x.ndim == 1 else c)
+  rows = [rng.integers(0, 1000, n).astype(np.int32) for _ in range(3)]
+  stacked = runners._stacked(*rows)
+  assert stacked.dtype == np.int32 and (stacked.shape[1] * 4) % 256 == 0
+  np.testing.assert_array_equal(stacked[:, :n], np.stack(rows))
 
 
 @settings(max_examples=300, deadline=None)

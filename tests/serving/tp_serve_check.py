@@ -14,6 +14,7 @@ import jax
 import numpy as np
 
 from serving import engine as E
+from serving.engine import runners
 from serving.client import Client
 from serving.service import Server
 
@@ -44,8 +45,9 @@ def serve(tp: int, prompts, **engine_kw):
     runner = engine.runner
     assert len(runner.cache.k.sharding.device_set) == tp, runner.cache.k.sharding
     if tp > 1:  # the engine's steps run per shard, with all-reduces, not replicated
+      host = runners._side_by_side(np.zeros(4), np.ones(4), np.ones((4, 16)))  # slot|length|table
       hlo = runner._fast[1].lower(runner.model.params, runner.cache, np.zeros(4, np.int32),
-                                  np.ones((4, 17), np.int32)).as_text()  # lengths | table
+                                  host).as_text()
       assert "all_reduce" in hlo or "all-reduce" in hlo, "no all-reduce in the TP decode step"
     counters = engine.counters()
     assert counters["compiles_after_start"] == 0, counters  # steady state compiles nothing
