@@ -1,10 +1,11 @@
 """End-to-end serving on the GPU: Llama-3-8B-shaped random bf16 weights.
 
-Builds the model (models.Model over random weights of config "llama3.1-8b",
-bf16, initialized on the device), the batching engine with the mosaic
-attention and matmul backends, and the gRPC server on loopback in this
-process; the load generator (`python -m serving loadgen`) runs in a separate
-process so that its threads do not share this process's GIL. It measures:
+Builds the engine exactly as `python -m serving serve` does, from the serve
+flags it prints and records (``serve_flags``: serving.cli.build_engine over
+models.load of config "llama3.1-8b", random weights drawn on the device), and
+the gRPC server on loopback in this process; the load generator (`python -m
+serving loadgen`) runs in a separate process so that its threads do not share
+this process's GIL. It measures:
 
 1. correctness first: a greedy token from the server must be among the 5
    best tokens of the same prompt through the XLA reference backends;
