@@ -37,10 +37,17 @@ VARIANTS = {"process": ["--engine-process"], "inproc": []}
 
 class Smoke:
 
-  def __init__(self, out: pathlib.Path):
+  def __init__(self, out: pathlib.Path, summary: dict):
     self.out = out
+    self.summary = summary
     self.steps: list[dict] = []
     self.ok = True
+
+  def write(self, done: bool) -> None:
+    """The JSON as it stands (after every step: a run cut short keeps the
+    steps before the cut, and says it was cut)."""
+    self.summary.update(ok=self.ok and done, finished=done, steps=self.steps)
+    (self.out / "gpu_smoke.json").write_text(json.dumps(self.summary, indent=1))
 
   def step(self, name: str, fn, *args, **kw):
     """Runs ``fn`` as the step ``name``: its dict result is kept; an exception
@@ -58,6 +65,7 @@ class Smoke:
           + json.dumps({k: v for k, v in rec.items() if k not in ('step', 'ok', 'seconds')})[:600],
           flush=True)
     self.steps.append(rec)
+    self.write(done=False)
     return rec["ok"], rec
 
 
@@ -205,7 +213,6 @@ def main() -> int:
                        "requests)")
   a = ap.parse_args()
   a.out.mkdir(parents=True, exist_ok=True)
-  smoke = Smoke(a.out)
   summary = {"commit": git_commit(), "date": datetime.datetime.now(datetime.UTC).isoformat(),
              "model": a.model, "readme_flags": a.readme_flags, "extra_flags": a.serve_flags}
   # Read without starting a jax backend here: the servers need the GPU's memory.
@@ -220,6 +227,7 @@ def main() -> int:
         capture_output=True, text=True, timeout=30).stdout.strip() or "no GPU"
   except (OSError, subprocess.TimeoutExpired):
     summary["device"] = "no GPU (nvidia-smi not found)"
+  smoke = Smoke(a.out, summary)
   drain = 30.0
   for variant in a.servers.split(","):
     if variant not in VARIANTS:
@@ -248,9 +256,7 @@ def main() -> int:
           break
     finally:
       smoke.step(f"{variant}: SIGTERM", sigterm, holder["proc"], drain)
-  summary["ok"] = smoke.ok
-  summary["steps"] = smoke.steps
-  (a.out / "gpu_smoke.json").write_text(json.dumps(summary, indent=1))
+  smoke.write(done=True)
   print(f"gpu_smoke: {'PASS' if smoke.ok else 'FAIL'} -> {a.out / 'gpu_smoke.json'}", flush=True)
   return 0 if smoke.ok else 1
 
