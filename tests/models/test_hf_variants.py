@@ -23,6 +23,7 @@ import pytest
 import models
 from models import config as config_lib
 from models import tokenizer as tok_lib
+from tests.models.test_hf_parity import _close  # the parity tests' 1e-4 x max|ref| check
 
 PAGE = 8
 VARIANTS = {  # name: what the config must say
@@ -34,14 +35,6 @@ VARIANTS = {  # name: what the config must say
     "qwen3": dict(qk_norm=True, head_dim=32, tie_embeddings=True, sliding_window=8,
                   sliding_layers=(True, False, True), qkv_bias=False),
 }
-
-
-def _close(ours, ref, what):
-  ours, ref = np.asarray(ours, np.float64), np.asarray(ref, np.float64)
-  assert ours.shape == ref.shape, f"{what}: shape {ours.shape} vs {ref.shape}"
-  assert np.all(np.isfinite(ours)), f"{what}: non-finite logits"
-  err = np.abs(ours - ref).max() / np.abs(ref).max()
-  assert err <= 1e-4, f"{what}: max|diff|/max|ref| = {err:.2e} > 1e-4"
 
 
 def _load(hf_variants, name):
