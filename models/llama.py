@@ -17,7 +17,8 @@ Data flow of one step, top to bottom::
         use the masked attention_prefill, which knows windows)
         (one-token decode steps: RoPE, the k/v write and attention are one op,
         attention_decode_append, one kernel with mosaic; see below)
-    x = o @ wo + x
+    x = o @ wo + x    (x in float32 with residual_dtype="float32": the adds in
+                      float32, h and every matmul input in the weights' dtype)
     a = silu(g) * u with g, u = rms_norm(x) @ w_gate_up (one matmul, the gate
         fused into its epilogue); x = a @ w_down + x
   logits = rms_norm(x) @ lm_head   (lm_head = embed.T when tied), float32
@@ -411,7 +412,7 @@ class MLP(nnx.Module):
         act = ACTIVATIONS[self.act](y[..., 0, :]) * y[..., 1, :]
         act = act.reshape(*act.shape[:-2], -1).astype(h.dtype)
     with jax.named_scope("down"):
-      return self.w_down(act, residual=residual, row_parallel=True)
+      return self.w_down(act, residual=residual, row_parallel=True, out_dtype=residual.dtype)
 
 
 class Block(nnx.Module):
@@ -427,19 +428,34 @@ class Llama(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, *, dtype="bfloat16", rngs: nnx.Rngs,
                norms_folded: bool = False, decode_append: bool = True,
-               decode_unroll: int | None = None):
+               decode_unroll: int | None = None, residual_dtype=None):
     """``norms_folded``: the layers' norm weights are folded into wqkv and
     w_gate_up (``fold_norm_weights`` on the params), which then normalize.
     ``decode_append``: a one-token decode step rotates, writes the cache and
     attends in one op (attention_decode_append) where its backend has it.
     ``decode_unroll``: layers per iteration of a one-token decode step's
-    layer loop (None: all of them, no loop; see _run_layers)."""
+    layer loop (None: all of them, no loop; see _run_layers).
+    ``residual_dtype``: the residual stream's dtype (None: ``dtype``). A
+    float32 stream under bfloat16 weights adds every sublayer's output to it
+    in float32 (the matmul epilogue's residual add) and rounds only the norms'
+    outputs, the matmul inputs, to ``dtype``. The folded norms normalize the
+    matmul's own a operand, which is ``dtype``, so the two exclude each other."""
     if decode_unroll is not None and (isinstance(decode_unroll, bool)
                                       or not isinstance(decode_unroll, int)
                                       or decode_unroll < 1):
       raise ValueError(f"decode_unroll must be None or an int >= 1, got {decode_unroll!r}")
     dtype = jnp.dtype(dtype)
+    residual_dtype = dtype if residual_dtype is None else jnp.dtype(residual_dtype)
+    if residual_dtype.name not in ("bfloat16", "float16", "float32"):
+      raise ValueError(f"residual_dtype={residual_dtype.name} is not supported; use bfloat16, "
+                       "float16 or float32")
+    if residual_dtype != dtype and norms_folded:
+      raise ValueError(f"residual_dtype={residual_dtype.name} differs from dtype={dtype.name}: "
+                       "the folded norms need the residual stream in the weights' dtype; "
+                       "build with norms_folded=False")
     self.cfg = cfg
+    self.dtype = dtype
+    self.residual_dtype = residual_dtype
     self.norms_folded = norms_folded
     self.decode_append = decode_append
     self.decode_unroll = decode_unroll
@@ -469,7 +485,7 @@ class Llama(nnx.Module):
   def _logits(self, x):
     """x [..., D] -> [..., vocab] float32."""
     with jax.named_scope("final_norm"):
-      h = self.final_norm(x)
+      h = self.final_norm(x).astype(self.dtype)
     with jax.named_scope("lm_head"):
       if self.lm_head is not None:
         y = self.lm_head(h, out_dtype=jnp.float32)
@@ -498,7 +514,8 @@ class Llama(nnx.Module):
     # Folded norms: the raw residual stream goes to wqkv / w_gate_up, which
     # normalize it themselves.
     eps = self.cfg.rms_norm_eps if self.norms_folded else None
-    norm = lambda f, x: x if eps is not None else f(x)
+    norm = lambda f, x: x if eps is not None else f(x).astype(self.dtype)
+    x = x.astype(self.residual_dtype)
 
     # The loop counter is the layer index: a scan over arange(L) would slice
     # its index out of an array each iteration, one more kernel per layer.
@@ -510,7 +527,7 @@ class Llama(nnx.Module):
           h = norm(block.attn_norm, x)
         o, kc, vc = attend(block, h, kc, vc, layer, eps, window)
         with jax.named_scope("o_proj"):
-          x = block.attn.wo(o, residual=x, row_parallel=True)
+          x = block.attn.wo(o, residual=x, row_parallel=True, out_dtype=x.dtype)
         with jax.named_scope("mlp_norm"):
           h = norm(block.mlp_norm, x)
         x = block.mlp(h, residual=x, rms_eps=eps)

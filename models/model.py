@@ -40,22 +40,30 @@ class Model:
   """A loaded model. See the package docstring for the serving API."""
 
   def __init__(self, config: config_lib.ModelConfig, params, tokenizer: tok_lib.Tokenizer,
-               *, dtype="bfloat16", mesh=None, fold_norms: bool = True,
-               decode_append: bool = True, decode_unroll: int | None = None):
+               *, dtype="bfloat16", mesh=None, fold_norms: bool | None = None,
+               decode_append: bool = True, decode_unroll: int | None = None,
+               residual_dtype=None):
     """``fold_norms``: fold the layers' norm weights into wqkv / w_gate_up,
-    whose matmuls then normalize their input (models.llama, "Folded norms").
+    whose matmuls then normalize their input (models.llama, "Folded norms");
+    None: fold unless the residual stream's dtype differs from ``dtype``.
+    ``residual_dtype``: the residual stream's dtype (None: ``dtype``;
+    models.llama.Llama).
     ``decode_append``: one-token decode steps run RoPE, the K/V write and
     attention as one op (models.llama.Llama). ``decode_unroll``: layers per
     iteration of a one-token decode step's layer loop (None: all, no loop)."""
     self.config = config
     self.dtype = jnp.dtype(dtype)
+    self.residual_dtype = self.dtype if residual_dtype is None else jnp.dtype(residual_dtype)
+    if fold_norms is None:
+      fold_norms = self.residual_dtype == self.dtype
     self.tokenizer = tokenizer
     self.mesh = mesh
     self.fold_norms = fold_norms
     abstract = nnx.eval_shape(lambda: llama.Llama(config, dtype=self.dtype, rngs=nnx.Rngs(0),
                                                   norms_folded=fold_norms,
                                                   decode_append=decode_append,
-                                                  decode_unroll=decode_unroll))
+                                                  decode_unroll=decode_unroll,
+                                                  residual_dtype=self.residual_dtype))
     self.graphdef, state = nnx.split(abstract)
     if isinstance(params, nnx.State):
       params = nnx.to_pure_dict(params)
@@ -218,12 +226,12 @@ def default_dtype() -> str:
 
 
 def load(spec: str | os.PathLike | None = None, *, dtype=None, tp: int = 1,
-         decode_unroll: int | None = None, tokenizer=None) -> Model:
+         decode_unroll: int | None = None, tokenizer=None, residual_dtype=None) -> Model:
   """A Model from: None/"default" (embedded SmolLM2-135M-Instruct), "tiny" or
   another named config of models.config ("llama3.1-8b", ...: random weights,
   fixed seed, byte-level tokenizer; for tests and benchmarks), an HF folder,
   a .gguf file, or an orbax directory written by ``save``. ``dtype``: None
-  is ``default_dtype()``. ``decode_unroll``: as ``Model``'s.
+  is ``default_dtype()``. ``decode_unroll``, ``residual_dtype``: as ``Model``'s.
 
   ``tokenizer``: None, the checkpoint's own (an HF folder without one loads
   for token-id prompts only: models.tokenizer.NoTokenizer); False, no
@@ -267,7 +275,8 @@ def load(spec: str | os.PathLike | None = None, *, dtype=None, tp: int = 1,
     tok = tokenizer
   elif tokenizer is not None:
     tok = tok_lib.from_folder(pathlib.Path(tokenizer))
-  return Model(cfg, params, tok, dtype=dtype, mesh=tp_mesh(cfg, tp), decode_unroll=decode_unroll)
+  return Model(cfg, params, tok, dtype=dtype, mesh=tp_mesh(cfg, tp), decode_unroll=decode_unroll,
+               residual_dtype=residual_dtype)
 
 
 def _np_dtype(dtype):

@@ -91,7 +91,8 @@ def build_engine(a):
                         kv_cache_dtype=KV_CACHE_DTYPES[a.kv_cache_dtype],
                         attention=a.attention_backend,
                         decode_attention=a.decode_attention_backend, matmul=a.matmul_backend,
-                        decode_unroll=a.decode_unroll, tp=a.tensor_parallel_size, **extra,
+                        decode_unroll=a.decode_unroll, tp=a.tensor_parallel_size,
+                        residual_dtype=a.residual_dtype, **extra,
                         **cfg)
 
 
@@ -316,6 +317,10 @@ def parser() -> argparse.ArgumentParser:
                  help="default (embedded model), tiny, toy, counting, or a checkpoint path")
   s.add_argument("--dtype", default=None, choices=("bfloat16", "float16", "float32"),
                  help="weights and activations (default: float32 on the CPU, bfloat16 on a GPU)")
+  s.add_argument("--residual-dtype", default=None, choices=("bfloat16", "float16", "float32"),
+                 help="the residual stream between layers (default: --dtype); float32 under "
+                 "bfloat16 weights keeps the layers' sums in float32 (the norms then run as "
+                 "kernels of their own instead of inside the next matmul)")
   s.add_argument("--attention-backend",
                  help="attention implementation (mosaic, cudnn, triton, xla, ...); "
                  "also used for decode unless --decode-attention-backend is given")

@@ -97,18 +97,20 @@ def model_engine(spec: str | None = None, *, dtype: str | None = None,
                  page_size: int | None = None, attention: str | None = None,
                  decode_attention: str | None = None, matmul: str | None = None,
                  step_delay: float = 0.0, kv_cache_dtype: str | None = None,
-                 decode_unroll: int | None = None, tp: int = 1, **config) -> BatchingEngine:
+                 decode_unroll: int | None = None, tp: int = 1, residual_dtype: str | None = None,
+                 **config) -> BatchingEngine:
   """An engine over ``models.load(spec)``; "toy" and "counting" are the test models.
   ``tp`` > 1: the model's weights and KV cache split over that many devices
   (Megatron layout), each step running per shard. ``dtype`` None: float32 on
   the CPU, bfloat16 elsewhere (models.load). ``num_pages=None``: as many
   KV pages as fit in ``gpu_memory_utilization`` of the device's memory once
   the weights are on it (``kv_pages``), or DEFAULT_NUM_PAGES where the device
-  reports no memory."""
+  reports no memory. ``residual_dtype``: models.Model's (None: the model's dtype)."""
   if page_size is not None and page_size < 1:
     raise ValueError(f"page_size={page_size} must be >= 1 (None: the kernel's)")
   if spec in ("toy", "counting"):
     for what, value in (("KV cache dtype", kv_cache_dtype), ("decode_unroll", decode_unroll),
+                        ("residual dtype", residual_dtype),
                         ("tensor parallelism", None if tp == 1 else tp),
                         ("attention backend", attention),
                         ("decode attention backend", decode_attention),
@@ -125,7 +127,8 @@ def model_engine(spec: str | None = None, *, dtype: str | None = None,
 
   import models
 
-  model = models.load(spec, dtype=dtype, decode_unroll=decode_unroll, tp=tp)
+  model = models.load(spec, dtype=dtype, decode_unroll=decode_unroll, tp=tp,
+                      residual_dtype=residual_dtype)
   page_size = page_size or default_page_size()
   if num_pages is None:
     num_pages = fit_num_pages(model, page_size, gpu_memory_utilization,
