@@ -10,12 +10,12 @@ import sys
 import time
 
 import grpc
+from grpc_health.v1 import health_pb2
 import pytest
 
 from serving import engine as E
 from serving.client import Client
 from serving.proto import generate_pb2 as pb
-from serving.proto import health_pb2
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 

@@ -31,13 +31,13 @@ import threading
 import time
 
 import grpc
+from grpc_health.v1 import health_pb2
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from serving import engine as E
 from serving.client import Client
 from serving.proto import generate_pb2 as pb
-from serving.proto import health_pb2
 from serving.service import Server
 
 from tests.serving.conftest import wait_for
