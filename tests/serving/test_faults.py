@@ -427,6 +427,9 @@ def test_the_engine_process_dying_under_load_fails_its_requests_and_health(sig, 
         assert signal.Signals(sig).name in e.value.details()
       assert time.monotonic() - t0 < 5.0
       assert c.health() == NOT_SERVING
+      # The metrics still export, the failures counted, the dead engine's gauges left out.
+      assert server.metrics.sample("requests_finished_total", reason="error") >= 6
+      assert "kv_pages_total" not in server.metrics.render()
       t1 = time.monotonic()
       with pytest.raises(grpc.RpcError) as e:
         c.generate("a", max_tokens=2, timeout=10)
