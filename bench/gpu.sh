@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU machine's one script: gpu tests, calibration, benchmarks, from the
-# tree (no installs). Everything lands in $OUT/results.tgz (plus the logs).
+# tree (no installs but the wheels of .whl/, see bench/gpu_deps.sh). Everything
+# lands in $OUT/results.tgz (plus the logs).
 #
 #   bench/gpu.sh                      # tests + calibration + every benchmark
 #   BENCHES="rms_norm matmul" TESTS=0 bench/gpu.sh
@@ -12,6 +13,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=. PYTHONUNBUFFERED=1
+source bench/gpu_deps.sh  # .whl/'s wheels on PYTHONPATH; stops if a needed package is missing
 OUT=${OUT:-/tmp/gpu_out}
 R=$OUT/results
 mkdir -p "$R"

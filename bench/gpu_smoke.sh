@@ -11,5 +11,6 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=. PYTHONUNBUFFERED=1
+source bench/gpu_deps.sh  # .whl/'s wheels on PYTHONPATH; stops if a needed package is missing
 OUT=${OUT:-/tmp/gpu_out}
 python3 bench/gpu_smoke.py --out "$OUT/smoke" ${SMOKE_ARGS:-}

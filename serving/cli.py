@@ -1,4 +1,4 @@
-"""``python -m serving serve | generate | loadgen``: flags are parsed only here."""
+"""``python -m serving serve | generate | loadgen | profile``: flags are parsed only here."""
 
 from __future__ import annotations
 
@@ -13,6 +13,37 @@ import time
 
 # --kv-cache-dtype (serve, and the profiler's flags): flag -> cache dtype (None = the model's).
 KV_CACHE_DTYPES = {"auto": None, "fp8": "float8_e4m3fn"}
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+  """Each option's help ends with its default, unless it has none (None,
+  False) or the help already says what it is."""
+
+  def _get_help_string(self, action):
+    text = action.help or ""
+    if (action.default is None or action.default is False or action.default is argparse.SUPPRESS
+        or "default" in text.lower()):
+      return text
+    return super()._get_help_string(action)
+
+
+_DESCRIPTION = """\
+Serve a language model over gRPC (and OpenAI-compatible HTTP), and talk to it.
+
+  python -m serving serve --model default --http-port 8000   # start a server
+  python -m serving generate "The capital of France is"      # ask it, from another shell
+
+Each command's own --help lists its options and their defaults."""
+
+# The commands: name -> the line `python -m serving --help` shows for it.
+COMMANDS = {
+    "serve": "run the server: a model behind gRPC (and OpenAI-compatible HTTP with --http-port)",
+    "generate": "send a prompt to a running server and stream its completion to the terminal",
+    "loadgen": "load a running server with many requests; report time to first token, "
+               "inter-token latency and throughput",
+    "profile": "time each layer and op of a model on the device, with tensor-core and "
+               "memory-bandwidth use",
+}
 
 
 def _client_args(p):
@@ -197,6 +228,29 @@ def _int_in(lo: int, hi: int | None = None, what: str = "an integer"):
 # these only keep a number from failing to encode.
 _INT32 = _int_in(-2**31, 2**31 - 1)
 _UINT64 = _int_in(0, 2**64 - 1)
+_SAMPLING_HELP = {
+    "temperature": "0 (the default) picks the likeliest token; higher samples more freely",
+    "top_k": "sample among the k likeliest tokens (default: 0, no cut)",
+    "top_p": "sample among the likeliest tokens whose probabilities sum to p (default: 1)",
+    "min_p": "drop tokens below min_p times the likeliest one's probability (default: 0)",
+    "repetition_penalty": "penalize the tokens of the prompt and text so far; > 1 repeats "
+                          "less (default: 1, none)",
+    "presence_penalty": "in [-2, 2]: taken off the logits of tokens generated so far "
+                        "(default: 0)",
+    "frequency_penalty": "in [-2, 2]: times its count, taken off each generated token's "
+                         "logit (default: 0)",
+    "seed": "makes sampling reproducible (default: none)",
+    "max_tokens": "tokens to generate at most (default: the server's --default-max-tokens, "
+                  "256 unless set)",
+    "min_tokens": "tokens generated before EOS or a stop may end the text (default: 0)",
+    "top_logprobs": "with --logprobs, also this many likeliest tokens' logprobs (0-5; default: 0)",
+    "n": "completions of the prompt; completion 0 streams, the others print after it "
+         "(default: 1)",
+    "prompt_logprobs": "print the prompt's logprobs, with this many likeliest tokens each "
+                       "(a server with --enable-prompt-logprobs; default: none)",
+    "truncate_prompt_tokens": "keep only the prompt's last N tokens (default: the whole "
+                              "prompt; a longer one than the context is refused)",
+}
 _SAMPLING_FLAGS = (("temperature", float), ("top_k", _INT32), ("top_p", float), ("min_p", float),
                    ("repetition_penalty", float), ("presence_penalty", float),
                    ("frequency_penalty", float), ("seed", _UINT64), ("max_tokens", _INT32),
@@ -308,13 +362,20 @@ def cmd_loadgen(a) -> int:
 
 
 def parser() -> argparse.ArgumentParser:
-  p = argparse.ArgumentParser(prog="python -m serving", description=__doc__)
-  p.add_argument("-v", "--verbose", action="store_true")
-  sub = p.add_subparsers(dest="cmd", required=True)
+  p = argparse.ArgumentParser(prog="python -m serving", description=_DESCRIPTION,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("-v", "--verbose", action="store_true",
+                 help="log at INFO level (serve always does)")
+  sub = p.add_subparsers(dest="cmd", required=True, title="commands", metavar="COMMAND")
 
-  s = sub.add_parser("serve", help="run the gRPC server")
+  def command(name):
+    return sub.add_parser(name, help=COMMANDS[name], description=COMMANDS[name],
+                          formatter_class=_HelpFormatter)
+
+  s = command("serve")
   s.add_argument("--model", default="default",
-                 help="default (embedded model), tiny, toy, counting, or a checkpoint path")
+                 help="default (the embedded SmolLM2-135M-Instruct; the default), tiny, toy, "
+                      "counting (test models), or a checkpoint path")
   s.add_argument("--dtype", default=None, choices=("bfloat16", "float16", "float32"),
                  help="weights and activations (default: float32 on the CPU, bfloat16 on a GPU)")
   s.add_argument("--residual-dtype", default=None, choices=("bfloat16", "float16", "float32"),
@@ -329,10 +390,12 @@ def parser() -> argparse.ArgumentParser:
   s.add_argument("--tensor-parallel-size", "--tp", type=int, default=1,
                  help="devices the weights and KV cache are split over (Megatron layout: "
                       "heads and MLP features; two all-reduces a layer)")
-  s.add_argument("--host", default="127.0.0.1")
-  s.add_argument("--port", type=_port, default=50051, help="0 picks a free port")
-  s.add_argument("--max-batch", type=int, default=64)
-  s.add_argument("--max-waiting", type=int, default=256)
+  s.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: all)")
+  s.add_argument("--port", type=_port, default=50051, help="gRPC port; 0 picks a free port")
+  s.add_argument("--max-batch", type=int, default=64,
+                 help="requests running at once (more wait for a place)")
+  s.add_argument("--max-waiting", type=int, default=256,
+                 help="requests waiting for a place; past it, new ones are refused")
   s.add_argument("--num-pages", type=int,
                  help="KV pages (page 0 reserved); default: as many as fit in "
                       "--gpu-memory-utilization of the device's memory beside the weights, "
@@ -346,11 +409,14 @@ def parser() -> argparse.ArgumentParser:
                  help="KV cache dtype: auto = the model's; fp8 = float8_e4m3fn, half the "
                       "bytes a page (values stored at scale 1, saturating at +-448)")
   s.add_argument("--max-seq-len", type=int, help="context limit (default: the model's)")
-  s.add_argument("--prefill-chunk", type=int, default=512)
-  s.add_argument("--prefill-rows", type=int, default=4)
+  s.add_argument("--prefill-chunk", type=int, default=512,
+                 help="prompt tokens a request prefills per step (longer prompts take several)")
+  s.add_argument("--prefill-rows", type=int, default=4,
+                 help="prompts prefilled side by side in one step")
   s.add_argument("--token-budget", type=int,
                  help="tokens per step, at least --max-batch (default batch + chunk)")
-  s.add_argument("--default-max-tokens", type=int, default=256)
+  s.add_argument("--default-max-tokens", type=int, default=256,
+                 help="tokens generated at most for a request that does not say")
   s.add_argument("--decode-steps", type=int, default=1,
                  help="decode steps per dispatch, sampled on the device, when nothing waits "
                       "for prefill (fewer host round trips; tokens past a request's end are "
@@ -402,16 +468,19 @@ def parser() -> argparse.ArgumentParser:
   s.add_argument("--engine-process", action="store_true",
                  help="run the engine in a process of its own, so that the gRPC stream "
                       "threads do not share its interpreter (serving.engine.process)")
-  s.add_argument("--no-prefix-cache", action="store_true")
-  s.add_argument("--no-warmup", action="store_true")
+  s.add_argument("--no-prefix-cache", action="store_true",
+                 help="do not reuse the KV pages of a prompt prefix seen before")
+  s.add_argument("--no-warmup", action="store_true",
+                 help="start at once, without compiling every step shape first: each new "
+                      "shape then compiles when a request first needs it")
   s.add_argument("--compilation-cache", type=pathlib.Path,
                  default=os.environ.get("MOSAIC_COMPILATION_CACHE") or None,
                  help="directory of jax's persistent compilation cache: a restart loads the "
                       "compiled steps (and their autotuned kernel choices) instead of compiling")
   s.add_argument("--auth-token", default=os.environ.get("MOSAIC_SERVING_TOKEN"),
                  help="require this bearer token (default $MOSAIC_SERVING_TOKEN)")
-  s.add_argument("--tls-cert", type=pathlib.Path)
-  s.add_argument("--tls-key", type=pathlib.Path)
+  s.add_argument("--tls-cert", type=pathlib.Path, help="serve TLS with this certificate (PEM)")
+  s.add_argument("--tls-key", type=pathlib.Path, help="and this private key (PEM)")
   s.add_argument("--metrics-port", type=_port, help="serve Prometheus /metrics on this port")
   s.add_argument("--http-port", type=_port,
                  help="also serve OpenAI-compatible HTTP (/v1/completions, "
@@ -424,19 +493,20 @@ def parser() -> argparse.ArgumentParser:
                  help="write {port, pid} here as JSON once serving")
   s.set_defaults(fn=cmd_serve)
 
-  g = sub.add_parser("generate", help="stream a completion to the terminal")
+  g = command("generate")
   _client_args(g)
-  g.add_argument("prompt")
+  g.add_argument("prompt", help="the prompt text")
   g.add_argument("--chat", action="store_true",
                  help="send the prompt as a user message, through the model's chat template")
   g.add_argument("--system", help="a system message before it (implies --chat)")
   for f, t in _SAMPLING_FLAGS:
-    g.add_argument("--" + f.replace("_", "-"), type=t)
-  g.add_argument("--stop", action="append")
-  g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--" + f.replace("_", "-"), type=t, help=_SAMPLING_HELP.get(f))
+  g.add_argument("--stop", action="append", help="end the text at this string; repeatable")
+  g.add_argument("--ignore-eos", action="store_true",
+                 help="go on past the end-of-sequence token (until --max-tokens)")
   g.add_argument("--include-stop-str-in-output", action="store_true",
                  help="keep the stop string that ended the text")
-  g.add_argument("--logprobs", action="store_true")
+  g.add_argument("--logprobs", action="store_true", help="return each token's logprob")
   g.add_argument("--allowed-token-ids", type=_token_ids, metavar="ID,ID,...",
                  help="only these token ids may be generated")
   g.add_argument("--logit-bias", action="append", type=_token_bias, metavar="TOKEN_ID=BIAS",
@@ -454,31 +524,34 @@ def parser() -> argparse.ArgumentParser:
                  help="lower is more urgent (a server with --scheduling-policy priority)")
   g.set_defaults(fn=cmd_generate)
 
-  l = sub.add_parser("loadgen", help="measure TTFT / ITL / throughput")
+  l = command("loadgen")
   _client_args(l)
-  l.add_argument("--concurrency", type=_int_in(1))
+  l.add_argument("--concurrency", type=_int_in(1),
+                 help="requests kept in flight (default: 1, unless --rate is given)")
   l.add_argument("--rate", type=_positive, help="Poisson arrivals per second")
-  l.add_argument("--num-requests", type=_int_in(1), default=64)
-  l.add_argument("--input-len", type=_int_in(1), default=512)
-  l.add_argument("--output-len", type=_int_in(1), default=256)
+  l.add_argument("--num-requests", type=_int_in(1), default=64, help="requests sent in all")
+  l.add_argument("--input-len", type=_int_in(1), default=512, help="prompt tokens a request")
+  l.add_argument("--output-len", type=_int_in(1), default=256,
+                 help="tokens generated a request (EOS ignored)")
   l.add_argument("--range-ratio", type=float, default=0.0,
                  help="draw each request's lengths from [L(1-r), L(1+r)] (0: all equal)")
   l.add_argument("--shared-prefix-len", type=_int_in(0), default=0,
                  help="each prompt starts with one of --prefix-groups shared random prefixes "
                  "of this many tokens (a system prompt)")
-  l.add_argument("--prefix-groups", type=_int_in(1), default=1)
+  l.add_argument("--prefix-groups", type=_int_in(1), default=1,
+                 help="distinct shared prefixes (with --shared-prefix-len)")
   l.add_argument("--byte-prompts", action="store_true", help="prompt ids below 256 only")
   lso = l.add_mutually_exclusive_group()
   lso.add_argument("--regex", help="every request's output matches this (structured outputs)")
   lso.add_argument("--json-schema", type=_text_or_file, metavar="SCHEMA|@FILE",
                    help="every request's output is JSON matching this schema")
-  l.add_argument("--seed", type=int, default=0)
+  l.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
   l.add_argument("--json", type=pathlib.Path, help="write the results here")
   l.set_defaults(fn=cmd_loadgen)
 
   from serving import profiler  # its flags live with it (also: python -m serving.profiler)
 
-  pr = sub.add_parser("profile", help="per-layer, per-op device time and utilization")
+  pr = command("profile")
   profiler.add_arguments(pr)
   pr.set_defaults(fn=profiler.run_cli)
   return p

@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from serving.proto import generate_pb2 as pb
 from serving.proto import generate_pb2_grpc as pb_grpc
-from serving.proto import health_pb2, health_pb2_grpc
 
 _SAMPLING_FIELDS = frozenset(pb.SamplingParams.DESCRIPTOR.fields_by_name)
 
@@ -87,6 +87,8 @@ class Client:
     return self.stub.ModelInfo(pb.ModelInfoRequest(), metadata=self.metadata)
 
   def health(self, service: str = "", timeout: float = 5.0) -> int:
+    """grpc.health.v1 Check: a ``health_pb2.HealthCheckResponse.ServingStatus``
+    ("" is the server as a whole; an unknown service is NOT_FOUND)."""
     return self.health_stub.Check(health_pb2.HealthCheckRequest(service=service),
                                   timeout=timeout).status
 

@@ -1055,7 +1055,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
   p.add_argument("--model", default="tiny",
                  help="tiny, a named config with random weights (llama3.1-8b, ...), or a checkpoint")
   p.add_argument("--layers", type=int, help="cut a named config to this many layers")
-  p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+  p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
+                 help="weights and activations")
   p.add_argument("--batch", type=int, default=1, help="B: rows in prefill (and decode)")
   p.add_argument("--decode-batch", type=int, help="rows in decode (default: --batch)")
   p.add_argument("--prefill-len", type=int, default=128, help="S: tokens per row in prefill")
@@ -1070,7 +1071,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
   p.add_argument("--matmul-backend", default="default", help="comma list, e.g. mosaic,xla")
   p.add_argument("--steps", type=int, default=3, help="steps traced per configuration")
   p.add_argument("--iters", type=int, default=10, help="steps timed per configuration")
-  p.add_argument("--page-size", type=int)
+  p.add_argument("--page-size", type=int, help="tokens per KV page (default: the kernel's)")
   p.add_argument("--kv-cache-dtype", default="auto", choices=tuple(KV_CACHE_DTYPES),
                  help="KV cache dtype: auto = the model's; fp8 = float8_e4m3fn")
   p.add_argument("--per-layer", action="store_true", help="print every (layer, op) row")

@@ -30,16 +30,14 @@ import time
 import uuid
 
 import grpc
-from google.protobuf import descriptor_pool
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
 
 from serving.engine import api
 from serving.metrics import Metrics, metrics_http
 from serving.openai_api import openai_http
 from serving.proto import generate_pb2 as pb
 from serving.proto import generate_pb2_grpc as pb_grpc
-from serving.proto import health_pb2, health_pb2_grpc
-from serving.proto import reflection_v1_pb2, reflection_v1_pb2_grpc
-from serving.proto import reflection_v1alpha_pb2, reflection_v1alpha_pb2_grpc
 
 log = logging.getLogger("serving.service")
 
@@ -285,7 +283,7 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
         k = len(ev.token_ids)
         if i in last and k:
           # k tokens in one message: k inter-token gaps of equal share.
-          self.metrics.itl.observe((now - last[i]) / k, k)
+          self.metrics.observe_itl((now - last[i]) / k, k)
         if k:
           last[i] = now
       # An ended deadline or cancel is the call's status, not a response:
@@ -408,89 +406,27 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
         tensor_parallel_size=i.tensor_parallel_size)
 
 
-class HealthServicer(health_pb2_grpc.HealthServicer):
-  """grpc.health.v1: "" is the server as a whole."""
+class HealthServicer(health.HealthServicer):
+  """grpc.health.v1 from grpcio-health-checking: "" is the server as a whole,
+  ``SERVICE_NAME`` the generate service. A failed engine makes every status
+  NOT_SERVING for good (found at the next Check, which Watch then sees), and
+  ``List`` answers from the same statuses."""
 
   Status = health_pb2.HealthCheckResponse.ServingStatus
 
   def __init__(self, alive=lambda: True):
-    self._status: dict[str, int] = {}
-    self._changed = threading.Condition()
-    self._alive = alive  # False once the engine has failed: then nothing is SERVING
-
-  def set(self, service: str, status: int) -> None:
-    with self._changed:
-      self._status[service] = status
-      self._changed.notify_all()
-
-  def set_all(self, status: int) -> None:
-    with self._changed:
-      for k in self._status:
-        self._status[k] = status
-      self._changed.notify_all()
+    super().__init__()
+    self._alive = alive  # False once the engine has failed
 
   def Check(self, request, context):
-    with self._changed:
-      status = self._status.get(request.service)
-    if status is None:
-      context.abort(grpc.StatusCode.NOT_FOUND, f"unknown service {request.service!r}")
     if not self._alive():
-      status = self.Status.NOT_SERVING
-    return health_pb2.HealthCheckResponse(status=status)
+      self.enter_graceful_shutdown()
+    return super().Check(request, context)
 
   def List(self, request, context):
-    with self._changed:
+    with self._lock:  # (grpcio-health-checking's lock and statuses)
       return health_pb2.HealthListResponse(statuses={
-          k: health_pb2.HealthCheckResponse(status=v) for k, v in self._status.items()})
-
-  def Watch(self, request, context):
-    last = None
-    while context.is_active():
-      with self._changed:
-        status = self._status.get(request.service, self.Status.SERVICE_UNKNOWN)
-        if status == last:
-          self._changed.wait(timeout=0.5)
-          continue
-      last = status
-      yield health_pb2.HealthCheckResponse(status=status)
-
-
-def _reflection_servicer(pb2, pb2_grpc, services: list[str]):
-  pool = descriptor_pool.Default()
-
-  def files(fd, seen):
-    if fd.name in seen:
-      return []
-    seen.add(fd.name)
-    out = [fd.serialized_pb]
-    for dep in fd.dependencies:
-      out += files(dep, seen)
-    return out
-
-  class Reflection(pb2_grpc.ServerReflectionServicer):
-    def ServerReflectionInfo(self, request_iterator, context):
-      for req in request_iterator:
-        which = req.WhichOneof("message_request")
-        resp = pb2.ServerReflectionResponse(valid_host=req.host, original_request=req)
-        try:
-          if which == "list_services":
-            resp.list_services_response.service.extend(
-                pb2.ServiceResponse(name=s) for s in services)
-          elif which == "file_by_filename":
-            resp.file_descriptor_response.file_descriptor_proto.extend(
-                files(pool.FindFileByName(req.file_by_filename), set()))
-          elif which == "file_containing_symbol":
-            resp.file_descriptor_response.file_descriptor_proto.extend(
-                files(pool.FindFileContainingSymbol(req.file_containing_symbol), set()))
-          else:
-            resp.error_response.error_code = grpc.StatusCode.UNIMPLEMENTED.value[0]
-            resp.error_response.error_message = f"{which} is not supported"
-        except KeyError as e:
-          resp.error_response.error_code = grpc.StatusCode.NOT_FOUND.value[0]
-          resp.error_response.error_message = f"not found: {e}"
-        yield resp
-
-  return Reflection()
+          k: health_pb2.HealthCheckResponse(status=v) for k, v in self._server_status.items()})
 
 
 class _BearerAuth(grpc.ServerInterceptor):
@@ -615,13 +551,8 @@ class Server:
     pb_grpc.add_TextGenerationServicer_to_server(self.servicer, self._grpc)
     self.health = HealthServicer(lambda: getattr(engine, "error", None) is None)
     health_pb2_grpc.add_HealthServicer_to_server(self.health, self._grpc)
-    services = [SERVICE_NAME, "grpc.health.v1.Health", "grpc.reflection.v1.ServerReflection",
-                "grpc.reflection.v1alpha.ServerReflection"]
-    reflection_v1_pb2_grpc.add_ServerReflectionServicer_to_server(
-        _reflection_servicer(reflection_v1_pb2, reflection_v1_pb2_grpc, services), self._grpc)
-    reflection_v1alpha_pb2_grpc.add_ServerReflectionServicer_to_server(
-        _reflection_servicer(reflection_v1alpha_pb2, reflection_v1alpha_pb2_grpc, services),
-        self._grpc)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self._grpc)
     addr = f"{host}:{port}"
     if tls:
       creds = grpc.ssl_server_credentials([(tls[1], tls[0])])  # (key, cert)
@@ -675,7 +606,7 @@ class Server:
     with self._drain_lock:
       if self._stopped.is_set():
         return
-      self.health.set_all(HealthServicer.Status.NOT_SERVING)
+      self.health.enter_graceful_shutdown()  # every status NOT_SERVING, for good
       end = time.monotonic() + timeout
       finished = self.engine.drain(timeout)
       if not finished:
@@ -690,7 +621,7 @@ class Server:
       self.stop(grace=_DRAIN_SLACK_S)
 
   def stop(self, grace: float | None = 1.0) -> None:
-    self.health.set_all(HealthServicer.Status.NOT_SERVING)
+    self.health.enter_graceful_shutdown()
     self.servicer.stopping = True
     self.engine.stop()
     self._grpc.stop(grace).wait()

@@ -90,6 +90,10 @@ class _Forward:
 
 
 class _StepObserver:
+  """The engine's observer in the engine process. It records no metrics
+  series: each step's record goes to the server's process, whose
+  ``serving.metrics.Metrics`` (the ``ProcessEngine``'s observer) records it,
+  as it does the requests' Final and Failed events."""
 
   def __init__(self, outbox: _Outbox):
     self.outbox = outbox

@@ -4,18 +4,19 @@ import http.client
 import json
 import os
 import pathlib
+import re
 import signal
 import subprocess
 import sys
 import time
 
 import grpc
+from grpc_health.v1 import health_pb2
 import pytest
 
 from serving import engine as E
 from serving.client import Client
 from serving.proto import generate_pb2 as pb
-from serving.proto import health_pb2
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -428,3 +429,35 @@ def test_serve_speculation_flags_reach_the_engine_config():
     cfg("--num-speculative-tokens", "4", "--speculative-patience", "-1")
   with pytest.raises(SystemExit, match="serve: .*prompt_lookup_max"):
     cfg("--num-speculative-tokens", "4", "--prompt-lookup-max", "1", "--prompt-lookup-min", "2")
+
+
+def test_help_lists_every_command_and_shows_the_defaults():
+  """``python -m serving --help`` names every command with its line;
+  each command's --help ends an option's help with its default."""
+  from serving import cli
+
+  def help_of(*args):
+    out = subprocess.run([sys.executable, "-m", "serving", *args, "--help"], cwd=ROOT,
+                         env={**os.environ, "COLUMNS": "1000"}, capture_output=True, text=True,
+                         timeout=120, check=True).stdout
+    entries = {}  # an option or command's first word -> its whole entry on one line
+    for line in out.splitlines():
+      if re.match(r" {2,4}\S", line):
+        key = line.split()[0]
+        entries[key] = " ".join(line.split())
+      elif line.startswith(" " * 6) and entries:
+        entries[key] += " " + " ".join(line.split())
+    return entries
+
+  top = help_of()
+  for name, line in cli.COMMANDS.items():
+    assert top.get(name) == f"{name} {line}", (name, top.get(name))
+  subcommands = next(a for a in cli.parser()._actions if a.dest == "cmd").choices
+  assert set(subcommands) == set(cli.COMMANDS)
+  serve = help_of("serve")
+  assert serve["--port"].endswith("(default: 50051)") and serve["--max-batch"].endswith(
+      "(default: 64)")
+  assert "(default: 256)" in serve["--default-max-tokens"]
+  generate = help_of("generate")
+  assert "(default: 127.0.0.1:50051)" in generate["--target"]
+  assert "--default-max-tokens" in generate["--max-tokens"]

@@ -31,13 +31,13 @@ import threading
 import time
 
 import grpc
+from grpc_health.v1 import health_pb2
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from serving import engine as E
 from serving.client import Client
 from serving.proto import generate_pb2 as pb
-from serving.proto import health_pb2
 from serving.service import Server
 
 from tests.serving.conftest import wait_for
@@ -427,6 +427,9 @@ def test_the_engine_process_dying_under_load_fails_its_requests_and_health(sig, 
         assert signal.Signals(sig).name in e.value.details()
       assert time.monotonic() - t0 < 5.0
       assert c.health() == NOT_SERVING
+      # The metrics still export, the failures counted, the dead engine's gauges left out.
+      assert server.metrics.sample("requests_finished_total", reason="error") >= 6
+      assert "kv_pages_total" not in server.metrics.render()
       t1 = time.monotonic()
       with pytest.raises(grpc.RpcError) as e:
         c.generate("a", max_tokens=2, timeout=10)

@@ -4,18 +4,18 @@ import threading
 import time
 
 import grpc
+from grpc_health.v1 import health_pb2
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from serving import engine as E
 from serving.proto import generate_pb2 as pb
-from serving.proto import health_pb2
-from serving.proto import reflection_v1_pb2, reflection_v1_pb2_grpc
 
 from tests.serving.conftest import running, wait_for
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 def _expected(last: str, n: int) -> str:
@@ -136,7 +136,7 @@ def test_logit_bias_moves_greedy_and_sampled_picks(counting):
   assert c.generate("a", max_tokens=3).text == "bcd"
 
 
-def test_tokenize_model_info_health_reflection(counting):
+def test_tokenize_model_info_health(counting):
   server, c = counting
   t = c.tokenize("hé", add_bos=True)
   assert list(t.token_ids) == [256, 104, 0xC3, 0xA9]
@@ -153,14 +153,59 @@ def test_tokenize_model_info_health_reflection(counting):
   with pytest.raises(grpc.RpcError) as e:
     c.health("nope")
   assert e.value.code() == grpc.StatusCode.NOT_FOUND
-  stub = reflection_v1_pb2_grpc.ServerReflectionStub(c.channel)
-  reqs = [reflection_v1_pb2.ServerReflectionRequest(list_services=""),
-          reflection_v1_pb2.ServerReflectionRequest(
-              file_containing_symbol="mosaic.serving.v1.TextGeneration")]
-  resps = list(stub.ServerReflectionInfo(iter(reqs)))
-  names = [s.name for s in resps[0].list_services_response.service]
-  assert "mosaic.serving.v1.TextGeneration" in names and "grpc.health.v1.Health" in names
-  assert resps[1].file_descriptor_response.file_descriptor_proto
+
+
+def test_health_watch_and_reflection_through_the_grpc_libraries():
+  """grpc.health.v1 through grpcio-health-checking's stubs: Check and List,
+  the server as a whole and the generate service, SERVING once warm; Watch
+  streams NOT_SERVING as the drain begins (a stream still running). The
+  services and their methods through grpcio-reflection's descriptor
+  database, as grpcurl would see them."""
+  from google.protobuf import descriptor_pool
+  from grpc_health.v1 import health_pb2_grpc
+  from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
+      ProtoReflectionDescriptorDatabase)
+
+  from serving.service import SERVICE_NAME
+
+  engine = E.tiny_engine(max_batch=2, step_delay=0.01)
+  with running(engine) as (server, c):
+    health = health_pb2_grpc.HealthStub(c.channel)
+    check = lambda service: health.Check(  # noqa: E731
+        health_pb2.HealthCheckRequest(service=service), timeout=10).status
+    assert check("") == check(SERVICE_NAME) == SERVING
+    with pytest.raises(grpc.RpcError) as e:
+      check("nope")
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND
+    listed = health.List(health_pb2.HealthListRequest(), timeout=10).statuses
+    assert {k: v.status for k, v in listed.items()} == {"": SERVING, SERVICE_NAME: SERVING}
+    watches = {s: health.Watch(health_pb2.HealthCheckRequest(service=s), timeout=60)
+               for s in ("", SERVICE_NAME, "nope")}
+    assert [next(w).status for w in watches.values()] == [
+        SERVING, SERVING, health_pb2.HealthCheckResponse.SERVICE_UNKNOWN]
+
+    db = ProtoReflectionDescriptorDatabase(c.channel)
+    services = db.get_services()
+    assert SERVICE_NAME in services and "grpc.health.v1.Health" in services, services
+    assert "grpc.reflection.v1alpha.ServerReflection" in services, services
+    svc = descriptor_pool.DescriptorPool(db).FindServiceByName(SERVICE_NAME)
+    methods = {m.name: m for m in svc.methods}
+    assert set(methods) == {"Generate", "GenerateStream", "Tokenize", "Detokenize", "ModelInfo"}
+    stream = methods["GenerateStream"]
+    assert stream.server_streaming and not stream.client_streaming
+    assert stream.input_type.full_name == "mosaic.serving.v1.GenerateRequest"
+    assert stream.output_type.full_name == "mosaic.serving.v1.GenerateStreamChunk"
+    assert "sampling" in stream.input_type.fields_by_name  # message types resolve too
+
+    s = c.stream("a", max_tokens=100, ignore_eos=True)  # 1 s at 0.01 s a step
+    next(s)
+    t = threading.Thread(target=server.drain_and_stop, args=(30,))
+    t.start()
+    assert next(watches[""]).status == next(watches[SERVICE_NAME]).status == NOT_SERVING
+    assert check("") == check(SERVICE_NAME) == NOT_SERVING  # while the stream still runs
+    assert list(s)[-1].final.usage.completion_tokens == 100
+    t.join(10)
+    assert not t.is_alive()
 
 
 @pytest.mark.parametrize("kw,match", [
@@ -269,7 +314,7 @@ def test_raw_garbage_bytes_get_a_status_not_a_crash(counting, caplog):
       method, request_serializer=lambda b: b, response_deserializer=lambda b: b)
   generate = raw("unary_unary", "/mosaic.serving.v1.TextGeneration/Generate")
   stream = raw("unary_stream", "/mosaic.serving.v1.TextGeneration/GenerateStream")
-  reflect = raw("stream_stream", "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo")
+  reflect = raw("stream_stream", "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo")
   # b"\xff\xfe" as the request's text (field 2), as reflection's host (field 1)
   calls = [(lambda j: generate(j, timeout=10), b"\x12\x02\xff\xfe"),
            (lambda j: list(stream(j, timeout=10)), b"\x12\x02\xff\xfe"),
@@ -359,7 +404,7 @@ def test_drain_refuses_new_requests_and_finishes_running():
     t = threading.Thread(target=server.drain_and_stop, args=(30,))
     t.start()
     wait_for(lambda: engine.stats().draining, what="draining")
-    assert c.health() == health_pb2.HealthCheckResponse.NOT_SERVING
+    assert c.health() == NOT_SERVING
     with pytest.raises(grpc.RpcError) as e:
       c.generate("a", max_tokens=2)
     assert e.value.code() == grpc.StatusCode.UNAVAILABLE
@@ -452,7 +497,7 @@ def test_an_engine_failure_fails_requests_and_health():
     with pytest.raises(grpc.RpcError) as e:
       c.generate("a", max_tokens=5)
     assert e.value.code() == grpc.StatusCode.INTERNAL and "device lost" in e.value.details()
-    assert c.health() == health_pb2.HealthCheckResponse.NOT_SERVING
+    assert c.health() == NOT_SERVING
     with pytest.raises(grpc.RpcError) as e:
       c.generate("a", max_tokens=5)
     assert e.value.code() == grpc.StatusCode.INTERNAL
@@ -577,8 +622,8 @@ def test_itl_counts_every_token_of_a_grouped_message():
   with running(E.tiny_engine(max_batch=4, stream_interval=4)) as (server, c):
     chunks = [ch for ch in c.stream("a", max_tokens=9) if ch.token_ids]
     later = sum(len(ch.token_ids) for ch in chunks[1:])
-    wait_for(lambda: server.metrics.itl.count == later, timeout=30,
-             what=f"{later} ITL samples")
+    samples = lambda: server.metrics.sample("inter_token_latency_seconds_count")  # noqa: E731
+    wait_for(lambda: samples() == later, timeout=30, what=f"{later} ITL samples")
   assert [len(ch.token_ids) for ch in chunks] in ([1, 4, 4], [5, 4], [1, 8], [9])
 
 
