@@ -369,8 +369,9 @@ class _OpenAI:
     self.engine, self.servicer = engine, servicer
     self._token = auth_token.encode() if auth_token else None
 
-  def authorize(self, request: fastapi.Request) -> None:
-    """``Authorization: Bearer <token>`` (the scheme in any case)."""
+  async def authorize(self, request: fastapi.Request) -> None:
+    """``Authorization: Bearer <token>`` (the scheme in any case). (async: FastAPI
+    runs a plain function's dependency on a worker thread)"""
     if self._token is None:
       return
     scheme, _, token = request.headers.get("authorization", "").strip().partition(" ")
