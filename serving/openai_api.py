@@ -60,8 +60,8 @@ from serving.openai_protocol import (
     APIError, AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
     ChatCompletionRequest, ChatCompletionResponse, ChatDelta, ChatLogprobs, ChatMessage,
     CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, ContentLogprob,
-    DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList, PromptLogprob, TokenizeRequest,
-    ResponseBody, TokenizeResponse, TopLogprob, Usage, is_ids, parse)
+    DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList, PromptLogprob, ResponseBody,
+    TokenizeRequest, TokenizeResponse, TopLogprob, Usage, is_ids, parse)
 
 log = logging.getLogger("serving.openai")
 
@@ -161,7 +161,7 @@ class _Call:
     self.engine, self.chat = engine, chat
     if req.model not in (None, "", engine.info.model_name):
       raise APIError(404, f"the model {req.model!r} does not exist; this server serves "
-                       f"{engine.info.model_name!r}", "not_found", "model")
+                     f"{engine.info.model_name!r}", "not_found", "model")
     # What would change the output's meaning is refused, not ignored.
     if chat and (req.tools and req.tool_choice != "none" or req.functions):
       raise APIError(400, "tool and function calling are not supported", param="tools")
@@ -169,7 +169,7 @@ class _Call:
       raise APIError(400, "suffix (insertion) is not supported", param="suffix")
     if not chat and req.best_of not in (None, 1, req.n):
       raise APIError(400, "best_of is not supported (n completions are returned as such)",
-                       param="best_of")
+                     param="best_of")
     if req.stream_options is not None and not req.stream:
       raise APIError(400, "stream_options needs stream: true", param="stream_options")
     sampling, self.per = sampling_from_json(req, chat)  # completions per prompt
@@ -188,7 +188,7 @@ class _Call:
     self.n = len(prompts) * self.per  # choice i * per + j: prompt i's completion j
     if self.n > MAX_COMPLETIONS:
       raise APIError(400, f"{len(prompts)} prompts x n={self.per}: at most "
-                       f"{MAX_COMPLETIONS} completions a call")
+                     f"{MAX_COMPLETIONS} completions a call")
     # Completions' echo: the prompt before each completion's text; with
     # logprobs, its tokens' logprobs before the completion's (lm-eval's
     # loglikelihood requests), which needs the server's prompt logprobs.
@@ -253,7 +253,7 @@ class _Call:
         if isinstance(ev, api.Final) and ev.reason == api.FinishReason.CANCELLED:
           # (the client's own going away ends the call above, _ClientGone)
           raise APIError(503, "the server shut down before the request finished "
-                           f"({ev.completion_tokens} tokens generated)", "unavailable")
+                         f"({ev.completion_tokens} tokens generated)", "unavailable")
         if isinstance(ev, api.Final) and ev.reason not in _FINISH:
           raise APIError(500, f"the request ended: {ev.reason.name.lower()}", "internal_error")
         yield i, ev
@@ -320,7 +320,7 @@ async def _read_body(request: fastapi.Request) -> bytes:
   READ_TIMEOUT_S; APIError otherwise, _ClientGone if the client went away."""
   if not _is_json(request.headers.get("content-type")):
     raise APIError(415, f"the body must be application/json, not "
-                     f"{request.headers['content-type']!r}", "unsupported_media_type")
+                   f"{request.headers['content-type']!r}", "unsupported_media_type")
   too_big = APIError(413, f"the body is over {MAX_BODY} bytes", "request_too_large")
   if int(request.headers.get("content-length") or 0) > MAX_BODY:  # (h11 checked it is a count)
     raise too_big
@@ -334,7 +334,7 @@ async def _read_body(request: fastapi.Request) -> bytes:
         parts.append(chunk)
   except TimeoutError:
     raise APIError(408, f"the body did not arrive within {READ_TIMEOUT_S:g} s",
-                     "timeout") from None
+                   "timeout") from None
   except ClientDisconnect:
     raise _ClientGone from None
   request.state.body_read = True
@@ -350,7 +350,7 @@ async def _until_disconnect(request: fastapi.Request, gone: threading.Event) -> 
   gone.set()
 
 
-def _error_response(request: fastapi.Request, e: APIError) -> JSONResponse:
+def _error_response(request: fastapi.Request, e: APIError) -> Response:
   headers = dict(e.headers or {})
   # An answer given before the request's body was read ends the connection
   # (the client may still be sending it).
@@ -378,7 +378,7 @@ class _OpenAI:
     if scheme.lower() != "bearer" or not hmac.compare_digest(
         token.strip().encode("utf-8", "surrogateescape"), self._token):
       raise APIError(401, "missing or wrong bearer token", "authentication_error",
-                       headers={"WWW-Authenticate": "Bearer"})
+                     headers={"WWW-Authenticate": "Bearer"})
 
   def _head(self, chat: bool) -> dict:
     return {"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex,
@@ -594,14 +594,14 @@ class _OpenAI:
       if req.messages is not None:
         if req.add_special_tokens:
           raise APIError(400, "add_special_tokens applies to a prompt: a chat's special "
-                           "tokens are its template's", param="add_special_tokens")
+                         "tokens are its template's", param="add_special_tokens")
         _, ids = self.engine.render_chat(
             _chat(req.messages),
             req.add_generation_prompt if req.add_generation_prompt is not None else True)
       else:
         if req.add_generation_prompt is not None:
           raise APIError(400, "add_generation_prompt applies to messages",
-                           param="add_generation_prompt")
+                         param="add_generation_prompt")
         _check_size("the text", len(req.prompt))
         add = req.add_special_tokens if req.add_special_tokens is not None else True
         ids = self.engine.tokenize(req.prompt, add_bos=add)
@@ -623,7 +623,7 @@ class _OpenAI:
   def _check_model(self, model: str | None) -> None:
     if model not in (None, "", self.engine.info.model_name):
       raise APIError(404, f"the model {model!r} does not exist; this server serves "
-                       f"{self.engine.info.model_name!r}", "not_found", "model")
+                     f"{self.engine.info.model_name!r}", "not_found", "model")
 
   def health(self) -> tuple[int, dict]:
     ok = getattr(self.engine, "error", None) is None and not self.engine.stats().draining

@@ -33,7 +33,6 @@ class APIError(Exception):
                                            code=self.status))
 
 
-
 # -- request bodies ------------------------------------------------------------------
 
 def is_ids(p) -> bool:
@@ -42,7 +41,7 @@ def is_ids(p) -> bool:
 
 
 class _Body(BaseModel):
-  model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+  model_config = ConfigDict(extra="forbid", strict=True)
 
 
 def _f(what: str, default=None, **kw):
@@ -177,7 +176,9 @@ class DetokenizeRequest(_Body):
 # -- response bodies -----------------------------------------------------------------
 
 class ResponseBody(BaseModel):
-  # A logprob of -inf is written as JSON's de-facto -Infinity, not null.
+  """A response object: its JSON has the fields it was given (a stream's
+  choice has no stop_reason until its last chunk), and a logprob of -inf is
+  JSON's de-facto -Infinity, not null."""
   model_config = ConfigDict(ser_json_inf_nan="constants")
 
   def json_bytes(self) -> bytes:
@@ -344,7 +345,10 @@ def parse(model: type[BaseModel], raw: bytes):
     err = e.errors(include_url=False)[0]
   kind, loc = err["type"], err["loc"]
   if kind == "json_invalid":
-    raise APIError(400, f"the body is not JSON: {err['ctx']['error']}")
+    why = err["ctx"]["error"]
+    if "escape" in why or "unicode" in why:  # (\ud800 alone is no character: no UTF-8 holds it)
+      why += " (JSON text is UTF-8: an escape of a lone surrogate is no character)"
+    raise APIError(400, f"the body is not JSON: {why}")
   if not loc:
     raise APIError(400, "the body must be a JSON object")
   name, where = str(loc[0]), _where(loc)
@@ -357,7 +361,7 @@ def parse(model: type[BaseModel], raw: bytes):
     if kind == "missing":
       raise APIError(400, f"{name} is required: {what}", param=name)
     raise APIError(400, f"{name}={_short(err['input'])} must be {what}"
-                     if what else f"{name}: {err['msg']}", param=name)
+                   if what else f"{name}: {err['msg']}", param=name)
   detail = (f"{where} is required" if kind == "missing" else
             f"{where}={_short(err['input'])}: {err['msg']}")
   raise APIError(400, f"{name} must be {what} ({detail})" if what else detail, param=where)
