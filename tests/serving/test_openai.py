@@ -226,9 +226,9 @@ def test_content_length_and_chunked_bodies(openai, head, body, status, match):
 
 
 def test_a_request_that_stops_arriving_is_408_or_closed(openai, monkeypatch):
-  """Fewer bytes than the Content-Length: the connection's thread waits
-  READ_TIMEOUT_S for the rest, then answers 408, and the server serves on;
-  a connection that sends no request is closed."""
+  """Fewer bytes than the Content-Length: the server waits READ_TIMEOUT_S
+  for the rest, then answers 408, and serves on; a connection that sends no
+  request, or part of a request head, is closed after READ_TIMEOUT_S."""
   from serving import openai_api
 
   monkeypatch.setattr(openai_api, "READ_TIMEOUT_S", 0.3)
@@ -240,6 +240,9 @@ def test_a_request_that_stops_arriving_is_408_or_closed(openai, monkeypatch):
   # A connection that sends nothing at all is closed after the timeout.
   with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
     assert s.recv(100) == b""  # (the server's close; a kept thread would time this out)
+  with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")  # (and no more)
+    assert s.recv(100) == b""
 
 
 def test_keep_alive_reuses_the_connection_and_closes_where_it_must(openai, monkeypatch):
