@@ -16,7 +16,7 @@ from typing import Any, Literal
 import pydantic
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-MAX_N = 64  # completions per prompt (serving.service.MAX_N, which imports this module)
+MAX_N = 64  # completions per prompt, as serving.service.MAX_N (that module imports this one)
 BAD_PROMPT = "a string, a list of token ids, or a list of either"
 
 
