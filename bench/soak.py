@@ -157,7 +157,7 @@ class Soak:
         return "ok" if self._text_ok(last, k, text) else "wrong_text"
       events = []
       while True:
-        line = r.fp.readline()
+        line = r.readline()  # (the body's chunks decoded)
         if not line:
           break
         if line.startswith(b"data: "):

@@ -4,43 +4,73 @@
 SGLang's OpenAI servers answer: ``POST /v1/completions``,
 ``POST /v1/chat/completions`` (server-sent events with ``"stream": true``),
 ``GET /v1/models``, ``POST /tokenize``, ``POST /detokenize``, ``GET /health`` and
-``GET /metrics``. A request's JSON becomes engine requests as a gRPC call's does (n completions, each seed derived from the
-request's; vLLM's extra sampling fields and structured outputs, OpenAI's
-``response_format``), and their events become OpenAI objects. Errors are
-OpenAI error objects: 400 for a bad request, 401 without the bearer token,
-429 when the queue is full, 503 while draining, 500 when the engine failed.
-With the server's TLS certificate, it speaks HTTPS only. Connections are
-HTTP/1.1 and kept alive between calls (a stream ends its own); one that
-sends nothing for READ_TIMEOUT_S is closed.
-A client that goes away (its connection closed, streaming or not) cancels
-its requests. Calls count as in progress for the server's drain, like gRPC
-calls.
+``GET /metrics``. The app is FastAPI's (routing, 405 for a wrong method);
+request and response bodies are pydantic models; uvicorn serves it (HTTP/1.1
+over h11, connections kept alive, HTTPS with the server's TLS certificate).
+
+A request's JSON becomes engine requests as a gRPC call's does (n
+completions, each seed derived from the request's; vLLM's extra sampling
+fields and structured outputs, OpenAI's ``response_format``), and their
+events become OpenAI objects. A field this server does not honour is refused
+with its name, never ignored. Errors are OpenAI error objects
+(``{"error": {"message", "type", "param", "code"}}``): 400 for a bad request
+(a lone surrogate in the JSON among them), 401 without the bearer token
+(``WWW-Authenticate: Bearer``), 404 for another model, 405 for a wrong
+method, 408 for a body that stops arriving (READ_TIMEOUT_S), 413 for one over
+MAX_BODY, 415 for a body that is not ``application/json`` (a body without a
+Content-Type is taken as JSON), 429 when the queue is full, 503 while
+draining, 500 when the engine failed. A prompt over the gRPC service's
+MAX_PROMPT_CHARS is refused before it is tokenized.
+
+The event loop only moves bytes: a generation call runs on a thread of its
+own (parsing, tokenizing, submitting, following the engine's events,
+building the JSON), which lives as long as the call; /tokenize, /detokenize,
+/health and /metrics run on the worker threads of anyio. A client that goes
+away (its connection closed, streaming or not) cancels its requests. Calls
+count as in progress for the server's drain, like gRPC calls; a drain that
+times out ends a stream with an error event and ``[DONE]``. A connection that
+sends no request for READ_TIMEOUT_S is closed.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
-import http.server
+import hmac
 import json
 import logging
 import pathlib
 import queue
-import select
 import socket
-import ssl
 import tempfile
+import threading
 import time
 import uuid
 
+import fastapi
+import uvicorn
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
 from serving.engine import api
+from serving.openai_protocol import (
+    APIError, AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
+    ChatCompletionRequest, ChatCompletionResponse, ChatDelta, ChatLogprobs, ChatMessage,
+    CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, ContentLogprob,
+    DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList, PromptLogprob, ResponseBody,
+    TokenizeRequest, TokenizeResponse, TopLogprob, Usage, is_ids, parse)
 
 log = logging.getLogger("serving.openai")
 
 MAX_BODY = 1 << 24
-# A client that stops sending its request (the request line, headers or a
-# body short of its Content-Length) holds its connection's thread no longer
-# than this at a time.
+# A request's body must arrive within this (else 408), and a connection that
+# sends no request head for this long (new, or idle between requests) is closed.
 READ_TIMEOUT_S = 30.0
+# How long a stopping server waits for responses still being sent.
+SHUTDOWN_GRACE_S = 2.0
 MAX_COMPLETIONS = 256  # prompts x n in one call
 _POLL_S = 0.05  # how often a call waiting for events checks its client is still there
 _FINISH = {api.FinishReason.LENGTH: "length", api.FinishReason.STOP: "stop",
@@ -51,163 +81,131 @@ _SAME = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequenc
          "truncate_prompt_tokens", "prompt_logprobs")
 
 
-_INTS = ("top_k", "seed", "min_tokens", "truncate_prompt_tokens", "prompt_logprobs",
-         "max_tokens", "max_completion_tokens", "n", "top_logprobs", "priority")
-_FLOATS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
-           "repetition_penalty")
-_BOOLS = ("ignore_eos", "include_stop_str_in_output", "echo", "stream",
-          "add_generation_prompt", "add_special_tokens")
-
-
-def _is_int(v) -> bool:
-  return isinstance(v, int) and not isinstance(v, bool)  # JSON's true is no count
-
-
-def _check_types(body: dict, chat: bool) -> None:
-  """JSON types of the known fields, checked before anything uses them: the
-  engine's own checks assume the types a proto guarantees."""
-  def bad(name, what):
-    raise _HTTPError(400, f"{name}={body[name]!r} must be {what}")
-
-  for k in _INTS + (() if chat else ("logprobs",)):
-    if body.get(k) is not None and not _is_int(body[k]):
-      bad(k, "an integer")
-  for k in _FLOATS:
-    if body.get(k) is not None and not (_is_int(body[k]) or isinstance(body[k], float)):
-      bad(k, "a number")
-  for k in _BOOLS + (("logprobs",) if chat else ()):
-    if body.get(k) is not None and not isinstance(body[k], bool):
-      bad(k, "true or false")
-  stop = body.get("stop")
-  if stop is not None and not isinstance(stop, str) and not (
-      isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
-    bad("stop", "a string or a list of strings")
-  for k in ("stop_token_ids", "allowed_token_ids"):
-    v = body.get(k)
-    if v is not None and not (isinstance(v, list) and all(_is_int(t) for t in v)):
-      bad(k, "a list of integers")
-  lb = body.get("logit_bias")
-  if lb is not None and not (isinstance(lb, dict) and all(
-      isinstance(t, str) and t.lstrip("-").isdigit() and (_is_int(b) or isinstance(b, float))
-      for t, b in lb.items())):
-    bad("logit_bias", "an object of token id -> number")
+def _service():
+  """serving.service (which imports this module first)."""
+  from serving import service
+  return service
 
 
 class _ClientGone(Exception):
   """The client closed its connection: its requests were cancelled."""
 
 
-class _HTTPError(Exception):
+# -- requests to the engine ------------------------------------------------------------
 
-  def __init__(self, status: int, message: str, kind: str = "invalid_request_error"):
-    super().__init__(message)
-    self.status, self.kind = status, kind
-
-
-def _structured(body: dict) -> api.StructuredOutputs | None:
+def _structured(req: CompletionRequest | ChatCompletionRequest) -> api.StructuredOutputs | None:
   """vLLM's structured_outputs / guided_* fields, or OpenAI's response_format."""
-  so = dict(body.get("structured_outputs") or {})
+  so = req.structured_outputs.model_dump(by_alias=True, exclude_none=True) if (
+      req.structured_outputs is not None) else {}
   for k in ("json", "regex", "choice", "grammar"):
-    if body.get(f"guided_{k}") is not None:
-      so[k] = body[f"guided_{k}"]
-  rf = body.get("response_format") or {}
-  if rf.get("type") == "json_object":
+    if getattr(req, f"guided_{k}") is not None:
+      so[k] = getattr(req, f"guided_{k}")
+  rf = req.response_format
+  if rf is not None and rf.type == "json_object":
     so["json_object"] = True
-  elif rf.get("type") == "json_schema":
-    so["json"] = (rf.get("json_schema") or {}).get("schema", {})
-  elif rf.get("type") not in (None, "text"):
-    raise _HTTPError(400, f"response_format type {rf.get('type')!r}: one of text, "
-                     "json_object, json_schema")
+  elif rf is not None and rf.type == "json_schema":
+    so["json"] = rf.json_schema.schema_ if rf.json_schema is not None else {}
   if not so:
     return None
   if "json" in so and not isinstance(so["json"], str):
     so["json"] = json.dumps(so["json"])
   if "choice" in so:
     so["choice"] = tuple(so["choice"])
-  unknown = set(so) - {"json", "regex", "choice", "grammar", "json_object"}
-  if unknown:
-    raise _HTTPError(400, f"structured_outputs: unknown fields {sorted(unknown)}")
   return api.StructuredOutputs(**so)
 
 
-def sampling_from_json(body: dict, chat: bool) -> tuple[api.SamplingParams, int]:
+def sampling_from_json(req: CompletionRequest | ChatCompletionRequest,
+                       chat: bool) -> tuple[api.SamplingParams, int]:
   """(SamplingParams, n) from an OpenAI request body; OpenAI's defaults
   (temperature 1, 16 tokens for completions, the context for chat)."""
-  _check_types(body, chat)
-  kw = {k: body[k] for k in _SAME if body.get(k) is not None}
+  kw = {k: getattr(req, k) for k in _SAME if getattr(req, k) is not None}
   kw.setdefault("temperature", 1.0)
-  max_tokens = body.get("max_completion_tokens") if chat else None
-  max_tokens = max_tokens if max_tokens is not None else body.get("max_tokens")
+  max_tokens = req.max_completion_tokens if chat else None
+  max_tokens = max_tokens if max_tokens is not None else req.max_tokens
   if max_tokens is None and not chat:
     max_tokens = 16  # OpenAI's completions default
   kw["max_tokens"] = max_tokens
-  stop = body.get("stop")
-  kw["stop"] = (stop,) if isinstance(stop, str) else tuple(stop or ())
-  kw["stop_token_ids"] = tuple(body.get("stop_token_ids") or ())
-  kw["allowed_token_ids"] = tuple(body.get("allowed_token_ids") or ())
-  kw["logit_bias"] = tuple(sorted((int(t), b) for t, b in (body.get("logit_bias") or {}).items()))
-  lp = body.get("logprobs")
+  kw["stop"] = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+  kw["stop_token_ids"] = tuple(req.stop_token_ids or ())
+  kw["allowed_token_ids"] = tuple(req.allowed_token_ids or ())
+  kw["logit_bias"] = tuple(sorted((int(t), b) for t, b in (req.logit_bias or {}).items()))
   if chat:
-    if lp:
-      kw["logprobs"], kw["top_logprobs"] = True, int(body.get("top_logprobs") or 0)
-  elif lp is not None:  # completions: logprobs is the number of alternatives
-    kw["logprobs"], kw["top_logprobs"] = True, int(lp)
-  kw["structured"] = _structured(body)
-  n = body.get("n", 1)
-  if not isinstance(n, int) or not 1 <= n <= 64:
-    raise _HTTPError(400, f"n={n!r} must be an integer in [1, 64]")
-  return api.SamplingParams(**kw), n
+    if req.top_logprobs is not None and not req.logprobs:
+      raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+    if req.logprobs:
+      kw["logprobs"], kw["top_logprobs"] = True, req.top_logprobs or 0
+  elif req.logprobs is not None:  # completions: logprobs is the number of alternatives
+    kw["logprobs"], kw["top_logprobs"] = True, req.logprobs
+  kw["structured"] = _structured(req)
+  return api.SamplingParams(**kw), req.n
+
+
+def _check_size(what: str, chars: int) -> None:
+  """The gRPC service's rule, before anything is tokenized."""
+  most = _service().MAX_PROMPT_CHARS
+  if chars > most:
+    raise APIError(400, f"{what} has {chars} chars; at most {most}")
+
+
+def _chat(messages: list[ChatMessage]) -> tuple[tuple[str, str], ...]:
+  out = tuple((m.role, m.text()) for m in messages)
+  _check_size("the chat", sum(len(r) + len(c) for r, c in out))
+  return out
 
 
 class _Call:
   """One HTTP call's engine requests and their merged events."""
 
-  def __init__(self, engine, body: dict, chat: bool):
-    from serving.service import Events, completion_params
-
+  def __init__(self, engine, req: CompletionRequest | ChatCompletionRequest, chat: bool):
+    service = _service()
     self.engine, self.chat = engine, chat
-    model = body.get("model")
-    if model not in (None, "", engine.info.model_name):
-      raise _HTTPError(404, f"the model {model!r} does not exist; this server serves "
-                       f"{engine.info.model_name!r}", "not_found")
+    if req.model not in (None, "", engine.info.model_name):
+      raise APIError(404, f"the model {req.model!r} does not exist; this server serves "
+                     f"{engine.info.model_name!r}", "not_found", "model")
     # What would change the output's meaning is refused, not ignored.
-    if body.get("tools") and body.get("tool_choice") != "none" or body.get("functions"):
-      raise _HTTPError(400, "tool and function calling are not supported")
-    if body.get("suffix"):
-      raise _HTTPError(400, "suffix (insertion) is not supported")
-    if body.get("best_of") not in (None, 1, body.get("n", 1)):
-      raise _HTTPError(400, "best_of is not supported (n completions are returned as such)")
-    sampling, self.per = sampling_from_json(body, chat)  # completions per prompt
+    if chat and (req.tools and req.tool_choice != "none" or req.functions):
+      raise APIError(400, "tool and function calling are not supported", param="tools")
+    if not chat and req.suffix:
+      raise APIError(400, "suffix (insertion) is not supported", param="suffix")
+    if not chat and req.best_of not in (None, 1, req.n):
+      raise APIError(400, "best_of is not supported (n completions are returned as such)",
+                     param="best_of")
+    if req.stream_options is not None and not req.stream:
+      raise APIError(400, "stream_options needs stream: true", param="stream_options")
+    sampling, self.per = sampling_from_json(req, chat)  # completions per prompt
     if chat:
-      msgs = body.get("messages")
-      if not isinstance(msgs, list) or not msgs:
-        raise _HTTPError(400, "messages: a non-empty list of {role, content}")
-      prompts = [{"messages": tuple((m["role"], _content(m.get("content"))) for m in msgs),
-                  "add_generation_prompt": bool(body.get("add_generation_prompt", True))}]
+      prompts = [{"messages": _chat(req.messages),
+                  "add_generation_prompt": req.add_generation_prompt}]
     else:
-      prompts = [_prompt(p) for p in _prompt_list(body.get("prompt"))]
+      given = [req.prompt] if isinstance(req.prompt, str) or is_ids(req.prompt) else req.prompt
+      prompts = []
+      for i, p in enumerate(given):
+        if isinstance(p, str):
+          _check_size("the prompt text" if len(given) == 1 else f"prompt {i}", len(p))
+          prompts.append({"prompt_text": p, "add_bos": req.add_special_tokens})
+        else:
+          prompts.append({"prompt_ids": p})
     self.n = len(prompts) * self.per  # choice i * per + j: prompt i's completion j
     if self.n > MAX_COMPLETIONS:
-      raise _HTTPError(400, f"{len(prompts)} prompts x n={self.per}: at most "
-                       f"{MAX_COMPLETIONS} completions a call")
+      raise APIError(400, f"{len(prompts)} prompts x n={self.per}: at most "
+                     f"{MAX_COMPLETIONS} completions a call")
     # Completions' echo: the prompt before each completion's text; with
     # logprobs, its tokens' logprobs before the completion's (lm-eval's
     # loglikelihood requests), which needs the server's prompt logprobs.
-    echo = bool(body.get("echo")) and not chat
+    echo = not chat and req.echo
     self.echo = [self._text(p) if echo else "" for p in prompts]
     self.echo_first = [self._first_id(p) if echo else None for p in prompts]
     if echo and sampling.logprobs:
       sampling = dataclasses.replace(sampling, prompt_logprobs=sampling.top_logprobs)
-    priority = int(body.get("priority") or 0)
     self.keys, requests = [], []
     for prompt in prompts:
       for j in range(self.per):
         self.keys.append(uuid.uuid4().hex)
         requests.append(api.Request(
-            request_id=self.keys[-1], sampling=completion_params(sampling, j),
-            priority=priority, **prompt))
+            request_id=self.keys[-1], sampling=service.completion_params(sampling, j),
+            priority=req.priority or 0, **prompt))
     # One admission decision for the call's completions: all or none.
-    self.events = Events(engine.submit_all(requests))
+    self.events = service.Events(self.engine.submit_all(requests))
 
   def _text(self, prompt: dict) -> str:
     if "prompt_text" in prompt:
@@ -219,7 +217,10 @@ class _Call:
     """The prompt's first token, which has no logprob (the engine's BOS rule)."""
     if "prompt_ids" in prompt:
       return prompt["prompt_ids"][0]
-    return self.engine.tokenize(prompt["prompt_text"], add_bos=True)[0]
+    ids = self.engine.tokenize(prompt["prompt_text"], add_bos=prompt["add_bos"])
+    if not ids:
+      raise APIError(400, "the prompt is empty")
+    return ids[0]
 
   def prompt_of(self, i: int) -> int:
     return i // self.per
@@ -247,51 +248,18 @@ class _Call:
           continue
         if isinstance(ev, api.Failed):
           if ev.invalid:
-            raise _HTTPError(400, ev.message)
-          raise _HTTPError(500, ev.message, "internal_error")
+            raise APIError(400, ev.message)
+          raise APIError(500, ev.message, "internal_error")
         if isinstance(ev, api.Final) and ev.reason == api.FinishReason.CANCELLED:
           # (the client's own going away ends the call above, _ClientGone)
-          raise _HTTPError(503, "the server shut down before the request finished "
-                           f"({ev.completion_tokens} tokens generated)", "unavailable")
+          raise APIError(503, "the server shut down before the request finished "
+                         f"({ev.completion_tokens} tokens generated)", "unavailable")
         if isinstance(ev, api.Final) and ev.reason not in _FINISH:
-          raise _HTTPError(500, f"the request ended: {ev.reason.name.lower()}", "internal_error")
+          raise APIError(500, f"the request ended: {ev.reason.name.lower()}", "internal_error")
         yield i, ev
         finals += isinstance(ev, api.Final)
     finally:
       self.events.close()
-
-
-_BAD_PROMPT = "prompt: a string, a list of token ids, or a list of either"
-
-
-def _is_ids(p) -> bool:
-  return isinstance(p, list) and bool(p) and all(_is_int(t) for t in p)
-
-
-def _prompt_list(p) -> list:
-  """OpenAI's prompt: a string, token ids, or a list of either."""
-  if isinstance(p, str) or _is_ids(p):
-    return [p]
-  if isinstance(p, list) and p:
-    return p
-  raise _HTTPError(400, _BAD_PROMPT)
-
-
-def _prompt(p) -> dict:
-  if isinstance(p, str):
-    return {"prompt_text": p}
-  if _is_ids(p):
-    return {"prompt_ids": p}
-  raise _HTTPError(400, _BAD_PROMPT)
-
-
-def _content(c) -> str:
-  """A message's content: a string, or OpenAI's list of text parts."""
-  if isinstance(c, str):
-    return c
-  if isinstance(c, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in c):
-    return "".join(p.get("text", "") for p in c)
-  raise _HTTPError(400, "message content: a string or a list of text parts")
 
 
 def _logprobs(engine, lps: list[api.TokenLogprob], chat: bool):
@@ -302,366 +270,515 @@ def _logprobs(engine, lps: list[api.TokenLogprob], chat: bool):
   names = iter(pieces[len(lps):])
   tops = [[(next(names), v) for _, v in x.top] for x in lps]
   if chat:
-    return {"content": [{"token": pieces[j], "logprob": x.logprob,
-                         "bytes": list(pieces[j].encode()),
-                         "top_logprobs": [{"token": t, "logprob": v, "bytes": list(t.encode())}
-                                          for t, v in tops[j]]}
-                        for j, x in enumerate(lps)]}
-  return {"tokens": pieces[:len(lps)], "token_logprobs": [x.logprob for x in lps],
-          "top_logprobs": [dict(t) for t in tops]}
+    return ChatLogprobs(content=[
+        ContentLogprob(token=pieces[j], logprob=x.logprob, bytes=list(pieces[j].encode()),
+                       top_logprobs=[TopLogprob(token=t, logprob=v, bytes=list(t.encode()))
+                                     for t, v in tops[j]])
+        for j, x in enumerate(lps)])
+  return CompletionLogprobs(tokens=pieces[:len(lps)], token_logprobs=[x.logprob for x in lps],
+                            top_logprobs=[dict(t) for t in tops])
 
 
-def _echo_logprobs(engine, first: int, scored, completion: dict | None) -> dict:
+def _echo_logprobs(engine, first: int, scored,
+                   completion: CompletionLogprobs | None) -> CompletionLogprobs:
   """Completions' logprobs with echo: the prompt's tokens first (the first
   one has none), then the completion's, as OpenAI's legacy API gives them."""
   ids = [first] + [x.token_id for x in scored]
   pieces = engine.token_pieces(ids + [t for x in scored for t, _ in x.top])
   names = iter(pieces[len(ids):])
-  out = {"tokens": pieces[:len(ids)], "token_logprobs": [None] + [x.logprob for x in scored],
-         "top_logprobs": [None] + [{next(names): v for _, v in x.top} for x in scored]}
-  for k in out if completion else ():
-    out[k] += completion[k]
+  out = CompletionLogprobs(
+      tokens=pieces[:len(ids)], token_logprobs=[None] + [x.logprob for x in scored],
+      top_logprobs=[None] + [{next(names): v for _, v in x.top} for x in scored])
+  if completion is not None:
+    out.tokens += completion.tokens
+    out.token_logprobs += completion.token_logprobs
+    out.top_logprobs += completion.top_logprobs
   return out
 
 
-def _usage(finals: list[api.Final], per: int) -> dict:
+def _usage(finals: list[api.Final], per: int) -> Usage:
   prompt = sum(f.prompt_tokens for f in finals[::per])  # each prompt once
   done = sum(f.completion_tokens for f in finals)
-  return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
+  return Usage(prompt_tokens=prompt, completion_tokens=done, total_tokens=prompt + done)
 
 
-def _choice_end(f: api.Final) -> dict:
-  return {"finish_reason": _FINISH[f.reason], "stop_reason": f.stop_reason}
+def _sse(obj: ResponseBody | bytes) -> bytes:
+  return b"data: " + (obj if isinstance(obj, bytes) else obj.json_bytes()) + b"\n\n"
 
 
-def _tls_context(cert: bytes, key: bytes) -> ssl.SSLContext:
-  ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-  with tempfile.TemporaryDirectory() as d:  # a directory only its owner reads
-    c, k = pathlib.Path(d, "cert.pem"), pathlib.Path(d, "key.pem")
-    c.write_bytes(cert)
-    k.write_bytes(key)
-    ctx.load_cert_chain(c, k)
-  return ctx
+_DONE = _sse(b"[DONE]")
+
+
+# -- the app ---------------------------------------------------------------------------
+
+def _is_json(content_type: str | None) -> bool:
+  return content_type is None or content_type.split(";")[0].strip().lower() == "application/json"
+
+
+async def _read_body(request: fastapi.Request) -> bytes:
+  """The request's JSON body, at most MAX_BODY bytes, arriving within
+  READ_TIMEOUT_S; APIError otherwise, _ClientGone if the client went away."""
+  if not _is_json(request.headers.get("content-type")):
+    raise APIError(415, f"the body must be application/json, not "
+                   f"{request.headers['content-type']!r}", "unsupported_media_type")
+  too_big = APIError(413, f"the body is over {MAX_BODY} bytes", "request_too_large")
+  if int(request.headers.get("content-length") or 0) > MAX_BODY:  # (h11 checked it is a count)
+    raise too_big
+  parts, total = [], 0
+  try:
+    async with asyncio.timeout(READ_TIMEOUT_S):
+      async for chunk in request.stream():
+        total += len(chunk)
+        if total > MAX_BODY:
+          raise too_big
+        parts.append(chunk)
+  except TimeoutError:
+    raise APIError(408, f"the body did not arrive within {READ_TIMEOUT_S:g} s",
+                   "timeout") from None
+  except ClientDisconnect:
+    raise _ClientGone from None
+  request.state.body_read = True
+  if not total:
+    raise APIError(400, f"the body must be JSON of 1..{MAX_BODY} bytes")
+  return b"".join(parts)
+
+
+async def _until_disconnect(request: fastapi.Request, gone: threading.Event) -> None:
+  """Sets ``gone`` once the client closes its connection (after its body was read)."""
+  while (await request.receive())["type"] != "http.disconnect":
+    pass
+  gone.set()
+
+
+def _error_response(request: fastapi.Request, e: APIError) -> Response:
+  headers = dict(e.headers or {})
+  # An answer given before the request's body was read ends the connection
+  # (the client may still be sending it).
+  if not getattr(request.state, "body_read", False) and (
+      request.headers.get("content-length", "0") != "0"
+      or "transfer-encoding" in request.headers):
+    headers["Connection"] = "close"
+  return Response(e.response().json_bytes(), status_code=e.status, headers=headers,
+                  media_type="application/json")
+
+
+class _OpenAI:
+  """The routes' work, over one engine and the gRPC servicer (drain, metrics)."""
+
+  def __init__(self, engine: api.Engine, servicer, auth_token: str | None):
+    self.engine, self.servicer = engine, servicer
+    self._token = auth_token.encode() if auth_token else None
+
+  async def authorize(self, request: fastapi.Request) -> None:
+    """``Authorization: Bearer <token>`` (the scheme in any case). (async: FastAPI
+    runs a plain function's dependency on a worker thread)"""
+    if self._token is None:
+      return
+    scheme, _, token = request.headers.get("authorization", "").strip().partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(
+        token.strip().encode("utf-8", "surrogateescape"), self._token):
+      raise APIError(401, "missing or wrong bearer token", "authentication_error",
+                     headers={"WWW-Authenticate": "Bearer"})
+
+  def _head(self, chat: bool) -> dict:
+    return {"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex,
+            "created": int(time.time()), "model": self.engine.info.model_name}
+
+  # -- a generation call, on its own thread
+
+  async def generate(self, request: fastapi.Request, chat: bool) -> Response:
+    """The call's thread parses, submits and follows; the loop relays what it
+    hands over: ("error", APIError) | ("json", bytes) | ("gone", None) |
+    ("stream", None), then ("data", bytes)... and ("end", None) or ("error", e)."""
+    in_progress = self.servicer.call_in_progress()
+    in_progress.__enter__()  # (left by the call's thread, or here if it never starts)
+    started = False
+    try:
+      raw = await _read_body(request)
+      loop, relay, gone = asyncio.get_running_loop(), asyncio.Queue(), threading.Event()
+
+      def put(item) -> None:
+        try:
+          loop.call_soon_threadsafe(relay.put_nowait, item)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+          gone.set()
+
+      threading.Thread(target=self._run, args=(raw, chat, put, gone, in_progress),
+                       name="openai-call", daemon=True).start()
+      started = True
+    finally:
+      if not started:
+        in_progress.__exit__(None, None, None)
+    watch = asyncio.ensure_future(_until_disconnect(request, gone))
+    streaming = False
+    try:
+      kind, item = await relay.get()
+      if kind == "error":
+        return _error_response(request, item)
+      if kind == "json":
+        return Response(item, media_type="application/json")
+      if kind == "gone":
+        return Response(status_code=499)  # (nobody reads it)
+      streaming = True
+      return StreamingResponse(self._relay(relay, gone, watch), headers={
+          "Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    finally:
+      if not streaming:
+        gone.set()  # (a call ended: no effect; a handler cancelled: its requests end)
+        watch.cancel()
+
+  @staticmethod
+  async def _relay(relay: asyncio.Queue, gone: threading.Event, watch: asyncio.Future):
+    """A stream's bytes as its thread hands them over; what is queued goes out at once."""
+    try:
+      while True:
+        items = [await relay.get()]
+        while not relay.empty():
+          items.append(relay.get_nowait())
+        data = b"".join(item for kind, item in items if kind == "data")
+        kind, item = items[-1]
+        if kind == "error":  # after the headers: an error event, then the stream's end
+          data += _sse(item.response()) + _DONE
+        if data:
+          yield data
+        if kind != "data":
+          return
+    finally:
+      gone.set()  # (the client went away: the thread cancels its requests)
+      watch.cancel()
+
+  def _run(self, raw: bytes, chat: bool, put, gone: threading.Event, in_progress) -> None:
+    try:
+      try:
+        call, req = self._submit(raw, chat)
+      except APIError as e:
+        put(("error", e))
+        return
+      if req.stream:
+        put(("stream", None))
+        include_usage = req.stream_options is not None and req.stream_options.include_usage
+        for data in self._stream(call, chat, include_usage, gone):
+          put(("data", data))
+        put(("end", None))
+      else:
+        put(("json", self._whole(call, chat, gone)))
+    except _ClientGone:
+      log.info("client went away: its requests were cancelled")
+      put(("gone", None))
+    except APIError as e:
+      put(("error", e))
+    except BaseException as e:  # our bug: the client gets a 500 (or an error event)
+      log.exception("an OpenAI call failed")
+      put(("error", APIError(500, f"internal error: {e!r}", "internal_error")))
+    finally:
+      in_progress.__exit__(None, None, None)
+
+  def _submit(self, raw: bytes, chat: bool):
+    """(the call, its request), its engine requests submitted; a refusal
+    counts as a refused gRPC call does (requests_rejected_total)."""
+    req = None
+    try:
+      try:
+        req = parse(ChatCompletionRequest if chat else CompletionRequest, raw)
+        return _Call(self.engine, req, chat), req
+      except api.InvalidRequest as e:
+        raise APIError(400, str(e)) from None
+      except (TypeError, ValueError, KeyError, AttributeError) as e:  # a field's wrong value
+        raise APIError(400, f"bad request field: {e!r}") from None
+      except api.QueueFull as e:
+        raise APIError(429, str(e), "rate_limit_error") from None
+      except api.Draining as e:
+        raise APIError(503, str(e), "unavailable") from None
+      except api.EngineFailed as e:
+        raise APIError(500, str(e), "internal_error") from None
+    except APIError as e:
+      if e.status != 500 and (req is not None or e.param is not None):  # (not a body's JSON)
+        self.servicer.metrics.rejected.inc()
+      raise
+
+  def _whole(self, call: _Call, chat: bool, gone: threading.Event) -> bytes:
+    engine = self.engine
+    text = [[] for _ in range(call.n)]
+    lps = [[] for _ in range(call.n)]
+    finals: list[api.Final | None] = [None] * call.n
+    try:
+      for i, ev in call.follow(gone.is_set):
+        if isinstance(ev, api.Delta):
+          text[i].append(ev.text)
+          lps[i] += ev.logprobs
+        else:
+          finals[i] = ev
+    except BaseException:
+      call.cancel()
+      raise
+    choices = []
+    for i, f in enumerate(finals):
+      p = call.prompt_of(i)
+      c = {"index": i, "logprobs": _logprobs(engine, lps[i], chat),
+           "finish_reason": _FINISH[f.reason], "stop_reason": f.stop_reason}
+      if chat:
+        c["message"] = AssistantMessage(role="assistant", content="".join(text[i]))
+      else:
+        c["text"] = call.echo[p] + "".join(text[i])
+        scored = finals[p * call.per].prompt_logprobs  # the prompt's completion 0 has them
+        if call.echo_first[p] is not None and scored:
+          c["logprobs"] = _echo_logprobs(engine, call.echo_first[p], scored, c["logprobs"])
+      if i % call.per == 0 and f.prompt_logprobs:
+        c["prompt_logprobs"] = [PromptLogprob(token_id=x.token_id, logprob=x.logprob)
+                                for x in f.prompt_logprobs]
+      choices.append((ChatChoice if chat else CompletionChoice)(**c))
+    usage = _usage(finals, call.per)
+    if chat:
+      return ChatCompletionResponse(**self._head(chat), object="chat.completion",
+                                    choices=choices, usage=usage).json_bytes()
+    return CompletionResponse(**self._head(chat), object="text_completion", choices=choices,
+                              usage=usage).json_bytes()
+
+  def _stream(self, call: _Call, chat: bool, include_usage: bool, gone: threading.Event):
+    """The stream's events as bytes: an APIError after the start is an
+    error event, then [DONE]."""
+    engine, head = self.engine, self._head(chat)
+
+    def chunk(choice=None, usage=None) -> bytes:
+      choices = [] if choice is None else [choice]
+      if chat:
+        out = ChatCompletionChunk(**head, object="chat.completion.chunk", choices=choices)
+      else:
+        out = CompletionResponse(**head, object="text_completion", choices=choices)
+      if usage is not None:
+        out.usage = usage
+      return _sse(out)
+
+    def choice(i, **kw):
+      return ChatChunkChoice(index=i, **kw) if chat else CompletionChoice(index=i, **kw)
+
+    finals: list[api.Final | None] = [None] * call.n
+    try:
+      for i in range(call.n):  # chat: the role first; completions: the echo, if asked
+        if chat:
+          yield chunk(choice(i, delta=ChatDelta(role="assistant", content=""), logprobs=None,
+                             finish_reason=None))
+        elif call.echo[call.prompt_of(i)]:
+          yield chunk(choice(i, text=call.echo[call.prompt_of(i)], logprobs=None,
+                             finish_reason=None))
+      for i, ev in call.follow(gone.is_set):
+        if isinstance(ev, api.Delta):
+          lp = _logprobs(engine, list(ev.logprobs), chat)
+          c = (choice(i, delta=ChatDelta(content=ev.text), logprobs=lp, finish_reason=None)
+               if chat else choice(i, text=ev.text, logprobs=lp, finish_reason=None))
+        else:
+          finals[i] = ev
+          end = {"logprobs": None, "finish_reason": _FINISH[ev.reason],
+                 "stop_reason": ev.stop_reason}
+          c = choice(i, delta=ChatDelta(), **end) if chat else choice(i, text="", **end)
+        yield chunk(c)
+      if include_usage:
+        yield chunk(usage=_usage(finals, call.per))
+      yield _DONE
+    except APIError as e:
+      call.cancel()  # (the call's other completions)
+      yield _sse(e.response()) + _DONE
+    except BaseException:
+      call.cancel()
+      raise
+
+  # -- the other routes (on anyio's worker threads)
+
+  def tokenize(self, raw: bytes) -> bytes:
+    """vLLM's /tokenize: a prompt's tokens, or a chat's as a chat prompt has them."""
+    req = parse(TokenizeRequest, raw)
+    self._check_model(req.model)
+    try:
+      if (req.prompt is None) == (req.messages is None):
+        raise APIError(400, "give a prompt (string) or messages, one of them")
+      if req.messages is not None:
+        if req.add_special_tokens:
+          raise APIError(400, "add_special_tokens applies to a prompt: a chat's special "
+                         "tokens are its template's", param="add_special_tokens")
+        _, ids = self.engine.render_chat(
+            _chat(req.messages),
+            req.add_generation_prompt if req.add_generation_prompt is not None else True)
+      else:
+        if req.add_generation_prompt is not None:
+          raise APIError(400, "add_generation_prompt applies to messages",
+                         param="add_generation_prompt")
+        _check_size("the text", len(req.prompt))
+        add = req.add_special_tokens if req.add_special_tokens is not None else True
+        ids = self.engine.tokenize(req.prompt, add_bos=add)
+    except api.InvalidRequest as e:
+      raise APIError(400, str(e)) from None
+    return TokenizeResponse(count=len(ids), max_model_len=self.engine.info.max_context,
+                            tokens=ids).json_bytes()
+
+  def detokenize(self, raw: bytes) -> bytes:
+    """vLLM's /detokenize: the text of a list of token ids."""
+    req = parse(DetokenizeRequest, raw)
+    self._check_model(req.model)
+    _check_size(f"{len(req.tokens)} token ids", len(req.tokens))
+    try:
+      return DetokenizeResponse(prompt=self.engine.detokenize(req.tokens)).json_bytes()
+    except api.InvalidRequest as e:
+      raise APIError(400, str(e)) from None
+
+  def _check_model(self, model: str | None) -> None:
+    if model not in (None, "", self.engine.info.model_name):
+      raise APIError(404, f"the model {model!r} does not exist; this server serves "
+                     f"{self.engine.info.model_name!r}", "not_found", "model")
+
+  def health(self) -> tuple[int, dict]:
+    ok = getattr(self.engine, "error", None) is None and not self.engine.stats().draining
+    return (200, {"status": "ok"}) if ok else (503, {"status": "unavailable"})
+
+  def models(self) -> bytes:
+    i = self.engine.info
+    return ModelList(object="list", data=[ModelCard(
+        id=i.model_name, object="model", created=0, owned_by="mosaic-serve",
+        max_model_len=i.max_context)]).json_bytes()
+
+
+def app(engine: api.Engine, servicer, auth_token: str | None = None) -> fastapi.FastAPI:
+  """The OpenAI routes as a FastAPI app (ASGI)."""
+  o = _OpenAI(engine, servicer, auth_token)
+  # (no /docs or /openapi.json: the routes below are all it serves)
+  a = fastapi.FastAPI(title="mosaic-serve", docs_url=None, redoc_url=None, openapi_url=None,
+                      redirect_slashes=False)
+  auth = [fastapi.Depends(o.authorize)]
+
+  @a.exception_handler(APIError)
+  async def _http_error(request: fastapi.Request, e: APIError):
+    return _error_response(request, e)
+
+  @a.exception_handler(_ClientGone)
+  async def _gone(request: fastapi.Request, e: _ClientGone):
+    return Response(status_code=499)  # (nobody reads it)
+
+  @a.exception_handler(StarletteHTTPException)
+  async def _routing_error(request: fastapi.Request, e: StarletteHTTPException):
+    if e.status_code == 404:
+      message, kind = f"no route {request.url.path}", "not_found"
+    elif e.status_code == 405:
+      message = (f"{request.method} is not allowed on {request.url.path} (allowed: "
+                 f"{(e.headers or {}).get('Allow', '')})")
+      kind = "method_not_allowed"
+    else:
+      message, kind = str(e.detail), "invalid_request_error"
+    return _error_response(request, APIError(e.status_code, message, kind, headers=e.headers))
+
+  @a.exception_handler(Exception)
+  async def _bug(request: fastapi.Request, e: Exception):  # (uvicorn logs the traceback)
+    return _error_response(request, APIError(500, f"internal error: {e!r}", "internal_error"))
+
+  @a.post("/v1/completions", dependencies=auth, response_model=CompletionResponse)
+  async def completions(request: fastapi.Request):
+    return await o.generate(request, chat=False)
+
+  @a.post("/v1/chat/completions", dependencies=auth, response_model=ChatCompletionResponse)
+  async def chat_completions(request: fastapi.Request):
+    return await o.generate(request, chat=True)
+
+  @a.post("/tokenize", dependencies=auth, response_model=TokenizeResponse)
+  async def tokenize(request: fastapi.Request):
+    raw = await _read_body(request)
+    return Response(await run_in_threadpool(o.tokenize, raw), media_type="application/json")
+
+  @a.post("/detokenize", dependencies=auth, response_model=DetokenizeResponse)
+  async def detokenize(request: fastapi.Request):
+    raw = await _read_body(request)
+    return Response(await run_in_threadpool(o.detokenize, raw), media_type="application/json")
+
+  @a.get("/v1/models", dependencies=auth, response_model=ModelList)
+  async def models():
+    return Response(o.models(), media_type="application/json")
+
+  @a.get("/health")
+  async def health():
+    status, body = await run_in_threadpool(o.health)
+    return JSONResponse(body, status_code=status)
+
+  @a.get("/metrics")
+  async def metrics():
+    body, content_type = await run_in_threadpool(servicer.metrics.exposition)
+    return Response(body, headers={"Content-Type": content_type})
+
+  return a
+
+
+# -- the server ------------------------------------------------------------------------
+
+class _Protocol(H11Protocol):
+  """uvicorn's h11 protocol, where a connection's next request head must
+  arrive within READ_TIMEOUT_S: one that sends none (or part of one) is
+  closed, as uvicorn closes one idle between requests. (uvicorn lifts that
+  timer at any byte; here once a request head is read.)"""
+
+  def connection_made(self, transport) -> None:
+    super().connection_made(transport)
+    self.timeout_keep_alive = READ_TIMEOUT_S
+    self.timeout_keep_alive_task = self.loop.call_later(
+        READ_TIMEOUT_S, self.timeout_keep_alive_handler)
+
+  def data_received(self, data: bytes) -> None:
+    self.conn.receive_data(data)
+    self.handle_events()
+
+
+class OpenAIServer:
+  """The app on a socket bound at construction, served by uvicorn:
+  ``serve_forever`` (until ``shutdown``), ``shutdown``, ``server_close`` and
+  ``server_port``, as the standard library's servers have them."""
+
+  def __init__(self, asgi_app, sock: socket.socket, tls: tuple[bytes, bytes] | None = None):
+    self.socket, self.server_port = sock, sock.getsockname()[1]
+    kw = dict(http=_Protocol, ws="none", lifespan="off", log_config=None, log_level="warning",
+              access_log=False, backlog=1024, timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
+              proxy_headers=False)
+    with tempfile.TemporaryDirectory() as d:  # (a directory only its owner reads)
+      if tls is not None:
+        kw["ssl_certfile"], kw["ssl_keyfile"] = pathlib.Path(d, "cert.pem"), pathlib.Path(
+            d, "key.pem")
+        kw["ssl_certfile"].write_bytes(tls[0])
+        kw["ssl_keyfile"].write_bytes(tls[1])
+      config = uvicorn.Config(asgi_app, **kw)
+      config.load()  # (the TLS context reads the files here)
+    self._server = uvicorn.Server(config)
+    self._lock = threading.Lock()
+    self._running = self._shut = False
+    self._done = threading.Event()
+
+  def serve_forever(self) -> None:
+    with self._lock:
+      if self._shut:
+        return
+      self._running = True
+    try:
+      self._server.run(sockets=[self.socket])
+    finally:
+      self._done.set()
+
+  def shutdown(self) -> None:
+    """Stops serving: no new connections; responses under way get
+    SHUTDOWN_GRACE_S to finish. Returns once ``serve_forever`` has."""
+    with self._lock:
+      self._shut = True
+      running = self._running
+    self._server.should_exit = True
+    if running:
+      self._done.wait()
+
+  def server_close(self) -> None:
+    self.socket.close()
 
 
 def openai_http(engine: api.Engine, servicer, host: str, port: int,
                 auth_token: str | None = None,
-                tls: tuple[bytes, bytes] | None = None) -> http.server.ThreadingHTTPServer:
-  """The OpenAI endpoints bound to ``host:port``; the caller runs
-  ``serve_forever``. ``tls``: (certificate, key) in PEM, as the gRPC server
-  takes them."""
-  expected = f"Bearer {auth_token}" if auth_token else None
-
-  class Handler(http.server.BaseHTTPRequestHandler):
-    # Keep-alive: a client's next request reuses its connection (and its TLS
-    # session). A stream ends its connection, as does an answer to a request
-    # whose body was left unread (the next request would start inside it).
-    protocol_version = "HTTP/1.1"
-
-    def handle_one_request(self):
-      # Until the request is read (_body lifts it): a connection that sends
-      # nothing, or idles between requests, is closed (the base class's
-      # TimeoutError path), not kept forever.
-      self.connection.settimeout(READ_TIMEOUT_S)
-      self._unread = False  # a body not read (yet): the answer closes the connection
-      try:
-        super().handle_one_request()
-      except (ConnectionResetError, BrokenPipeError):  # the client went away: no traceback
-        self.close_connection = True
-
-    def end_headers(self):
-      if self._unread:
-        self.send_header("Connection", "close")
-      super().end_headers()
-
-    def _json(self, status: int, obj) -> None:
-      body = json.dumps(obj).encode()
-      try:
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-      except (BrokenPipeError, ConnectionResetError):
-        log.info("client went away before its response")
-
-    def _error(self, e: _HTTPError) -> None:
-      self._json(e.status, {"error": {"message": str(e), "type": e.kind, "code": e.status}})
-
-    def _authorized(self) -> bool:
-      if expected is None or self.headers.get("Authorization") == expected:
-        return True
-      self._error(_HTTPError(401, "missing or wrong bearer token", "authentication_error"))
-      return False
-
-    def do_GET(self):  # noqa: N802
-      path = self.path.split("?")[0]
-      self._unread = (self.headers.get("Content-Length", "0").strip() != "0"
-                      or "Transfer-Encoding" in self.headers)
-      if path == "/health":
-        ok = getattr(engine, "error", None) is None and not engine.stats().draining
-        self._json(200 if ok else 503, {"status": "ok" if ok else "unavailable"})
-      elif path == "/metrics":
-        text = servicer.metrics.render().encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "text/plain; version=0.0.4")
-        self.send_header("Content-Length", str(len(text)))
-        self.end_headers()
-        self.wfile.write(text)
-      elif path == "/v1/models":
-        if self._authorized():
-          i = engine.info
-          self._json(200, {"object": "list", "data": [{
-              "id": i.model_name, "object": "model", "created": 0, "owned_by": "mosaic-serve",
-              "max_model_len": i.max_context}]})
-      else:
-        self._error(_HTTPError(404, f"no route {path}", "not_found"))
-
-    def do_POST(self):  # noqa: N802
-      path = self.path.split("?")[0]
-      self._unread = True
-      if path not in ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"):
-        self._error(_HTTPError(404, f"no route {path}", "not_found"))
-        return
-      if not self._authorized():
-        return
-      if path in ("/tokenize", "/detokenize"):
-        try:
-          (self._tokenize if path == "/tokenize" else self._detokenize)(self._body())
-        except _HTTPError as e:
-          self._error(e)
-        return
-      with servicer.call_in_progress():
-        try:
-          body, chat = self._body(), path == "/v1/chat/completions"
-          call = self._call(body, chat)
-          if body.get("stream"):
-            self._stream(call, chat, bool((body.get("stream_options") or {}).get(
-                "include_usage")))
-          else:
-            self._whole(call, chat)
-        except _HTTPError as e:
-          self._error(e)
-
-    def _tokenize(self, body: dict) -> None:
-      """vLLM's /tokenize: a prompt's tokens, or a chat's as a chat prompt has them."""
-      try:
-        if body.get("messages") is not None:
-          _, ids = engine.render_chat(
-              tuple((m["role"], _content(m.get("content"))) for m in body["messages"]),
-              bool(body.get("add_generation_prompt", True)))
-        elif isinstance(body.get("prompt"), str):
-          ids = engine.tokenize(body["prompt"], add_bos=bool(body.get("add_special_tokens",
-                                                                        True)))
-        else:
-          raise _HTTPError(400, "give a prompt (string) or messages")
-      except api.InvalidRequest as e:
-        raise _HTTPError(400, str(e)) from None
-      except (TypeError, KeyError, AttributeError) as e:
-        raise _HTTPError(400, f"bad request field: {e!r}") from None
-      self._json(200, {"count": len(ids), "max_model_len": engine.info.max_context,
-                       "tokens": ids})
-
-    def _detokenize(self, body: dict) -> None:
-      """vLLM's /detokenize: the text of a list of token ids."""
-      ids = body.get("tokens")
-      if not (isinstance(ids, list) and all(map(_is_int, ids))):
-        raise _HTTPError(400, "tokens must be a list of token ids")
-      try:
-        self._json(200, {"prompt": engine.detokenize(ids)})
-      except api.InvalidRequest as e:
-        raise _HTTPError(400, str(e)) from None
-
-    def _body(self) -> dict:
-      try:
-        data = self._read_body()
-        self._unread = False
-      except TimeoutError:
-        raise _HTTPError(408, f"the body did not arrive within {READ_TIMEOUT_S:g} s",
-                         "timeout") from None
-      finally:
-        self.connection.settimeout(None)
-      try:
-        body = json.loads(data)
-      except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise _HTTPError(400, f"the body is not JSON: {e}") from None
-      if not isinstance(body, dict):
-        raise _HTTPError(400, "the body must be a JSON object")
-      return body
-
-    def _read_body(self) -> bytes:
-      """The request's body: Content-Length bytes, or chunks (Transfer-Encoding:
-      chunked, as uvicorn takes them), at most MAX_BODY."""
-      too_big = _HTTPError(413, f"the body is over {MAX_BODY} bytes")
-      if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
-        parts, total = [], 0
-        while True:
-          line = self.rfile.readline(1024)
-          try:
-            size = int(line.split(b";")[0], 16)
-            if size < 0:
-              raise ValueError
-          except ValueError:
-            raise _HTTPError(400, f"a bad chunk size line {line[:40]!r}") from None
-          if size == 0:
-            while self.rfile.readline(1024).strip():  # trailers, then the blank line
-              pass
-            return b"".join(parts)
-          total += size
-          if total > MAX_BODY:
-            raise too_big
-          parts.append(self.rfile.read(size))
-          if len(parts[-1]) < size or self.rfile.readline(3).strip():
-            raise _HTTPError(400, "a chunk shorter than its size, or longer")
-      raw = self.headers.get("Content-Length")
-      try:
-        length = int(raw or 0)
-      except ValueError:
-        raise _HTTPError(400, f"Content-Length {raw!r} is not a number") from None
-      if length > MAX_BODY:
-        raise too_big
-      if length <= 0:
-        raise _HTTPError(400, f"the body must be JSON of 1..{MAX_BODY} bytes")
-      data = self.rfile.read(length)
-      if len(data) < length:
-        raise _HTTPError(400, f"the body ended after {len(data)} of its {length} bytes")
-      return data
-
-    def _call(self, body: dict, chat: bool) -> _Call:
-      """The call's engine requests, submitted; a refusal counts as a refused
-      gRPC call does (requests_rejected_total)."""
-      try:
-        try:
-          return _Call(engine, body, chat)
-        except api.InvalidRequest as e:
-          raise _HTTPError(400, str(e)) from None
-        except (TypeError, ValueError, KeyError, AttributeError) as e:  # a field's wrong type
-          raise _HTTPError(400, f"bad request field: {e!r}") from None
-        except api.QueueFull as e:
-          raise _HTTPError(429, str(e), "rate_limit_error") from None
-        except api.Draining as e:
-          raise _HTTPError(503, str(e), "unavailable") from None
-        except api.EngineFailed as e:
-          raise _HTTPError(500, str(e), "internal_error") from None
-      except _HTTPError as e:
-        if e.status != 500:
-          servicer.metrics.rejected.inc()
-        raise
-
-    def _head(self, chat: bool) -> dict:
-      return {"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex,
-              "created": int(time.time()), "model": engine.info.model_name}
-
-    def _client_gone(self) -> bool:
-      """Whether the client closed its connection: readable, and nothing to
-      read (the request was read whole). Not told apart over TLS."""
-      sock = self.connection
-      if isinstance(sock, ssl.SSLSocket):
-        return False
-      try:
-        readable, _, _ = select.select([sock], [], [], 0)
-        return bool(readable) and not sock.recv(1, socket.MSG_PEEK)
-      except OSError:
-        return True
-
-    def _whole(self, call: _Call, chat: bool) -> None:
-      text = [[] for _ in range(call.n)]
-      lps = [[] for _ in range(call.n)]
-      finals: list[api.Final | None] = [None] * call.n
-      try:
-        for i, ev in call.follow(self._client_gone):
-          if isinstance(ev, api.Delta):
-            text[i].append(ev.text)
-            lps[i] += ev.logprobs
-          else:
-            finals[i] = ev
-      except _ClientGone:
-        log.info("client went away: its requests were cancelled")
-        return
-      except BaseException:
-        call.cancel()
-        raise
-      choices = []
-      for i, f in enumerate(finals):
-        p = call.prompt_of(i)
-        c = {"index": i, "logprobs": _logprobs(engine, lps[i], chat), **_choice_end(f)}
-        if chat:
-          c["message"] = {"role": "assistant", "content": "".join(text[i])}
-        else:
-          c["text"] = call.echo[p] + "".join(text[i])
-          scored = finals[p * call.per].prompt_logprobs  # the prompt's completion 0 has them
-          if call.echo_first[p] is not None and scored:
-            c["logprobs"] = _echo_logprobs(engine, call.echo_first[p], scored, c["logprobs"])
-        if i % call.per == 0 and f.prompt_logprobs:
-          c["prompt_logprobs"] = [{"token_id": x.token_id, "logprob": x.logprob}
-                                  for x in f.prompt_logprobs]
-        choices.append(c)
-      self._json(200, {**self._head(chat), "object": "chat.completion" if chat else
-                       "text_completion", "choices": choices,
-                       "usage": _usage(finals, call.per)})
-
-    def _stream(self, call: _Call, chat: bool, include_usage: bool) -> None:
-      head = {**self._head(chat), "object": "chat.completion.chunk" if chat else
-              "text_completion"}
-      self.send_response(200)
-      self.send_header("Content-Type", "text/event-stream")
-      self.send_header("Cache-Control", "no-cache")
-      self.send_header("Connection", "close")  # the stream ends where the connection does
-      self.end_headers()
-
-      def send(obj) -> None:
-        self.wfile.write(b"data: " + (obj if isinstance(obj, bytes) else
-                                       json.dumps(obj).encode()) + b"\n\n")
-        self.wfile.flush()
-
-      finals: list[api.Final | None] = [None] * call.n
-      try:
-        for i in range(call.n):  # chat: the role first; completions: the echo, if asked
-          if chat or call.echo[call.prompt_of(i)]:
-            c = ({"delta": {"role": "assistant", "content": ""}} if chat else
-                 {"text": call.echo[call.prompt_of(i)]})
-            send({**head, "choices": [{"index": i, **c, "logprobs": None,
-                                       "finish_reason": None}]})
-        for i, ev in call.follow(self._client_gone):
-          if isinstance(ev, api.Delta):
-            c = {"index": i, "logprobs": _logprobs(engine, list(ev.logprobs), chat),
-                 "finish_reason": None}
-            c.update({"delta": {"content": ev.text}} if chat else {"text": ev.text})
-          else:
-            finals[i] = ev
-            c = {"index": i, "logprobs": None, **_choice_end(ev)}
-            c.update({"delta": {}} if chat else {"text": ""})
-          send({**head, "choices": [c]})
-        if include_usage:
-          send({**head, "choices": [], "usage": _usage(finals, call.per)})
-        send(b"[DONE]")
-      except _HTTPError as e:  # after the headers: an error event, then the stream's end
-        call.cancel()  # (the call's other completions)
-        try:
-          send({"error": {"message": str(e), "type": e.kind, "code": e.status}})
-          send(b"[DONE]")
-        except (BrokenPipeError, ConnectionResetError):
-          pass
-      except (BrokenPipeError, ConnectionResetError, _ClientGone):
-        log.info("client went away mid-stream: cancelling its requests")
-        call.cancel()
-      except BaseException:
-        call.cancel()
-        raise
-
-    def log_message(self, *args):
-      pass
-
-  class Server(http.server.ThreadingHTTPServer):
-    daemon_threads = True
-    # Connections waiting to be accepted (the default is 5): a load
-    # generator's streams connect at once.
-    request_queue_size = 1024
-
-  srv = Server((host, port), Handler)
-  if tls is not None:
-    # The handshake happens on the handler's thread (its first read), not in
-    # the accept loop, where a slow client would hold up every other.
-    srv.socket = _tls_context(*tls).wrap_socket(srv.socket, server_side=True,
-                                                do_handshake_on_connect=False)
-  return srv
+                tls: tuple[bytes, bytes] | None = None) -> OpenAIServer:
+  """The OpenAI endpoints bound to ``host:port`` (OSError if taken); the
+  caller runs ``serve_forever``. ``tls``: (certificate, key) in PEM, as the
+  gRPC server takes them."""
+  family = socket.AF_INET6 if ":" in host else socket.AF_INET
+  sock = socket.create_server((host, port), family=family, backlog=1024)
+  try:
+    return OpenAIServer(app(engine, servicer, auth_token), sock, tls)
+  except BaseException:
+    sock.close()
+    raise

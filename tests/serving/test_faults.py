@@ -279,13 +279,13 @@ def _http_stream(port: int, max_tokens: int, read_events: int, close: bool):
   conn.request("POST", "/v1/completions", body=json.dumps(
       {"prompt": "a", "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
        "temperature": 0}))
-  sock = conn.sock  # (the response takes it over: the stream closes its connection)
+  sock = conn.sock
   r = conn.getresponse()
   assert r.status == 200
   events = []
   try:
     while not close or len(events) < read_events:
-      line = r.fp.readline()
+      line = r.readline()  # (the body's chunks decoded)
       if not line:
         break
       if line.startswith(b"data: "):

@@ -1,11 +1,13 @@
 """The OpenAI-compatible HTTP endpoints (serving.openai_api) over the counting
-engine, whose output is known, through a plain HTTP client."""
+engine, whose output is known, through the official openai client and a
+plain HTTP client."""
 
 import http.client
 import json
 import math
 import socket
 
+import openai as sdk  # (the official client; the fixture below is named openai)
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
@@ -38,6 +40,21 @@ def _post(port, path, body, token=None, raw=None):
     assert events[-1] == "[DONE]", events[-3:]
     return r.status, [json.loads(e) for e in events[:-1]]
   return r.status, json.loads(data)
+
+
+def _http(port, method, path, body: bytes | None = None, headers=None):
+  """(status, headers with lower-case names, parsed JSON) of one request."""
+  conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+  conn.request(method, path, body=body, headers=headers or {})
+  r = conn.getresponse()
+  out = r.status, {k.lower(): v for k, v in r.getheaders()}, json.loads(r.read())
+  conn.close()
+  return out
+
+
+def _client(port, key="none") -> sdk.OpenAI:
+  return sdk.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key, max_retries=0,
+                    timeout=30)
 
 
 def _get(port, path):
@@ -166,43 +183,52 @@ def test_a_body_that_is_not_json_is_400(openai):
   assert status == 400 and "not JSON" in r["error"]["message"]
 
 
-def _raw_post(port, head: bytes, body: bytes) -> tuple[int, dict]:
-  """POSTs /v1/completions with the header lines and body as given: (status, JSON)."""
+def _raw_post(port, head: bytes, body: bytes) -> tuple[int, dict | str]:
+  """POSTs /v1/completions with the header lines and body as given: (status,
+  JSON), or (status, text) for an answer that is not JSON."""
   with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
     s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n" + head + b"\r\n" + body)
     r = http.client.HTTPResponse(s)
     r.begin()
-    return r.status, json.loads(r.read())
+    data = r.read()
+    return r.status, (json.loads(data) if r.getheader("Content-Type") == "application/json"
+                      else data.decode())
 
 
 _BODY = json.dumps({"prompt": "a", "max_tokens": 3}).encode()
 
 
+_BAD_FRAMING = "Invalid HTTP request received."  # (h11 refuses it; uvicorn's plain answer)
+
+
 @pytest.mark.parametrize("head, body, status, match", [
-    (b"Content-Length: abc\r\n", _BODY, 400, "Content-Length 'abc' is not a number"),
-    (b"Content-Length: -5\r\n", _BODY, 400, "the body must be JSON"),
+    (b"Content-Length: abc\r\n", _BODY, 400, _BAD_FRAMING),
+    (b"Content-Length: -5\r\n", _BODY, 400, _BAD_FRAMING),
     (b"Content-Length: 99999999999\r\n", _BODY, 413, "over 16777216 bytes"),
-    (b"Transfer-Encoding: chunked\r\n", b"zz\r\n", 400, "bad chunk size"),
-    (b"Transfer-Encoding: chunked\r\n", b"-5\r\n", 400, "bad chunk size"),  # (read to EOF)
+    (b"Transfer-Encoding: chunked\r\n", b"zz\r\n", 400, _BAD_FRAMING),
+    (b"Transfer-Encoding: chunked\r\n", b"-5\r\n", 400, _BAD_FRAMING),
     (b"Transfer-Encoding: chunked\r\n", b"3\r\n" + _BODY + b"\r\n0\r\n\r\n", 400,
-     "a chunk shorter than its size, or longer"),
+     _BAD_FRAMING),  # (a chunk shorter than its size, or longer)
     (b"Transfer-Encoding: chunked\r\n", b"%x\r\n%s\r\n%x\r\n%s\r\n0\r\n\r\n" % (
         10, _BODY[:10], len(_BODY) - 10, _BODY[10:]), 200, "bcd"),
 ])
 def test_content_length_and_chunked_bodies(openai, head, body, status, match):
-  """A Content-Length that is not a count is 400 (was a dropped connection),
-  one over MAX_BODY 413; chunked bodies are read (as uvicorn reads them) and
-  a malformed chunk is 400."""
+  """A Content-Length that is not a count and a malformed chunk are 400 (the
+  HTTP layer's: the app never sees them), a body over MAX_BODY 413 before it
+  is read; chunked bodies are read."""
   _, port = openai
   got, r = _raw_post(port, head, body)
   assert got == status, r
-  assert match in (r["choices"][0]["text"] if got == 200 else r["error"]["message"]), r
+  if got == 400:
+    assert r == match
+  else:
+    assert match in (r["choices"][0]["text"] if got == 200 else r["error"]["message"]), r
 
 
 def test_a_request_that_stops_arriving_is_408_or_closed(openai, monkeypatch):
-  """Fewer bytes than the Content-Length: the connection's thread waits
-  READ_TIMEOUT_S for the rest, then answers 408, and the server serves on;
-  a connection that sends no request is closed."""
+  """Fewer bytes than the Content-Length: the server waits READ_TIMEOUT_S
+  for the rest, then answers 408, and serves on; a connection that sends no
+  request, or part of a request head, is closed after READ_TIMEOUT_S."""
   from serving import openai_api
 
   monkeypatch.setattr(openai_api, "READ_TIMEOUT_S", 0.3)
@@ -214,13 +240,16 @@ def test_a_request_that_stops_arriving_is_408_or_closed(openai, monkeypatch):
   # A connection that sends nothing at all is closed after the timeout.
   with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
     assert s.recv(100) == b""  # (the server's close; a kept thread would time this out)
+  with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")  # (and no more)
+    assert s.recv(100) == b""
 
 
 def test_keep_alive_reuses_the_connection_and_closes_where_it_must(openai, monkeypatch):
-  """HTTP/1.1: completions one after another on one connection; an answer
-  given before the body was read (a 404) and a stream close it (the client
-  then reconnects and is served); an idle kept connection is closed after
-  READ_TIMEOUT_S."""
+  """HTTP/1.1: completions one after another on one connection, a stream
+  among them (its chunked body ends it); an answer given before the body was
+  read (a 404) closes it (the client then reconnects and is served); an idle
+  kept connection is closed after READ_TIMEOUT_S."""
   from serving import openai_api
 
   _, port = openai
@@ -245,21 +274,26 @@ def test_keep_alive_reuses_the_connection_and_closes_where_it_must(openai, monke
   assert r.status == 404 and r.will_close and conn.sock is None
   r, data = post("/v1/completions", one)
   assert r.status == 200 and json.loads(data)["choices"][0]["text"] == "bcd"
+  sock = conn.sock
   r, data = post("/v1/completions", {**one, "stream": True})
-  assert r.will_close and data.endswith(b"data: [DONE]\n\n")
+  assert not r.will_close and data.endswith(b"data: [DONE]\n\n")
   r, data = post("/v1/completions", one)
-  assert r.status == 200 and json.loads(data)["choices"][0]["text"] == "bcd"
-  monkeypatch.setattr(openai_api, "READ_TIMEOUT_S", 0.3)
-  r, data = post("/v1/completions", one)  # the timeout is set as each request starts
+  assert conn.sock is sock and r.status == 200 and json.loads(data)["choices"][0]["text"] == "bcd"
+  conn.close()
+  monkeypatch.setattr(openai_api, "READ_TIMEOUT_S", 0.3)  # (read as a connection is made)
+  r, data = post("/v1/completions", one)
+  assert r.status == 200 and not r.will_close
   conn.sock.settimeout(30)
   assert conn.sock.recv(1) == b""  # closed by the server after 0.3 s idle
   conn.close()
 
 
 def test_bearer_token_and_a_client_gone_mid_stream():
-  """With a token, a call without it is 401. A stream whose client closes
-  the connection after the first chunk cancels its request: its pages come
-  back long before its 500 tokens would have."""
+  """With a token, a call without it (or with another) is 401 with
+  WWW-Authenticate: Bearer (the client's AuthenticationError); the scheme's
+  case does not matter. A stream whose client closes the connection after
+  the first chunk cancels its request: its pages come back long before its
+  500 tokens would have."""
   engine = E.tiny_engine(max_batch=4, step_delay=0.01, num_pages=200)  # 5 s for 500 tokens
   with running(engine, http_port=0, auth_token="s3cret") as (server, c):
     port = server.openai_http.server_port
@@ -268,6 +302,19 @@ def test_bearer_token_and_a_client_gone_mid_stream():
     status, r = _post(port, "/v1/completions", {"prompt": "a", "max_tokens": 2,
                                                  "temperature": 0}, token="s3cret")
     assert status == 200 and r["choices"][0]["text"] == "bc"
+    body = json.dumps({"prompt": "a", "max_tokens": 2, "temperature": 0}).encode()
+    for auth, want in [("bearer s3cret", 200), ("BEARER s3cret", 200), ("Bearer s3cre", 401),
+                       ("Basic s3cret", 401), ("s3cret", 401)]:
+      status, headers, r = _http(port, "POST", "/v1/completions", body, {"Authorization": auth})
+      assert status == want, (auth, r)
+      assert (headers.get("www-authenticate") == "Bearer") == (want == 401), headers
+    status, headers, _ = _http(port, "GET", "/v1/models")
+    assert status == 401 and headers["www-authenticate"] == "Bearer"
+    with pytest.raises(sdk.AuthenticationError) as e:
+      _client(port, key="wrong").completions.create(model="counting", prompt="a", max_tokens=2)
+    assert e.value.status_code == 401 and e.value.type == "authentication_error"
+    assert _client(port, key="s3cret").completions.create(
+        model="counting", prompt="a", max_tokens=2, temperature=0).choices[0].text == "bc"
     body = json.dumps({"prompt": "a", "max_tokens": 500, "ignore_eos": True, "stream": True})
     sock = socket.create_connection(("127.0.0.1", port), timeout=30)
     sock.sendall((f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer s3cret"
@@ -305,22 +352,26 @@ _FIELDS = ["prompt", "messages", "max_tokens", "max_completion_tokens", "tempera
 
 
 @st.composite
-def _bodies(draw):
+def _bodies(draw, chat: bool):
   body = draw(st.dictionaries(st.sampled_from(_FIELDS), _json_values, max_size=6))
   if draw(st.booleans()):  # half of them with a well-formed prompt, to get past it
-    body["prompt"] = draw(st.text(max_size=8))
-    body["messages"] = [{"role": "user", "content": draw(st.text(max_size=8))}]
+    body.pop("messages" if not chat else "prompt", None)  # (the other route's: refused)
+    if chat:
+      body["messages"] = [{"role": "user", "content": draw(st.text(max_size=8))}]
+    else:
+      body["prompt"] = draw(st.text(max_size=8))
   body.setdefault("max_tokens", 4)
   return body
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
-@given(body=_bodies(), chat=st.booleans())
-def test_malformed_json_bodies_get_a_status_never_a_crash(openai, body, chat):
+@given(data=st.data(), chat=st.booleans())
+def test_malformed_json_bodies_get_a_status_never_a_crash(openai, data, chat):
   """Fields of any JSON type at the known names: each call answers 200 (a
   complete response or stream) or an OpenAI error with status 400, and the
   engine and server stay up."""
   server, port = openai
+  body = data.draw(_bodies(chat))
   status, r = _post(port, "/v1/chat/completions" if chat else "/v1/completions", body)
   if status == 200:
     assert isinstance(r, list) or r["choices"], r
@@ -410,3 +461,155 @@ def test_64_concurrent_streams_get_what_64_sequential_calls_get(openai):
   assert together[:8] == alone and all(len(t) == 6 for t in together)
   assert together == ["".join(chr((ord(p[-1]) + 1 + k) % 256) for k in range(6))
                       for p in prompts]
+
+
+def test_the_official_openai_client(openai):
+  """The openai package against the server: completions and chat, unary and
+  streamed, n > 1, logprobs, structured outputs (response_format
+  json_schema), and a field this server does not honour refused by name."""
+  _, port = openai
+  c = _client(port)
+  assert [m.id for m in c.models.list()] == ["counting"]
+  r = c.completions.create(model="counting", prompt="a", max_tokens=5, temperature=0)
+  assert r.choices[0].text == "bcdef" and r.choices[0].finish_reason == "length"
+  assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (2, 5)
+  r = c.completions.create(model="counting", prompt=[ord("k")], max_tokens=3, temperature=0,
+                           n=2, stop="m")
+  assert [(x.index, x.text, x.finish_reason) for x in r.choices] == [(0, "l", "stop"),
+                                                                      (1, "l", "stop")]
+  r = c.completions.create(model="counting", prompt="k", max_tokens=2, temperature=0, n=2,
+                           logprobs=2)
+  assert r.choices[1].logprobs.tokens == ["l", "m"]
+  assert [len(t) for t in r.choices[1].logprobs.top_logprobs] == [2, 2]
+  chunks = list(c.completions.create(model="counting", prompt="a", max_tokens=5, temperature=0,
+                                     stream=True, stream_options={"include_usage": True}))
+  assert "".join(x.choices[0].text for x in chunks if x.choices) == "bcdef"
+  assert chunks[-1].usage.completion_tokens == 5
+
+  r = c.chat.completions.create(model="counting", messages=CHAT, max_tokens=5, temperature=0,
+                                n=2, logprobs=True, top_logprobs=2)
+  assert [x.message.content for x in r.choices] == ['!"#$%', '!"#$%']
+  assert r.choices[0].message.role == "assistant" and r.choices[1].finish_reason == "length"
+  content = r.choices[1].logprobs.content
+  assert [x.token for x in content] == list('!"#$%') and abs(content[0].logprob) < 1e-6
+  assert len(content[0].top_logprobs) == 2 and content[0].top_logprobs[0].token == "!"
+  chunks = list(c.chat.completions.create(model="counting", messages=CHAT, max_tokens=3,
+                                          temperature=0, n=2, stream=True))
+  for i in range(2):
+    mine = [x.choices[0] for x in chunks if x.choices[0].index == i]
+    assert mine[0].delta.role == "assistant" and mine[-1].finish_reason == "length"
+    assert "".join(x.delta.content or "" for x in mine) == '!"#'
+
+  schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+            "additionalProperties": False}
+  r = c.chat.completions.create(
+      model="counting", messages=CHAT, max_tokens=30, temperature=0,
+      response_format={"type": "json_schema",
+                       "json_schema": {"name": "answer", "schema": schema, "strict": True}})
+  assert r.choices[0].finish_reason == "stop"
+  assert json.loads(r.choices[0].message.content) in ({"ok": True}, {"ok": False})
+  r = c.completions.create(model="counting", prompt="a", max_tokens=20, temperature=0,
+                           extra_body={"response_format": {
+                               "type": "json_schema", "json_schema": {"schema": schema}}})
+  assert r.choices[0].text == '{"ok":false}'
+
+  with pytest.raises(sdk.BadRequestError) as e:
+    c.chat.completions.create(model="counting", messages=CHAT, max_tokens=2,
+                              parallel_tool_calls=False)
+  assert e.value.param == "parallel_tool_calls" and "'parallel_tool_calls'" in e.value.message
+  with pytest.raises(sdk.NotFoundError):
+    c.completions.create(model="gpt-4", prompt="a", max_tokens=2)
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/completions", {"prompt": "a", "foo": 1}, "foo"),
+    ("/v1/completions", {"prompt": "a", "messages": CHAT}, "messages"),
+    ("/v1/completions", {"prompt": "a", "top_logprobs": 2}, "top_logprobs"),
+    ("/v1/completions", {"prompt": "a", "structured_outputs": {"regex": "b",
+                                                               "whitespace_pattern": " "}},
+     "structured_outputs.whitespace_pattern"),
+    ("/v1/chat/completions", {"messages": CHAT, "echo": True}, "echo"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi", "name": "x"}]},
+     "messages[0].name"),
+    ("/v1/chat/completions", {"messages": CHAT, "stream_options": {"include_usage": True,
+                                                                   "x": 1}},
+     "stream_options.x"),
+    ("/tokenize", {"prompt": "a", "max_tokens": 3}, "max_tokens"),
+])
+def test_a_field_not_honoured_is_refused_by_name(openai, path, body, param):
+  """A wrong answer with no error is the worst: an unknown field (or one of
+  the other route's) is a 400 naming it, not ignored."""
+  _, port = openai
+  status, r = _post(port, path, body)
+  assert status == 400 and r["error"]["param"] == param, r
+  assert repr(param) in r["error"]["message"], r
+
+
+@pytest.mark.parametrize("body, match", [
+    ({"messages": CHAT, "top_logprobs": 2}, "top_logprobs needs logprobs"),
+    ({"messages": CHAT, "stream_options": {"include_usage": True}}, "needs stream"),
+])
+def test_fields_that_mean_nothing_alone_are_refused(openai, body, match):
+  _, port = openai
+  status, r = _post(port, "/v1/chat/completions", body)
+  assert status == 400 and match in r["error"]["message"], r
+
+
+def test_methods_media_types_and_lone_surrogates(openai):
+  """GET on a POST route is 405 (and POST on a GET route), with Allow; a
+  body that is not application/json is 415 (one without a Content-Type is
+  taken as JSON); a lone surrogate in the JSON is a 400 OpenAI error, never
+  a 500, on every route that takes text."""
+  _, port = openai
+  for method, path, allow in [("GET", "/v1/completions", "POST"),
+                              ("GET", "/v1/chat/completions", "POST"),
+                              ("GET", "/tokenize", "POST"), ("POST", "/v1/models", "GET"),
+                              ("POST", "/health", "GET")]:
+    status, headers, r = _http(port, method, path, b"{}" if method == "POST" else None)
+    assert status == 405 and r["error"]["code"] == 405, (method, path, r)
+    assert allow in headers["allow"] and method in r["error"]["message"]
+  one = json.dumps({"prompt": "a", "max_tokens": 2, "temperature": 0}).encode()
+  for ctype in ["text/plain", "application/x-www-form-urlencoded", "multipart/form-data"]:
+    status, _, r = _http(port, "POST", "/v1/completions", one, {"Content-Type": ctype})
+    assert status == 415 and ctype in r["error"]["message"], r
+  for ctype in ["application/json; charset=utf-8", "Application/JSON", None]:
+    status, _, r = _http(port, "POST", "/v1/completions", one,
+                         {"Content-Type": ctype} if ctype else {})
+    assert status == 200 and r["choices"][0]["text"] == "bc", (ctype, r)
+  for path, raw in [("/v1/completions", b'{"prompt": "\\ud800", "max_tokens": 2}'),
+                    ("/v1/completions", b'{"prompt": ["a", "b\\udfffc"]}'),
+                    ("/v1/chat/completions",
+                     b'{"messages": [{"role": "user", "content": "x\\ud83d"}]}'),
+                    ("/tokenize", b'{"prompt": "\\ud800"}'),
+                    ("/v1/completions", b'{"prompt": "\xed\xa0\x80"}')]:  # (its UTF-8 form)
+    status, _, r = _http(port, "POST", path, raw)
+    assert status == 400 and r["error"]["type"] == "invalid_request_error", (raw, r)
+    assert "not JSON" in r["error"]["message"], r
+  assert _post(port, "/v1/completions", {"prompt": "\U0001F600", "max_tokens": 1})[0] == 200
+
+
+def test_an_oversize_prompt_is_refused_before_it_is_tokenized(openai, monkeypatch):
+  """The gRPC service's rule (MAX_PROMPT_CHARS): a prompt text, a chat or a
+  /tokenize text over it is 400 with no call to the tokenizer (counted); one
+  within it is tokenized, so the count would see it."""
+  from serving.service import MAX_PROMPT_CHARS
+
+  server, port = openai
+  tok, calls = server.engine.tok, []
+  encode = tok.encode
+  monkeypatch.setattr(tok, "encode", lambda *a, **k: calls.append(1) or encode(*a, **k))
+  big = "a" * (MAX_PROMPT_CHARS + 1)
+  for path, body in [
+      ("/v1/completions", {"prompt": big}),
+      ("/v1/completions", {"prompt": ["a", big], "echo": True}),  # (no echo of the first)
+      ("/v1/chat/completions", {"messages": [{"role": "user", "content": big}]}),
+      ("/v1/chat/completions", {"messages": [{"role": "user", "content": big[:-10]},
+                                             {"role": "assistant", "content": "0123456789"}]}),
+      ("/tokenize", {"prompt": big}),
+      ("/tokenize", {"messages": [{"role": "user", "content": big}]}),
+  ]:
+    status, r = _post(port, path, body)
+    assert status == 400 and f"at most {MAX_PROMPT_CHARS}" in r["error"]["message"], r
+  assert calls == []
+  status, r = _post(port, "/v1/completions", {"prompt": big[:100], "max_tokens": 1})
+  assert status == 200 and calls, r
