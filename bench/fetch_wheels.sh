@@ -11,9 +11,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+# The two grpc ones: their stubs refuse a grpcio older than the one that
+# generated them, and 1.84 is what serving/proto's stubs (which run there) need.
 WHEELS=(
-  grpcio-health-checking==1.85.1
-  grpcio-reflection==1.85.1
+  grpcio-health-checking==1.84.0
+  grpcio-reflection==1.84.0
   fastapi==0.165.0
   starlette==1.10.0
   pydantic==2.14.4
