@@ -107,7 +107,7 @@ def _forced_logits(model, prompt, answer):
   return seq, logits[len(prompt) - 1:len(seq) - 1]
 
 
-def decode_rows(config: str, iters: int, tol: float):
+def decode_rows(config: str, iters: int, tol: float, batches=(1, 16, 64), context: int = 512):
   import jax
 
   from bench.model import _steps
@@ -122,11 +122,11 @@ def decode_rows(config: str, iters: int, tol: float):
   rows = []
   for name, kw in VARIANTS.items():
     model = model_lib.Model(cfg, params, tok_lib.ByteTokenizer(), **kw)
-    for batch in (1, 16, 64):
-      _, ref = _steps(model, "decode", batch, 512, backends["xla"], ps, 1)
-      times, logits = _steps(model, "decode", batch, 512, backends["mosaic"], ps, iters)
+    for batch in batches:
+      _, ref = _steps(model, "decode", batch, context, backends["xla"], ps, 1)
+      times, logits = _steps(model, "decode", batch, context, backends["mosaic"], ps, iters)
       err = testing.rel_error(logits, ref)
-      row = {"variant": name, "batch": batch, "context": 512, "fold_norms": model.fold_norms,
+      row = {"variant": name, "batch": batch, "context": context, "fold_norms": model.fold_norms,
              "rel_err_vs_xla": err, "ms": statistics.median(times) * 1e3,
              "min_ms": min(times) * 1e3, "timer": "wall"}
       if not err <= tol:
@@ -149,6 +149,8 @@ def main() -> int:
   ap.add_argument("--tokens", type=int, default=48, help="answer tokens per prompt (--kl)")
   ap.add_argument("--config", default="llama3.1-8b", help="named config (--decode)")
   ap.add_argument("--iters", type=int, default=20)
+  ap.add_argument("--batches", default="1,16,64", help="decode batches (--decode)")
+  ap.add_argument("--context", type=int, default=512, help="context tokens (--decode)")
   ap.add_argument("--tol", type=float, default=5e-2)
   a = ap.parse_args()
   if not (a.kl or a.decode):
@@ -173,7 +175,7 @@ def main() -> int:
                                           for k in ("kl", "top1", "same_answer")]
     bench.write(a.out, "residual_dtype_kl", rows + [summary], cols, " ".join(sys.argv))
   if a.decode:
-    rows = decode_rows(a.config, a.iters, a.tol)
+    rows = decode_rows(a.config, a.iters, a.tol, [int(b) for b in a.batches.split(",")], a.context)
     failed = any("error" in r for r in rows)
     cols = ["variant", "batch", "context", "fold_norms", "ms", "min_ms", "vs_bf16",
             "rel_err_vs_xla", "timer", "error"]
