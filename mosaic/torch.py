@@ -87,10 +87,12 @@ attention sinks, a position bias, attention weights requested). Q/K/V come
 in transformers' [B, H, S, D]; the op's ``layout="bhsd"`` reads them where
 they lie (see ``_prefill_body``), so a decode step does not copy the cache.
 
+Our ops' modules (kernels/) are loaded on first use (``_load_ops``), not
+imported by this module: kernels sit above mosaic in the project's layering.
 The top-level name ``kernels`` is also Hugging Face's ``kernels`` package,
 which transformers 5 requires. Where that distribution is installed it keeps
 the name (transformers imports from it), and our ops' modules are loaded
-from this checkout under the name only while they register (``_load_ops``).
+from this checkout under the name only while they register.
 """
 
 import functools
@@ -146,7 +148,9 @@ def _kernels_entries() -> dict[str, Any]:
 
 
 def _load_ops() -> None:
-  """Imports our op modules, which registers the ops (see module docstring)."""
+  """Imports our op modules, which registers the ops (see module docstring).
+  Called on first use, not at import: kernels sit above mosaic in the
+  project's layering, so this module imports none of them statically."""
   if all(name in registry.ops() for name in _OPS):
     return
   held = sys.modules.get("kernels")
@@ -183,9 +187,6 @@ def _load_ops() -> None:
     for k in _kernels_entries():
       del sys.modules[k]
     sys.modules.update(theirs)
-
-
-_load_ops()
 
 
 # --------------------------------------------------------------------------
@@ -239,6 +240,7 @@ def torch_op(op_name: str, backend: str | None = None) -> Callable[..., Any]:
   """The registered op ``op_name`` as a torch-in, torch-out function: tensor
   arguments cross by DLPack, keyword arguments go to the op as they are.
   (The custom ops below are the compiled-graph-friendly form of the same.)"""
+  _load_ops()
   op = registry.get_op(op_name)
 
   def call(*args, **kwargs):
@@ -318,6 +320,7 @@ def _device_of(op_name: str, tensors: dict[str, Tensor]) -> torch.device:
 def _run(op_name: str, tensors: dict[str, Tensor], backend: str | None, static: dict,
          expect: tuple[tuple, torch.dtype]) -> Tensor:
   """Runs the jax side of ``op_name`` on ``tensors`` (in the body's order)."""
+  _load_ops()
   dev = _device_of(op_name, tensors)
   on_gpu = target_lib.on_gpu()
   if dev.type == "cuda" and not on_gpu:
@@ -340,6 +343,7 @@ def _run(op_name: str, tensors: dict[str, Tensor], backend: str | None, static: 
 
 def _backend_arg(op_name: str, backend: Optional[str]) -> None:
   if backend is not None:
+    _load_ops()
     registry.get_op(op_name).get(backend)  # an unknown name fails here, listing the valid ones
 
 
@@ -645,5 +649,6 @@ def register_transformers_attention() -> None:
   from transformers import AttentionInterface
   from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+  _load_ops()
   AttentionInterface.register(NAME, transformers_attention)
   AttentionMaskInterface.register(NAME, sdpa_mask)

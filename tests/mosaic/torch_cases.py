@@ -105,8 +105,11 @@ def test_ops_registered_in_namespace_mosaic():
   for arg in ("Tensor? bias", "Tensor? residual", "ScalarType? out_dtype", "str? activation",
               "float? rms_eps"):
     assert arg in schema, schema
+  mt._load_ops()  # on first use, else
+  assert set(registry.ops()) >= {"attention_prefill", "attention_decode", "matmul", "rms_norm"}
   if mt._foreign_kernels_installed():  # Hugging Face's kernels kept its name
     assert not mt._is_ours(sys.modules["kernels"])
+    import transformers.integrations.hub_kernels  # noqa: F401  (imports from theirs)
 
 
 def _fake_cases():
