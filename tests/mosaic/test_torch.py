@@ -123,6 +123,9 @@ def test_ordered_on_current_stream_without_host_wait(side_stream):
 
 
 def test_transformers_backend_on_cuda():
+  """bf16 logits as close to the float32 model's as sdpa's are, and greedy
+  tokens equal to sdpa's (or differing first at a bf16 near-tie of sdpa's
+  own logits: random weights give flat logits)."""
   from transformers import LlamaConfig, LlamaForCausalLM
 
   mtorch.register_transformers_attention()
@@ -130,17 +133,31 @@ def test_transformers_backend_on_cuda():
                     num_attention_heads=8, num_key_value_heads=2, head_dim=128,
                     max_position_embeddings=1024)
   torch.manual_seed(next(_seeds))
-  models = {}
-  for impl in ("mosaic", "sdpa"):
-    m = LlamaForCausalLM(cfg).to("cuda", torch.bfloat16).eval()
-    if models:
-      m.load_state_dict(models["mosaic"].state_dict())
-    m.config._attn_implementation = impl
-    models[impl] = m
+  with torch.device("cuda"):
+    m = LlamaForCausalLM(cfg).eval()
+  set_impl = lambda impl: setattr(m.config, "_attn_implementation", impl)
   ids = torch.randint(3, 512, (2, 300), device="cuda", generator=_gen())
+  f64 = lambda t: t.detach().double().cpu().numpy()
   with torch.no_grad():
-    logits = {k: m(ids).logits for k, m in models.items()}
-    assert_close(logits["mosaic"], logits["sdpa"], torch.bfloat16, what="logits")
-    gen = {k: m.generate(ids[:1], max_new_tokens=16, min_new_tokens=16, do_sample=False)
-           for k, m in models.items()}
-  assert torch.equal(gen["mosaic"], gen["sdpa"])
+    set_impl("sdpa")
+    ref = m(ids).logits
+    m.to(torch.bfloat16)
+    err = {}
+    for impl in ("sdpa", "mosaic"):
+      set_impl(impl)
+      err[impl] = testing.rel_error(f64(m(ids).logits), f64(ref))
+    assert err["mosaic"] <= 1.5 * err["sdpa"] + 1e-3, err
+    gen = {}
+    for impl in ("sdpa", "mosaic"):
+      set_impl(impl)
+      gen[impl] = m.generate(ids[:1], max_new_tokens=16, min_new_tokens=16, do_sample=False)
+    diff = (gen["mosaic"] != gen["sdpa"]).nonzero()
+    if len(diff):
+      t = int(diff[0, 1])
+      at = {}
+      for impl in ("sdpa", "mosaic"):
+        set_impl(impl)
+        at[impl] = m(gen["sdpa"][:, :t]).logits[0, -1].float()
+      top2 = at["sdpa"].topk(2).values
+      noise = float((at["mosaic"] - at["sdpa"]).abs().max())
+      assert float(top2[0] - top2[1]) <= 2 * noise, f"tokens differ at {t}, not at a near-tie"
