@@ -100,10 +100,15 @@ import importlib
 import importlib.metadata
 import importlib.util
 import logging
+import os
 import pathlib
 import sys
 from collections.abc import Callable
 from typing import Any, Optional
+
+# jax takes 75% of the card at its first GPU use unless told not to; torch
+# shares the card here. (No effect where jax's GPU client already exists.)
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import jax
 import jax.numpy as jnp
