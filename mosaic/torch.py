@@ -317,7 +317,7 @@ def _device_of(op_name: str, tensors: dict[str, Tensor]) -> torch.device:
     raise ValueError(f"mosaic.{op_name}: all tensors must be on one device, got "
                      + ", ".join(f"{n} on {t.device}" for n, t in tensors.items()))
   (dev,) = devices
-  if dev.type not in ("cuda", "cpu", "meta"):
+  if dev.type not in ("cuda", "cpu"):
     raise ValueError(f"mosaic.{op_name}: tensors on {dev} are not supported (cuda or cpu)")
   return dev
 
@@ -629,6 +629,9 @@ def transformers_attention(module, query: Tensor, key: Tensor, value: Tensor,
   if why is not None:
     raise ValueError(f"attn_implementation='mosaic' cannot serve this call: {why}. Load the "
                      "model with attn_implementation='sdpa' for it.")
+  # A ``sliding_window`` kwarg needs nothing here: with a window,
+  # transformers leaves the mask out only while the keys are fewer than the
+  # window, where it hides nothing.
   is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
   sq, skv = query.shape[2], key.shape[2]
   causal = bool(is_causal) and sq > 1
