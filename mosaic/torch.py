@@ -22,7 +22,8 @@ cache keys. Its outputs come back through DLPack, again without a copy. The
 backend is resolved as the registry resolves it (``backend=``, then
 ``registry.use``, ``MOSAIC_BACKEND_<OP>``, the target's default order);
 ``reference`` is refused, since it returns float32 where the op promises its
-input dtype.
+input dtype. The ops are for inference: they have no autograd formula, and
+torch refuses a backward through them.
 
 Ordering on CUDA, without a host wait. A call is ordered as if its kernels
 ran on torch's current stream S (the one current at the call):
