@@ -30,13 +30,15 @@ def pytest_test(name, src, deps = [], data = [], args = [], size = "medium", **k
         **kwargs
     )
 
-def import_test(name, package, deps, size = "small", **kwargs):
+def import_test(name, package, deps, optional = {}, size = "small", **kwargs):
+    """optional: {module: distribution} for modules that need an optional
+    third-party package; checked where it is installed, skipped elsewhere."""
     main = _TOOLS + "import_check.py"
     native.py_test(
         name = name,
         srcs = [main, _TOOLS + "runfiles_only.py"],
         main = main,
-        args = [package],
+        args = [package] + ["%s=%s" % (m, d) for m, d in sorted(optional.items())],
         deps = deps,
         python_version = "PY3",
         srcs_version = "PY3",
