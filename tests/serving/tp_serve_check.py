@@ -1,7 +1,10 @@
 """Run in a process with 2 host devices: the server over a tensor-parallel
 (TP=2) model streams what the server over the same model on one device
 streams, and compiles nothing after its warm-up; the engine with n-gram
-speculation gives the same tokens at TP=2 as at TP=1.
+speculation gives the same tokens at TP=2 as at TP=1. The TP=1 servers are
+the reference only: they compile the shapes they run, without a warm-up
+(that a warm-up leaves nothing to compile at TP=1 is test_batching's and
+test_models_and_tls's to check).
 
 usage: XLA_FLAGS=--xla_force_host_platform_device_count=2 python tp_serve_check.py SEED
 Prints "ok" or raises.
@@ -9,6 +12,7 @@ Prints "ok" or raises.
 
 import concurrent.futures
 import sys
+import threading
 
 import jax
 import numpy as np
@@ -20,9 +24,18 @@ from serving.service import Server
 
 
 def serve(tp: int, prompts, **engine_kw):
+  # 32 tokens (4 pages) hold the longest prompt (20) and its 9 tokens: page
+  # tables of 1 and 4 pages, the fewest shapes for the warm-up to compile.
   engine = E.model_engine("tiny", dtype="float32", tp=tp, num_pages=48, page_size=8,
                           max_batch=4, batch_buckets=(1, 4), prefill_rows=2, min_chunk=16,
-                          prefill_chunk=16, max_seq_len=128, **engine_kw)
+                          prefill_chunk=16, max_seq_len=32, warmup=tp > 1, **engine_kw)
+  assert engine.packed == engine_kw["packed_prefill"]
+  ran = {"prefill": 0, "prefill_packed": 0}  # prompt-only calls of the engine's loop
+  for name in ran:
+    def counted(*a, _f=getattr(engine.runner, name), _n=name, **kw):
+      ran[_n] += threading.current_thread().name == "engine"  # (not the warm-up's)
+      return _f(*a, **kw)
+    setattr(engine.runner, name, counted)
   server = Server(engine, host="127.0.0.1", port=0).start()
   client = Client(server.address)
   try:
@@ -50,8 +63,11 @@ def serve(tp: int, prompts, **engine_kw):
                                   host).as_text()
       assert "all_reduce" in hlo or "all-reduce" in hlo, "no all-reduce in the TP decode step"
     counters = engine.counters()
-    assert counters["compiles_after_start"] == 0, counters  # steady state compiles nothing
+    if tp > 1:  # steady state compiles nothing
+      assert counters["compiles_after_start"] == 0, counters
     assert engine.stats().pages_in_use == 0
+    layout = "prefill_packed" if engine.packed else "prefill"
+    assert ran[layout] > 0 and sum(ran.values()) == ran[layout], ran
     return outs
   finally:
     client.close()
@@ -91,8 +107,11 @@ def main():
   rng = np.random.default_rng(int(sys.argv[1]))
   # Two prompts of 2 chunks, two short ones: prefill rows, continued chunks, batches.
   prompts = [rng.integers(3, 259, n).tolist() for n in (20, 5, 18, 3)]
-  for kw in (dict(decode_steps=3, compile_threads=2, prompt_logprobs=True),
-             dict(packed_prefill=True), dict(mixed_steps=True, jump_forward=True)):
+  # Prompt chunks in rows, with fused decode steps and prompt logprobs; then
+  # packed in one row, alone (prefill_packed: the prompts arrive with nothing
+  # decoding) and in mixed steps with the decodes (mixed_packed).
+  for kw in (dict(decode_steps=3, compile_threads=2, prompt_logprobs=True, packed_prefill=False),
+             dict(mixed_steps=True, jump_forward=True, packed_prefill=True)):
     one, two = serve(1, prompts, **kw), serve(2, prompts, **kw)
     assert [ids for ids, _ in one] == [ids for ids, _ in two], (kw, one, two)
     scored = [(a, b) for (_, a), (_, b) in zip(one, two) if a or b]
