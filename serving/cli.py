@@ -11,8 +11,7 @@ import pathlib
 import sys
 import time
 
-# --kv-cache-dtype (serve, and the profiler's flags): flag -> cache dtype (None = the model's).
-KV_CACHE_DTYPES = {"auto": None, "fp8": "float8_e4m3fn"}
+from serving.options import KV_CACHE_DTYPES
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):

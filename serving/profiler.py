@@ -68,7 +68,7 @@ import time
 from typing import Any, Sequence
 
 from mosaic import cost as cost_lib
-from serving.cli import KV_CACHE_DTYPES  # the serve flag's table (cli imports only the stdlib)
+from serving.options import KV_CACHE_DTYPES
 
 # Scopes the model emits (models/llama.py), in execution order within a layer.
 LAYER_OPS = ("attn_norm", "qkv", "rope", "kv_write", "attention", "o_proj", "mlp_norm",
