@@ -20,7 +20,7 @@ method, 408 for a body that stops arriving (READ_TIMEOUT_S), 413 for one over
 MAX_BODY, 415 for a body that is not ``application/json`` (a body without a
 Content-Type is taken as JSON), 429 when the queue is full, 503 while
 draining, 500 when the engine failed. A prompt over the gRPC service's
-MAX_PROMPT_CHARS is refused before it is tokenized.
+limit (serving.calls.MAX_PROMPT_CHARS) is refused before it is tokenized.
 
 The event loop only moves bytes: a generation call runs on a thread of its
 own (parsing, tokenizing, submitting, following the engine's events,
@@ -55,6 +55,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from serving.calls import MAX_PROMPT_CHARS, Events, completion_params
 from serving.engine import api
 from serving.openai_protocol import (
     APIError, AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
@@ -79,12 +80,6 @@ _FINISH = {api.FinishReason.LENGTH: "length", api.FinishReason.STOP: "stop",
 _SAME = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
          "repetition_penalty", "seed", "min_tokens", "ignore_eos", "include_stop_str_in_output",
          "truncate_prompt_tokens", "prompt_logprobs")
-
-
-def _service():
-  """serving.service (which imports this module first)."""
-  from serving import service
-  return service
 
 
 class _ClientGone(Exception):
@@ -142,9 +137,8 @@ def sampling_from_json(req: CompletionRequest | ChatCompletionRequest,
 
 def _check_size(what: str, chars: int) -> None:
   """The gRPC service's rule, before anything is tokenized."""
-  most = _service().MAX_PROMPT_CHARS
-  if chars > most:
-    raise APIError(400, f"{what} has {chars} chars; at most {most}")
+  if chars > MAX_PROMPT_CHARS:
+    raise APIError(400, f"{what} has {chars} chars; at most {MAX_PROMPT_CHARS}")
 
 
 def _chat(messages: list[ChatMessage]) -> tuple[tuple[str, str], ...]:
@@ -157,7 +151,6 @@ class _Call:
   """One HTTP call's engine requests and their merged events."""
 
   def __init__(self, engine, req: CompletionRequest | ChatCompletionRequest, chat: bool):
-    service = _service()
     self.engine, self.chat = engine, chat
     if req.model not in (None, "", engine.info.model_name):
       raise APIError(404, f"the model {req.model!r} does not exist; this server serves "
@@ -202,10 +195,10 @@ class _Call:
       for j in range(self.per):
         self.keys.append(uuid.uuid4().hex)
         requests.append(api.Request(
-            request_id=self.keys[-1], sampling=service.completion_params(sampling, j),
+            request_id=self.keys[-1], sampling=completion_params(sampling, j),
             priority=req.priority or 0, **prompt))
     # One admission decision for the call's completions: all or none.
-    self.events = service.Events(self.engine.submit_all(requests))
+    self.events = Events(self.engine.submit_all(requests))
 
   def _text(self, prompt: dict) -> str:
     if "prompt_text" in prompt:

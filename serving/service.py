@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import dataclasses
 import logging
 import queue
 import signal
@@ -33,6 +32,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from serving.calls import MAX_PROMPT_CHARS, Events, completion_params
 from serving.engine import api
 from serving.metrics import Metrics, metrics_http
 from serving.openai_api import openai_http
@@ -42,71 +42,11 @@ from serving.proto import generate_pb2_grpc as pb_grpc
 log = logging.getLogger("serving.service")
 
 SERVICE_NAME = "mosaic.serving.v1.TextGeneration"
-MAX_PROMPT_CHARS = 1 << 20
 MAX_N = 64  # completions per call
-_POLL_S = 0.05
+_POLL_S = 0.05  # how often a call waiting for events checks its client is still there
 # After a drain's timeout the requests still running are cancelled: their
 # calls get this long to send the end of their streams before the server stops.
 _DRAIN_SLACK_S = 0.3
-
-
-def completion_seed(seed: int, i: int) -> int:
-  """Completion i's seed: ``seed`` itself for i = 0, else a 64-bit mix of both
-  (splitmix64), so that no two completions of nearby seeds share draws."""
-  if i == 0:
-    return seed
-  z = (seed + i * 0x9E3779B97F4A7C15) & (2**64 - 1)
-  z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & (2**64 - 1)
-  z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & (2**64 - 1)
-  return z ^ (z >> 31)
-
-
-def completion_params(sampling: api.SamplingParams, i: int) -> api.SamplingParams:
-  """Completion i's parameters: its own seed (completion_seed), and no prompt
-  logprobs past completion 0 (the prompt is scored once)."""
-  if i == 0:
-    return sampling
-  seed = None if sampling.seed is None else completion_seed(sampling.seed, i)
-  return dataclasses.replace(sampling, seed=seed, prompt_logprobs=None)
-
-
-class Events:
-  """A call's events as (completion index, event), for the gRPC and the HTTP
-  front ends. One request's queue is read directly; with n > 1 a thread per
-  request forwards its events into one queue, until its last event or
-  ``close``."""
-
-  def __init__(self, handles: list[api.RequestHandle]):
-    self.n = len(handles)
-    self._closed = threading.Event()
-    if self.n == 1:
-      self._q = handles[0].events
-      return
-    self._q = queue.SimpleQueue()
-    for i, h in enumerate(handles):
-      threading.Thread(target=self._forward, args=(i, h.events), daemon=True,
-                       name=f"events-{i}").start()
-
-  def _forward(self, i, events):
-    while not self._closed.is_set():
-      try:
-        ev = events.get(timeout=_POLL_S)
-      except queue.Empty:
-        continue
-      self._q.put((i, ev))
-      if isinstance(ev, (api.Final, api.Failed)):
-        return
-
-  def get(self, timeout: float):
-    ev = self._q.get(timeout=timeout)
-    return (0, ev) if self.n == 1 else ev
-
-  def get_nowait(self):
-    ev = self._q.get_nowait()
-    return (0, ev) if self.n == 1 else ev
-
-  def close(self) -> None:
-    self._closed.set()
 
 
 def sampling_from_proto(s: pb.SamplingParams) -> api.SamplingParams:

@@ -551,7 +551,7 @@ def test_n_completions_sample_apart_and_prefill_the_prompt_once(toy):
   """n = 4 seeded completions: completion i draws what a lone request with
   completion_seed(seed, i) draws; they differ; only completion 0 computes
   the prompt's full pages, the others read them from the prefix cache."""
-  from serving.service import completion_seed
+  from serving.calls import completion_seed
 
   _, c = toy
   rng = random.Random(31)

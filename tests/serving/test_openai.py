@@ -592,7 +592,7 @@ def test_an_oversize_prompt_is_refused_before_it_is_tokenized(openai, monkeypatc
   """The gRPC service's rule (MAX_PROMPT_CHARS): a prompt text, a chat or a
   /tokenize text over it is 400 with no call to the tokenizer (counted); one
   within it is tokenized, so the count would see it."""
-  from serving.service import MAX_PROMPT_CHARS
+  from serving.calls import MAX_PROMPT_CHARS
 
   server, port = openai
   tok, calls = server.engine.tok, []
