@@ -534,3 +534,85 @@ def test_ngram_draft_matches_a_brute_force_lookup(tokens, k, lookup_max, lookup_
       want = tokens[starts[-1] + n:starts[-1] + n + k]
       break
   assert ngram_draft(tokens, k, lookup_max, lookup_min) == want
+
+
+def serving_imports() -> dict[str, set[str]]:
+  """Each module of the serving package (serving/**/*.py, by dotted name) ->
+  the serving modules it imports, at top level or inside a function (read
+  with ``ast``, nothing imported). ``from serving.engine import api`` names the
+  submodule serving.engine.api; ``from serving.engine import Engine``, the
+  package serving.engine."""
+  import ast
+  import pathlib
+
+  import serving
+
+  root = pathlib.Path(serving.__file__).resolve().parent
+  paths = {}
+  for path in sorted(root.rglob("*.py")):
+    parts = path.relative_to(root.parent).with_suffix("").parts
+    paths[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+
+  def known(name: str) -> str | None:  # the serving module a dotted name lies in
+    while name and name not in paths:
+      name = name.rpartition(".")[0]
+    return name or None
+
+  graph = {}
+  for name, path in paths.items():
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    targets = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+      if isinstance(node, ast.Import):
+        targets += [a.name for a in node.names]
+      elif isinstance(node, ast.ImportFrom):
+        base = node.module or ""
+        if node.level:  # relative: from . / from .x
+          up = package.split(".")[:len(package.split(".")) - (node.level - 1)]
+          base = ".".join(up + ([base] if base else []))
+        targets += [f"{base}.{a.name}" if f"{base}.{a.name}" in paths else base
+                    for a in node.names]
+    graph[name] = {t for t in map(known, targets) if t is not None and t != name}
+  return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+  """The cycles a depth-first walk of ``graph`` meets, each as its modules in
+  import order, back to the first."""
+  state: dict[str, int] = {}  # 1: on the current path, 2: done
+  path: list[str] = []
+  cycles = []
+
+  def visit(m):
+    state[m] = 1
+    path.append(m)
+    for d in sorted(graph.get(m, ())):
+      if state.get(d) == 1:
+        cycles.append(path[path.index(d):] + [d])
+      elif d not in state:
+        visit(d)
+    path.pop()
+    state[m] = 2
+
+  for m in sorted(graph):
+    if m not in state:
+      visit(m)
+  return cycles
+
+
+def test_import_cycles_are_found():
+  g = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": set(), "e": {"e2"}, "e2": set()}
+  assert import_cycles(g) == [["a", "b", "c", "a"]]
+  assert import_cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_serving_module_imports_one_that_imports_it_back():
+  """Not even inside a function: such a pair only works as long as one of
+  them imports the other late, and neither can be read without the other."""
+  graph = serving_imports()
+  assert {"serving.cli", "serving.service", "serving.engine.api"} <= set(graph)
+  assert "serving.engine.api" in graph["serving.service"]
+  assert "serving.profiler" in graph["serving.cli"]  # a function-level import counts
+  cycles = import_cycles(graph)
+  assert not cycles, "serving modules import each other in a circle:\n" + "\n".join(
+      " -> ".join(c) for c in cycles)
