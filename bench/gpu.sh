@@ -3,8 +3,9 @@
 # tree (no installs but the wheels of .whl/, see bench/gpu_deps.sh). Everything
 # lands in $OUT/results.tgz (plus the logs).
 #
-#   bench/gpu.sh                      # tests + calibration + every benchmark
+#   bench/gpu.sh                      # tests + calibration + every benchmark (bench/*.py)
 #   BENCHES="rms_norm matmul" TESTS=0 bench/gpu.sh
+#   BENCHES=studies/l2_rotation_study TESTS=0 bench/gpu.sh   # a study of bench/studies/
 #   BENCH_ARGS="--tune" bench/gpu.sh  # also autotune where a bench supports it
 #   # one bench under several flag sets (name:flags, ';' between), one after
 #   # another in this call (sharing its compilation cache), each in its own folder:
@@ -27,12 +28,12 @@ if [ "${TESTS:-1}" = 1 ]; then
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 pack() { tar czf "$OUT/results.tgz" -C "$OUT" results; }  # after each run: a timeout keeps the rest
-for b in ${BENCHES:-$(cd bench && ls *.py | grep -v -e calibrate -e __init__ -e gpu_smoke -e serve_path_study | sed 's/\.py$//')}; do
+for b in ${BENCHES:-$(cd bench && ls *.py | grep -v -e calibrate -e __init__ -e gpu_smoke | sed 's/\.py$//')}; do
   IFS=';' read -ra variants <<< "${VARIANTS:-:}"
   for v in "${variants[@]}"; do
     name=${v%%:*}; flags=${v#*:}
-    out=$R; log=$R/$b.log
-    [ -n "$name" ] && { out=$R/${b}_$name; log=$out.log; }
+    out=$R; log=$R/${b##*/}.log  # studies/x logs as x
+    [ -n "$name" ] && { out=$R/${b##*/}_$name; log=$out.log; }
     echo "== bench $b $name $flags"
     timeout "${BENCH_TIMEOUT:-400}" python3 "bench/$b.py" --out "$out" ${BENCH_ARGS:-} $flags 2>&1 | tee "$log"
     [ "${PIPESTATUS[0]}" = 0 ] || status=1

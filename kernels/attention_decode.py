@@ -64,7 +64,7 @@ so 128-token pages were as fast as 64-token ones or faster at every shape
 measured (bench/results/attention_decode_h200_page128_default/). On H200 the
 kernel reads K/V at 4.2-4.5 TB/s, 1.00x cuDNN on a contiguous cache at long
 contexts: within 0.3% of a copy-only stream of the same pages
-(bench/kv_layout_study.py, bench/results/attention_decode_h200_page128_stream/).
+(bench/studies/kv_layout_study.py, bench/results/attention_decode_h200_page128_stream/).
 """
 
 from __future__ import annotations

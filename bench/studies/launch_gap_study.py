@@ -11,7 +11,7 @@ different Mosaic kernels in turn, the same one twice, and XLA's own dot.
 Run it again under XLA_FLAGS=--xla_gpu_enable_command_buffer= to see what
 command buffers change.
 
-  PYTHONPATH=. python3 bench/launch_gap_study.py [--out DIR] [--tag NAME]
+  PYTHONPATH=. python3 bench/studies/launch_gap_study.py [--out DIR] [--tag NAME]
 """
 import argparse, json, os, statistics, time
 import jax, jax.numpy as jnp, numpy as np

@@ -19,9 +19,9 @@ tokens are read):
 
 Run once per XLA_FLAGS setting (the flags are read at start-up):
 
-    PYTHONPATH=. python3 bench/decode_dispatch_study.py --out DIR --tag default
+    PYTHONPATH=. python3 bench/studies/decode_dispatch_study.py --out DIR --tag default
     XLA_FLAGS=--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL PYTHONPATH=. \\
-        python3 bench/decode_dispatch_study.py --out DIR --tag while
+        python3 bench/studies/decode_dispatch_study.py --out DIR --tag while
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # bench/
 from serving_gpu import random_model  # noqa: E402
 
 

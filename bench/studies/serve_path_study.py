@@ -5,7 +5,7 @@ each compiled step; REDUCE=1 keeps one shape per bucket list. Serve flags per
 variant in VARIANTS, separated by ";":
 
   MEM=1 REDUCE=1 VARIANTS="--model llama3.1-8b --attention-backend mosaic --num-pages 1400" \
-      PYTHONPATH=. python3 bench/serve_path_study.py
+      PYTHONPATH=. python3 bench/studies/serve_path_study.py
 """
 import functools, os, sys, time, traceback
 import numpy as np

@@ -18,7 +18,7 @@ xla_nk: XLA's GEMM on the same weight stored [N, K] (each output column's
 K values contiguous, so one CTA's columns span a few pages, not the whole
 weight).
 
-    PYTHONPATH=. python3 bench/l2_rotation_study.py --out DIR
+    PYTHONPATH=. python3 bench/studies/l2_rotation_study.py --out DIR
 """
 
 from __future__ import annotations
@@ -103,7 +103,8 @@ def main(argv=None) -> int:
       print(row, flush=True)
   cols = ["shape", "M", "K", "N", "backend", "weight_MB", *[f"sets_{c}_us" for c in counts],
           *[f"touch{pg}_us" for pg in pages], "rel_err"]
-  cmd = "PYTHONPATH=. python3 bench/l2_rotation_study.py " + " ".join(argv or sys.argv[1:])
+  cmd = ("PYTHONPATH=. python3 bench/studies/l2_rotation_study.py "
+         + " ".join(argv or sys.argv[1:]))
   bench.write(out, "l2_rotation", rows, cols, cmd)
   (out / "touch.json").write_text(json.dumps({"touch_alone_us": {p: t * 1e6 for p, t in t_touch.items()}}))
   return 0

@@ -8,7 +8,7 @@ Correctness first (the live slots hold the chunk's K/V, nothing else moved),
 then CUPTI device time, median, cache donated from call to call as the model
 does.
 
-  PYTHONPATH=. python3 bench/kv_write.py --out DIR
+  PYTHONPATH=. python3 bench/studies/kv_write.py --out DIR
 """
 
 import argparse
@@ -95,7 +95,8 @@ def main():
   for r in rows:
     r["vs_ours"] = r["us"] / by[(r["case"], "drop (ours)")]
   cols = ["case", "write", "valid_tokens", "us", "us_max", "vs_ours"]
-  bench.write(a.out, "kv_write", rows, cols, "PYTHONPATH=. python3 bench/kv_write.py --out DIR")
+  bench.write(a.out, "kv_write", rows, cols,
+              "PYTHONPATH=. python3 bench/studies/kv_write.py --out DIR")
   print(bench.table(rows, cols))
 
 

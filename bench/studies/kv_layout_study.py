@@ -15,7 +15,7 @@ Each of ``ctas`` blocks streams its share of pages (random order, as a paged
 cache is) through a ring of ``stages`` K + V slots; nothing is computed, so
 the time is the copies'. GB/s = K and V bytes / CUPTI kernel time (median).
 
-    PYTHONPATH=. python3 bench/kv_layout_study.py --out DIR
+    PYTHONPATH=. python3 bench/studies/kv_layout_study.py --out DIR
 """
 
 from __future__ import annotations

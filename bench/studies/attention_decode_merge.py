@@ -15,7 +15,7 @@ emits for each. Part 2 times the whole append op at B=1 under a few configs
 (split counts, step lengths), each checked against the float32 reference
 first, L2-cold (rotating caches). Times are CUPTI medians, kernel by kernel.
 
-  PYTHONPATH=. python3 bench/attention_decode_merge.py --out DIR
+  PYTHONPATH=. python3 bench/studies/attention_decode_merge.py --out DIR
 """
 
 from __future__ import annotations

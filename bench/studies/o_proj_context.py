@@ -11,7 +11,7 @@ B=16, L=2048. This times, with CUPTI (kernel time, no launch gaps):
   stream   a contiguous read of as many bytes as the attention reads, then
            o_proj: is it any large read before, or the paged one?
 
-    PYTHONPATH=. python3 bench/o_proj_context.py --out DIR
+    PYTHONPATH=. python3 bench/studies/o_proj_context.py --out DIR
 """
 
 from __future__ import annotations
@@ -99,7 +99,8 @@ def main(argv=None) -> int:
   us = {k: v * 1e6 for k, v in t.items()}
   res = {
       "card": jax.devices()[0].device_kind, "jax": jax.__version__,
-      "command": "PYTHONPATH=. python3 bench/o_proj_context.py " + " ".join(argv or sys.argv[1:]),
+      "command": ("PYTHONPATH=. python3 bench/studies/o_proj_context.py "
+                  + " ".join(argv or sys.argv[1:])),
       "batch": B, "context": L, "stack": a.stack, "kv_bytes": kv_bytes, "us": us,
       "o_alone_us": us["o"], "o_after_attention_us": us["chain"] - us["attn"],
       "o_after_contiguous_read_us": us["stream"] - us["read"],
