@@ -75,7 +75,7 @@ def _engine_config(a) -> dict:
              prompt_lookup_max=a.prompt_lookup_max, prompt_lookup_min=a.prompt_lookup_min,
              speculative_max_batch=a.speculative_max_batch,
              speculative_patience=a.speculative_patience)
-  if a.token_budget:
+  if a.token_budget is not None:  # 0 is a value to refuse, not "the default"
     cfg["token_budget"] = a.token_budget
   if a.compile_threads is None:
     cfg["compile_threads"] = E.auto_compile_threads()
@@ -412,8 +412,10 @@ def parser() -> argparse.ArgumentParser:
                  help="prompt tokens a request prefills per step (longer prompts take several)")
   s.add_argument("--prefill-rows", type=int, default=4,
                  help="prompts prefilled side by side in one step")
-  s.add_argument("--token-budget", type=int,
-                 help="tokens per step, at least --max-batch (default batch + chunk)")
+  s.add_argument("--max-num-batched-tokens", "--token-budget", dest="token_budget", type=int,
+                 help="tokens per step, decodes and prompt chunks together (vLLM's name; "
+                      "--token-budget is the same flag); at least --max-batch (default: "
+                      "--max-batch + --prefill-chunk)")
   s.add_argument("--default-max-tokens", type=int, default=256,
                  help="tokens generated at most for a request that does not say")
   s.add_argument("--decode-steps", type=int, default=1,
@@ -431,7 +433,7 @@ def parser() -> argparse.ArgumentParser:
                       "over the weights; warm-up compiles the mixed shapes too)")
   s.add_argument("--decode-prefill-budget", type=int,
                  help="prompt tokens per step while requests decode (default: what "
-                      "--token-budget leaves)")
+                      "--max-num-batched-tokens leaves)")
   s.add_argument("--prefill-first", action="store_true",
                  help="while prompt chunks wait, steps prefill them alone and decoding "
                       "requests wait (more tokens/s for bursts, longer inter-token gaps)")

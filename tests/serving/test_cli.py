@@ -211,6 +211,8 @@ def _never_start(self):
     ("--stream-interval", "0", "stream_interval"), ("--decode-steps", "0", "decode_steps"),
     ("--max-batch", "-1", "max_batch"), ("--max-seq-len", "0", "max_seq_len=0"),
     ("--page-size", "0", "page_size=0"),
+    ("--max-num-batched-tokens", "0", "token_budget=0 must be >= EngineConfig.max_batch"),
+    ("--token-budget", "4", "token_budget=4 must be >= EngineConfig.max_batch"),
     ("--prefill-chunk", "8", "EngineConfig.min_chunk=16 must be <= EngineConfig.prefill_chunk=8"),
     ("--matmul-backend", "xla", "the counting model has no matmul backend option"),
     ("--tls-cert", "/nonexistent/cert.pem", "TLS: /nonexistent/cert.pem: No such file")])
@@ -413,6 +415,15 @@ def test_serve_compile_threads_default_is_one_per_core_up_to_8(monkeypatch):
   assert cfg("--compile-threads", "3")["compile_threads"] == 3  # a given value is kept
   with pytest.raises(SystemExit, match="compile_threads=0 must be >= 1"):
     cfg("--compile-threads", "0")
+
+
+def test_serve_token_budget_flag_has_vllms_name_and_the_old_one():
+  from serving import cli
+
+  cfg = lambda *flags: cli._engine_config(cli.parser().parse_args(["serve", *flags]))
+  assert "token_budget" not in cfg()  # the engine's default (max_batch + prefill_chunk)
+  assert cfg("--max-num-batched-tokens", "300")["token_budget"] == 300
+  assert cfg("--token-budget", "301")["token_budget"] == 301
 
 
 def test_serve_speculation_flags_reach_the_engine_config():
