@@ -63,12 +63,9 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
-import dataclasses
-import enum
 import functools
 import itertools
 import logging
-import os
 import queue
 import random
 import threading
@@ -81,13 +78,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from serving.engine import api, sampling, structured
-from serving.engine.pages import PageAllocator, block_hashes
-from serving.engine.text import IncrementalText
+from serving.engine.config import SCHEDULING, EngineConfig, auto_compile_threads  # noqa: F401
+from serving.engine.kv_cache import KVCacheManager
+from serving.engine.scheduler import Scheduler, bucket, pow2_buckets
+from serving.engine.sequence import SPEC_PAUSE, Seq, State
+
+# The names benchmarks import from here.
+_bucket, _pow2_buckets = bucket, pow2_buckets
 
 log = logging.getLogger("serving.engine")
-
-
-_SPEC_PAUSE = (8, 256)  # a paused request's first and longest pause, in its tokens
 
 
 def ngram_draft(tokens, k: int, lookup_max: int, lookup_min: int) -> list[int]:
@@ -103,189 +102,6 @@ def ngram_draft(tokens, k: int, lookup_max: int, lookup_min: int) -> list[int]:
       start = int(hits[-1]) + n
       return toks[start:start + k].tolist()
   return []
-
-
-def _pow2_buckets(lo: int, hi: int, factor: int = 2) -> tuple[int, ...]:
-  out, b = [], lo
-  while b < hi:
-    out.append(b)
-    b *= factor
-  out.append(hi)
-  return tuple(out)
-
-
-def _bucket(n: int, buckets: Sequence[int]) -> int:
-  for b in buckets:
-    if b >= n:
-      return b
-  raise ValueError(f"{n=} exceeds the largest bucket {buckets[-1]}")
-
-
-SCHEDULING = ("fcfs", "priority")
-
-
-def auto_compile_threads() -> int:
-  """The entry points' default for EngineConfig.compile_threads: one per core
-  up to 8. With 8 on the H200 host the 8B warm-up took 68-111 s against
-  91-241 s on one thread, and no step compiled after it
-  (bench/results/serving_h200/threads_rounds_mixed_prefix/)."""
-  return max(1, min(8, os.cpu_count() or 1))
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineConfig:
-  max_batch: int = 64  # requests decoding together
-  # Bounded queue: the engine holds at most max_batch + max_waiting requests
-  # (running or waiting); a call that would take it past that is refused
-  # (QueueFull), one that never fits (n completions over it) is InvalidRequest.
-  max_waiting: int = 256
-  max_seq_len: int | None = None  # default: the model's context
-  prefill_chunk: int = 512  # largest prompt chunk per request and step
-  min_chunk: int = 16
-  prefill_rows: int = 4  # prompts prefilled together in one call
-  token_budget: int | None = None  # tokens per step; default max_batch + prefill_chunk
-  default_max_tokens: int = 256
-  prefix_caching: bool = True
-  warmup: bool = True
-  batch_buckets: tuple[int, ...] | None = None  # default: powers of 2 up to max_batch
-  # Warm-up also compiles prefill of continued chunks (a prefix in the cache);
-  # without them the first continued chunk or prefix-cache hit compiles then.
-  warmup_continued: bool = True
-  # Decode steps per dispatch while no prompt is waiting: the device samples
-  # each step's token and feeds it to the next; the host dispatches and reads
-  # once per ``decode_steps`` tokens. Tokens past a request's end (EOS, stop,
-  # max_tokens) are dropped. Seeded sampling draws what it would step by step.
-  decode_steps: int = 1
-  # Tokens per streamed event after a request's first (which goes out at
-  # once); the last event carries whatever is left. Larger values mean fewer,
-  # larger messages: less Python per token when many streams share the
-  # interpreter (the --stream-interval of vLLM and SGLang). The tokens a step
-  # reads back for a request (decode_steps of them) go out in one event.
-  stream_interval: int = 1
-  # A step with both decodes and prefill chunks runs them as one device call
-  # (the runner's ``mixed``): the chunk's tokens share the decode batch's pass
-  # over the weights. Its decode rows are padded to max_batch (a few more rows
-  # cost little next to the chunk) so that warm-up compiles one mixed shape
-  # per chunk shape, not per batch bucket too.
-  mixed_steps: bool = False
-  # Prompt tokens per step while requests decode (default: what token_budget
-  # leaves). A small value prefills prompts a little each step, so decoding
-  # requests are not held up by long prefills (a steadier inter-token
-  # latency). It is not free: on the H200 a Llama-3-8B mixed step of 64
-  # decode rows and a 128-token chunk takes 8.0 ms, against 6.3 ms for the
-  # decode step alone. At c=64 this ties separate calls in throughput, with a
-  # lower median TTFT and tail ITL but a higher median ITL and tail TTFT
-  # (bench/results/serving_h200/mixed_trimmed_tables/).
-  decode_prefill_budget: int | None = None
-  # A step that has prompt chunks to prefill runs them alone; the requests
-  # already decoding wait (their pages stay reserved), as SGLang's scheduler
-  # does by default. A burst of prompts then starts decoding together after
-  # the shortest prefill phase, instead of every prefill call also carrying a
-  # one-step decode: more tokens/s when prompts arrive together, at the cost
-  # of inter-token gaps as long as the prefill phase for requests already
-  # decoding (a long prompt's chunks hold them all up).
-  prefill_first: bool = False
-  # A step's prompt chunks go to the device packed in one row, each causal
-  # within itself (the runner's ``prefill_packed``), instead of one row each
-  # padded to the longest one's chunk bucket: ragged prompts cost their own
-  # tokens (3 prompts of 700 tokens: 2,112 tokens, not 4 x 2,048, nor
-  # 2 x 4 x 512 when the rows cut them at the bucket below). A step
-  # that continues a prompt (a cached prefix, or the rest of a prompt split
-  # by the budget) also gathers its rows' pages for attention; a mixed step's
-  # chunks are packed too where the runner has a packed mixed step. None:
-  # packed wherever the runner can (its prefill attention takes segment
-  # ids); True: packed or an error; False: rows.
-  # Measured on an H100, 8B shapes, c=64: the same tokens/s on 512-token
-  # prompts, 10.8% more on 256-768-token ones
-  # (bench/results/serving_h100/prefill_layouts/).
-  packed_prefill: bool | None = None
-  # Threads that compile the warm-up's shapes side by side (1: each shape
-  # compiles as it first runs). 8 took the 8B ragged packed warm-up from 241 s
-  # to 111 s on the H200 host (bench/results/serving_h200/transfers_and_threads/);
-  # the entry points default to auto_compile_threads().
-  compile_threads: int = 1
-  # "fcfs": requests are admitted in arrival order and the latest admitted is
-  # preempted first. "priority": by Request.priority (lower first), then
-  # arrival, both ways (vLLM's --scheduling-policy); a running request is not
-  # preempted to admit a more urgent one.
-  scheduling: str = "fcfs"
-  # Requests may ask for their prompt's logprobs (SamplingParams.prompt_logprobs).
-  # Their prompt chunks run as calls of their own that keep every position's
-  # logits (a [T, vocab] float32 block a chunk: 1 GB for a 2,048-token chunk
-  # of a 128K vocabulary), never from the prefix cache; warm-up compiles
-  # those calls' shapes too, so it is off unless asked for.
-  prompt_logprobs: bool = False
-  # Structured outputs take the tokens their grammar forces (a JSON schema's
-  # keys and punctuation) without sampling them: appended at once, they are
-  # computed as a prompt chunk whose last position samples the next token
-  # (SGLang's jump-forward). Fewer steps; the forced bytes' tokens are the
-  # tokenizer's, where the model might have spelled them otherwise.
-  jump_forward: bool = False
-  # N-gram (prompt lookup) speculative decoding, vLLM's "ngram" method. With
-  # num_speculative_tokens = k > 0, an iteration whose running requests (at
-  # most speculative_max_batch, nothing waiting) all decode
-  # drafts up to k tokens for each one: what followed the latest earlier
-  # occurrence of its last n tokens (n from prompt_lookup_max down to
-  # prompt_lookup_min), in its prompt or output. One call over [last token,
-  # drafts] checks them (sampling.verify), a decode step of k + 1 query
-  # tokens a row where k + 1 <= 8 (attention reads the pages in place), else a
-  # continued prefill over gathered pages: a request takes the drafts the
-  # model keeps and one token of its own, up to k + 1 tokens a call. Its
-  # output is what decoding without drafts gives: greedy, the argmax's;
-  # sampled, each position's draw with the key and the penalties, bias and
-  # min_tokens a decode step there would use (and a structured request's
-  # grammar: its drafts stop at the first it refuses, or at one that would
-  # complete the output, which is sampled). The other requests take one
-  # token from the same call, sampled as usual. Those iterations read their
-  # tokens back before the next is dispatched (the next drafts need them);
-  # warm-up compiles the checking call's shapes too.
-  num_speculative_tokens: int = 0
-  prompt_lookup_max: int = 3
-  prompt_lookup_min: int = 1
-  speculative_max_batch: int = 4
-  # A request that gains nothing from this many checks in a row (no draft
-  # found, or none kept) stops drafting for 8 of its tokens, then 16, ... up
-  # to 256; a kept draft resets it. Its iterations then pipeline again (open
-  # writing keeps few drafts, and a checking call costs about a decode step
-  # plus the lost overlap). 0: it never stops.
-  speculative_patience: int = 4
-
-  def __post_init__(self):
-    v = lambda f: f"EngineConfig.{f}={getattr(self, f)}"  # errors name the field and value
-    for f in ("max_batch", "max_waiting", "prefill_chunk", "min_chunk", "prefill_rows",
-              "default_max_tokens", "decode_steps", "stream_interval", "compile_threads",
-              "prompt_lookup_min", "speculative_max_batch"):
-      if getattr(self, f) < 1:
-        raise ValueError(f"{v(f)} must be >= 1")
-    if self.speculative_patience < 0:
-      raise ValueError(f"{v('speculative_patience')} must be >= 0 (0: never pause drafting)")
-    if self.num_speculative_tokens < 0:
-      raise ValueError(f"{v('num_speculative_tokens')} must be >= 0 (0: no speculation)")
-    if self.num_speculative_tokens >= self.prefill_chunk:
-      raise ValueError(f"{v('num_speculative_tokens')} must be < {v('prefill_chunk')} "
-                       "(the last token and the drafts are checked as one chunk)")
-    if self.prompt_lookup_max < self.prompt_lookup_min:
-      raise ValueError(f"{v('prompt_lookup_max')} must be >= {v('prompt_lookup_min')}")
-    if self.max_seq_len is not None and self.max_seq_len < 1:
-      raise ValueError(f"{v('max_seq_len')} must be >= 1 (None: the model's context)")
-    if self.min_chunk > self.prefill_chunk:
-      raise ValueError(f"{v('min_chunk')} must be <= {v('prefill_chunk')}")
-    if self.token_budget is not None and self.token_budget < self.max_batch:
-      # A full decode batch takes one token of the budget per row: below
-      # max_batch, waiting prompts would get no tokens while it runs (vLLM
-      # refuses max_num_batched_tokens < max_num_seqs for the same reason).
-      raise ValueError(f"{v('token_budget')} must be >= {v('max_batch')}")
-    if self.decode_prefill_budget is not None and self.decode_prefill_budget < 1:
-      raise ValueError(f"{v('decode_prefill_budget')} must be >= 1")
-    if self.scheduling not in SCHEDULING:
-      raise ValueError(f"{v('scheduling')} must be one of {SCHEDULING}")
-    if self.prefill_first and (self.mixed_steps or self.decode_prefill_budget is not None):
-      raise ValueError("prefill_first runs no decodes beside prompt chunks: it cannot be "
-                       "combined with mixed_steps or decode_prefill_budget")
-
-  @property
-  def budget(self) -> int:
-    return self.token_budget or self.max_batch + self.prefill_chunk
 
 
 class StepRecord(NamedTuple):
@@ -361,69 +177,6 @@ def _grammar_error(seq, guide) -> _RequestError:
                        invalid=limit)
 
 
-class _State(enum.Enum):
-  WAITING = 0
-  PREFILL = 1
-  DECODE = 2
-  DONE = 3
-
-
-class _Seq:
-
-  def __init__(self, req: api.Request, handle: api.RequestHandle, prompt: list[int],
-               max_tokens: int, seed: int, tokenizer, order: int, eos_ids: frozenset[int],
-               by_priority: bool = False):
-    self.req, self.handle, self.params = req, handle, req.sampling
-    self.prompt = prompt
-    self.generated: list[int] = []
-    self.max_tokens = max_tokens
-    self.seed = seed
-    # Admission order, and the reverse of preemption order: (0, arrival order)
-    # in first-come-first-served scheduling, (priority, arrival order) under
-    # priority.
-    self.rank = (req.priority if by_priority else 0, order)
-    self.state = _State.WAITING
-    self.pages: list[int] = []
-    self.computed = 0  # tokens whose KV is in the cache
-    self.registered = 0  # full pages registered in the prefix cache
-    self.slot = -1
-    self.cached_tokens = 0
-    self.cancel: api.FinishReason | None = None
-    self.text = IncrementalText(tokenizer, req.sampling.stop, context=prompt,
-                                include_stop=req.sampling.include_stop_str_in_output)
-    self.scheduled_at: float | None = None
-    self.first_token_at: float | None = None
-    self.hashes: list[bytes] | None = None
-    self.final_sent = False
-    self.pending = 0  # sampled tokens not read back yet
-    # The tokens that end it: EOS unless ignored, and its stop token ids.
-    self.ends = frozenset(req.sampling.stop_token_ids) | (
-        frozenset() if req.sampling.ignore_eos else eos_ids)
-    # Accepted tokens not handed to the client yet (EngineConfig.stream_interval).
-    self.out_ids: list[int] = []
-    self.out_text: list[str] = []
-    self.out_lps: list[api.TokenLogprob] = []
-    self.events_sent = 0
-    self.stop_token: int | None = None  # the stop token id that ended it
-    # Prompt logprobs asked for: (first position, tokens, device scores) per chunk.
-    self.scored = req.sampling.prompt_logprobs is not None
-    self.scores: list[tuple[int, int, tuple]] = []
-    self.guide: structured.Guide | None = None  # structured outputs: the grammar's state
-    # Speculation (EngineConfig.speculative_patience): checks in a row that
-    # gained nothing, the next pause's length, and the generated-token count
-    # at which drafting resumes.
-    self.spec_misses, self.spec_pause, self.spec_resume = 0, _SPEC_PAUSE[0], 0
-
-  @property
-  def tokens(self) -> list[int]:
-    return self.prompt + self.generated if self.generated else self.prompt
-
-  @property
-  def num_tokens(self) -> int:
-    """len(tokens) without building the list (a per-token check on long prompts)."""
-    return len(self.prompt) + len(self.generated)
-
-
 class BatchingEngine(api.Engine):
 
   def __init__(self, runner, config: EngineConfig = EngineConfig()):
@@ -431,26 +184,19 @@ class BatchingEngine(api.Engine):
     self.config = config
     self.tok = runner.tokenizer
     self.page_size = runner.page_size
-    self.alloc = PageAllocator(runner.num_pages, runner.page_size,
-                               prefix_caching=config.prefix_caching)
     self.max_seq_len = min(config.max_seq_len or runner.max_context, runner.max_context)
     self.max_pages = -(-self.max_seq_len // self.page_size)
+    self.kv = KVCacheManager(runner.num_pages, runner.page_size, slots=config.max_batch,
+                             max_pages=self.max_pages, prefix_caching=config.prefix_caching)
+    self.alloc = self.kv.alloc
     # The whole cache may hold fewer tokens than the context: a request stops there.
     self.capacity = min(self.max_seq_len, self.alloc.usable * self.page_size)
-    self.batch_buckets = tuple(sorted(config.batch_buckets or _pow2_buckets(1, config.max_batch)))
-    if self.batch_buckets[-1] != config.max_batch:
-      raise ValueError(f"the largest of {config.batch_buckets=} must be {config.max_batch=}")
-    self.chunk_buckets = _pow2_buckets(config.min_chunk, config.prefill_chunk, 4)
-    self.row_buckets = _pow2_buckets(1, config.prefill_rows, 4)
-    # Page-table widths of continued chunks (a prefix in the cache): they
-    # attend over their rows' pages gathered up to the table's width, so a
-    # table as wide as the context would gather and attend max_pages pages for
-    # every chunk, whatever its length. Bucketed (x4) so warm-up compiles each.
-    self.table_buckets = _pow2_buckets(1, self.max_pages, 4)
-    # Token counts of a packed prefill call (x2, multiples of 8: matmul tiles).
-    most = min(config.budget, config.prefill_rows * config.prefill_chunk)
-    self.packed_buckets = tuple(sorted({-(-b // 8) * 8 for b in _pow2_buckets(
-        min(config.min_chunk, most), most)}))
+    self.scheduler = Scheduler(config, self.kv, capacity=self.capacity,
+                               on_admit=self._init_slot)
+    s = self.scheduler
+    self.batch_buckets, self.chunk_buckets, self.row_buckets = (
+        s.batch_buckets, s.chunk_buckets, s.row_buckets)
+    self.table_buckets, self.packed_buckets = s.table_buckets, s.packed_buckets
     for flag, on in (("prompt_logprobs", config.prompt_logprobs),
                      ("num_speculative_tokens", config.num_speculative_tokens)):
       if on and not getattr(runner, "supports_prompt_logprobs", False):
@@ -461,6 +207,7 @@ class BatchingEngine(api.Engine):
       if config.packed_prefill and why is not None:
         raise ValueError(f"packed_prefill: {why}")
       self.packed = why is None
+    self.scheduler.packed = self.packed
     eos = tuple(getattr(self.tok, "eos_ids", ()) or ())
     bos = getattr(self.tok, "bos_id", None)
     self.eos_ids = frozenset(eos)
@@ -478,22 +225,18 @@ class BatchingEngine(api.Engine):
     self._counts = place(jnp.zeros((config.max_batch, v), jnp.int32))
     self._slot_tokens = place(sampling.slot_tokens(config.max_batch, v))
     self._last_tok = place(jnp.zeros((config.max_batch,), jnp.int32))
-    self._free_slots = list(range(config.max_batch - 1, -1, -1))
-    # Per batch slot, kept up to date as pages and requests come and go, so that
-    # building a step's inputs is a gather rather than a loop over requests.
-    self._slot_table = np.zeros((config.max_batch, self.max_pages), np.int32)
+    # Per batch slot, set at admission, so that building a step's inputs is
+    # a gather rather than a loop over requests.
     self._slot_biased = np.zeros((config.max_batch,), bool)  # its bias or allow row is set
     self._slot_f = np.zeros((config.max_batch, sampling.F_COLS), np.float32)
     self._slot_i = np.zeros((config.max_batch, sampling.I_COLS), np.int64)
     self._grammars = structured.Grammars(self.tok, runner.vocab_size)
-    self._to_guide: list[_Seq] = []  # structured requests whose allow rows are due
+    self._to_guide: list[Seq] = []  # structured requests whose allow rows are due
     self._lock = threading.Lock()
     self._wake = threading.Condition(self._lock)
-    self._inbox: list[_Seq] = []
+    self._inbox: list[Seq] = []
     self._cancels: list[str] = []
-    self._waiting: collections.deque[_Seq] = collections.deque()
-    self._running: list[_Seq] = []  # admitted, in admission order
-    self._by_id: dict[str, _Seq] = {}
+    self._by_id: dict[str, Seq] = {}
     # (seq, token, logprobs, silent, finish reason): accepted last step, not yet sent.
     self._deferred: list = []
     self._inflight: list = []  # the dispatched step whose tokens are not read yet
@@ -508,21 +251,21 @@ class BatchingEngine(api.Engine):
     self.spec_accepted_tokens = 0
     # The checking call's shapes: batch buckets up to speculative_max_batch
     # rows of one chunk bucket (the last token and k drafts).
-    most = _bucket(min(config.speculative_max_batch, config.max_batch), self.batch_buckets)
+    most = bucket(min(config.speculative_max_batch, config.max_batch), self.batch_buckets)
     self._spec_rows = tuple(b for b in self.batch_buckets if b <= most)
-    self._spec_chunk = _bucket(config.num_speculative_tokens + 1, self.chunk_buckets)
+    self._spec_chunk = bucket(config.num_speculative_tokens + 1, self.chunk_buckets)
     self._check_paged = bool(config.num_speculative_tokens) and getattr(
         runner, "check_decode_tokens", 0) >= config.num_speculative_tokens + 1
     # Chunk shapes a mixed step can carry (at most decode_prefill_budget tokens).
     cap = min(config.decode_prefill_budget or config.prefill_chunk, config.prefill_chunk)
     self._mixed_chunks = tuple(t for t in self.chunk_buckets
-                               if t <= _bucket(cap, self.chunk_buckets))
+                               if t <= bucket(cap, self.chunk_buckets))
     # A packed mixed step carries the prompt tokens the step's budget leaves.
     self._mixed_packed = self.mixed and self.packed and (
         hasattr(runner, "mixed_packed_slots") or hasattr(runner, "mixed_packed"))
     cap = min(config.decode_prefill_budget or config.budget, self.packed_buckets[-1])
     self._mixed_packed_ns = tuple(n for n in self.packed_buckets
-                                  if n <= _bucket(cap, self.packed_buckets))
+                                  if n <= bucket(cap, self.packed_buckets))
     if config.mixed_steps and not self.mixed:
       log.warning("mixed_steps: runner %s has no mixed step; prefill and decode run apart",
                   runner.name)
@@ -530,12 +273,36 @@ class BatchingEngine(api.Engine):
     self._stopping = False
     self._thread: threading.Thread | None = None
     self.steps = 0
-    self.preemptions = 0
     self.error: BaseException | None = None
     # The last iterations' timings and what they dispatched.
     self.step_times: collections.deque[StepRecord] = collections.deque(maxlen=4096)
     self.observer = None  # optional metrics sink: .on_step(engine, record), .on_final(final)
     _Compiles.listen()
+
+  @property
+  def preemptions(self) -> int:
+    return self.scheduler.preemptions
+
+  @preemptions.setter
+  def preemptions(self, n: int) -> None:
+    self.scheduler.preemptions = n
+
+  def _init_slot(self, seq: Seq) -> None:
+    """The sampling state of an admitted request's batch slot."""
+    self._slot_f[seq.slot], self._slot_i[seq.slot] = sampling.param_rows(
+        seq.params, seq.seed, seq.slot)
+    # A sampled row reads its slot's bias whatever its own parameters (the
+    # other state is inert at its defaults): a slot a biased request left must
+    # be reset.
+    if seq.params.slot_state or self._slot_biased[seq.slot]:
+      self._slot_biased[seq.slot] = seq.params.biased
+      v = self.runner.vocab_size
+      counts = np.bincount(np.asarray(seq.generated, np.int64), minlength=v)[:v].astype(np.int32)
+      row = sampling.slot_row(v, seq.prompt, seq.ends, seq.params.logit_bias,
+                              seq.params.allowed_token_ids,
+                              None if seq.guide is None else seq.guide.words())
+      self._counts, self._slot_tokens = sampling.set_rows(
+          self._counts, self._slot_tokens, np.int32(seq.slot), counts, row)
 
   # -- the interface -------------------------------------------------------
 
@@ -599,14 +366,14 @@ class BatchingEngine(api.Engine):
           raise api.InvalidRequest(f"request_id {rid!r} is already running")
       held = len(self._by_id)
       if held + n > most:
-        running = min(len(self._running), held)
+        running = min(len(self.scheduler.running), held)
         raise api.QueueFull(
             f"the server is full: {running} requests running and {held - running} waiting "
             f"(at most {c.max_batch} + {c.max_waiting}); this call needs {n}")
       handles = []
       for request, (handle, prompt, max_tokens, seed, guide) in zip(requests, made):
         self._order += 1
-        seq = _Seq(request, handle, prompt, max_tokens, seed, self.tok, self._order,
+        seq = Seq(request, handle, prompt, max_tokens, seed, self.tok, self._order,
                    self.eos_ids, c.scheduling == "priority")
         seq.guide = guide
         self._by_id[request.request_id] = seq
@@ -616,7 +383,7 @@ class BatchingEngine(api.Engine):
     return handles
 
   def _prepare(self, request: api.Request):
-    """A request's checks and what its _Seq is made of: (handle, prompt ids,
+    """A request's checks and what its Seq is made of: (handle, prompt ids,
     max_tokens, seed, grammar state); InvalidRequest where it cannot run."""
     prompt = self._prompt_ids(request)
     p = request.sampling
@@ -714,8 +481,8 @@ class BatchingEngine(api.Engine):
 
   def stats(self) -> api.EngineStats:
     with self._lock:
-      waiting = len(self._waiting) + len(self._inbox)
-      running = len(self._running)
+      waiting = len(self.scheduler.waiting) + len(self._inbox)
+      running = len(self.scheduler.running)
     return api.EngineStats(running=running, waiting=waiting, pages_in_use=self.alloc.in_use,
                            pages_cached=self.alloc.cached, pages_total=self.alloc.usable,
                            steps=self.steps, draining=self._draining,
@@ -773,7 +540,7 @@ class BatchingEngine(api.Engine):
     try:
       while True:
         with self._lock:
-          while not (self._inbox or self._cancels or self._waiting or self._running
+          while not (self._inbox or self._cancels or self.scheduler.waiting or self.scheduler.running
                      or self._deferred or self._inflight or self._stopping):
             self._wake.wait()
           if self._stopping and not (self._by_id or self._inbox or self._cancels):
@@ -813,14 +580,12 @@ class BatchingEngine(api.Engine):
     with self._lock:
       inbox, self._inbox = self._inbox, []
       cancels, self._cancels = self._cancels, []
-    self._waiting.extend(inbox)
-    if inbox:
-      self._order_waiting()
+    self.scheduler.add(inbox)
     for rid in cancels:
       seq = self._by_id.get(rid)
       if seq is not None and seq.cancel is None:
         seq.cancel = api.FinishReason.CANCELLED
-    for seq in list(self._waiting) + self._running:
+    for seq in list(self.scheduler.waiting) + self.scheduler.running:
       if seq.cancel is None and seq.req.deadline is not None and now >= seq.req.deadline:
         seq.cancel = api.FinishReason.DEADLINE
       if seq.cancel is not None:
@@ -829,7 +594,7 @@ class BatchingEngine(api.Engine):
     t_wait = t_tokens = 0.0
     flushed, previous = False, self._inflight
     speculates = self._speculates()
-    if previous and (speculates or any(s.guide is not None and s.pending for s in self._running)):
+    if previous and (speculates or any(s.guide is not None and s.pending for s in self.scheduler.running)):
       # A structured request's next step needs its grammar past the token in
       # flight, and drafts need every token: read them now, before this step
       # is dispatched.
@@ -844,19 +609,7 @@ class BatchingEngine(api.Engine):
         self._record(t0, compiles0, wait=t_wait + tw, decodes=decodes,
                      launched=launched is not None, launch=t_launch, tokens=t_tokens, steps=1)
         return True
-    steps = self._decode_steps()
-    # Decodes reserve their pages first, so that admitting prompts never takes
-    # the pages a running request needs for its next token.
-    decodes = self._schedule_decodes(steps)
-    if self.config.prefill_first:
-      prefills = self._schedule_prefills(self.config.budget)
-      if prefills:
-        decodes = []  # they wait for the prefill phase, pages reserved
-    else:
-      budget = self.config.budget - len(decodes)
-      if decodes and self.config.decode_prefill_budget is not None:
-        budget = min(budget, self.config.decode_prefill_budget)
-      prefills = self._schedule_prefills(budget)
+    decodes, prefills, steps = self.scheduler.schedule(admit=not self._stopping)
     launched = []  # (rows, device outputs, logprobs wanted)
     t_launch = time.perf_counter()
     for seq, n in prefills:
@@ -910,7 +663,7 @@ class BatchingEngine(api.Engine):
         if seq is None:
           continue
         seq.pending -= n
-        if seq.state != _State.DONE:  # a request that ended drops what was in flight
+        if seq.state != State.DONE:  # a request that ended drops what was in flight
           self._accept(seq, by_row[i], None if lp is None else
                        [(lp[0][j, i], lp[1][j, i], lp[2][j, i]) for j in range(n)])
     flushed = self._flush_deferred()
@@ -921,36 +674,36 @@ class BatchingEngine(api.Engine):
     """Whether this iteration may check drafts (EngineConfig.num_speculative_tokens):
     every running request decodes, one may draft."""
     c = self.config
-    if (not c.num_speculative_tokens or self._waiting or not self._running
-        or len(self._running) > c.speculative_max_batch):
+    if (not c.num_speculative_tokens or self.scheduler.waiting or not self.scheduler.running
+        or len(self.scheduler.running) > c.speculative_max_batch):
       return False
-    return (all(s.state == _State.DECODE for s in self._running)
-            and any(map(self._drafts, self._running)))
+    return (all(s.state == State.DECODE for s in self.scheduler.running)
+            and any(map(self._drafts, self.scheduler.running)))
 
   @staticmethod
-  def _drafts(seq: _Seq) -> bool:
+  def _drafts(seq: Seq) -> bool:
     """Whether a request's tokens may come from drafts: not while paused
     (_spec_outcome)."""
     return len(seq.generated) >= seq.spec_resume
 
-  def _spec_outcome(self, seq: _Seq, gained: bool) -> None:
+  def _spec_outcome(self, seq: Seq, gained: bool) -> None:
     """Counts a check of a request's drafts toward its pause
     (EngineConfig.speculative_patience)."""
     if gained:
-      seq.spec_misses, seq.spec_pause = 0, _SPEC_PAUSE[0]
+      seq.spec_misses, seq.spec_pause = 0, SPEC_PAUSE[0]
       return
     seq.spec_misses += 1
     if self.config.speculative_patience and seq.spec_misses >= self.config.speculative_patience:
       seq.spec_resume = len(seq.generated) + seq.spec_pause
-      seq.spec_misses, seq.spec_pause = 0, min(2 * seq.spec_pause, _SPEC_PAUSE[1])
+      seq.spec_misses, seq.spec_pause = 0, min(2 * seq.spec_pause, SPEC_PAUSE[1])
 
-  def _draft(self, seq: _Seq) -> list[int]:
+  def _draft(self, seq: Seq) -> list[int]:
     c = self.config
     return ngram_draft(seq.tokens, c.num_speculative_tokens, c.prompt_lookup_max,
                        c.prompt_lookup_min)
 
   @staticmethod
-  def _guided_drafts(seq: _Seq, d: list[int]) -> tuple[list[int], np.ndarray]:
+  def _guided_drafts(seq: Seq, d: list[int]) -> tuple[list[int], np.ndarray]:
     """A structured request's drafts cut at the first its grammar refuses or
     that would complete the output (that one is sampled, as a decode step
     would), and the grammar's allow words at each position [kept + 1, W]:
@@ -983,7 +736,7 @@ class BatchingEngine(api.Engine):
     entry or None, requests, launch seconds, seconds waiting), or None when no
     request has a draft (a plain decode step runs instead)."""
     t0 = time.perf_counter()
-    seqs, kept = self._schedule_decodes(1), []  # pages for the next token (preempting as usual)
+    seqs, kept = self.scheduler.schedule_decodes(1), []  # pages for the next token (preempting as usual)
     drafts, guided = [], {}  # guided: row -> its grammar's allow words a position
     for seq in seqs:
       room = min(seq.max_tokens - len(seq.generated), self.capacity - seq.num_tokens) - 1
@@ -996,7 +749,7 @@ class BatchingEngine(api.Engine):
           except _RequestError as e:  # its grammar failed: it ends, the others go on
             self._fail(seq, str(e), e.invalid)
             continue
-        if d and not self._reserve(seq, seq.computed + 1 + len(d)):
+        if d and not self.kv.reserve(seq, seq.computed + 1 + len(d)):
           d = []  # no pages for the drafts: no preemption for a guess
         if not d:
           self._spec_outcome(seq, False)
@@ -1005,7 +758,7 @@ class BatchingEngine(api.Engine):
     seqs = kept
     if not any(drafts):
       return None
-    rows, k1 = _bucket(len(seqs), self._spec_rows), self.config.num_speculative_tokens + 1
+    rows, k1 = bucket(len(seqs), self._spec_rows), self.config.num_speculative_tokens + 1
     tokens, lengths = np.zeros((rows, k1), np.int32), np.zeros((rows,), np.int32)
     for i, (seq, d) in enumerate(zip(seqs, drafts)):
       tokens[i, 0], tokens[i, 1:1 + len(d)] = seq.tokens[seq.computed], d
@@ -1076,9 +829,9 @@ class BatchingEngine(api.Engine):
     computed[:n] = [seq.computed for seq in seqs]
     if self._check_paged and all(
         seq.computed + k1 <= self.max_pages * self.page_size
-        and self._reserve(seq, seq.computed + k1) for seq in seqs):
+        and self.kv.reserve(seq, seq.computed + k1) for seq in seqs):
       table = np.zeros((rows, self.max_pages), np.int32)
-      table[:n] = self._slot_table[[seq.slot for seq in seqs]]
+      table[:n] = self.kv.slot_table[[seq.slot for seq in seqs]]
       return self.runner.check_decode(tokens, np.where(np.arange(rows) < n, computed + k1, 0),
                                       table)
     chunk = np.zeros((rows, self._spec_chunk), np.int32)
@@ -1088,194 +841,7 @@ class BatchingEngine(api.Engine):
     table = self._chunk_table(slots, n, int((computed + lengths).max()))
     return self.runner.check_prefill(chunk, computed, lengths, table, width=k1)
 
-  def _decode_steps(self) -> int:
-    """Decode steps this iteration: config.decode_steps unless a prompt waits
-    (its first token would wait for all the steps), a request is still in
-    prefill, some request lacks the pages or the context for them, or no
-    request has more than half of them left to generate."""
-    n = self.config.decode_steps
-    if n == 1 or self._waiting:
-      return 1
-    need = most_left = 0
-    for seq in self._running:
-      if (seq.state != _State.DECODE or seq.guide is not None
-          or seq.computed + n > self.max_pages * self.page_size):
-        return 1
-      need += max(0, -(-(seq.computed + n) // self.page_size) - len(seq.pages))
-      most_left = max(most_left, seq.max_tokens - len(seq.generated) - seq.pending)
-    # A call computes all its steps for every row. When each request ends
-    # within n // 2 tokens, one-step calls (a little dearer per token than a
-    # step of a multi-step call: each has its own dispatch and sampling call)
-    # waste less than the unused steps would.
-    if most_left <= n // 2:
-      return 1
-    return n if need <= self.alloc.available else 1
-
-  def _schedule_decodes(self, steps: int = 1) -> list[_Seq]:
-    decodes = []
-    for seq in sorted((s for s in self._running if s.state == _State.DECODE),
-                      key=lambda s: s.rank):
-      if seq.state != _State.DECODE:
-        continue  # preempted below while making room for an earlier one
-      n = len(seq.generated) + seq.pending
-      if n >= seq.max_tokens or len(seq.prompt) + n >= self.capacity:
-        continue  # its last token is in flight: it ends when that is read
-      while not self._reserve(seq, seq.computed + steps):
-        victim = max((s for s in self._running if s.state != _State.WAITING),
-                     key=lambda s: s.rank)
-        self._preempt(victim)
-        if victim is seq:
-          break
-      if seq.state == _State.DECODE:
-        decodes.append(seq)
-    return decodes
-
-  def _reserve(self, seq: _Seq, tokens: int) -> bool:
-    need = -(-tokens // self.page_size) - len(seq.pages)
-    if need <= 0:
-      return True
-    pages = self.alloc.allocate(need)
-    if pages is None:
-      return False
-    self._slot_table[seq.slot, len(seq.pages):len(seq.pages) + need] = pages
-    seq.pages.extend(pages)
-    return True
-
-  def _preempt(self, seq: _Seq) -> None:
-    log.info("preempting %s (%d tokens) to free KV pages", seq.req.request_id, seq.num_tokens)
-    self.preemptions += 1
-    self.alloc.release(seq.pages)
-    seq.pages, seq.computed, seq.registered = [], 0, 0
-    seq.state = _State.WAITING
-    self._running.remove(seq)
-    self._free_slots.append(seq.slot)
-    seq.slot = -1
-    self._waiting.appendleft(seq)
-    self._order_waiting()
-
-  def _order_waiting(self) -> None:
-    """Under priority scheduling, waiting requests in (priority, arrival)
-    order; first-come-first-served keeps them as they were queued."""
-    if self.config.scheduling == "priority":
-      self._waiting = collections.deque(sorted(self._waiting, key=lambda s: s.rank))
-
-  def _admit(self, seq: _Seq) -> bool:
-    if not self._free_slots:
-      return False
-    tokens = seq.tokens
-    self._hash_blocks(seq)
-    # At least one token is computed, for the logits of the next token. A
-    # request that wants its prompt's logprobs computes every token.
-    cached = [] if seq.scored else self.alloc.lookup(
-        seq.hashes[:(len(tokens) - 1) // self.page_size])
-    need = -(-len(tokens) // self.page_size) - len(cached)
-    fresh = self.alloc.allocate(need)
-    if fresh is None:
-      self.alloc.release(cached)
-      return False
-    seq.pages = cached + fresh
-    seq.computed = seq.registered = len(cached) * self.page_size
-    if not seq.generated:
-      seq.cached_tokens = seq.computed
-    seq.state = _State.PREFILL
-    seq.slot = self._free_slots.pop()
-    self._slot_table[seq.slot] = 0
-    self._slot_table[seq.slot, :len(seq.pages)] = seq.pages
-    self._slot_f[seq.slot], self._slot_i[seq.slot] = sampling.param_rows(
-        seq.params, seq.seed, seq.slot)
-    if seq.scheduled_at is None:
-      seq.scheduled_at = time.monotonic()
-    # A sampled row reads its slot's bias whatever its own parameters (the
-    # other state is inert at its defaults): a slot a biased request left must
-    # be reset.
-    if seq.params.slot_state or self._slot_biased[seq.slot]:
-      self._slot_biased[seq.slot] = seq.params.biased
-      v = self.runner.vocab_size
-      counts = np.bincount(np.asarray(seq.generated, np.int64), minlength=v)[:v].astype(np.int32)
-      row = sampling.slot_row(v, seq.prompt, seq.ends, seq.params.logit_bias,
-                              seq.params.allowed_token_ids,
-                              None if seq.guide is None else seq.guide.words())
-      self._counts, self._slot_tokens = sampling.set_rows(
-          self._counts, self._slot_tokens, np.int32(seq.slot), counts, row)
-    self._running.append(seq)
-    return True
-
-  def _schedule_prefills(self, budget: int) -> list[tuple[_Seq, int]]:
-    return self._fit_buckets(self._pick_prefills(budget))
-
-  def _fit_buckets(self, chunks: list[tuple[_Seq, int]]) -> list[tuple[_Seq, int]]:
-    """A prefill call pads each row to the chunk bucket of its longest chunk
-    (x4 apart): 700 tokens run as 2,048. When every chunk is at most twice
-    the bucket below, they are cut to that bucket and the rest goes in the
-    next step's call, at most as large again: the two calls compute at most
-    half the tokens of the one (700 tokens with buckets 512 and 2,048: 512,
-    then 188 in a second call of 512, not one call of 2,048). Packed calls
-    pad only their total, so keep their chunks."""
-    if self.packed or not chunks:
-      return chunks
-    longest = max(n for _, n in chunks)
-    i = self.chunk_buckets.index(_bucket(longest, self.chunk_buckets))
-    below = self.chunk_buckets[i - 1] if i else 0
-    if not longest <= 2 * below < self.chunk_buckets[i]:
-      return chunks
-    return [(seq, min(n, below)) for seq, n in chunks]
-
-  def _pick_prefills(self, budget: int) -> list[tuple[_Seq, int]]:
-    out = []
-    cap = self.config.prefill_chunk
-    for seq in self._running:
-      if len(out) == self.config.prefill_rows or budget <= 0:
-        return out
-      if seq.state == _State.PREFILL:
-        n = min(seq.num_tokens - seq.computed, budget, cap)
-        out.append((seq, n))
-        budget -= n
-    inflight = self._inflight_blocks()
-    i = 0
-    while (i < len(self._waiting) and len(out) < self.config.prefill_rows and budget > 0
-           and not self._stopping):
-      seq = self._waiting[i]
-      if inflight and not seq.scored and self._shares_inflight(seq, inflight):
-        i += 1  # it waits; the requests behind it need not
-        continue
-      if seq.pending or not self._admit(seq):  # preempted with a token in flight: next step
-        break
-      del self._waiting[i]
-      inflight.update(seq.hashes[seq.registered // self.page_size:])
-      n = min(seq.num_tokens - seq.computed, budget, cap)
-      out.append((seq, n))
-      budget -= n
-    return out
-
-  # A prompt whose next uncached block another running request is prefilling
-  # waits until that block is in the prefix cache instead of computing it too
-  # (SGLang's in-batch prefix caching): n requests with one long prompt (a
-  # shared system prompt, or the n completions of one call) prefill it once.
-
-  def _inflight_blocks(self) -> set[bytes]:
-    """Hashes of the prompt blocks running requests are prefilling, not yet cached."""
-    if not self.alloc.prefix_caching or not self._waiting:
-      return set()
-    out = set()
-    for seq in self._running:
-      if seq.state == _State.PREFILL:
-        out.update(seq.hashes[seq.registered // self.page_size:])
-    return out
-
-  def _shares_inflight(self, seq: _Seq, inflight: set[bytes]) -> bool:
-    self._hash_blocks(seq)
-    hashes = seq.hashes[:(seq.num_tokens - 1) // self.page_size]
-    k = self.alloc.cached_prefix(hashes)
-    return k < len(hashes) and hashes[k] in inflight
-
-  def _hash_blocks(self, seq: _Seq) -> None:
-    """seq.hashes for its tokens now: tokens are only appended, so hashes of
-    as many full pages as it has are still right (a waiting request is
-    checked every step)."""
-    if seq.hashes is None or len(seq.hashes) != seq.num_tokens // self.page_size:
-      seq.hashes = block_hashes(seq.tokens, self.page_size)
-
-  def _sampling_inputs(self, seqs: list[_Seq | None], batch: int):
+  def _sampling_inputs(self, seqs: list[Seq | None], batch: int):
     """(per-row sampling arrays, logprobs wanted, every row plain greedy)."""
     rows = [r for r, s in enumerate(seqs) if s is not None]
     live = [seqs[r] for r in rows]
@@ -1289,7 +855,7 @@ class BatchingEngine(api.Engine):
                  and len(s.generated) + s.pending >= s.params.min_tokens for s in live)
     return arrays, want_lp, greedy
 
-  def _sampling_call(self, seqs: list[_Seq | None], logits, batch: int):
+  def _sampling_call(self, seqs: list[Seq | None], logits, batch: int):
     arrays, want_lp, greedy = self._sampling_inputs(seqs, batch)
     if greedy:
       out = sampling.greedy(logits, arrays, self._counts, self._last_tok, logprobs=want_lp)
@@ -1301,7 +867,7 @@ class BatchingEngine(api.Engine):
         seq.pending += 1
     return out[:4], want_lp
 
-  def _run_prefill(self, chunks: list[tuple[_Seq, int]]):
+  def _run_prefill(self, chunks: list[tuple[Seq, int]]):
     if self.packed:
       tokens, tpos, seg, last, table, fresh, finishing = self._packed_inputs(chunks)
       logits = self.runner.prefill_packed(tokens, tpos, seg, last, table, fresh=fresh)
@@ -1310,7 +876,7 @@ class BatchingEngine(api.Engine):
       logits = self.runner.prefill(tokens, positions, lengths, table)
     return self._sample_rows(finishing, logits, finishing)
 
-  def _run_scored(self, seq: _Seq, n: int):
+  def _run_scored(self, seq: Seq, n: int):
     """A prompt chunk of a request that wants its prompt's logprobs, in a call
     of its own that scores each position's next prompt token."""
     c = seq.computed
@@ -1322,7 +888,7 @@ class BatchingEngine(api.Engine):
     seq.scores.append((c, len(nxt), scores))
     return self._sample_rows(finishing, logits, finishing)
 
-  def _prompt_logprobs(self, seq: _Seq) -> api.PromptLogprobs:
+  def _prompt_logprobs(self, seq: Seq) -> api.PromptLogprobs:
     """The scored chunks' logprobs in prompt order; a prompt computed again
     after preemption keeps its first scores."""
     k = seq.params.prompt_logprobs
@@ -1337,26 +903,26 @@ class BatchingEngine(api.Engine):
                               logprobs=lp.astype(np.float32), top_ids=ids[:, :k].astype(np.int32),
                               top_logprobs=lps[:, :k].astype(np.float32))
 
-  def _sample_rows(self, rows: list[_Seq | None], logits, finishing: list[_Seq | None]):
+  def _sample_rows(self, rows: list[Seq | None], logits, finishing: list[Seq | None]):
     """Samples a call's rows (launched as (rows, device outputs, logprobs
     wanted)); the requests in ``finishing`` completed their prompt and decode
     from now on."""
     out, want_lp = self._sampling_call(rows, logits, len(rows))
     for seq in finishing:
       if seq is not None:
-        seq.state = _State.DECODE
+        seq.state = State.DECODE
     return rows, out, want_lp
 
-  def _prefill_inputs(self, chunks: list[tuple[_Seq, int]]):
+  def _prefill_inputs(self, chunks: list[tuple[Seq, int]]):
     """Padded chunk arrays; advances each request's computed tokens. The last
     element lists, per row, the request whose prompt this chunk completes."""
-    rows = _bucket(len(chunks), self.row_buckets)
-    t = _bucket(max(n for _, n in chunks), self.chunk_buckets)
+    rows = bucket(len(chunks), self.row_buckets)
+    t = bucket(max(n for _, n in chunks), self.chunk_buckets)
     tokens = np.zeros((rows, t), np.int32)
     positions = np.zeros((rows,), np.int32)
     lengths = np.zeros((rows,), np.int32)
     slots = np.zeros((rows,), np.int32)
-    finishing: list[_Seq | None] = [None] * rows
+    finishing: list[Seq | None] = [None] * rows
     for i, (seq, n) in enumerate(chunks):
       tokens[i, :n] = seq.tokens[seq.computed:seq.computed + n]
       positions[i], lengths[i], slots[i] = seq.computed, n, seq.slot
@@ -1371,12 +937,12 @@ class BatchingEngine(api.Engine):
     for fresh chunks (None), which gather nothing: one shape."""
     width = self.max_pages
     if kv_tokens is not None:
-      width = _bucket(-(-kv_tokens // self.page_size), self.table_buckets)
-    table = self._slot_table[slots, :width]  # a copy
+      width = bucket(-(-kv_tokens // self.page_size), self.table_buckets)
+    table = self.kv.slot_table[slots, :width]  # a copy
     table[n:] = 0
     return table
 
-  def _packed_inputs(self, chunks: list[tuple[_Seq, int]]):
+  def _packed_inputs(self, chunks: list[tuple[Seq, int]]):
     """Chunks one after another in one row of a packed bucket's length:
     (tokens, positions in their sequences, row + 1 (0: padding) [N]; each
     row's last token's index [prefill_rows]; page table [prefill_rows, W];
@@ -1385,10 +951,10 @@ class BatchingEngine(api.Engine):
     shape), else the table width bucket that covers the longest row, as in
     the row layout. Advances each request's computed tokens."""
     rows = self.config.prefill_rows
-    n = _bucket(sum(k for _, k in chunks), self.packed_buckets)
+    n = bucket(sum(k for _, k in chunks), self.packed_buckets)
     tokens, tpos, seg = (np.zeros((n,), np.int32) for _ in range(3))
     last, slots = np.zeros((rows,), np.int32), np.zeros((rows,), np.int32)
-    finishing: list[_Seq | None] = [None] * rows
+    finishing: list[Seq | None] = [None] * rows
     o = 0
     fresh = not any(seq.computed for seq, _ in chunks)
     kv = None if fresh else max(seq.computed + k for seq, k in chunks)
@@ -1400,20 +966,14 @@ class BatchingEngine(api.Engine):
       finishing[i] = self._advance(seq, k)
     return tokens, tpos, seg, last, self._chunk_table(slots, len(chunks), kv), fresh, finishing
 
-  def _advance(self, seq: _Seq, n: int) -> _Seq | None:
+  def _advance(self, seq: Seq, n: int) -> Seq | None:
     """Counts n more of ``seq``'s prompt as computed (its full pages go to the
     prefix cache); ``seq`` if that completes the prompt, else None."""
     seq.computed += n
-    self._register_blocks(seq)
+    self.kv.register_blocks(seq)
     return seq if seq.computed == seq.num_tokens else None
 
-  def _register_blocks(self, seq: _Seq) -> None:
-    full = min(seq.computed // self.page_size, len(seq.hashes or ()))
-    for i in range(seq.registered // self.page_size, full):
-      self.alloc.register(seq.pages[i], seq.hashes[i])
-    seq.registered = max(seq.registered, full * self.page_size)
-
-  def _run_mixed(self, chunks: list[tuple[_Seq, int]], seqs: list[_Seq]):
+  def _run_mixed(self, chunks: list[tuple[Seq, int]], seqs: list[Seq]):
     """The decode batch and the prefill chunks in one device call (one pass
     over the weights), sampled together: rows = decode rows, then chunk rows."""
     self.mixed_steps_run += 1
@@ -1439,21 +999,21 @@ class BatchingEngine(api.Engine):
       return self.runner.mixed_packed_slots(self._last_tok, slots, *args, fresh=fresh)
     return self.runner.mixed_packed(sampling.take(self._last_tok, slots), *args, fresh=fresh)
 
-  def _decode_inputs(self, seqs: list[_Seq], batch: int | None = None):
+  def _decode_inputs(self, seqs: list[Seq], batch: int | None = None):
     """(rows padded to ``batch`` or the batch bucket, their slots (-1: padding),
     lengths, page table). A row's input token is its slot's last sampled
     token, which stays on the device (``sampling.take``)."""
-    n, b = len(seqs), batch or _bucket(len(seqs), self.batch_buckets)
+    n, b = len(seqs), batch or bucket(len(seqs), self.batch_buckets)
     slots = np.full((b,), -1, np.int32)
     slots[:n] = np.fromiter((s.slot for s in seqs), np.int32, n)
     lengths = np.zeros((b,), np.int32)
     table = np.zeros((b, self.max_pages), np.int32)
     lengths[:n] = np.fromiter((s.computed + 1 for s in seqs), np.int32, n)
-    table[:n] = self._slot_table[slots[:n]]
-    rows: list[_Seq | None] = list(seqs) + [None] * (b - n)
+    table[:n] = self.kv.slot_table[slots[:n]]
+    rows: list[Seq | None] = list(seqs) + [None] * (b - n)
     return rows, slots, lengths, table
 
-  def _run_decode(self, seqs: list[_Seq], steps: int = 1):
+  def _run_decode(self, seqs: list[Seq], steps: int = 1):
     rows, slots, lengths, table = self._decode_inputs(seqs)
     if steps > 1:
       return (rows,) + self._run_decode_steps(rows, slots, lengths, table, steps)
@@ -1497,7 +1057,7 @@ class BatchingEngine(api.Engine):
         seq.pending += steps
     return out[:4], want_lp
 
-  def _accept(self, seq: _Seq, tokens: list[int], lps: list | None) -> None:
+  def _accept(self, seq: Seq, tokens: list[int], lps: list | None) -> None:
     """Records a request's tokens read back from one call (several with
     decode_steps > 1); ends it at EOS, a stop token or its length, dropping
     the tokens after that end."""
@@ -1533,7 +1093,7 @@ class BatchingEngine(api.Engine):
     if reason is not None:
       self._release(seq)
 
-  def _follow(self, seq: _Seq, ids: list[int], reason):
+  def _follow(self, seq: Seq, ids: list[int], reason):
     """Moves a structured request's grammar past its new tokens: it ends
     (STOP) where the grammar is complete, else its slot's allow row is due
     (``_guide_next``). Returns the finish reason."""
@@ -1546,7 +1106,7 @@ class BatchingEngine(api.Engine):
       self._to_guide.append(seq)
     return reason
 
-  def _jump_forward(self, seq: _Seq, n_new: int) -> list[int]:
+  def _jump_forward(self, seq: Seq, n_new: int) -> list[int]:
     """The tokens the grammar forces after the request's ``n_new`` new ones:
     accepted without sampling, the request back in PREFILL so that its next
     call computes them as a chunk (and samples the token after them). Not for
@@ -1554,18 +1114,18 @@ class BatchingEngine(api.Engine):
     counts, logprobs) or that score their prompt."""
     p = seq.params
     if (p.penalized or p.logprobs or p.top_logprobs or seq.scored
-        or seq.state != _State.DECODE):
+        or seq.state != State.DECODE):
       return []
     total = seq.num_tokens + n_new
     # Room for the forced tokens and the sampled one after them.
     room = min(seq.max_tokens - len(seq.generated) - n_new, self.capacity - total) - 1
     forced = seq.guide.forced()[:max(room, 0)]
-    if not forced or not self._reserve(seq, total + len(forced)):
+    if not forced or not self.kv.reserve(seq, total + len(forced)):
       return []
     if not seq.guide.accept(forced):  # (the matcher is in its error state now)
       raise _grammar_error(seq, seq.guide)
     if not seq.guide.stopped:
-      seq.state = _State.PREFILL
+      seq.state = State.PREFILL
     self.jump_forward_tokens += len(forced)
     return forced
 
@@ -1574,11 +1134,11 @@ class BatchingEngine(api.Engine):
     into their slots' allow rows: one bitmask fill, one transfer and one
     device update for all (rows padded to a batch bucket)."""
     # (a request that jumped forward is in PREFILL, its slot still held)
-    seqs = [s for s in self._to_guide if s.state in (_State.DECODE, _State.PREFILL)]
+    seqs = [s for s in self._to_guide if s.state in (State.DECODE, State.PREFILL)]
     self._to_guide = []
     if not seqs:
       return
-    b = _bucket(len(seqs), self.batch_buckets)
+    b = bucket(len(seqs), self.batch_buckets)
     words = np.full((b, sampling.mask_words(self.runner.vocab_size)), -1, np.int32)
     self._grammars.fill([s.guide for s in seqs], words)
     slots = np.full((b,), self.config.max_batch, np.int32)  # out of range: dropped
@@ -1594,7 +1154,7 @@ class BatchingEngine(api.Engine):
         self._flush_seq(*item)
     return bool(items)
 
-  def _flush_seq(self, seq: _Seq, ids: list[int], lps, silent: bool, reason,
+  def _flush_seq(self, seq: Seq, ids: list[int], lps, silent: bool, reason,
                  first: int) -> None:
     """One request's tokens accepted from one call (``_accept``'s record);
     ``first`` is the index of ids[0] in the request's output."""
@@ -1630,7 +1190,7 @@ class BatchingEngine(api.Engine):
     elif seq.events_sent == 0 or len(seq.out_ids) >= self.config.stream_interval:
       self._send_delta(seq)
 
-  def _send_delta(self, seq: _Seq) -> None:
+  def _send_delta(self, seq: Seq) -> None:
     """Hands the buffered tokens, text and logprobs to the client as one Delta."""
     if seq.out_ids or seq.out_text:
       seq.handle.events.put(api.Delta(tuple(seq.out_ids), "".join(seq.out_text),
@@ -1638,20 +1198,11 @@ class BatchingEngine(api.Engine):
       seq.events_sent += 1
       seq.out_ids, seq.out_text, seq.out_lps = [], [], []
 
-  def _release(self, seq: _Seq) -> None:
+  def _release(self, seq: Seq) -> None:
     """Takes the request out of the schedule and frees its pages and slot."""
-    if seq.state == _State.DONE:
-      return
-    if seq.state == _State.WAITING:
-      self._waiting.remove(seq)
-    else:
-      self._running.remove(seq)
-      self.alloc.release(seq.pages)
-      seq.pages = []
-      self._free_slots.append(seq.slot)
-    seq.state = _State.DONE
+    self.scheduler.release(seq)
 
-  def _fail(self, seq: _Seq, message: str, invalid: bool = False) -> None:
+  def _fail(self, seq: Seq, message: str, invalid: bool = False) -> None:
     """Ends one request with an error (``api.Failed``), never a normal finish:
     its tokens not sent yet are dropped, its pages freed; the others run on."""
     if seq.final_sent:
@@ -1667,14 +1218,14 @@ class BatchingEngine(api.Engine):
     if on_failed is not None:
       on_failed(failed)
 
-  def _finish(self, seq: _Seq, reason: api.FinishReason) -> None:
+  def _finish(self, seq: Seq, reason: api.FinishReason) -> None:
     """Ends a request now (cancel, deadline): its pending tokens are not sent."""
-    if seq.state == _State.DONE:
+    if seq.state == State.DONE:
       return
     self._release(seq)
     self._send_final(seq, reason)
 
-  def _send_final(self, seq: _Seq, reason: api.FinishReason) -> None:
+  def _send_final(self, seq: Seq, reason: api.FinishReason) -> None:
     self._send_delta(seq)  # nothing accepted is lost, whatever the interval
     seq.final_sent = True
     now = time.monotonic()
