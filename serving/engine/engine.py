@@ -77,31 +77,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from serving.engine import api, sampling, structured
+from serving.engine import api, sampling
 from serving.engine.config import SCHEDULING, EngineConfig, auto_compile_threads  # noqa: F401
+from serving.engine.guided import Guided, RequestError
 from serving.engine.kv_cache import KVCacheManager
 from serving.engine.scheduler import Scheduler, bucket, pow2_buckets
-from serving.engine.sequence import SPEC_PAUSE, Seq, State
+from serving.engine.sequence import Seq, State
+from serving.engine.speculation import Speculator, ngram_draft  # noqa: F401
 
 # The names benchmarks import from here.
 _bucket, _pow2_buckets = bucket, pow2_buckets
 
 log = logging.getLogger("serving.engine")
-
-
-def ngram_draft(tokens, k: int, lookup_max: int, lookup_min: int) -> list[int]:
-  """Prompt lookup: up to ``k`` tokens that followed the latest earlier
-  occurrence of the last n ``tokens``, for the longest n in
-  [lookup_min, lookup_max] that occurs earlier; [] if none does."""
-  toks = np.asarray(tokens, np.int32)
-  for n in range(min(lookup_max, len(toks) - 1), lookup_min - 1, -1):
-    # Windows of toks[:-1]: every n-gram but the last one itself.
-    windows = np.lib.stride_tricks.sliding_window_view(toks[:-1], n)
-    hits = np.flatnonzero((windows == toks[-n:]).all(axis=1))
-    if hits.size:
-      start = int(hits[-1]) + n
-      return toks[start:start + k].tolist()
-  return []
 
 
 class StepRecord(NamedTuple):
@@ -159,24 +146,6 @@ class _Compiles:
       cls._by_thread.pop(ident, None)
 
 
-class _RequestError(Exception):
-  """One request cannot go on (its grammar failed): it ends with api.Failed."""
-
-  def __init__(self, message: str, invalid: bool = False):
-    super().__init__(message)
-    self.invalid = invalid
-
-
-def _grammar_error(seq, guide) -> _RequestError:
-  """The error that ends a structured request whose grammar refused a token
-  its own allowed set admitted: a limit of llguidance's (a lexer too complex
-  for the grammar, INVALID_ARGUMENT: the client's grammar), else our bug."""
-  first = (guide.error.strip().splitlines() or ["the grammar refused a token"])[0]
-  limit = any(w in first.lower() for w in ("lexer error", "too many", "too complex", "limit"))
-  return _RequestError(f"structured output failed after {len(seq.generated)} tokens: {first}",
-                       invalid=limit)
-
-
 class BatchingEngine(api.Engine):
 
   def __init__(self, runner, config: EngineConfig = EngineConfig()):
@@ -230,8 +199,8 @@ class BatchingEngine(api.Engine):
     self._slot_biased = np.zeros((config.max_batch,), bool)  # its bias or allow row is set
     self._slot_f = np.zeros((config.max_batch, sampling.F_COLS), np.float32)
     self._slot_i = np.zeros((config.max_batch, sampling.I_COLS), np.int64)
-    self._grammars = structured.Grammars(self.tok, runner.vocab_size)
-    self._to_guide: list[Seq] = []  # structured requests whose allow rows are due
+    self.guided = Guided(self)  # structured outputs' grammar state
+    self._grammars = self.guided.grammars
     self._lock = threading.Lock()
     self._wake = threading.Condition(self._lock)
     self._inbox: list[Seq] = []
@@ -246,16 +215,7 @@ class BatchingEngine(api.Engine):
     self.make_events = lambda request_id: queue.SimpleQueue()
     self.mixed = config.mixed_steps and getattr(runner, "supports_mixed", False)
     self.mixed_steps_run = 0
-    self.jump_forward_tokens = 0  # tokens structured outputs took without sampling
-    self.spec_draft_tokens = 0  # speculative tokens drafted, and those the model agreed with
-    self.spec_accepted_tokens = 0
-    # The checking call's shapes: batch buckets up to speculative_max_batch
-    # rows of one chunk bucket (the last token and k drafts).
-    most = bucket(min(config.speculative_max_batch, config.max_batch), self.batch_buckets)
-    self._spec_rows = tuple(b for b in self.batch_buckets if b <= most)
-    self._spec_chunk = bucket(config.num_speculative_tokens + 1, self.chunk_buckets)
-    self._check_paged = bool(config.num_speculative_tokens) and getattr(
-        runner, "check_decode_tokens", 0) >= config.num_speculative_tokens + 1
+    self.speculator = Speculator(self)
     # Chunk shapes a mixed step can carry (at most decode_prefill_budget tokens).
     cap = min(config.decode_prefill_budget or config.prefill_chunk, config.prefill_chunk)
     self._mixed_chunks = tuple(t for t in self.chunk_buckets
@@ -278,6 +238,18 @@ class BatchingEngine(api.Engine):
     self.step_times: collections.deque[StepRecord] = collections.deque(maxlen=4096)
     self.observer = None  # optional metrics sink: .on_step(engine, record), .on_final(final)
     _Compiles.listen()
+
+  @property
+  def jump_forward_tokens(self) -> int:  # tokens structured outputs took without sampling
+    return self.guided.jump_forward_tokens
+
+  @property
+  def spec_draft_tokens(self) -> int:  # speculative tokens drafted
+    return self.speculator.draft_tokens
+
+  @property
+  def spec_accepted_tokens(self) -> int:  # drafts the model agreed with
+    return self.speculator.accepted_tokens
 
   @property
   def preemptions(self) -> int:
@@ -593,15 +565,15 @@ class BatchingEngine(api.Engine):
 
     t_wait = t_tokens = 0.0
     flushed, previous = False, self._inflight
-    speculates = self._speculates()
+    speculates = self.speculator.active()
     if previous and (speculates or any(s.guide is not None and s.pending for s in self.scheduler.running)):
       # A structured request's next step needs its grammar past the token in
       # flight, and drafts need every token: read them now, before this step
       # is dispatched.
       t_wait, t_tokens, flushed = self._collect(previous)
       self._inflight = []
-    if speculates and self._speculates():  # (still: reading may have ended some)
-      spec = self._run_speculative()
+    if speculates and self.speculator.active():  # (still: reading may have ended some)
+      spec = self.speculator.run()
       if spec is not None:
         launched, decodes, t_launch, tw = spec
         self._inflight = [launched] if launched else []
@@ -667,179 +639,8 @@ class BatchingEngine(api.Engine):
           self._accept(seq, by_row[i], None if lp is None else
                        [(lp[0][j, i], lp[1][j, i], lp[2][j, i]) for j in range(n)])
     flushed = self._flush_deferred()
-    self._guide_next()
+    self.guided.write_allow_rows()
     return t_wait, time.perf_counter() - t0 - t_wait, flushed
-
-  def _speculates(self) -> bool:
-    """Whether this iteration may check drafts (EngineConfig.num_speculative_tokens):
-    every running request decodes, one may draft."""
-    c = self.config
-    if (not c.num_speculative_tokens or self.scheduler.waiting or not self.scheduler.running
-        or len(self.scheduler.running) > c.speculative_max_batch):
-      return False
-    return (all(s.state == State.DECODE for s in self.scheduler.running)
-            and any(map(self._drafts, self.scheduler.running)))
-
-  @staticmethod
-  def _drafts(seq: Seq) -> bool:
-    """Whether a request's tokens may come from drafts: not while paused
-    (_spec_outcome)."""
-    return len(seq.generated) >= seq.spec_resume
-
-  def _spec_outcome(self, seq: Seq, gained: bool) -> None:
-    """Counts a check of a request's drafts toward its pause
-    (EngineConfig.speculative_patience)."""
-    if gained:
-      seq.spec_misses, seq.spec_pause = 0, SPEC_PAUSE[0]
-      return
-    seq.spec_misses += 1
-    if self.config.speculative_patience and seq.spec_misses >= self.config.speculative_patience:
-      seq.spec_resume = len(seq.generated) + seq.spec_pause
-      seq.spec_misses, seq.spec_pause = 0, min(2 * seq.spec_pause, SPEC_PAUSE[1])
-
-  def _draft(self, seq: Seq) -> list[int]:
-    c = self.config
-    return ngram_draft(seq.tokens, c.num_speculative_tokens, c.prompt_lookup_max,
-                       c.prompt_lookup_min)
-
-  @staticmethod
-  def _guided_drafts(seq: Seq, d: list[int]) -> tuple[list[int], np.ndarray]:
-    """A structured request's drafts cut at the first its grammar refuses or
-    that would complete the output (that one is sampled, as a decode step
-    would), and the grammar's allow words at each position [kept + 1, W]:
-    now, then after each kept draft. The grammar is left where it was."""
-    g = seq.guide
-    words, taken = [g.words()], 0
-    for t in d:
-      # Offered only where the mask admits it: a refused token would leave
-      # the matcher in its error state (which no rollback leaves).
-      if not (words[-1][t >> 5] >> (t & 31)) & 1:
-        break
-      if not g.accept([t]):
-        raise _grammar_error(seq, g)
-      taken += 1
-      if g.stopped:
-        break
-      words.append(g.words())
-    g.rollback(taken)
-    return d[:len(words) - 1], np.stack(words)
-
-  def _run_speculative(self):
-    """One checking call for the running requests (their tokens read back):
-    [last token, drafts] per row at its next positions. A request with
-    drafts takes those sampling.verify keeps (equal to what it would have
-    decoded there) and the token after them, with their logprobs if
-    it asked, read back now; the K/V of refused drafts lie past its computed
-    tokens and are overwritten. A request without drafts (none found, or it
-    may not draft) has its one token sampled on the device from its first
-    position's logits, read back as a decode step's is. Returns (launched
-    entry or None, requests, launch seconds, seconds waiting), or None when no
-    request has a draft (a plain decode step runs instead)."""
-    t0 = time.perf_counter()
-    seqs, kept = self.scheduler.schedule_decodes(1), []  # pages for the next token (preempting as usual)
-    drafts, guided = [], {}  # guided: row -> its grammar's allow words a position
-    for seq in seqs:
-      room = min(seq.max_tokens - len(seq.generated), self.capacity - seq.num_tokens) - 1
-      d = []
-      if self._drafts(seq):
-        d = self._draft(seq)[:max(room, 0)]
-        if d and seq.guide is not None:
-          try:
-            d, guided[len(kept)] = self._guided_drafts(seq, d)
-          except _RequestError as e:  # its grammar failed: it ends, the others go on
-            self._fail(seq, str(e), e.invalid)
-            continue
-        if d and not self.kv.reserve(seq, seq.computed + 1 + len(d)):
-          d = []  # no pages for the drafts: no preemption for a guess
-        if not d:
-          self._spec_outcome(seq, False)
-      kept.append(seq)
-      drafts.append(d)
-    seqs = kept
-    if not any(drafts):
-      return None
-    rows, k1 = bucket(len(seqs), self._spec_rows), self.config.num_speculative_tokens + 1
-    tokens, lengths = np.zeros((rows, k1), np.int32), np.zeros((rows,), np.int32)
-    for i, (seq, d) in enumerate(zip(seqs, drafts)):
-      tokens[i, 0], tokens[i, 1:1 + len(d)] = seq.tokens[seq.computed], d
-      lengths[i] = 1 + len(d)
-    logits = self._checking_call(seqs, tokens, lengths)  # [rows, k + 1, V]
-    drafting = [seq if d else None for seq, d in zip(seqs, drafts)] + [None] * (rows - len(seqs))
-    arrays, want_lp, _ = self._sampling_inputs(drafting, rows)
-    # Penalties, bias and min_tokens read the slot's state at each position.
-    penalized = any(seq is not None and seq.params.slot_state for seq in drafting)
-    allow = None  # (structured requests' slot state: penalized)
-    if any(drafts[i] for i in guided):
-      allow = np.full((rows, k1, sampling.mask_words(self.runner.vocab_size)), -1, np.int32)
-      for i, words in guided.items():
-        allow[i, :len(words)] = words
-    checked = sampling.verify_jit(
-        logits, tokens, lengths, arrays, self._counts, self._slot_tokens, allow, logprobs=want_lp,
-        greedy_only=all(seq is None or seq.params.greedy for seq in drafting),
-        penalized=penalized)
-    # Rows without drafts: sampled from their only position's logits, as a
-    # decode step samples them (penalties, seeds, logprobs and all).
-    plain = [seq if not d else None for seq, d in zip(seqs, drafts)] + [None] * (rows - len(seqs))
-    launched = None
-    if any(plain):
-      for seq in plain:
-        if seq is not None:
-          seq.computed += 1
-      launched = (plain,) + self._sampling_call(plain, logits[:, 0], rows)
-    t_launch = time.perf_counter() - t0
-    kept, after, *lp = (np.asarray(x) for x in checked)
-    t_wait = time.perf_counter() - t0 - t_launch
-    # Each slot's newest token: the next decode step's input.
-    slot_of, newest = np.full((rows,), self.config.max_batch, np.int32), np.zeros((rows,), np.int32)
-    emitted, n_emitted = np.zeros((rows, k1), np.int32), np.zeros((rows,), np.int32)
-    for i, (seq, d) in enumerate(zip(seqs, drafts)):
-      if not d:
-        continue
-      a = int(kept[i])
-      new = d[:a] + [int(after[i])]
-      emitted[i, :len(new)], n_emitted[i] = new, len(new)
-      self.spec_draft_tokens += len(d)
-      self.spec_accepted_tokens += a
-      self._spec_outcome(seq, a > 0)
-      seq.computed += len(new)  # the last token and the agreed drafts
-      slot_of[i], newest[i] = seq.slot, new[-1]
-      self._accept(seq, new, [(lp[0][i, j], lp[1][i, j], lp[2][i, j]) for j in range(len(new))]
-                   if lp else None)
-    self._last_tok = sampling.set_last(self._last_tok, slot_of, newest)
-    if penalized:  # a decode step counts what it samples; these were taken on the host
-      self._counts = sampling.add_counts(self._counts, slot_of, emitted, n_emitted)
-    self._flush_deferred()
-    self._guide_next()  # structured requests' allow rows, before the next call
-    return launched, len(seqs), t_launch, t_wait
-
-  def _checking_call(self, seqs, tokens, lengths):
-    """The checking call's logits [rows, k + 1, V]: row i's ``tokens`` (its
-    first ``lengths[i]`` real: its last token and drafts) at its next positions.
-
-    As a decode step with k + 1 query tokens a row (``runner.check_decode``)
-    where it can: decode attention reads the pages in place. A row with fewer
-    drafts is padded after them; the padding's K/V, like a refused draft's,
-    lies past its computed tokens and is overwritten later. That needs every
-    row's pages and context for k + 1 tokens; otherwise (or beyond the decode
-    kernel's query tokens) the continued-prefill form, which gathers each
-    row's pages for the prefill attention."""
-    rows, k1 = tokens.shape
-    n = len(seqs)
-    computed = np.zeros((rows,), np.int32)
-    computed[:n] = [seq.computed for seq in seqs]
-    if self._check_paged and all(
-        seq.computed + k1 <= self.max_pages * self.page_size
-        and self.kv.reserve(seq, seq.computed + k1) for seq in seqs):
-      table = np.zeros((rows, self.max_pages), np.int32)
-      table[:n] = self.kv.slot_table[[seq.slot for seq in seqs]]
-      return self.runner.check_decode(tokens, np.where(np.arange(rows) < n, computed + k1, 0),
-                                      table)
-    chunk = np.zeros((rows, self._spec_chunk), np.int32)
-    chunk[:, :k1] = tokens
-    slots = np.zeros((rows,), np.int32)
-    slots[:n] = [seq.slot for seq in seqs]
-    table = self._chunk_table(slots, n, int((computed + lengths).max()))
-    return self.runner.check_prefill(chunk, computed, lengths, table, width=k1)
 
   def _sampling_inputs(self, seqs: list[Seq | None], batch: int):
     """(per-row sampling arrays, logprobs wanted, every row plain greedy)."""
@@ -1078,13 +879,13 @@ class BatchingEngine(api.Engine):
     ids = tokens[:n]
     if seq.guide is not None:
       try:
-        reason = self._follow(seq, ids, reason)
+        reason = self.guided.follow(seq, ids, reason)
         if reason is None and self.config.jump_forward:
-          forced = self._jump_forward(seq, len(ids))
+          forced = self.guided.jump_forward(seq, len(ids))
           ids = ids + forced
           if forced and seq.guide.stopped:  # they complete the output
             reason = api.FinishReason.STOP
-      except _RequestError as e:
+      except RequestError as e:
         self._fail(seq, str(e), e.invalid)
         return
     self._deferred.append((seq, ids, None if lps is None else lps[:n], silent, reason,
@@ -1092,58 +893,6 @@ class BatchingEngine(api.Engine):
     seq.generated.extend(ids)
     if reason is not None:
       self._release(seq)
-
-  def _follow(self, seq: Seq, ids: list[int], reason):
-    """Moves a structured request's grammar past its new tokens: it ends
-    (STOP) where the grammar is complete, else its slot's allow row is due
-    (``_guide_next``). Returns the finish reason."""
-    g = seq.guide
-    if not g.accept(ids):  # cannot happen while the allow row holds: a limit, or a bug
-      raise _grammar_error(seq, g)
-    if g.stopped:
-      return reason or api.FinishReason.STOP
-    if reason is None:
-      self._to_guide.append(seq)
-    return reason
-
-  def _jump_forward(self, seq: Seq, n_new: int) -> list[int]:
-    """The tokens the grammar forces after the request's ``n_new`` new ones:
-    accepted without sampling, the request back in PREFILL so that its next
-    call computes them as a chunk (and samples the token after them). Not for
-    requests whose sampling state follows each sampled token (penalties'
-    counts, logprobs) or that score their prompt."""
-    p = seq.params
-    if (p.penalized or p.logprobs or p.top_logprobs or seq.scored
-        or seq.state != State.DECODE):
-      return []
-    total = seq.num_tokens + n_new
-    # Room for the forced tokens and the sampled one after them.
-    room = min(seq.max_tokens - len(seq.generated) - n_new, self.capacity - total) - 1
-    forced = seq.guide.forced()[:max(room, 0)]
-    if not forced or not self.kv.reserve(seq, total + len(forced)):
-      return []
-    if not seq.guide.accept(forced):  # (the matcher is in its error state now)
-      raise _grammar_error(seq, seq.guide)
-    if not seq.guide.stopped:
-      seq.state = State.PREFILL
-    self.jump_forward_tokens += len(forced)
-    return forced
-
-  def _guide_next(self) -> None:
-    """Writes the allowed sets of the structured requests that took tokens
-    into their slots' allow rows: one bitmask fill, one transfer and one
-    device update for all (rows padded to a batch bucket)."""
-    # (a request that jumped forward is in PREFILL, its slot still held)
-    seqs = [s for s in self._to_guide if s.state in (State.DECODE, State.PREFILL)]
-    self._to_guide = []
-    if not seqs:
-      return
-    b = bucket(len(seqs), self.batch_buckets)
-    words = np.full((b, sampling.mask_words(self.runner.vocab_size)), -1, np.int32)
-    self._grammars.fill([s.guide for s in seqs], words)
-    slots = np.full((b,), self.config.max_batch, np.int32)  # out of range: dropped
-    slots[:len(seqs)] = [s.slot for s in seqs]
-    self._slot_tokens = sampling.set_allow(self._slot_tokens, slots, words)
 
   def _flush_deferred(self) -> bool:
     """Text, stop strings and events of the tokens accepted last step: each
@@ -1353,11 +1102,11 @@ class BatchingEngine(api.Engine):
                                                  np.zeros((rows, w), np.int32), z)
       self._warm_sampling(logits, rows)
     if self.config.num_speculative_tokens:  # checking calls continue a sequence
-      t = self._spec_chunk
+      t = self.speculator.chunk
       k1 = self.config.num_speculative_tokens + 1
-      for rows in self._spec_rows:
+      for rows in self.speculator.rows:
         z, zr = np.zeros((rows, t), np.int32), np.zeros((rows,), np.int32)
-        if self._check_paged:  # and the prefill form, for rows short of pages
+        if self.speculator.check_paged:  # and the prefill form, for rows short of pages
           logits = self.runner.check_decode(z[:, :k1], zr,
                                             np.zeros((rows, self.max_pages), np.int32))
         for w in self.table_buckets:
@@ -1380,7 +1129,7 @@ class BatchingEngine(api.Engine):
             len(self.row_buckets) * len(self.chunk_buckets) * len(prefill_tables)
             + len(self.packed_buckets) * len(packed_tables)
             + len(self.chunk_buckets) * len(chunk_tables) * self.config.prompt_logprobs
-            + len(self._spec_rows) * (len(self.table_buckets) + self._check_paged) * bool(
+            + len(self.speculator.rows) * (len(self.table_buckets) + self.speculator.check_paged) * bool(
                 self.config.num_speculative_tokens),
             (len(self._mixed_packed_ns) if self._mixed_packed else
              len(self.row_buckets) * len(self._mixed_chunks)) * len(chunk_tables) * self.mixed)

@@ -955,7 +955,7 @@ def test_ngram_speculation_on_the_llama_decoder():
         if d and next(made) % 2:
           d[-1] = (d[-1] + 1) % model.config.vocab_size
         return d
-      engine._draft = draft
+      engine.speculator.draft = draft
     run = _spec_run(engine, requests, logprobs=True)
     outs[k], lps[k] = [ids for ids, _, _ in run], (run[1][2], run[2][2])
     if k:
