@@ -62,9 +62,7 @@ allowed set after the drafts before it.
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import functools
-import itertools
 import logging
 import queue
 import random
@@ -78,9 +76,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from serving.engine import api, sampling
+from serving.engine import warmup as warmup_lib
 from serving.engine.config import SCHEDULING, EngineConfig, auto_compile_threads  # noqa: F401
-from serving.engine.guided import Guided, RequestError
+from serving.engine.guided import Guided
 from serving.engine.kv_cache import KVCacheManager
+from serving.engine.outputs import Outputs
 from serving.engine.scheduler import Scheduler, bucket, pow2_buckets
 from serving.engine.sequence import Seq, State
 from serving.engine.speculation import Speculator, ngram_draft  # noqa: F401
@@ -206,8 +206,7 @@ class BatchingEngine(api.Engine):
     self._inbox: list[Seq] = []
     self._cancels: list[str] = []
     self._by_id: dict[str, Seq] = {}
-    # (seq, token, logprobs, silent, finish reason): accepted last step, not yet sent.
-    self._deferred: list = []
+    self.outputs = Outputs(self)  # tokens read back, on their way to the clients
     self._inflight: list = []  # the dispatched step whose tokens are not read yet
     self._order = 0
     # Where a request's events go: anything with put(); serving.engine.process
@@ -513,7 +512,7 @@ class BatchingEngine(api.Engine):
       while True:
         with self._lock:
           while not (self._inbox or self._cancels or self.scheduler.waiting or self.scheduler.running
-                     or self._deferred or self._inflight or self._stopping):
+                     or self.outputs.deferred or self._inflight or self._stopping):
             self._wake.wait()
           if self._stopping and not (self._by_id or self._inbox or self._cancels):
             return
@@ -561,7 +560,7 @@ class BatchingEngine(api.Engine):
       if seq.cancel is None and seq.req.deadline is not None and now >= seq.req.deadline:
         seq.cancel = api.FinishReason.DEADLINE
       if seq.cancel is not None:
-        self._finish(seq, seq.cancel)
+        self.outputs.finish(seq, seq.cancel)
 
     t_wait = t_tokens = 0.0
     flushed, previous = False, self._inflight
@@ -636,7 +635,7 @@ class BatchingEngine(api.Engine):
           continue
         seq.pending -= n
         if seq.state != State.DONE:  # a request that ended drops what was in flight
-          self._accept(seq, by_row[i], None if lp is None else
+          self.outputs.accept(seq, by_row[i], None if lp is None else
                        [(lp[0][j, i], lp[1][j, i], lp[2][j, i]) for j in range(n)])
     flushed = self._flush_deferred()
     self.guided.write_allow_rows()
@@ -688,21 +687,6 @@ class BatchingEngine(api.Engine):
     logits, scores = self.runner.prefill_scores(tokens, positions, lengths, table, targets)
     seq.scores.append((c, len(nxt), scores))
     return self._sample_rows(finishing, logits, finishing)
-
-  def _prompt_logprobs(self, seq: Seq) -> api.PromptLogprobs:
-    """The scored chunks' logprobs in prompt order; a prompt computed again
-    after preemption keeps its first scores."""
-    k = seq.params.prompt_logprobs
-    # (to numpy first: indexing a device array compiles)
-    chunks = [(c, n, [np.asarray(x)[0][:n] for x in scores]) for c, n, scores in seq.scores]
-    pos = np.concatenate([np.arange(c, c + n) for c, n, _ in chunks] + [np.zeros(0, int)])
-    pos, first = np.unique(pos, return_index=True)  # each position's first score
-    lp, ids, lps = (np.concatenate([s[i] for _, _, s in chunks] + [np.zeros(shape)])[first]
-                    for i, shape in ((0, (0,)), (1, (0, api.MAX_TOP_LOGPROBS)),
-                                     (2, (0, api.MAX_TOP_LOGPROBS))))
-    return api.PromptLogprobs(token_ids=np.asarray(seq.prompt, np.int32)[pos + 1],
-                              logprobs=lp.astype(np.float32), top_ids=ids[:, :k].astype(np.int32),
-                              top_logprobs=lps[:, :k].astype(np.float32))
 
   def _sample_rows(self, rows: list[Seq | None], logits, finishing: list[Seq | None]):
     """Samples a call's rows (launched as (rows, device outputs, logprobs
@@ -858,287 +842,15 @@ class BatchingEngine(api.Engine):
         seq.pending += steps
     return out[:4], want_lp
 
-  def _accept(self, seq: Seq, tokens: list[int], lps: list | None) -> None:
-    """Records a request's tokens read back from one call (several with
-    decode_steps > 1); ends it at EOS, a stop token or its length, dropping
-    the tokens after that end."""
-    if seq.first_token_at is None:
-      seq.first_token_at = time.monotonic()
-    p = seq.params
-    # It reaches its length (max_tokens, or the cache's capacity) at token `room`.
-    room = min(seq.max_tokens - len(seq.generated), self.capacity - seq.num_tokens)
-    n = min(len(tokens), room)
-    reason = api.FinishReason.LENGTH if n == room else None
-    silent = False  # the last token ended it and has no text
-    if seq.ends and not seq.ends.isdisjoint(tokens[:n]):
-      n = next(k for k in range(n) if tokens[k] in seq.ends) + 1
-      is_eos = tokens[n - 1] in self.eos_ids and not p.ignore_eos
-      reason, silent = api.FinishReason.EOS if is_eos else api.FinishReason.STOP, True
-      if not is_eos:
-        seq.stop_token = tokens[n - 1]
-    ids = tokens[:n]
-    if seq.guide is not None:
-      try:
-        reason = self.guided.follow(seq, ids, reason)
-        if reason is None and self.config.jump_forward:
-          forced = self.guided.jump_forward(seq, len(ids))
-          ids = ids + forced
-          if forced and seq.guide.stopped:  # they complete the output
-            reason = api.FinishReason.STOP
-      except RequestError as e:
-        self._fail(seq, str(e), e.invalid)
-        return
-    self._deferred.append((seq, ids, None if lps is None else lps[:n], silent, reason,
-                           len(seq.generated)))
-    seq.generated.extend(ids)
-    if reason is not None:
-      self._release(seq)
-
   def _flush_deferred(self) -> bool:
-    """Text, stop strings and events of the tokens accepted last step: each
-    request's tokens of a call leave in one Delta."""
-    items, self._deferred = self._deferred, []
-    for item in items:
-      if not item[0].final_sent:
-        self._flush_seq(*item)
-    return bool(items)
-
-  def _flush_seq(self, seq: Seq, ids: list[int], lps, silent: bool, reason,
-                 first: int) -> None:
-    """One request's tokens accepted from one call (``_accept``'s record);
-    ``first`` is the index of ids[0] in the request's output."""
-    p = seq.params
-    n = len(ids) - silent  # the tokens with text
-    # A stop string ends the request at the token that completes it: with stop
-    # strings the text is pushed token by token, else in one go.
-    cuts = range(1, n + 1) if p.stop and n else (n,)
-    done = 0
-    for cut in cuts:
-      # No stop string ends the output before its min_tokens-th token.
-      text = seq.text.push(ids[done:cut], skip=cut == done, stops=first + cut >= p.min_tokens)
-      done = cut
-      if text:
-        seq.out_text.append(text)
-      if seq.text.stopped:
-        # A token of this request may be in flight already: it is dropped on return.
-        reason = api.FinishReason.STOP
-        self._release(seq)
-        break
-    seq.out_ids.extend(ids[:done])
-    if lps is not None and (p.logprobs or p.top_logprobs):
-      for token, (chosen, top_ids, top_lp) in zip(ids[:done], lps):
-        top = tuple((int(top_ids[k]), float(top_lp[k])) for k in range(p.top_logprobs))
-        seq.out_lps.append(api.TokenLogprob(token, float(chosen), top))
-    if reason is not None:
-      tail = seq.text.flush()  # the text held back for stop strings ('' after one)
-      if tail:
-        seq.out_text.append(tail)
-      if seq.text.stopped:  # (a stop string in text the flush decoded)
-        reason = api.FinishReason.STOP
-      self._send_final(seq, reason)  # sends what is buffered first
-    elif seq.events_sent == 0 or len(seq.out_ids) >= self.config.stream_interval:
-      self._send_delta(seq)
-
-  def _send_delta(self, seq: Seq) -> None:
-    """Hands the buffered tokens, text and logprobs to the client as one Delta."""
-    if seq.out_ids or seq.out_text:
-      seq.handle.events.put(api.Delta(tuple(seq.out_ids), "".join(seq.out_text),
-                                      tuple(seq.out_lps)))
-      seq.events_sent += 1
-      seq.out_ids, seq.out_text, seq.out_lps = [], [], []
-
-  def _release(self, seq: Seq) -> None:
-    """Takes the request out of the schedule and frees its pages and slot."""
-    self.scheduler.release(seq)
-
-  def _fail(self, seq: Seq, message: str, invalid: bool = False) -> None:
-    """Ends one request with an error (``api.Failed``), never a normal finish:
-    its tokens not sent yet are dropped, its pages freed; the others run on."""
-    if seq.final_sent:
-      return
-    log.warning("request %s failed: %s", seq.req.request_id, message)
-    self._release(seq)
-    seq.final_sent = True
-    failed = api.Failed(message, invalid=invalid)
-    seq.handle.events.put(failed)
-    with self._lock:
-      self._by_id.pop(seq.req.request_id, None)
-    on_failed = getattr(self.observer, "on_failed", None)
-    if on_failed is not None:
-      on_failed(failed)
-
-  def _finish(self, seq: Seq, reason: api.FinishReason) -> None:
-    """Ends a request now (cancel, deadline): its pending tokens are not sent."""
-    if seq.state == State.DONE:
-      return
-    self._release(seq)
-    self._send_final(seq, reason)
-
-  def _send_final(self, seq: Seq, reason: api.FinishReason) -> None:
-    self._send_delta(seq)  # nothing accepted is lost, whatever the interval
-    seq.final_sent = True
-    now = time.monotonic()
-    t0 = seq.handle.submitted
-    final = api.Final(
-        reason=reason, prompt_tokens=len(seq.prompt), completion_tokens=len(seq.generated),
-        cached_prompt_tokens=seq.cached_tokens,
-        queue_s=(seq.scheduled_at or now) - t0,
-        first_token_s=(seq.first_token_at - t0) if seq.first_token_at else 0.0,
-        total_s=now - t0, prompt_logprobs=self._prompt_logprobs(seq) if seq.scored else (),
-        stop_reason=((seq.text.stop_string or seq.stop_token)
-                     if reason == api.FinishReason.STOP else None))
-    seq.handle.events.put(final)
-    with self._lock:
-      self._by_id.pop(seq.req.request_id, None)
-    if self.observer is not None:
-      self.observer.on_final(final)
+    """Sends the text and events of the tokens accepted last step."""
+    return self.outputs.flush_deferred()
 
   # -- warm-up ---------------------------------------------------------------
 
   def warmup(self) -> None:
-    """Compiles every bucketed shape once, writing only to the null page.
-
-    Where the runner can compile a step without running it, a first pass over
-    the same calls lowers each step on this thread and compiles it on
-    ``compile_threads`` threads: XLA compiles without holding the interpreter,
-    so the compiles run side by side and beside the next step's lowering.
-    The second pass then runs each shape once from the compiled executables.
-    """
-    t0 = time.perf_counter()
-    threads = self.config.compile_threads
-    if threads > 1 and getattr(self.runner, "compiles_ahead", False):
-      with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="compile") as pool:
-        with self.runner.compiling_in(pool) as compiles:
-          self._warm_calls()
-        for f in compiles:
-          f.result()  # a failed compile raises here
-      log.info("warm-up: %d steps compiled on %d threads in %.1f s", len(compiles), threads,
-               time.perf_counter() - t0)
-    shapes = self._warm_calls()
-    log.info("warm-up compiled %d decode, %d prefill and %d mixed shapes in %.1f s", *shapes,
-             time.perf_counter() - t0)
-    why_not = self._grammars.prepare()  # (else the first structured request would build it)
-    if why_not:
-      log.info("structured outputs are off: %s", why_not)
+    """Compiles every bucketed shape once (serving.engine.warmup)."""
+    warmup_lib.warmup(self)
 
   def _warm_calls(self) -> tuple[int, int, int]:
-    """Runs every bucketed shape once: (decode, prefill, mixed) shapes."""
-    table_w = self.max_pages
-    # A slot's penalty and end-token state, as a penalized or min_tokens request
-    # sets it at admission (slot 0 is free: anything goes there until then).
-    v = self.runner.vocab_size
-    self._counts, self._slot_tokens = sampling.set_rows(
-        self._counts, self._slot_tokens, np.int32(0), np.zeros(v, np.int32),
-        sampling.slot_row(v))
-    # Structured requests' allow rows, as each step sets them (padding rows only).
-    for b in self.batch_buckets:
-      self._slot_tokens = sampling.set_allow(
-          self._slot_tokens, np.full((b,), self.config.max_batch, np.int32),
-          np.full((b, sampling.mask_words(v)), -1, np.int32))
-    for b in self.batch_buckets:
-      logits = self._decode_call(np.zeros((b,), np.int32), np.zeros((b,), np.int32),
-                                 np.zeros((b, table_w), np.int32))
-      self._warm_sampling(logits, b)
-      if self.config.decode_steps > 1 and getattr(self.runner, "supports_multi_step", False):
-        arrays = sampling.pack([], [], [], [], b)
-        for greedy_only, lp in ((True, False), (True, True), (False, True)):
-          out = self.runner.decode_multi(
-              np.zeros((b,), np.int32), np.zeros((b,), np.int32),
-              np.zeros((b, table_w), np.int32), arrays, self._counts, self._slot_tokens,
-              self._last_tok, steps=self.config.decode_steps, greedy_only=greedy_only,
-              logprobs=lp)
-          self._counts, self._last_tok = out[4], out[5]
-    # (position, page-table width) of each chunk shape: position 0 is a fresh
-    # chunk with the full table, position 1 a continued one at each width
-    # bucket (a model may compile the two apart).
-    chunk_tables = ((0, table_w),) + tuple((1, w) for w in self.table_buckets)
-    prefill_tables = chunk_tables if self.config.warmup_continued else chunk_tables[:1]
-    packed_tables = ()
-    if self.packed:  # every prefill call is packed: no row-layout shapes
-      packed_tables, prefill_tables = prefill_tables, ()
-      rows = self.config.prefill_rows
-      for n in self.packed_buckets:  # segment 0 everywhere: nothing is written
-        z = np.zeros((n,), np.int32)
-        for pos, w in packed_tables:
-          logits = self.runner.prefill_packed(z, z, z, np.zeros((rows,), np.int32),
-                                              np.zeros((rows, w), np.int32), fresh=pos == 0)
-      self._warm_sampling(logits, rows)
-    for rows in self.row_buckets:
-      for t in self.chunk_buckets:
-        # Rows of length 0 write nothing.
-        for pos, w in prefill_tables:
-          logits = self.runner.prefill(np.zeros((rows, t), np.int32),
-                                       np.full((rows,), pos, np.int32),
-                                       np.zeros((rows,), np.int32), np.zeros((rows, w), np.int32))
-        if prefill_tables:
-          self._warm_sampling(logits, rows)
-        if self.mixed and not self._mixed_packed and t in self._mixed_chunks:
-          b = self.batch_buckets[-1]
-          # Mixed steps split prompts across steps: continued chunks are the rule.
-          for pos, w in chunk_tables:
-            logits = self._mixed_call(
-                np.zeros((b,), np.int32), np.zeros((b,), np.int32),
-                np.zeros((b, table_w), np.int32),
-                np.zeros((rows, t), np.int32), np.full((rows,), pos, np.int32),
-                np.zeros((rows,), np.int32), np.zeros((rows, w), np.int32))
-          self._warm_sampling(logits, b + rows)
-    if self._mixed_packed:  # continued chunks are the rule here too
-      b, rows = self.batch_buckets[-1], self.config.prefill_rows
-      for n in self._mixed_packed_ns:
-        z = np.zeros((n,), np.int32)
-        for pos, w in chunk_tables:
-          logits = self._mixed_packed_call(
-              np.zeros((b,), np.int32), np.zeros((b,), np.int32),
-              np.zeros((b, table_w), np.int32), z, z, z, np.zeros((rows,), np.int32),
-              np.zeros((rows, w), np.int32), fresh=pos == 0)
-      self._warm_sampling(logits, b + rows)
-    if self.config.prompt_logprobs:  # a scored chunk is a call of one row
-      rows = self.row_buckets[0]
-      for t in self.chunk_buckets:
-        z = np.zeros((rows, t), np.int32)
-        for pos, w in chunk_tables:
-          logits, _ = self.runner.prefill_scores(z, np.full((rows,), pos, np.int32),
-                                                 np.zeros((rows,), np.int32),
-                                                 np.zeros((rows, w), np.int32), z)
-      self._warm_sampling(logits, rows)
-    if self.config.num_speculative_tokens:  # checking calls continue a sequence
-      t = self.speculator.chunk
-      k1 = self.config.num_speculative_tokens + 1
-      for rows in self.speculator.rows:
-        z, zr = np.zeros((rows, t), np.int32), np.zeros((rows,), np.int32)
-        if self.speculator.check_paged:  # and the prefill form, for rows short of pages
-          logits = self.runner.check_decode(z[:, :k1], zr,
-                                            np.zeros((rows, self.max_pages), np.int32))
-        for w in self.table_buckets:
-          logits = self.runner.check_prefill(z, zr, zr, np.zeros((rows, w), np.int32), width=k1)
-        arrays = sampling.pack([], [], [], [], rows)
-        allow = np.full((rows, k1, sampling.mask_words(self.runner.vocab_size)), -1, np.int32)
-        for greedy_only, lp, penalized, guided in itertools.product((True, False), repeat=4):
-          if guided and not penalized:  # (a structured request's slot state: penalized)
-            continue
-          sampling.verify_jit(logits, z[:, :k1], zr, arrays, self._counts, self._slot_tokens,
-                              allow if guided else None, greedy_only=greedy_only, logprobs=lp,
-                              penalized=penalized)
-        self._counts = sampling.add_counts(
-            self._counts, np.full((rows,), self.config.max_batch, np.int32), z[:, :k1], zr)
-        self._warm_sampling(logits[:, 0], rows)  # the rows without drafts
-        self._last_tok = sampling.set_last(
-            self._last_tok, np.full((rows,), self.config.max_batch, np.int32), z[:, 0])
-    jax.block_until_ready(self._counts)
-    return (len(self.batch_buckets),
-            len(self.row_buckets) * len(self.chunk_buckets) * len(prefill_tables)
-            + len(self.packed_buckets) * len(packed_tables)
-            + len(self.chunk_buckets) * len(chunk_tables) * self.config.prompt_logprobs
-            + len(self.speculator.rows) * (len(self.table_buckets) + self.speculator.check_paged) * bool(
-                self.config.num_speculative_tokens),
-            (len(self._mixed_packed_ns) if self._mixed_packed else
-             len(self.row_buckets) * len(self._mixed_chunks)) * len(chunk_tables) * self.mixed)
-
-  def _warm_sampling(self, logits, b):
-    arrays = sampling.pack([], [], [], [], b)
-    for lp in (False, True):
-      out = sampling.greedy(logits, arrays, self._counts, self._last_tok, logprobs=lp)
-      self._counts, self._last_tok = out[4], out[5]
-    out = sampling.sample(logits, arrays, self._counts, self._slot_tokens, self._last_tok)
-    self._counts, self._last_tok = out[4], out[5]
-    jax.block_until_ready(sampling.take(self._last_tok, np.zeros((b,), np.int32)))
+    return warmup_lib.warm_calls(self)

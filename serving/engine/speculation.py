@@ -114,7 +114,7 @@ class Speculator:
           try:
             d, guided[len(kept)] = guided_drafts(seq, d)
           except RequestError as err:  # its grammar failed: it ends, the others go on
-            e._fail(seq, str(err), err.invalid)
+            e.outputs.fail(seq, str(err), err.invalid)
             continue
         if d and not e.kv.reserve(seq, seq.computed + 1 + len(d)):
           d = []  # no pages for the drafts: no preemption for a guess
@@ -170,8 +170,8 @@ class Speculator:
       self.outcome(seq, a > 0)
       seq.computed += len(new)  # the last token and the agreed drafts
       slot_of[i], newest[i] = seq.slot, new[-1]
-      e._accept(seq, new, [(lp[0][i, j], lp[1][i, j], lp[2][i, j]) for j in range(len(new))]
-                   if lp else None)
+      e.outputs.accept(seq, new, [(lp[0][i, j], lp[1][i, j], lp[2][i, j])
+                                  for j in range(len(new))] if lp else None)
     e._last_tok = sampling.set_last(e._last_tok, slot_of, newest)
     if penalized:  # a decode step counts what it samples; these were taken on the host
       e._counts = sampling.add_counts(e._counts, slot_of, emitted, n_emitted)
