@@ -132,7 +132,7 @@ class Speculator:
       lengths[i] = 1 + len(d)
     logits = self._checking_call(seqs, tokens, lengths)  # [rows, k + 1, V]
     drafting = [seq if d else None for seq, d in zip(seqs, drafts)] + [None] * (rows - len(seqs))
-    arrays, want_lp, _ = e._sampling_inputs(drafting, rows)
+    arrays, want_lp, _ = e.inputs.sampling(drafting, rows)
     # Penalties, bias and min_tokens read the slot's state at each position.
     penalized = any(seq is not None and seq.params.slot_state for seq in drafting)
     allow = None  # (structured requests' slot state: penalized)
@@ -206,5 +206,5 @@ class Speculator:
     chunk[:, :k1] = tokens
     slots = np.zeros((rows,), np.int32)
     slots[:n] = [seq.slot for seq in seqs]
-    table = e._chunk_table(slots, n, int((computed + lengths).max()))
+    table = e.inputs.chunk_table(slots, n, int((computed + lengths).max()))
     return e.runner.check_prefill(chunk, computed, lengths, table, width=k1)
