@@ -70,12 +70,21 @@ _bucket, _pow2_buckets, _Compiles = bucket, pow2_buckets, Compiles
 log = logging.getLogger("serving.engine")
 
 
+def _scheduler_attr(name: str) -> property:
+  return property(lambda self: getattr(self.scheduler, name),
+                  lambda self, value: setattr(self.scheduler, name, value))
+
+
 class BatchingEngine(api.Engine):
+  # The scheduler's: the shapes every device call is padded to, whether
+  # prefill calls are packed, and its preemptions so far.
+  batch_buckets, chunk_buckets, row_buckets, table_buckets, packed_buckets, packed, preemptions = (
+      map(_scheduler_attr, ("batch_buckets", "chunk_buckets", "row_buckets", "table_buckets",
+                            "packed_buckets", "packed", "preemptions")))
 
   def __init__(self, runner, config: EngineConfig = EngineConfig()):
     self.runner = runner
     self.config = config
-    self.tok = runner.tokenizer
     self.page_size = runner.page_size
     self.max_seq_len = min(config.max_seq_len or runner.max_context, runner.max_context)
     self.max_pages = -(-self.max_seq_len // self.page_size)
@@ -86,10 +95,6 @@ class BatchingEngine(api.Engine):
     self.capacity = min(self.max_seq_len, self.alloc.usable * self.page_size)
     self.scheduler = Scheduler(config, self.kv, capacity=self.capacity,
                                on_admit=self._init_slot)
-    s = self.scheduler
-    self.batch_buckets, self.chunk_buckets, self.row_buckets = (
-        s.batch_buckets, s.chunk_buckets, s.row_buckets)
-    self.table_buckets, self.packed_buckets = s.table_buckets, s.packed_buckets
     for flag, on in (("prompt_logprobs", config.prompt_logprobs),
                      ("num_speculative_tokens", config.num_speculative_tokens)):
       if on and not getattr(runner, "supports_prompt_logprobs", False):
@@ -100,9 +105,8 @@ class BatchingEngine(api.Engine):
       if config.packed_prefill and why is not None:
         raise ValueError(f"packed_prefill: {why}")
       self.packed = why is None
-    self.scheduler.packed = self.packed
-    eos = tuple(getattr(self.tok, "eos_ids", ()) or ())
-    bos = getattr(self.tok, "bos_id", None)
+    eos = tuple(getattr(runner.tokenizer, "eos_ids", ()) or ())
+    bos = getattr(runner.tokenizer, "bos_id", None)
     self.eos_ids = frozenset(eos)
     self.info = api.EngineInfo(
         model_name=runner.name, vocab_size=runner.vocab_size, max_context=self.max_seq_len,
@@ -123,7 +127,7 @@ class BatchingEngine(api.Engine):
                          prefill_rows=config.prefill_rows)
     self.guided = Guided(self)  # structured outputs' grammar state
     self._grammars = self.guided.grammars
-    self.intake = Intake(self.tok, vocab_size=runner.vocab_size, model_name=runner.name,
+    self.intake = Intake(runner.tokenizer, vocab_size=runner.vocab_size, model_name=runner.name,
                          max_seq_len=self.max_seq_len, capacity=self.capacity, config=config,
                          eos_ids=self.eos_ids, grammars=self._grammars)
     self._lock = threading.Lock()
@@ -164,6 +168,15 @@ class BatchingEngine(api.Engine):
     Compiles.listen()
 
   @property
+  def tok(self):
+    """The tokenizer, the intake's: requests are made with the one set here."""
+    return self.intake.tok
+
+  @tok.setter
+  def tok(self, tok) -> None:
+    self.intake.tok = tok
+
+  @property
   def jump_forward_tokens(self) -> int:  # tokens structured outputs took without sampling
     return self.guided.jump_forward_tokens
 
@@ -174,14 +187,6 @@ class BatchingEngine(api.Engine):
   @property
   def spec_accepted_tokens(self) -> int:  # drafts the model agreed with
     return self.speculator.accepted_tokens
-
-  @property
-  def preemptions(self) -> int:
-    return self.scheduler.preemptions
-
-  @preemptions.setter
-  def preemptions(self, n: int) -> None:
-    self.scheduler.preemptions = n
 
   def _init_slot(self, seq: Seq) -> None:
     """The sampling state of an admitted request's batch slot."""
@@ -336,7 +341,7 @@ class BatchingEngine(api.Engine):
       self._thread.join(timeout=30)
       self._thread = None
 
-  # -- the scheduler -------------------------------------------------------
+  # -- the loop ------------------------------------------------------------
 
   def _loop(self) -> None:
     Compiles.reset(threading.get_ident())

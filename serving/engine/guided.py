@@ -69,7 +69,7 @@ class Guided:
 
   def __init__(self, engine):
     self.engine = engine
-    self.grammars = structured.Grammars(engine.tok, engine.runner.vocab_size)
+    self.grammars = structured.Grammars(engine.runner.tokenizer, engine.runner.vocab_size)
     self.due: list[Seq] = []  # structured requests whose allow rows are due
     self.jump_forward_tokens = 0  # tokens structured outputs took without sampling
 

@@ -2,9 +2,9 @@
 stands (``State``), its KV pages and batch slot, and what it has not sent.
 
 The scheduler moves it between states (WAITING -> PREFILL -> DECODE -> DONE,
-back to WAITING when preempted), the KV cache manager fills ``pages``,
-``computed``, ``registered`` and ``hashes``, and the loop appends to
-``generated`` as tokens are read back.
+back to WAITING when preempted), the KV cache manager gives it ``pages`` and
+``hashes`` and registers its computed pages, each dispatched call advances
+``computed``, and the loop appends to ``generated`` as tokens are read back.
 """
 
 from __future__ import annotations
