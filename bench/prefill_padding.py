@@ -5,7 +5,7 @@ The engine's scheduler over the counting runner (no model: the shapes it
 dispatches do not depend on one), 64 prompts submitted at once, each with a
 few tokens to generate, stepped dry; every prefill call's token array is
 recorded. Layouts: the row layout as the engine runs it, the row layout
-without ``_fit_buckets`` (each call padded to its longest chunk's bucket),
+without ``Scheduler.fit_buckets`` (each call padded to its longest chunk's bucket),
 and packed. The chunk settings are the 8B serving benchmark's
 (``bench/serving_gpu.py``: chunks up to 2,048 tokens, buckets from 512, 4
 prompts a call). On a GPU a call's matmuls cost its tokens run (prefill is
@@ -37,7 +37,7 @@ def run(layout: str, lo: int, hi: int, *, prompts: int, chunk: int, min_chunk: i
                          prefill_chunk=chunk, min_chunk=min_chunk, prefill_rows=rows,
                          packed_prefill=layout == "packed", warmup=False)
   if layout == "rows, uncut":
-    engine._fit_buckets = lambda chunks: chunks
+    engine.scheduler.fit_buckets = lambda chunks: chunks
   calls = []
   for name in ("prefill", "prefill_packed"):
     f = getattr(engine.runner, name)

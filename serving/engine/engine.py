@@ -3,34 +3,22 @@
 Each iteration (``step``):
 1. takes new submissions and cancellations from the other threads; ends the
    requests that were cancelled or ran past their deadline (pages freed now);
-2. gives every decoding request room for one more token, preempting the most
-   recently admitted request (the least urgent one, under priority
-   scheduling) when the allocator runs dry: its pages are freed, its tokens
-   recomputed later;
-3. spends the rest of the step's token budget on prefill chunks: first the
-   requests already part-way through their prompt, then new ones admitted in
-   arrival order (by priority, then arrival, with ``EngineConfig.scheduling =
-   "priority"``) while their whole prompt fits in free pages and a batch slot
-   is free; page-aligned prompt blocks seen before come from the prefix cache,
-   and a prompt whose next block another request is computing waits for it;
-4. dispatches the prefill chunk batch and the decode batch (shapes padded to
-   the configured buckets, all compiled by ``warmup`` at start) and samples
-   on the device; the decode inputs are the last token of each batch slot,
-   kept on the device, so this step is queued before the host has read the
-   previous step's tokens;
-5. then reads the previous step's tokens and hands each request its tokens,
-   text and final event while the device runs this step.
+2. asks the scheduler (serving.engine.scheduler) for this step's decodes and
+   prefill chunks, within the token budget and the KV pages the cache
+   manager (serving.engine.kv_cache) can give them, preempting where the
+   pages run out;
+3. dispatches the prefill chunk batch and the decode batch (inputs built by
+   serving.engine.inputs, shapes padded to the scheduler's buckets, all
+   compiled by serving.engine.warmup at start) and samples on the device;
+   the decode inputs are the last token of each batch slot, kept on the
+   device, so this step is queued before the host has read the previous
+   step's tokens;
+4. then reads the previous step's tokens and hands each request its tokens,
+   text and final event (serving.engine.outputs) while the device runs this
+   step.
 
-With ``EngineConfig.mixed_steps``, step 4's two calls are one when both have
+With ``EngineConfig.mixed_steps``, step 3's two calls are one when both have
 work: the chunk's tokens join the decode batch's pass over the weights.
-
-With ``EngineConfig.prefill_first``, step 4 dispatches no decodes while it
-has prefill chunks: decoding requests keep their pages and wait.
-
-A prefill batch goes to the device as one row of its chunks' tokens (segment
-ids keep each chunk's attention to its own sequence) wherever the runner can
-(``EngineConfig.packed_prefill``), else as one padded row each; a mixed
-step's chunks too.
 
 With ``EngineConfig.decode_steps`` = n > 1, an iteration with no prompt
 waiting runs n decode steps in one device call (sampling on the device, each
@@ -38,419 +26,75 @@ step's token fed to the next), so the host dispatches and reads once per n
 tokens; tokens computed past a request's end are dropped when read. Once no
 request has more than n // 2 tokens left, it goes back to one step a call.
 
-A request with structured outputs (``SamplingParams.structured``) decodes one
-step a call, and the step after one of its tokens reads that token back
-before dispatching: its grammar's allowed set for the next token goes into
-its slot's allow bitmask first. It ends (STOP) when the grammar is complete.
-
 With ``EngineConfig.prompt_logprobs``, a request that asks for its prompt's
-logprobs has each of its prompt chunks dispatched in step 4 as a call of its
+logprobs has each of its prompt chunks dispatched in step 3 as a call of its
 own that keeps every position's logits and scores the next prompt token; the
 scores stay on the device until the request's final event carries them.
 
-With ``EngineConfig.num_speculative_tokens`` = k > 0 (n-gram speculation),
-an iteration of a few decoding requests first reads the previous step's
-tokens, drafts up to k tokens per request from an earlier occurrence of its
-last few tokens, and checks the drafts in one call over [last token, drafts]
-(sampling.verify): each request keeps the drafts equal to what it would
-have decoded there (greedy: its argmax; sampled: its draw with that step's
-key) plus one token of the model's own. A structured request drafts only
-what its grammar admits, and each position is checked under the grammar's
-allowed set after the drafts before it.
+A structured request (serving.engine.guided) and n-gram speculation
+(serving.engine.speculation) read the previous step's tokens before this
+step is dispatched: the grammar's next allowed set, and the drafts, need
+them. Requests are checked when submitted (serving.engine.intake).
 """
 
 from __future__ import annotations
 
 import collections
-import concurrent.futures
-import dataclasses
-import enum
 import functools
-import itertools
 import logging
-import os
 import queue
-import random
 import threading
 import time
 from collections.abc import Sequence
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from serving.engine import api, sampling, structured
-from serving.engine.pages import PageAllocator, block_hashes
-from serving.engine.text import IncrementalText
+from serving.engine import api, sampling
+from serving.engine import warmup as warmup_lib
+from serving.engine.config import SCHEDULING, EngineConfig, auto_compile_threads  # noqa: F401
+from serving.engine.guided import Guided
+from serving.engine.inputs import Inputs
+from serving.engine.intake import Intake
+from serving.engine.kv_cache import KVCacheManager
+from serving.engine.outputs import Outputs
+from serving.engine.scheduler import Scheduler, bucket, pow2_buckets
+from serving.engine.sequence import Seq, State
+from serving.engine.speculation import Speculator, ngram_draft  # noqa: F401
+from serving.engine.timing import Compiles, StepRecord
+
+# Names other modules import from here.
+_bucket, _pow2_buckets, _Compiles = bucket, pow2_buckets, Compiles
 
 log = logging.getLogger("serving.engine")
 
 
-_SPEC_PAUSE = (8, 256)  # a paused request's first and longest pause, in its tokens
-
-
-def ngram_draft(tokens, k: int, lookup_max: int, lookup_min: int) -> list[int]:
-  """Prompt lookup: up to ``k`` tokens that followed the latest earlier
-  occurrence of the last n ``tokens``, for the longest n in
-  [lookup_min, lookup_max] that occurs earlier; [] if none does."""
-  toks = np.asarray(tokens, np.int32)
-  for n in range(min(lookup_max, len(toks) - 1), lookup_min - 1, -1):
-    # Windows of toks[:-1]: every n-gram but the last one itself.
-    windows = np.lib.stride_tricks.sliding_window_view(toks[:-1], n)
-    hits = np.flatnonzero((windows == toks[-n:]).all(axis=1))
-    if hits.size:
-      start = int(hits[-1]) + n
-      return toks[start:start + k].tolist()
-  return []
-
-
-def _pow2_buckets(lo: int, hi: int, factor: int = 2) -> tuple[int, ...]:
-  out, b = [], lo
-  while b < hi:
-    out.append(b)
-    b *= factor
-  out.append(hi)
-  return tuple(out)
-
-
-def _bucket(n: int, buckets: Sequence[int]) -> int:
-  for b in buckets:
-    if b >= n:
-      return b
-  raise ValueError(f"{n=} exceeds the largest bucket {buckets[-1]}")
-
-
-SCHEDULING = ("fcfs", "priority")
-
-
-def auto_compile_threads() -> int:
-  """The entry points' default for EngineConfig.compile_threads: one per core
-  up to 8. With 8 on the H200 host the 8B warm-up took 68-111 s against
-  91-241 s on one thread, and no step compiled after it
-  (bench/results/serving_h200/threads_rounds_mixed_prefix/)."""
-  return max(1, min(8, os.cpu_count() or 1))
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineConfig:
-  max_batch: int = 64  # requests decoding together
-  # Bounded queue: the engine holds at most max_batch + max_waiting requests
-  # (running or waiting); a call that would take it past that is refused
-  # (QueueFull), one that never fits (n completions over it) is InvalidRequest.
-  max_waiting: int = 256
-  max_seq_len: int | None = None  # default: the model's context
-  prefill_chunk: int = 512  # largest prompt chunk per request and step
-  min_chunk: int = 16
-  prefill_rows: int = 4  # prompts prefilled together in one call
-  token_budget: int | None = None  # tokens per step; default max_batch + prefill_chunk
-  default_max_tokens: int = 256
-  prefix_caching: bool = True
-  warmup: bool = True
-  batch_buckets: tuple[int, ...] | None = None  # default: powers of 2 up to max_batch
-  # Warm-up also compiles prefill of continued chunks (a prefix in the cache);
-  # without them the first continued chunk or prefix-cache hit compiles then.
-  warmup_continued: bool = True
-  # Decode steps per dispatch while no prompt is waiting: the device samples
-  # each step's token and feeds it to the next; the host dispatches and reads
-  # once per ``decode_steps`` tokens. Tokens past a request's end (EOS, stop,
-  # max_tokens) are dropped. Seeded sampling draws what it would step by step.
-  decode_steps: int = 1
-  # Tokens per streamed event after a request's first (which goes out at
-  # once); the last event carries whatever is left. Larger values mean fewer,
-  # larger messages: less Python per token when many streams share the
-  # interpreter (the --stream-interval of vLLM and SGLang). The tokens a step
-  # reads back for a request (decode_steps of them) go out in one event.
-  stream_interval: int = 1
-  # A step with both decodes and prefill chunks runs them as one device call
-  # (the runner's ``mixed``): the chunk's tokens share the decode batch's pass
-  # over the weights. Its decode rows are padded to max_batch (a few more rows
-  # cost little next to the chunk) so that warm-up compiles one mixed shape
-  # per chunk shape, not per batch bucket too.
-  mixed_steps: bool = False
-  # Prompt tokens per step while requests decode (default: what token_budget
-  # leaves). A small value prefills prompts a little each step, so decoding
-  # requests are not held up by long prefills (a steadier inter-token
-  # latency). It is not free: on the H200 a Llama-3-8B mixed step of 64
-  # decode rows and a 128-token chunk takes 8.0 ms, against 6.3 ms for the
-  # decode step alone. At c=64 this ties separate calls in throughput, with a
-  # lower median TTFT and tail ITL but a higher median ITL and tail TTFT
-  # (bench/results/serving_h200/mixed_trimmed_tables/).
-  decode_prefill_budget: int | None = None
-  # A step that has prompt chunks to prefill runs them alone; the requests
-  # already decoding wait (their pages stay reserved), as SGLang's scheduler
-  # does by default. A burst of prompts then starts decoding together after
-  # the shortest prefill phase, instead of every prefill call also carrying a
-  # one-step decode: more tokens/s when prompts arrive together, at the cost
-  # of inter-token gaps as long as the prefill phase for requests already
-  # decoding (a long prompt's chunks hold them all up).
-  prefill_first: bool = False
-  # A step's prompt chunks go to the device packed in one row, each causal
-  # within itself (the runner's ``prefill_packed``), instead of one row each
-  # padded to the longest one's chunk bucket: ragged prompts cost their own
-  # tokens (3 prompts of 700 tokens: 2,112 tokens, not 4 x 2,048, nor
-  # 2 x 4 x 512 when the rows cut them at the bucket below). A step
-  # that continues a prompt (a cached prefix, or the rest of a prompt split
-  # by the budget) also gathers its rows' pages for attention; a mixed step's
-  # chunks are packed too where the runner has a packed mixed step. None:
-  # packed wherever the runner can (its prefill attention takes segment
-  # ids); True: packed or an error; False: rows.
-  # Measured on an H100, 8B shapes, c=64: the same tokens/s on 512-token
-  # prompts, 10.8% more on 256-768-token ones
-  # (bench/results/serving_h100/prefill_layouts/).
-  packed_prefill: bool | None = None
-  # Threads that compile the warm-up's shapes side by side (1: each shape
-  # compiles as it first runs). 8 took the 8B ragged packed warm-up from 241 s
-  # to 111 s on the H200 host (bench/results/serving_h200/transfers_and_threads/);
-  # the entry points default to auto_compile_threads().
-  compile_threads: int = 1
-  # "fcfs": requests are admitted in arrival order and the latest admitted is
-  # preempted first. "priority": by Request.priority (lower first), then
-  # arrival, both ways (vLLM's --scheduling-policy); a running request is not
-  # preempted to admit a more urgent one.
-  scheduling: str = "fcfs"
-  # Requests may ask for their prompt's logprobs (SamplingParams.prompt_logprobs).
-  # Their prompt chunks run as calls of their own that keep every position's
-  # logits (a [T, vocab] float32 block a chunk: 1 GB for a 2,048-token chunk
-  # of a 128K vocabulary), never from the prefix cache; warm-up compiles
-  # those calls' shapes too, so it is off unless asked for.
-  prompt_logprobs: bool = False
-  # Structured outputs take the tokens their grammar forces (a JSON schema's
-  # keys and punctuation) without sampling them: appended at once, they are
-  # computed as a prompt chunk whose last position samples the next token
-  # (SGLang's jump-forward). Fewer steps; the forced bytes' tokens are the
-  # tokenizer's, where the model might have spelled them otherwise.
-  jump_forward: bool = False
-  # N-gram (prompt lookup) speculative decoding, vLLM's "ngram" method. With
-  # num_speculative_tokens = k > 0, an iteration whose running requests (at
-  # most speculative_max_batch, nothing waiting) all decode
-  # drafts up to k tokens for each one: what followed the latest earlier
-  # occurrence of its last n tokens (n from prompt_lookup_max down to
-  # prompt_lookup_min), in its prompt or output. One call over [last token,
-  # drafts] checks them (sampling.verify), a decode step of k + 1 query
-  # tokens a row where k + 1 <= 8 (attention reads the pages in place), else a
-  # continued prefill over gathered pages: a request takes the drafts the
-  # model keeps and one token of its own, up to k + 1 tokens a call. Its
-  # output is what decoding without drafts gives: greedy, the argmax's;
-  # sampled, each position's draw with the key and the penalties, bias and
-  # min_tokens a decode step there would use (and a structured request's
-  # grammar: its drafts stop at the first it refuses, or at one that would
-  # complete the output, which is sampled). The other requests take one
-  # token from the same call, sampled as usual. Those iterations read their
-  # tokens back before the next is dispatched (the next drafts need them);
-  # warm-up compiles the checking call's shapes too.
-  num_speculative_tokens: int = 0
-  prompt_lookup_max: int = 3
-  prompt_lookup_min: int = 1
-  speculative_max_batch: int = 4
-  # A request that gains nothing from this many checks in a row (no draft
-  # found, or none kept) stops drafting for 8 of its tokens, then 16, ... up
-  # to 256; a kept draft resets it. Its iterations then pipeline again (open
-  # writing keeps few drafts, and a checking call costs about a decode step
-  # plus the lost overlap). 0: it never stops.
-  speculative_patience: int = 4
-
-  def __post_init__(self):
-    v = lambda f: f"EngineConfig.{f}={getattr(self, f)}"  # errors name the field and value
-    for f in ("max_batch", "max_waiting", "prefill_chunk", "min_chunk", "prefill_rows",
-              "default_max_tokens", "decode_steps", "stream_interval", "compile_threads",
-              "prompt_lookup_min", "speculative_max_batch"):
-      if getattr(self, f) < 1:
-        raise ValueError(f"{v(f)} must be >= 1")
-    if self.speculative_patience < 0:
-      raise ValueError(f"{v('speculative_patience')} must be >= 0 (0: never pause drafting)")
-    if self.num_speculative_tokens < 0:
-      raise ValueError(f"{v('num_speculative_tokens')} must be >= 0 (0: no speculation)")
-    if self.num_speculative_tokens >= self.prefill_chunk:
-      raise ValueError(f"{v('num_speculative_tokens')} must be < {v('prefill_chunk')} "
-                       "(the last token and the drafts are checked as one chunk)")
-    if self.prompt_lookup_max < self.prompt_lookup_min:
-      raise ValueError(f"{v('prompt_lookup_max')} must be >= {v('prompt_lookup_min')}")
-    if self.max_seq_len is not None and self.max_seq_len < 1:
-      raise ValueError(f"{v('max_seq_len')} must be >= 1 (None: the model's context)")
-    if self.min_chunk > self.prefill_chunk:
-      raise ValueError(f"{v('min_chunk')} must be <= {v('prefill_chunk')}")
-    if self.token_budget is not None and self.token_budget < self.max_batch:
-      # A full decode batch takes one token of the budget per row: below
-      # max_batch, waiting prompts would get no tokens while it runs (vLLM
-      # refuses max_num_batched_tokens < max_num_seqs for the same reason).
-      raise ValueError(f"{v('token_budget')} must be >= {v('max_batch')}")
-    if self.decode_prefill_budget is not None and self.decode_prefill_budget < 1:
-      raise ValueError(f"{v('decode_prefill_budget')} must be >= 1")
-    if self.scheduling not in SCHEDULING:
-      raise ValueError(f"{v('scheduling')} must be one of {SCHEDULING}")
-    if self.prefill_first and (self.mixed_steps or self.decode_prefill_budget is not None):
-      raise ValueError("prefill_first runs no decodes beside prompt chunks: it cannot be "
-                       "combined with mixed_steps or decode_prefill_budget")
-
-  @property
-  def budget(self) -> int:
-    return self.token_budget or self.max_batch + self.prefill_chunk
-
-
-class StepRecord(NamedTuple):
-  """One engine iteration's timings (``BatchingEngine.step_times``). Host time
-  is ``wall - wait``; ``launch`` and ``tokens`` are parts of it."""
-
-  wall: float  # s, the iteration
-  wait: float  # s blocked on the device's results
-  decodes: int  # decode rows dispatched
-  launched: bool  # pipelined: the device had this step queued while the host worked
-  launch: float  # s building the inputs and dispatching the device calls
-  tokens: float  # s on the tokens read back: accepting them, their text and events
-  prefill_tokens: int = 0  # prompt tokens dispatched
-  steps: int = 0  # decode steps in the decode call (0: none)
-  start: float = 0.0  # time.perf_counter() at the iteration's start (this process's clock)
-  compiles: int = 0  # backend compiles during the iteration (none after a full warm-up)
-
-
-class _Compiles:
-  """Backend compiles per thread, heard through jax.monitoring (a listener
-  runs in the thread that compiles): any compile in an engine's loop, so
-  after its warm-up, shows in ``counters()`` and in the iteration that paid
-  for it, whether of a model step, sampling or the engine's own jnp calls (a
-  load from the persistent compilation cache counts too). Other threads of
-  the process (a benchmark's reference, another engine) do not count."""
-
-  _lock = threading.Lock()
-  _by_thread: dict[int, list] = {}  # thread ident -> [compiles, seconds]
-  _listening = False
-
-  @classmethod
-  def listen(cls) -> None:
-    with cls._lock:
-      if not cls._listening:
-        jax.monitoring.register_event_duration_secs_listener(cls._heard)
-        cls._listening = True
-
-  @classmethod
-  def _heard(cls, event: str, seconds: float, **kwargs) -> None:
-    if event == "/jax/core/compile/backend_compile_duration":
-      with cls._lock:
-        c = cls._by_thread.setdefault(threading.get_ident(), [0, 0.0])
-        c[0] += 1
-        c[1] += seconds
-
-  @classmethod
-  def of(cls, ident: int | None) -> tuple[int, float]:
-    with cls._lock:
-      n, secs = cls._by_thread.get(ident, (0, 0.0))
-    return n, secs
-
-  @classmethod
-  def reset(cls, ident: int) -> None:  # a thread's ident may be a dead thread's
-    with cls._lock:
-      cls._by_thread.pop(ident, None)
-
-
-class _RequestError(Exception):
-  """One request cannot go on (its grammar failed): it ends with api.Failed."""
-
-  def __init__(self, message: str, invalid: bool = False):
-    super().__init__(message)
-    self.invalid = invalid
-
-
-def _grammar_error(seq, guide) -> _RequestError:
-  """The error that ends a structured request whose grammar refused a token
-  its own allowed set admitted: a limit of llguidance's (a lexer too complex
-  for the grammar, INVALID_ARGUMENT: the client's grammar), else our bug."""
-  first = (guide.error.strip().splitlines() or ["the grammar refused a token"])[0]
-  limit = any(w in first.lower() for w in ("lexer error", "too many", "too complex", "limit"))
-  return _RequestError(f"structured output failed after {len(seq.generated)} tokens: {first}",
-                       invalid=limit)
-
-
-class _State(enum.Enum):
-  WAITING = 0
-  PREFILL = 1
-  DECODE = 2
-  DONE = 3
-
-
-class _Seq:
-
-  def __init__(self, req: api.Request, handle: api.RequestHandle, prompt: list[int],
-               max_tokens: int, seed: int, tokenizer, order: int, eos_ids: frozenset[int],
-               by_priority: bool = False):
-    self.req, self.handle, self.params = req, handle, req.sampling
-    self.prompt = prompt
-    self.generated: list[int] = []
-    self.max_tokens = max_tokens
-    self.seed = seed
-    # Admission order, and the reverse of preemption order: (0, arrival order)
-    # in first-come-first-served scheduling, (priority, arrival order) under
-    # priority.
-    self.rank = (req.priority if by_priority else 0, order)
-    self.state = _State.WAITING
-    self.pages: list[int] = []
-    self.computed = 0  # tokens whose KV is in the cache
-    self.registered = 0  # full pages registered in the prefix cache
-    self.slot = -1
-    self.cached_tokens = 0
-    self.cancel: api.FinishReason | None = None
-    self.text = IncrementalText(tokenizer, req.sampling.stop, context=prompt,
-                                include_stop=req.sampling.include_stop_str_in_output)
-    self.scheduled_at: float | None = None
-    self.first_token_at: float | None = None
-    self.hashes: list[bytes] | None = None
-    self.final_sent = False
-    self.pending = 0  # sampled tokens not read back yet
-    # The tokens that end it: EOS unless ignored, and its stop token ids.
-    self.ends = frozenset(req.sampling.stop_token_ids) | (
-        frozenset() if req.sampling.ignore_eos else eos_ids)
-    # Accepted tokens not handed to the client yet (EngineConfig.stream_interval).
-    self.out_ids: list[int] = []
-    self.out_text: list[str] = []
-    self.out_lps: list[api.TokenLogprob] = []
-    self.events_sent = 0
-    self.stop_token: int | None = None  # the stop token id that ended it
-    # Prompt logprobs asked for: (first position, tokens, device scores) per chunk.
-    self.scored = req.sampling.prompt_logprobs is not None
-    self.scores: list[tuple[int, int, tuple]] = []
-    self.guide: structured.Guide | None = None  # structured outputs: the grammar's state
-    # Speculation (EngineConfig.speculative_patience): checks in a row that
-    # gained nothing, the next pause's length, and the generated-token count
-    # at which drafting resumes.
-    self.spec_misses, self.spec_pause, self.spec_resume = 0, _SPEC_PAUSE[0], 0
-
-  @property
-  def tokens(self) -> list[int]:
-    return self.prompt + self.generated if self.generated else self.prompt
-
-  @property
-  def num_tokens(self) -> int:
-    """len(tokens) without building the list (a per-token check on long prompts)."""
-    return len(self.prompt) + len(self.generated)
+def _scheduler_attr(name: str) -> property:
+  return property(lambda self: getattr(self.scheduler, name),
+                  lambda self, value: setattr(self.scheduler, name, value))
 
 
 class BatchingEngine(api.Engine):
+  # The scheduler's: the shapes every device call is padded to, whether
+  # prefill calls are packed, and its preemptions so far.
+  batch_buckets, chunk_buckets, row_buckets, table_buckets, packed_buckets, packed, preemptions = (
+      map(_scheduler_attr, ("batch_buckets", "chunk_buckets", "row_buckets", "table_buckets",
+                            "packed_buckets", "packed", "preemptions")))
 
   def __init__(self, runner, config: EngineConfig = EngineConfig()):
     self.runner = runner
     self.config = config
-    self.tok = runner.tokenizer
     self.page_size = runner.page_size
-    self.alloc = PageAllocator(runner.num_pages, runner.page_size,
-                               prefix_caching=config.prefix_caching)
     self.max_seq_len = min(config.max_seq_len or runner.max_context, runner.max_context)
     self.max_pages = -(-self.max_seq_len // self.page_size)
+    self.kv = KVCacheManager(runner.num_pages, runner.page_size, slots=config.max_batch,
+                             max_pages=self.max_pages, prefix_caching=config.prefix_caching)
+    self.alloc = self.kv.alloc
     # The whole cache may hold fewer tokens than the context: a request stops there.
     self.capacity = min(self.max_seq_len, self.alloc.usable * self.page_size)
-    self.batch_buckets = tuple(sorted(config.batch_buckets or _pow2_buckets(1, config.max_batch)))
-    if self.batch_buckets[-1] != config.max_batch:
-      raise ValueError(f"the largest of {config.batch_buckets=} must be {config.max_batch=}")
-    self.chunk_buckets = _pow2_buckets(config.min_chunk, config.prefill_chunk, 4)
-    self.row_buckets = _pow2_buckets(1, config.prefill_rows, 4)
-    # Page-table widths of continued chunks (a prefix in the cache): they
-    # attend over their rows' pages gathered up to the table's width, so a
-    # table as wide as the context would gather and attend max_pages pages for
-    # every chunk, whatever its length. Bucketed (x4) so warm-up compiles each.
-    self.table_buckets = _pow2_buckets(1, self.max_pages, 4)
-    # Token counts of a packed prefill call (x2, multiples of 8: matmul tiles).
-    most = min(config.budget, config.prefill_rows * config.prefill_chunk)
-    self.packed_buckets = tuple(sorted({-(-b // 8) * 8 for b in _pow2_buckets(
-        min(config.min_chunk, most), most)}))
+    self.scheduler = Scheduler(config, self.kv, capacity=self.capacity,
+                               on_admit=self._init_slot)
     for flag, on in (("prompt_logprobs", config.prompt_logprobs),
                      ("num_speculative_tokens", config.num_speculative_tokens)):
       if on and not getattr(runner, "supports_prompt_logprobs", False):
@@ -461,8 +105,8 @@ class BatchingEngine(api.Engine):
       if config.packed_prefill and why is not None:
         raise ValueError(f"packed_prefill: {why}")
       self.packed = why is None
-    eos = tuple(getattr(self.tok, "eos_ids", ()) or ())
-    bos = getattr(self.tok, "bos_id", None)
+    eos = tuple(getattr(runner.tokenizer, "eos_ids", ()) or ())
+    bos = getattr(runner.tokenizer, "bos_id", None)
     self.eos_ids = frozenset(eos)
     self.info = api.EngineInfo(
         model_name=runner.name, vocab_size=runner.vocab_size, max_context=self.max_seq_len,
@@ -478,24 +122,20 @@ class BatchingEngine(api.Engine):
     self._counts = place(jnp.zeros((config.max_batch, v), jnp.int32))
     self._slot_tokens = place(sampling.slot_tokens(config.max_batch, v))
     self._last_tok = place(jnp.zeros((config.max_batch,), jnp.int32))
-    self._free_slots = list(range(config.max_batch - 1, -1, -1))
-    # Per batch slot, kept up to date as pages and requests come and go, so that
-    # building a step's inputs is a gather rather than a loop over requests.
-    self._slot_table = np.zeros((config.max_batch, self.max_pages), np.int32)
     self._slot_biased = np.zeros((config.max_batch,), bool)  # its bias or allow row is set
-    self._slot_f = np.zeros((config.max_batch, sampling.F_COLS), np.float32)
-    self._slot_i = np.zeros((config.max_batch, sampling.I_COLS), np.int64)
-    self._grammars = structured.Grammars(self.tok, runner.vocab_size)
-    self._to_guide: list[_Seq] = []  # structured requests whose allow rows are due
+    self.inputs = Inputs(self.scheduler, self.kv, slots=config.max_batch,
+                         prefill_rows=config.prefill_rows)
+    self.guided = Guided(self)  # structured outputs' grammar state
+    self._grammars = self.guided.grammars
+    self.intake = Intake(runner.tokenizer, vocab_size=runner.vocab_size, model_name=runner.name,
+                         max_seq_len=self.max_seq_len, capacity=self.capacity, config=config,
+                         eos_ids=self.eos_ids, grammars=self._grammars)
     self._lock = threading.Lock()
     self._wake = threading.Condition(self._lock)
-    self._inbox: list[_Seq] = []
+    self._inbox: list[Seq] = []
     self._cancels: list[str] = []
-    self._waiting: collections.deque[_Seq] = collections.deque()
-    self._running: list[_Seq] = []  # admitted, in admission order
-    self._by_id: dict[str, _Seq] = {}
-    # (seq, token, logprobs, silent, finish reason): accepted last step, not yet sent.
-    self._deferred: list = []
+    self._by_id: dict[str, Seq] = {}
+    self.outputs = Outputs(self)  # tokens read back, on their way to the clients
     self._inflight: list = []  # the dispatched step whose tokens are not read yet
     self._order = 0
     # Where a request's events go: anything with put(); serving.engine.process
@@ -503,26 +143,17 @@ class BatchingEngine(api.Engine):
     self.make_events = lambda request_id: queue.SimpleQueue()
     self.mixed = config.mixed_steps and getattr(runner, "supports_mixed", False)
     self.mixed_steps_run = 0
-    self.jump_forward_tokens = 0  # tokens structured outputs took without sampling
-    self.spec_draft_tokens = 0  # speculative tokens drafted, and those the model agreed with
-    self.spec_accepted_tokens = 0
-    # The checking call's shapes: batch buckets up to speculative_max_batch
-    # rows of one chunk bucket (the last token and k drafts).
-    most = _bucket(min(config.speculative_max_batch, config.max_batch), self.batch_buckets)
-    self._spec_rows = tuple(b for b in self.batch_buckets if b <= most)
-    self._spec_chunk = _bucket(config.num_speculative_tokens + 1, self.chunk_buckets)
-    self._check_paged = bool(config.num_speculative_tokens) and getattr(
-        runner, "check_decode_tokens", 0) >= config.num_speculative_tokens + 1
+    self.speculator = Speculator(self)
     # Chunk shapes a mixed step can carry (at most decode_prefill_budget tokens).
     cap = min(config.decode_prefill_budget or config.prefill_chunk, config.prefill_chunk)
     self._mixed_chunks = tuple(t for t in self.chunk_buckets
-                               if t <= _bucket(cap, self.chunk_buckets))
+                               if t <= bucket(cap, self.chunk_buckets))
     # A packed mixed step carries the prompt tokens the step's budget leaves.
     self._mixed_packed = self.mixed and self.packed and (
         hasattr(runner, "mixed_packed_slots") or hasattr(runner, "mixed_packed"))
     cap = min(config.decode_prefill_budget or config.budget, self.packed_buckets[-1])
     self._mixed_packed_ns = tuple(n for n in self.packed_buckets
-                                  if n <= _bucket(cap, self.packed_buckets))
+                                  if n <= bucket(cap, self.packed_buckets))
     if config.mixed_steps and not self.mixed:
       log.warning("mixed_steps: runner %s has no mixed step; prefill and decode run apart",
                   runner.name)
@@ -530,12 +161,49 @@ class BatchingEngine(api.Engine):
     self._stopping = False
     self._thread: threading.Thread | None = None
     self.steps = 0
-    self.preemptions = 0
     self.error: BaseException | None = None
     # The last iterations' timings and what they dispatched.
     self.step_times: collections.deque[StepRecord] = collections.deque(maxlen=4096)
     self.observer = None  # optional metrics sink: .on_step(engine, record), .on_final(final)
-    _Compiles.listen()
+    Compiles.listen()
+
+  @property
+  def tok(self):
+    """The tokenizer, the intake's: requests are made with the one set here."""
+    return self.intake.tok
+
+  @tok.setter
+  def tok(self, tok) -> None:
+    self.intake.tok = tok
+
+  @property
+  def jump_forward_tokens(self) -> int:  # tokens structured outputs took without sampling
+    return self.guided.jump_forward_tokens
+
+  @property
+  def spec_draft_tokens(self) -> int:  # speculative tokens drafted
+    return self.speculator.draft_tokens
+
+  @property
+  def spec_accepted_tokens(self) -> int:  # drafts the model agreed with
+    return self.speculator.accepted_tokens
+
+  def _init_slot(self, seq: Seq) -> None:
+    """The sampling state of an admitted request's batch slot."""
+    self.inputs.slot_f[seq.slot], self.inputs.slot_i[seq.slot] = sampling.param_rows(
+        seq.params, seq.seed, seq.slot)
+    # A sampled row reads its slot's bias whatever its own parameters (the
+    # other state is inert at its defaults): a slot a biased request left must
+    # be reset.
+    if seq.params.slot_state or self._slot_biased[seq.slot]:
+      self._slot_biased[seq.slot] = seq.params.biased
+      v = self.runner.vocab_size
+      counts = np.bincount(np.asarray(seq.generated, np.int64), minlength=v)[:v].astype(np.int32)
+      row = sampling.slot_row(v, seq.prompt, seq.ends, seq.params.logit_bias,
+                              seq.params.allowed_token_ids,
+                              None if seq.guide is None else seq.guide.words())
+      self._counts, self._slot_tokens = sampling.set_rows(
+          self._counts, self._slot_tokens, np.int32(seq.slot), counts, row)
 
   # -- the interface -------------------------------------------------------
 
@@ -548,26 +216,17 @@ class BatchingEngine(api.Engine):
     self._thread.start()
 
   def tokenize(self, text: str, add_bos: bool = False) -> list[int]:
-    try:
-      ids = list(self.tok.encode(text))
-    except ValueError as e:  # a model loaded without a tokenizer: token ids only
-      raise api.InvalidRequest(str(e)) from None
-    bos = getattr(self.tok, "bos_id", None)
-    return [bos] + ids if add_bos and bos is not None else ids
+    return self.intake.tokenize(text, add_bos)
 
   def token_pieces(self, ids: Sequence[int]) -> list[str]:
-    return [self.tok.decode([i]) for i in ids]
+    return self.intake.token_pieces(ids)
 
   def detokenize(self, ids: Sequence[int]) -> str:
-    self._check_vocab("token ids", ids)
-    return self.tok.decode(list(ids))
+    return self.intake.detokenize(ids)
 
-  def _check_vocab(self, what: str, ids) -> None:
-    """InvalidRequest naming the first ids outside [0, vocab_size)."""
-    bad = [t for t in ids if not 0 <= t < self.runner.vocab_size]
-    if bad:
-      raise api.InvalidRequest(f"{what} {bad[:5]} are outside the vocabulary "
-                               f"[0, {self.runner.vocab_size})")
+  def render_chat(self, messages: Sequence[tuple[str, str]],
+                  add_generation_prompt: bool = True) -> tuple[str, list[int]]:
+    return self.intake.render_chat(messages, add_generation_prompt)
 
   def submit(self, request: api.Request) -> api.RequestHandle:
     return self.submit_all([request])[0]
@@ -599,14 +258,14 @@ class BatchingEngine(api.Engine):
           raise api.InvalidRequest(f"request_id {rid!r} is already running")
       held = len(self._by_id)
       if held + n > most:
-        running = min(len(self._running), held)
+        running = min(len(self.scheduler.running), held)
         raise api.QueueFull(
             f"the server is full: {running} requests running and {held - running} waiting "
             f"(at most {c.max_batch} + {c.max_waiting}); this call needs {n}")
       handles = []
       for request, (handle, prompt, max_tokens, seed, guide) in zip(requests, made):
         self._order += 1
-        seq = _Seq(request, handle, prompt, max_tokens, seed, self.tok, self._order,
+        seq = Seq(request, handle, prompt, max_tokens, seed, self.tok, self._order,
                    self.eos_ids, c.scheduling == "priority")
         seq.guide = guide
         self._by_id[request.request_id] = seq
@@ -616,96 +275,12 @@ class BatchingEngine(api.Engine):
     return handles
 
   def _prepare(self, request: api.Request):
-    """A request's checks and what its _Seq is made of: (handle, prompt ids,
-    max_tokens, seed, grammar state); InvalidRequest where it cannot run."""
-    prompt = self._prompt_ids(request)
-    p = request.sampling
-    if p.truncate_prompt_tokens is not None:
-      prompt = prompt[-p.truncate_prompt_tokens:]
-    room = self.max_seq_len - len(prompt)
-    if room < 1:
-      raise api.InvalidRequest(
-          f"the prompt has {len(prompt)} tokens; at most {self.max_seq_len - 1} fit the "
-          f"context of {self.max_seq_len}")
-    # Without max_tokens a request gets the default, or min_tokens if more.
-    max_tokens = min(p.max_tokens or max(self.config.default_max_tokens, p.min_tokens), room)
-    for name in ("max_tokens", "min_tokens"):
-      if (getattr(p, name) or 0) > room:
-        raise api.InvalidRequest(
-            f"prompt ({len(prompt)} tokens) + {name} ({getattr(p, name)}) exceeds the "
-            f"context of {self.max_seq_len}")
-    if len(prompt) >= self.capacity:
-      raise api.InvalidRequest(
-          f"the prompt has {len(prompt)} tokens; the KV cache holds {self.capacity}")
-    if len(prompt) + p.min_tokens > self.capacity:
-      raise api.InvalidRequest(
-          f"prompt ({len(prompt)} tokens) + min_tokens ({p.min_tokens}) exceeds the "
-          f"{self.capacity} tokens the KV cache holds")
-    for name, ids in (("stop_token_ids", p.stop_token_ids),
-                      ("logit_bias", [t for t, _ in p.logit_bias]),
-                      ("allowed_token_ids", p.allowed_token_ids)):
-      self._check_vocab(name, ids)
-    if p.min_tokens and p.allowed_token_ids and not (
-        set(p.allowed_token_ids) - set(p.stop_token_ids)
-        - (set() if p.ignore_eos else self.eos_ids)):
-      raise api.InvalidRequest("every allowed token id ends the request: min_tokens="
-                               f"{p.min_tokens} cannot be met")
-    if p.prompt_logprobs is not None and not self.config.prompt_logprobs:
-      raise api.InvalidRequest("prompt_logprobs needs a server started with "
-                               "--enable-prompt-logprobs")
-    if request.priority and self.config.scheduling != "priority":
-      raise api.InvalidRequest(f"priority={request.priority} needs priority scheduling "
-                               "(serve --scheduling-policy priority)")
-    guide = self._grammars.guide(p.structured) if p.structured is not None else None
-    if guide is not None and p.allowed_token_ids and not guide.allowed()[
-        list(p.allowed_token_ids)].any():
-      # Else the request would end (STOP) at its first step with no output.
-      raise api.InvalidRequest("allowed_token_ids and the structured output admit no common "
-                               "first token")
-    seed = p.seed if p.seed is not None else random.getrandbits(64)
-    handle = api.RequestHandle(request.request_id, len(prompt),
-                               self.make_events(request.request_id))
-    return handle, prompt, max_tokens, seed, guide
+    """(handle, prompt ids, max_tokens, seed, grammar state) of a request's
+    Seq; InvalidRequest where it cannot run."""
+    return self.intake.prepare(request, self.make_events)
 
   def _prompt_ids(self, request: api.Request) -> list[int]:
-    forms = (request.prompt_ids, request.prompt_text, request.messages)
-    if sum(x is not None for x in forms) != 1:
-      raise api.InvalidRequest("give the prompt as text, token ids or chat messages "
-                               "(exactly one)")
-    if request.messages is not None:
-      ids = self.render_chat(request.messages, request.add_generation_prompt)[1]
-    elif request.prompt_text is not None:
-      ids = self.tokenize(request.prompt_text, add_bos=request.add_bos)
-    else:
-      ids = [int(t) for t in request.prompt_ids]
-      self._check_vocab("prompt token ids", ids)
-    if not ids:
-      raise api.InvalidRequest("the prompt is empty")
-    return ids
-
-  def render_chat(self, messages: Sequence[tuple[str, str]],
-                  add_generation_prompt: bool = True) -> tuple[str, list[int]]:
-    """Chat messages rendered by the model's chat template, then tokenized
-    without adding BOS (vLLM's way: the template writes it where the model
-    wants it; a BOS written as text becomes the BOS id)."""
-    if not messages:
-      raise api.InvalidRequest("the chat has no messages")
-    render = getattr(self.tok, "apply_chat_template", None)
-    messages = [{"role": role, "content": content} for role, content in messages]
-    import jinja2
-
-    try:
-      text = None if render is None else render(
-          messages, add_generation_prompt=add_generation_prompt)
-    except (ValueError, TypeError, jinja2.TemplateError) as e:  # raise_exception, a bad role
-      raise api.InvalidRequest(f"chat template: {e}") from None
-    if text is None:
-      raise api.InvalidRequest(f"the model {self.runner.name} has no chat template: send the "
-                               "prompt as text")
-    bos, bos_id = getattr(self.tok, "bos_token", ""), getattr(self.tok, "bos_id", None)
-    if bos and bos_id is not None and text.startswith(bos):
-      return text, [bos_id] + list(self.tok.encode(text[len(bos):]))
-    return text, list(self.tok.encode(text))
+    return self.intake.prompt_ids(request)
 
   def cancel(self, request_id: str) -> None:
     with self._lock:
@@ -714,8 +289,8 @@ class BatchingEngine(api.Engine):
 
   def stats(self) -> api.EngineStats:
     with self._lock:
-      waiting = len(self._waiting) + len(self._inbox)
-      running = len(self._running)
+      waiting = len(self.scheduler.waiting) + len(self._inbox)
+      running = len(self.scheduler.running)
     return api.EngineStats(running=running, waiting=waiting, pages_in_use=self.alloc.in_use,
                            pages_cached=self.alloc.cached, pages_total=self.alloc.usable,
                            steps=self.steps, draining=self._draining,
@@ -730,7 +305,7 @@ class BatchingEngine(api.Engine):
     runner does not say), and the backend compiles of the engine's loop,
     which starts after warm-up, and their seconds."""
     shapes = getattr(self.runner, "compiled_shapes", None)
-    n, secs = _Compiles.of(self._thread.ident if self._thread is not None else None)
+    n, secs = Compiles.of(self._thread.ident if self._thread is not None else None)
     return {"steps": self.steps, "mixed_steps_run": self.mixed_steps_run,
             "packed_prefill": self.packed, "jump_forward_tokens": self.jump_forward_tokens,
             "spec_draft_tokens": self.spec_draft_tokens,
@@ -766,15 +341,16 @@ class BatchingEngine(api.Engine):
       self._thread.join(timeout=30)
       self._thread = None
 
-  # -- the scheduler -------------------------------------------------------
+  # -- the loop ------------------------------------------------------------
 
   def _loop(self) -> None:
-    _Compiles.reset(threading.get_ident())
+    Compiles.reset(threading.get_ident())
     try:
       while True:
         with self._lock:
-          while not (self._inbox or self._cancels or self._waiting or self._running
-                     or self._deferred or self._inflight or self._stopping):
+          while not (self._inbox or self._cancels or self.scheduler.waiting
+                     or self.scheduler.running
+                     or self.outputs.deferred or self._inflight or self._stopping):
             self._wake.wait()
           if self._stopping and not (self._by_id or self._inbox or self._cancels):
             return
@@ -808,35 +384,34 @@ class BatchingEngine(api.Engine):
     may have one more token computed here: it is dropped.
     """
     t0 = time.perf_counter()
-    compiles0 = _Compiles.of(threading.get_ident())[0]
+    compiles0 = Compiles.of(threading.get_ident())[0]
     now = time.monotonic()
     with self._lock:
       inbox, self._inbox = self._inbox, []
       cancels, self._cancels = self._cancels, []
-    self._waiting.extend(inbox)
-    if inbox:
-      self._order_waiting()
+    self.scheduler.add(inbox)
     for rid in cancels:
       seq = self._by_id.get(rid)
       if seq is not None and seq.cancel is None:
         seq.cancel = api.FinishReason.CANCELLED
-    for seq in list(self._waiting) + self._running:
+    for seq in list(self.scheduler.waiting) + self.scheduler.running:
       if seq.cancel is None and seq.req.deadline is not None and now >= seq.req.deadline:
         seq.cancel = api.FinishReason.DEADLINE
       if seq.cancel is not None:
-        self._finish(seq, seq.cancel)
+        self.outputs.finish(seq, seq.cancel)
 
     t_wait = t_tokens = 0.0
     flushed, previous = False, self._inflight
-    speculates = self._speculates()
-    if previous and (speculates or any(s.guide is not None and s.pending for s in self._running)):
+    speculates = self.speculator.active()
+    if previous and (speculates or any(s.guide is not None and s.pending
+                                       for s in self.scheduler.running)):
       # A structured request's next step needs its grammar past the token in
       # flight, and drafts need every token: read them now, before this step
       # is dispatched.
       t_wait, t_tokens, flushed = self._collect(previous)
       self._inflight = []
-    if speculates and self._speculates():  # (still: reading may have ended some)
-      spec = self._run_speculative()
+    if speculates and self.speculator.active():  # (still: reading may have ended some)
+      spec = self.speculator.run()
       if spec is not None:
         launched, decodes, t_launch, tw = spec
         self._inflight = [launched] if launched else []
@@ -844,19 +419,7 @@ class BatchingEngine(api.Engine):
         self._record(t0, compiles0, wait=t_wait + tw, decodes=decodes,
                      launched=launched is not None, launch=t_launch, tokens=t_tokens, steps=1)
         return True
-    steps = self._decode_steps()
-    # Decodes reserve their pages first, so that admitting prompts never takes
-    # the pages a running request needs for its next token.
-    decodes = self._schedule_decodes(steps)
-    if self.config.prefill_first:
-      prefills = self._schedule_prefills(self.config.budget)
-      if prefills:
-        decodes = []  # they wait for the prefill phase, pages reserved
-    else:
-      budget = self.config.budget - len(decodes)
-      if decodes and self.config.decode_prefill_budget is not None:
-        budget = min(budget, self.config.decode_prefill_budget)
-      prefills = self._schedule_prefills(budget)
+    decodes, prefills, steps = self.scheduler.schedule(admit=not self._stopping)
     launched = []  # (rows, device outputs, logprobs wanted)
     t_launch = time.perf_counter()
     for seq, n in prefills:
@@ -887,7 +450,7 @@ class BatchingEngine(api.Engine):
     """The iteration's StepRecord, from its start (``t0``, the thread's
     compile count then) to now, for step_times and the observer."""
     record = StepRecord(time.perf_counter() - t0, start=t0,
-                        compiles=_Compiles.of(threading.get_ident())[0] - compiles0, **fields)
+                        compiles=Compiles.of(threading.get_ident())[0] - compiles0, **fields)
     self.step_times.append(record)
     if self.observer is not None:
       self.observer.on_step(self, record)
@@ -910,387 +473,15 @@ class BatchingEngine(api.Engine):
         if seq is None:
           continue
         seq.pending -= n
-        if seq.state != _State.DONE:  # a request that ended drops what was in flight
-          self._accept(seq, by_row[i], None if lp is None else
+        if seq.state != State.DONE:  # a request that ended drops what was in flight
+          self.outputs.accept(seq, by_row[i], None if lp is None else
                        [(lp[0][j, i], lp[1][j, i], lp[2][j, i]) for j in range(n)])
     flushed = self._flush_deferred()
-    self._guide_next()
+    self.guided.write_allow_rows()
     return t_wait, time.perf_counter() - t0 - t_wait, flushed
 
-  def _speculates(self) -> bool:
-    """Whether this iteration may check drafts (EngineConfig.num_speculative_tokens):
-    every running request decodes, one may draft."""
-    c = self.config
-    if (not c.num_speculative_tokens or self._waiting or not self._running
-        or len(self._running) > c.speculative_max_batch):
-      return False
-    return (all(s.state == _State.DECODE for s in self._running)
-            and any(map(self._drafts, self._running)))
-
-  @staticmethod
-  def _drafts(seq: _Seq) -> bool:
-    """Whether a request's tokens may come from drafts: not while paused
-    (_spec_outcome)."""
-    return len(seq.generated) >= seq.spec_resume
-
-  def _spec_outcome(self, seq: _Seq, gained: bool) -> None:
-    """Counts a check of a request's drafts toward its pause
-    (EngineConfig.speculative_patience)."""
-    if gained:
-      seq.spec_misses, seq.spec_pause = 0, _SPEC_PAUSE[0]
-      return
-    seq.spec_misses += 1
-    if self.config.speculative_patience and seq.spec_misses >= self.config.speculative_patience:
-      seq.spec_resume = len(seq.generated) + seq.spec_pause
-      seq.spec_misses, seq.spec_pause = 0, min(2 * seq.spec_pause, _SPEC_PAUSE[1])
-
-  def _draft(self, seq: _Seq) -> list[int]:
-    c = self.config
-    return ngram_draft(seq.tokens, c.num_speculative_tokens, c.prompt_lookup_max,
-                       c.prompt_lookup_min)
-
-  @staticmethod
-  def _guided_drafts(seq: _Seq, d: list[int]) -> tuple[list[int], np.ndarray]:
-    """A structured request's drafts cut at the first its grammar refuses or
-    that would complete the output (that one is sampled, as a decode step
-    would), and the grammar's allow words at each position [kept + 1, W]:
-    now, then after each kept draft. The grammar is left where it was."""
-    g = seq.guide
-    words, taken = [g.words()], 0
-    for t in d:
-      # Offered only where the mask admits it: a refused token would leave
-      # the matcher in its error state (which no rollback leaves).
-      if not (words[-1][t >> 5] >> (t & 31)) & 1:
-        break
-      if not g.accept([t]):
-        raise _grammar_error(seq, g)
-      taken += 1
-      if g.stopped:
-        break
-      words.append(g.words())
-    g.rollback(taken)
-    return d[:len(words) - 1], np.stack(words)
-
-  def _run_speculative(self):
-    """One checking call for the running requests (their tokens read back):
-    [last token, drafts] per row at its next positions. A request with
-    drafts takes those sampling.verify keeps (equal to what it would have
-    decoded there) and the token after them, with their logprobs if
-    it asked, read back now; the K/V of refused drafts lie past its computed
-    tokens and are overwritten. A request without drafts (none found, or it
-    may not draft) has its one token sampled on the device from its first
-    position's logits, read back as a decode step's is. Returns (launched
-    entry or None, requests, launch seconds, seconds waiting), or None when no
-    request has a draft (a plain decode step runs instead)."""
-    t0 = time.perf_counter()
-    seqs, kept = self._schedule_decodes(1), []  # pages for the next token (preempting as usual)
-    drafts, guided = [], {}  # guided: row -> its grammar's allow words a position
-    for seq in seqs:
-      room = min(seq.max_tokens - len(seq.generated), self.capacity - seq.num_tokens) - 1
-      d = []
-      if self._drafts(seq):
-        d = self._draft(seq)[:max(room, 0)]
-        if d and seq.guide is not None:
-          try:
-            d, guided[len(kept)] = self._guided_drafts(seq, d)
-          except _RequestError as e:  # its grammar failed: it ends, the others go on
-            self._fail(seq, str(e), e.invalid)
-            continue
-        if d and not self._reserve(seq, seq.computed + 1 + len(d)):
-          d = []  # no pages for the drafts: no preemption for a guess
-        if not d:
-          self._spec_outcome(seq, False)
-      kept.append(seq)
-      drafts.append(d)
-    seqs = kept
-    if not any(drafts):
-      return None
-    rows, k1 = _bucket(len(seqs), self._spec_rows), self.config.num_speculative_tokens + 1
-    tokens, lengths = np.zeros((rows, k1), np.int32), np.zeros((rows,), np.int32)
-    for i, (seq, d) in enumerate(zip(seqs, drafts)):
-      tokens[i, 0], tokens[i, 1:1 + len(d)] = seq.tokens[seq.computed], d
-      lengths[i] = 1 + len(d)
-    logits = self._checking_call(seqs, tokens, lengths)  # [rows, k + 1, V]
-    drafting = [seq if d else None for seq, d in zip(seqs, drafts)] + [None] * (rows - len(seqs))
-    arrays, want_lp, _ = self._sampling_inputs(drafting, rows)
-    # Penalties, bias and min_tokens read the slot's state at each position.
-    penalized = any(seq is not None and seq.params.slot_state for seq in drafting)
-    allow = None  # (structured requests' slot state: penalized)
-    if any(drafts[i] for i in guided):
-      allow = np.full((rows, k1, sampling.mask_words(self.runner.vocab_size)), -1, np.int32)
-      for i, words in guided.items():
-        allow[i, :len(words)] = words
-    checked = sampling.verify_jit(
-        logits, tokens, lengths, arrays, self._counts, self._slot_tokens, allow, logprobs=want_lp,
-        greedy_only=all(seq is None or seq.params.greedy for seq in drafting),
-        penalized=penalized)
-    # Rows without drafts: sampled from their only position's logits, as a
-    # decode step samples them (penalties, seeds, logprobs and all).
-    plain = [seq if not d else None for seq, d in zip(seqs, drafts)] + [None] * (rows - len(seqs))
-    launched = None
-    if any(plain):
-      for seq in plain:
-        if seq is not None:
-          seq.computed += 1
-      launched = (plain,) + self._sampling_call(plain, logits[:, 0], rows)
-    t_launch = time.perf_counter() - t0
-    kept, after, *lp = (np.asarray(x) for x in checked)
-    t_wait = time.perf_counter() - t0 - t_launch
-    # Each slot's newest token: the next decode step's input.
-    slot_of, newest = np.full((rows,), self.config.max_batch, np.int32), np.zeros((rows,), np.int32)
-    emitted, n_emitted = np.zeros((rows, k1), np.int32), np.zeros((rows,), np.int32)
-    for i, (seq, d) in enumerate(zip(seqs, drafts)):
-      if not d:
-        continue
-      a = int(kept[i])
-      new = d[:a] + [int(after[i])]
-      emitted[i, :len(new)], n_emitted[i] = new, len(new)
-      self.spec_draft_tokens += len(d)
-      self.spec_accepted_tokens += a
-      self._spec_outcome(seq, a > 0)
-      seq.computed += len(new)  # the last token and the agreed drafts
-      slot_of[i], newest[i] = seq.slot, new[-1]
-      self._accept(seq, new, [(lp[0][i, j], lp[1][i, j], lp[2][i, j]) for j in range(len(new))]
-                   if lp else None)
-    self._last_tok = sampling.set_last(self._last_tok, slot_of, newest)
-    if penalized:  # a decode step counts what it samples; these were taken on the host
-      self._counts = sampling.add_counts(self._counts, slot_of, emitted, n_emitted)
-    self._flush_deferred()
-    self._guide_next()  # structured requests' allow rows, before the next call
-    return launched, len(seqs), t_launch, t_wait
-
-  def _checking_call(self, seqs, tokens, lengths):
-    """The checking call's logits [rows, k + 1, V]: row i's ``tokens`` (its
-    first ``lengths[i]`` real: its last token and drafts) at its next positions.
-
-    As a decode step with k + 1 query tokens a row (``runner.check_decode``)
-    where it can: decode attention reads the pages in place. A row with fewer
-    drafts is padded after them; the padding's K/V, like a refused draft's,
-    lies past its computed tokens and is overwritten later. That needs every
-    row's pages and context for k + 1 tokens; otherwise (or beyond the decode
-    kernel's query tokens) the continued-prefill form, which gathers each
-    row's pages for the prefill attention."""
-    rows, k1 = tokens.shape
-    n = len(seqs)
-    computed = np.zeros((rows,), np.int32)
-    computed[:n] = [seq.computed for seq in seqs]
-    if self._check_paged and all(
-        seq.computed + k1 <= self.max_pages * self.page_size
-        and self._reserve(seq, seq.computed + k1) for seq in seqs):
-      table = np.zeros((rows, self.max_pages), np.int32)
-      table[:n] = self._slot_table[[seq.slot for seq in seqs]]
-      return self.runner.check_decode(tokens, np.where(np.arange(rows) < n, computed + k1, 0),
-                                      table)
-    chunk = np.zeros((rows, self._spec_chunk), np.int32)
-    chunk[:, :k1] = tokens
-    slots = np.zeros((rows,), np.int32)
-    slots[:n] = [seq.slot for seq in seqs]
-    table = self._chunk_table(slots, n, int((computed + lengths).max()))
-    return self.runner.check_prefill(chunk, computed, lengths, table, width=k1)
-
-  def _decode_steps(self) -> int:
-    """Decode steps this iteration: config.decode_steps unless a prompt waits
-    (its first token would wait for all the steps), a request is still in
-    prefill, some request lacks the pages or the context for them, or no
-    request has more than half of them left to generate."""
-    n = self.config.decode_steps
-    if n == 1 or self._waiting:
-      return 1
-    need = most_left = 0
-    for seq in self._running:
-      if (seq.state != _State.DECODE or seq.guide is not None
-          or seq.computed + n > self.max_pages * self.page_size):
-        return 1
-      need += max(0, -(-(seq.computed + n) // self.page_size) - len(seq.pages))
-      most_left = max(most_left, seq.max_tokens - len(seq.generated) - seq.pending)
-    # A call computes all its steps for every row. When each request ends
-    # within n // 2 tokens, one-step calls (a little dearer per token than a
-    # step of a multi-step call: each has its own dispatch and sampling call)
-    # waste less than the unused steps would.
-    if most_left <= n // 2:
-      return 1
-    return n if need <= self.alloc.available else 1
-
-  def _schedule_decodes(self, steps: int = 1) -> list[_Seq]:
-    decodes = []
-    for seq in sorted((s for s in self._running if s.state == _State.DECODE),
-                      key=lambda s: s.rank):
-      if seq.state != _State.DECODE:
-        continue  # preempted below while making room for an earlier one
-      n = len(seq.generated) + seq.pending
-      if n >= seq.max_tokens or len(seq.prompt) + n >= self.capacity:
-        continue  # its last token is in flight: it ends when that is read
-      while not self._reserve(seq, seq.computed + steps):
-        victim = max((s for s in self._running if s.state != _State.WAITING),
-                     key=lambda s: s.rank)
-        self._preempt(victim)
-        if victim is seq:
-          break
-      if seq.state == _State.DECODE:
-        decodes.append(seq)
-    return decodes
-
-  def _reserve(self, seq: _Seq, tokens: int) -> bool:
-    need = -(-tokens // self.page_size) - len(seq.pages)
-    if need <= 0:
-      return True
-    pages = self.alloc.allocate(need)
-    if pages is None:
-      return False
-    self._slot_table[seq.slot, len(seq.pages):len(seq.pages) + need] = pages
-    seq.pages.extend(pages)
-    return True
-
-  def _preempt(self, seq: _Seq) -> None:
-    log.info("preempting %s (%d tokens) to free KV pages", seq.req.request_id, seq.num_tokens)
-    self.preemptions += 1
-    self.alloc.release(seq.pages)
-    seq.pages, seq.computed, seq.registered = [], 0, 0
-    seq.state = _State.WAITING
-    self._running.remove(seq)
-    self._free_slots.append(seq.slot)
-    seq.slot = -1
-    self._waiting.appendleft(seq)
-    self._order_waiting()
-
-  def _order_waiting(self) -> None:
-    """Under priority scheduling, waiting requests in (priority, arrival)
-    order; first-come-first-served keeps them as they were queued."""
-    if self.config.scheduling == "priority":
-      self._waiting = collections.deque(sorted(self._waiting, key=lambda s: s.rank))
-
-  def _admit(self, seq: _Seq) -> bool:
-    if not self._free_slots:
-      return False
-    tokens = seq.tokens
-    self._hash_blocks(seq)
-    # At least one token is computed, for the logits of the next token. A
-    # request that wants its prompt's logprobs computes every token.
-    cached = [] if seq.scored else self.alloc.lookup(
-        seq.hashes[:(len(tokens) - 1) // self.page_size])
-    need = -(-len(tokens) // self.page_size) - len(cached)
-    fresh = self.alloc.allocate(need)
-    if fresh is None:
-      self.alloc.release(cached)
-      return False
-    seq.pages = cached + fresh
-    seq.computed = seq.registered = len(cached) * self.page_size
-    if not seq.generated:
-      seq.cached_tokens = seq.computed
-    seq.state = _State.PREFILL
-    seq.slot = self._free_slots.pop()
-    self._slot_table[seq.slot] = 0
-    self._slot_table[seq.slot, :len(seq.pages)] = seq.pages
-    self._slot_f[seq.slot], self._slot_i[seq.slot] = sampling.param_rows(
-        seq.params, seq.seed, seq.slot)
-    if seq.scheduled_at is None:
-      seq.scheduled_at = time.monotonic()
-    # A sampled row reads its slot's bias whatever its own parameters (the
-    # other state is inert at its defaults): a slot a biased request left must
-    # be reset.
-    if seq.params.slot_state or self._slot_biased[seq.slot]:
-      self._slot_biased[seq.slot] = seq.params.biased
-      v = self.runner.vocab_size
-      counts = np.bincount(np.asarray(seq.generated, np.int64), minlength=v)[:v].astype(np.int32)
-      row = sampling.slot_row(v, seq.prompt, seq.ends, seq.params.logit_bias,
-                              seq.params.allowed_token_ids,
-                              None if seq.guide is None else seq.guide.words())
-      self._counts, self._slot_tokens = sampling.set_rows(
-          self._counts, self._slot_tokens, np.int32(seq.slot), counts, row)
-    self._running.append(seq)
-    return True
-
-  def _schedule_prefills(self, budget: int) -> list[tuple[_Seq, int]]:
-    return self._fit_buckets(self._pick_prefills(budget))
-
-  def _fit_buckets(self, chunks: list[tuple[_Seq, int]]) -> list[tuple[_Seq, int]]:
-    """A prefill call pads each row to the chunk bucket of its longest chunk
-    (x4 apart): 700 tokens run as 2,048. When every chunk is at most twice
-    the bucket below, they are cut to that bucket and the rest goes in the
-    next step's call, at most as large again: the two calls compute at most
-    half the tokens of the one (700 tokens with buckets 512 and 2,048: 512,
-    then 188 in a second call of 512, not one call of 2,048). Packed calls
-    pad only their total, so keep their chunks."""
-    if self.packed or not chunks:
-      return chunks
-    longest = max(n for _, n in chunks)
-    i = self.chunk_buckets.index(_bucket(longest, self.chunk_buckets))
-    below = self.chunk_buckets[i - 1] if i else 0
-    if not longest <= 2 * below < self.chunk_buckets[i]:
-      return chunks
-    return [(seq, min(n, below)) for seq, n in chunks]
-
-  def _pick_prefills(self, budget: int) -> list[tuple[_Seq, int]]:
-    out = []
-    cap = self.config.prefill_chunk
-    for seq in self._running:
-      if len(out) == self.config.prefill_rows or budget <= 0:
-        return out
-      if seq.state == _State.PREFILL:
-        n = min(seq.num_tokens - seq.computed, budget, cap)
-        out.append((seq, n))
-        budget -= n
-    inflight = self._inflight_blocks()
-    i = 0
-    while (i < len(self._waiting) and len(out) < self.config.prefill_rows and budget > 0
-           and not self._stopping):
-      seq = self._waiting[i]
-      if inflight and not seq.scored and self._shares_inflight(seq, inflight):
-        i += 1  # it waits; the requests behind it need not
-        continue
-      if seq.pending or not self._admit(seq):  # preempted with a token in flight: next step
-        break
-      del self._waiting[i]
-      inflight.update(seq.hashes[seq.registered // self.page_size:])
-      n = min(seq.num_tokens - seq.computed, budget, cap)
-      out.append((seq, n))
-      budget -= n
-    return out
-
-  # A prompt whose next uncached block another running request is prefilling
-  # waits until that block is in the prefix cache instead of computing it too
-  # (SGLang's in-batch prefix caching): n requests with one long prompt (a
-  # shared system prompt, or the n completions of one call) prefill it once.
-
-  def _inflight_blocks(self) -> set[bytes]:
-    """Hashes of the prompt blocks running requests are prefilling, not yet cached."""
-    if not self.alloc.prefix_caching or not self._waiting:
-      return set()
-    out = set()
-    for seq in self._running:
-      if seq.state == _State.PREFILL:
-        out.update(seq.hashes[seq.registered // self.page_size:])
-    return out
-
-  def _shares_inflight(self, seq: _Seq, inflight: set[bytes]) -> bool:
-    self._hash_blocks(seq)
-    hashes = seq.hashes[:(seq.num_tokens - 1) // self.page_size]
-    k = self.alloc.cached_prefix(hashes)
-    return k < len(hashes) and hashes[k] in inflight
-
-  def _hash_blocks(self, seq: _Seq) -> None:
-    """seq.hashes for its tokens now: tokens are only appended, so hashes of
-    as many full pages as it has are still right (a waiting request is
-    checked every step)."""
-    if seq.hashes is None or len(seq.hashes) != seq.num_tokens // self.page_size:
-      seq.hashes = block_hashes(seq.tokens, self.page_size)
-
-  def _sampling_inputs(self, seqs: list[_Seq | None], batch: int):
-    """(per-row sampling arrays, logprobs wanted, every row plain greedy)."""
-    rows = [r for r, s in enumerate(seqs) if s is not None]
-    live = [seqs[r] for r in rows]
-    slots = np.fromiter((s.slot for s in live), np.int32, len(live))
-    steps = np.fromiter((len(s.generated) + s.pending for s in live), np.int64, len(live))
-    arrays = sampling.gather(self._slot_f[slots], self._slot_i[slots], np.asarray(rows, np.int32),
-                             steps, batch)
-    want_lp = any(s.params.logprobs or s.params.top_logprobs for s in live)
-    # The fast path has no penalties, logit bias or end-token ban (min_tokens).
-    greedy = all(s.params.greedy and not s.params.penalized and not s.params.biased
-                 and len(s.generated) + s.pending >= s.params.min_tokens for s in live)
-    return arrays, want_lp, greedy
-
-  def _sampling_call(self, seqs: list[_Seq | None], logits, batch: int):
-    arrays, want_lp, greedy = self._sampling_inputs(seqs, batch)
+  def _sampling_call(self, seqs: list[Seq | None], logits, batch: int):
+    arrays, want_lp, greedy = self.inputs.sampling(seqs, batch)
     if greedy:
       out = sampling.greedy(logits, arrays, self._counts, self._last_tok, logprobs=want_lp)
     else:
@@ -1301,20 +492,20 @@ class BatchingEngine(api.Engine):
         seq.pending += 1
     return out[:4], want_lp
 
-  def _run_prefill(self, chunks: list[tuple[_Seq, int]]):
+  def _run_prefill(self, chunks: list[tuple[Seq, int]]):
     if self.packed:
-      tokens, tpos, seg, last, table, fresh, finishing = self._packed_inputs(chunks)
+      tokens, tpos, seg, last, table, fresh, finishing = self.inputs.packed(chunks)
       logits = self.runner.prefill_packed(tokens, tpos, seg, last, table, fresh=fresh)
     else:
-      tokens, positions, lengths, table, finishing = self._prefill_inputs(chunks)
+      tokens, positions, lengths, table, finishing = self.inputs.prefill(chunks)
       logits = self.runner.prefill(tokens, positions, lengths, table)
     return self._sample_rows(finishing, logits, finishing)
 
-  def _run_scored(self, seq: _Seq, n: int):
+  def _run_scored(self, seq: Seq, n: int):
     """A prompt chunk of a request that wants its prompt's logprobs, in a call
     of its own that scores each position's next prompt token."""
     c = seq.computed
-    tokens, positions, lengths, table, finishing = self._prefill_inputs([(seq, n)])
+    tokens, positions, lengths, table, finishing = self.inputs.prefill([(seq, n)])
     targets = np.zeros_like(tokens)
     nxt = seq.prompt[c + 1:c + 1 + n]  # past the prompt's end: nothing to score
     targets[0, :len(nxt)] = nxt
@@ -1322,110 +513,29 @@ class BatchingEngine(api.Engine):
     seq.scores.append((c, len(nxt), scores))
     return self._sample_rows(finishing, logits, finishing)
 
-  def _prompt_logprobs(self, seq: _Seq) -> api.PromptLogprobs:
-    """The scored chunks' logprobs in prompt order; a prompt computed again
-    after preemption keeps its first scores."""
-    k = seq.params.prompt_logprobs
-    # (to numpy first: indexing a device array compiles)
-    chunks = [(c, n, [np.asarray(x)[0][:n] for x in scores]) for c, n, scores in seq.scores]
-    pos = np.concatenate([np.arange(c, c + n) for c, n, _ in chunks] + [np.zeros(0, int)])
-    pos, first = np.unique(pos, return_index=True)  # each position's first score
-    lp, ids, lps = (np.concatenate([s[i] for _, _, s in chunks] + [np.zeros(shape)])[first]
-                    for i, shape in ((0, (0,)), (1, (0, api.MAX_TOP_LOGPROBS)),
-                                     (2, (0, api.MAX_TOP_LOGPROBS))))
-    return api.PromptLogprobs(token_ids=np.asarray(seq.prompt, np.int32)[pos + 1],
-                              logprobs=lp.astype(np.float32), top_ids=ids[:, :k].astype(np.int32),
-                              top_logprobs=lps[:, :k].astype(np.float32))
-
-  def _sample_rows(self, rows: list[_Seq | None], logits, finishing: list[_Seq | None]):
+  def _sample_rows(self, rows: list[Seq | None], logits, finishing: list[Seq | None]):
     """Samples a call's rows (launched as (rows, device outputs, logprobs
     wanted)); the requests in ``finishing`` completed their prompt and decode
     from now on."""
     out, want_lp = self._sampling_call(rows, logits, len(rows))
     for seq in finishing:
       if seq is not None:
-        seq.state = _State.DECODE
+        seq.state = State.DECODE
     return rows, out, want_lp
 
-  def _prefill_inputs(self, chunks: list[tuple[_Seq, int]]):
-    """Padded chunk arrays; advances each request's computed tokens. The last
-    element lists, per row, the request whose prompt this chunk completes."""
-    rows = _bucket(len(chunks), self.row_buckets)
-    t = _bucket(max(n for _, n in chunks), self.chunk_buckets)
-    tokens = np.zeros((rows, t), np.int32)
-    positions = np.zeros((rows,), np.int32)
-    lengths = np.zeros((rows,), np.int32)
-    slots = np.zeros((rows,), np.int32)
-    finishing: list[_Seq | None] = [None] * rows
-    for i, (seq, n) in enumerate(chunks):
-      tokens[i, :n] = seq.tokens[seq.computed:seq.computed + n]
-      positions[i], lengths[i], slots[i] = seq.computed, n, seq.slot
-      finishing[i] = self._advance(seq, n)
-    kv = int((positions + lengths).max()) if positions.any() else None
-    return tokens, positions, lengths, self._chunk_table(slots, len(chunks), kv), finishing
-
-  def _chunk_table(self, slots, n: int, kv_tokens: int | None) -> np.ndarray:
-    """The page-table rows of a chunk call's ``slots`` (the first ``n`` real,
-    the rest padding, zeroed): as wide as the width bucket that covers
-    ``kv_tokens``, the longest row's tokens after its chunk, or max_pages
-    for fresh chunks (None), which gather nothing: one shape."""
-    width = self.max_pages
-    if kv_tokens is not None:
-      width = _bucket(-(-kv_tokens // self.page_size), self.table_buckets)
-    table = self._slot_table[slots, :width]  # a copy
-    table[n:] = 0
-    return table
-
-  def _packed_inputs(self, chunks: list[tuple[_Seq, int]]):
-    """Chunks one after another in one row of a packed bucket's length:
-    (tokens, positions in their sequences, row + 1 (0: padding) [N]; each
-    row's last token's index [prefill_rows]; page table [prefill_rows, W];
-    whether every chunk starts its prompt (fresh); finishing as in
-    ``_prefill_inputs``). W is max_pages when fresh (nothing is gathered: one
-    shape), else the table width bucket that covers the longest row, as in
-    the row layout. Advances each request's computed tokens."""
-    rows = self.config.prefill_rows
-    n = _bucket(sum(k for _, k in chunks), self.packed_buckets)
-    tokens, tpos, seg = (np.zeros((n,), np.int32) for _ in range(3))
-    last, slots = np.zeros((rows,), np.int32), np.zeros((rows,), np.int32)
-    finishing: list[_Seq | None] = [None] * rows
-    o = 0
-    fresh = not any(seq.computed for seq, _ in chunks)
-    kv = None if fresh else max(seq.computed + k for seq, k in chunks)
-    for i, (seq, k) in enumerate(chunks):
-      c = seq.computed
-      tokens[o:o + k] = seq.tokens[c:c + k]
-      tpos[o:o + k], seg[o:o + k], last[i], slots[i] = c + np.arange(k), i + 1, o + k - 1, seq.slot
-      o += k
-      finishing[i] = self._advance(seq, k)
-    return tokens, tpos, seg, last, self._chunk_table(slots, len(chunks), kv), fresh, finishing
-
-  def _advance(self, seq: _Seq, n: int) -> _Seq | None:
-    """Counts n more of ``seq``'s prompt as computed (its full pages go to the
-    prefix cache); ``seq`` if that completes the prompt, else None."""
-    seq.computed += n
-    self._register_blocks(seq)
-    return seq if seq.computed == seq.num_tokens else None
-
-  def _register_blocks(self, seq: _Seq) -> None:
-    full = min(seq.computed // self.page_size, len(seq.hashes or ()))
-    for i in range(seq.registered // self.page_size, full):
-      self.alloc.register(seq.pages[i], seq.hashes[i])
-    seq.registered = max(seq.registered, full * self.page_size)
-
-  def _run_mixed(self, chunks: list[tuple[_Seq, int]], seqs: list[_Seq]):
+  def _run_mixed(self, chunks: list[tuple[Seq, int]], seqs: list[Seq]):
     """The decode batch and the prefill chunks in one device call (one pass
     over the weights), sampled together: rows = decode rows, then chunk rows."""
     self.mixed_steps_run += 1
-    rows, slots, lengths, table = self._decode_inputs(seqs, self.batch_buckets[-1])
+    rows, slots, lengths, table = self.inputs.decode(seqs, self.batch_buckets[-1])
     for seq in seqs:
       seq.computed += 1
     if self._mixed_packed:
-      tokens, tpos, seg, last, p_table, fresh, finishing = self._packed_inputs(chunks)
+      tokens, tpos, seg, last, p_table, fresh, finishing = self.inputs.packed(chunks)
       logits = self._mixed_packed_call(slots, lengths, table, tokens, tpos, seg, last, p_table,
                                        fresh=fresh)
     else:
-      p_tokens, positions, p_lengths, p_table, finishing = self._prefill_inputs(chunks)
+      p_tokens, positions, p_lengths, p_table, finishing = self.inputs.prefill(chunks)
       logits = self._mixed_call(slots, lengths, table, p_tokens, positions, p_lengths, p_table)
     return self._sample_rows(rows + finishing, logits, finishing)
 
@@ -1439,22 +549,8 @@ class BatchingEngine(api.Engine):
       return self.runner.mixed_packed_slots(self._last_tok, slots, *args, fresh=fresh)
     return self.runner.mixed_packed(sampling.take(self._last_tok, slots), *args, fresh=fresh)
 
-  def _decode_inputs(self, seqs: list[_Seq], batch: int | None = None):
-    """(rows padded to ``batch`` or the batch bucket, their slots (-1: padding),
-    lengths, page table). A row's input token is its slot's last sampled
-    token, which stays on the device (``sampling.take``)."""
-    n, b = len(seqs), batch or _bucket(len(seqs), self.batch_buckets)
-    slots = np.full((b,), -1, np.int32)
-    slots[:n] = np.fromiter((s.slot for s in seqs), np.int32, n)
-    lengths = np.zeros((b,), np.int32)
-    table = np.zeros((b, self.max_pages), np.int32)
-    lengths[:n] = np.fromiter((s.computed + 1 for s in seqs), np.int32, n)
-    table[:n] = self._slot_table[slots[:n]]
-    rows: list[_Seq | None] = list(seqs) + [None] * (b - n)
-    return rows, slots, lengths, table
-
-  def _run_decode(self, seqs: list[_Seq], steps: int = 1):
-    rows, slots, lengths, table = self._decode_inputs(seqs)
+  def _run_decode(self, seqs: list[Seq], steps: int = 1):
+    rows, slots, lengths, table = self.inputs.decode(seqs)
     if steps > 1:
       return (rows,) + self._run_decode_steps(rows, slots, lengths, table, steps)
     for seq in seqs:
@@ -1472,7 +568,7 @@ class BatchingEngine(api.Engine):
   def _run_decode_steps(self, rows, slots, lengths, table, steps: int):
     """``steps`` decode steps with sampling on the device: one call where the
     runner has it, else one call per step. Outputs are [steps, batch, ...]."""
-    arrays, want_lp, greedy = self._sampling_inputs(rows, len(rows))
+    arrays, want_lp, greedy = self.inputs.sampling(rows, len(rows))
     # Sampling computes logprobs whether asked or not: one variant, the one
     # the warm-up compiled (a sampled call without them compiled anew).
     lp = want_lp or not greedy
@@ -1497,348 +593,15 @@ class BatchingEngine(api.Engine):
         seq.pending += steps
     return out[:4], want_lp
 
-  def _accept(self, seq: _Seq, tokens: list[int], lps: list | None) -> None:
-    """Records a request's tokens read back from one call (several with
-    decode_steps > 1); ends it at EOS, a stop token or its length, dropping
-    the tokens after that end."""
-    if seq.first_token_at is None:
-      seq.first_token_at = time.monotonic()
-    p = seq.params
-    # It reaches its length (max_tokens, or the cache's capacity) at token `room`.
-    room = min(seq.max_tokens - len(seq.generated), self.capacity - seq.num_tokens)
-    n = min(len(tokens), room)
-    reason = api.FinishReason.LENGTH if n == room else None
-    silent = False  # the last token ended it and has no text
-    if seq.ends and not seq.ends.isdisjoint(tokens[:n]):
-      n = next(k for k in range(n) if tokens[k] in seq.ends) + 1
-      is_eos = tokens[n - 1] in self.eos_ids and not p.ignore_eos
-      reason, silent = api.FinishReason.EOS if is_eos else api.FinishReason.STOP, True
-      if not is_eos:
-        seq.stop_token = tokens[n - 1]
-    ids = tokens[:n]
-    if seq.guide is not None:
-      try:
-        reason = self._follow(seq, ids, reason)
-        if reason is None and self.config.jump_forward:
-          forced = self._jump_forward(seq, len(ids))
-          ids = ids + forced
-          if forced and seq.guide.stopped:  # they complete the output
-            reason = api.FinishReason.STOP
-      except _RequestError as e:
-        self._fail(seq, str(e), e.invalid)
-        return
-    self._deferred.append((seq, ids, None if lps is None else lps[:n], silent, reason,
-                           len(seq.generated)))
-    seq.generated.extend(ids)
-    if reason is not None:
-      self._release(seq)
-
-  def _follow(self, seq: _Seq, ids: list[int], reason):
-    """Moves a structured request's grammar past its new tokens: it ends
-    (STOP) where the grammar is complete, else its slot's allow row is due
-    (``_guide_next``). Returns the finish reason."""
-    g = seq.guide
-    if not g.accept(ids):  # cannot happen while the allow row holds: a limit, or a bug
-      raise _grammar_error(seq, g)
-    if g.stopped:
-      return reason or api.FinishReason.STOP
-    if reason is None:
-      self._to_guide.append(seq)
-    return reason
-
-  def _jump_forward(self, seq: _Seq, n_new: int) -> list[int]:
-    """The tokens the grammar forces after the request's ``n_new`` new ones:
-    accepted without sampling, the request back in PREFILL so that its next
-    call computes them as a chunk (and samples the token after them). Not for
-    requests whose sampling state follows each sampled token (penalties'
-    counts, logprobs) or that score their prompt."""
-    p = seq.params
-    if (p.penalized or p.logprobs or p.top_logprobs or seq.scored
-        or seq.state != _State.DECODE):
-      return []
-    total = seq.num_tokens + n_new
-    # Room for the forced tokens and the sampled one after them.
-    room = min(seq.max_tokens - len(seq.generated) - n_new, self.capacity - total) - 1
-    forced = seq.guide.forced()[:max(room, 0)]
-    if not forced or not self._reserve(seq, total + len(forced)):
-      return []
-    if not seq.guide.accept(forced):  # (the matcher is in its error state now)
-      raise _grammar_error(seq, seq.guide)
-    if not seq.guide.stopped:
-      seq.state = _State.PREFILL
-    self.jump_forward_tokens += len(forced)
-    return forced
-
-  def _guide_next(self) -> None:
-    """Writes the allowed sets of the structured requests that took tokens
-    into their slots' allow rows: one bitmask fill, one transfer and one
-    device update for all (rows padded to a batch bucket)."""
-    # (a request that jumped forward is in PREFILL, its slot still held)
-    seqs = [s for s in self._to_guide if s.state in (_State.DECODE, _State.PREFILL)]
-    self._to_guide = []
-    if not seqs:
-      return
-    b = _bucket(len(seqs), self.batch_buckets)
-    words = np.full((b, sampling.mask_words(self.runner.vocab_size)), -1, np.int32)
-    self._grammars.fill([s.guide for s in seqs], words)
-    slots = np.full((b,), self.config.max_batch, np.int32)  # out of range: dropped
-    slots[:len(seqs)] = [s.slot for s in seqs]
-    self._slot_tokens = sampling.set_allow(self._slot_tokens, slots, words)
-
   def _flush_deferred(self) -> bool:
-    """Text, stop strings and events of the tokens accepted last step: each
-    request's tokens of a call leave in one Delta."""
-    items, self._deferred = self._deferred, []
-    for item in items:
-      if not item[0].final_sent:
-        self._flush_seq(*item)
-    return bool(items)
-
-  def _flush_seq(self, seq: _Seq, ids: list[int], lps, silent: bool, reason,
-                 first: int) -> None:
-    """One request's tokens accepted from one call (``_accept``'s record);
-    ``first`` is the index of ids[0] in the request's output."""
-    p = seq.params
-    n = len(ids) - silent  # the tokens with text
-    # A stop string ends the request at the token that completes it: with stop
-    # strings the text is pushed token by token, else in one go.
-    cuts = range(1, n + 1) if p.stop and n else (n,)
-    done = 0
-    for cut in cuts:
-      # No stop string ends the output before its min_tokens-th token.
-      text = seq.text.push(ids[done:cut], skip=cut == done, stops=first + cut >= p.min_tokens)
-      done = cut
-      if text:
-        seq.out_text.append(text)
-      if seq.text.stopped:
-        # A token of this request may be in flight already: it is dropped on return.
-        reason = api.FinishReason.STOP
-        self._release(seq)
-        break
-    seq.out_ids.extend(ids[:done])
-    if lps is not None and (p.logprobs or p.top_logprobs):
-      for token, (chosen, top_ids, top_lp) in zip(ids[:done], lps):
-        top = tuple((int(top_ids[k]), float(top_lp[k])) for k in range(p.top_logprobs))
-        seq.out_lps.append(api.TokenLogprob(token, float(chosen), top))
-    if reason is not None:
-      tail = seq.text.flush()  # the text held back for stop strings ('' after one)
-      if tail:
-        seq.out_text.append(tail)
-      if seq.text.stopped:  # (a stop string in text the flush decoded)
-        reason = api.FinishReason.STOP
-      self._send_final(seq, reason)  # sends what is buffered first
-    elif seq.events_sent == 0 or len(seq.out_ids) >= self.config.stream_interval:
-      self._send_delta(seq)
-
-  def _send_delta(self, seq: _Seq) -> None:
-    """Hands the buffered tokens, text and logprobs to the client as one Delta."""
-    if seq.out_ids or seq.out_text:
-      seq.handle.events.put(api.Delta(tuple(seq.out_ids), "".join(seq.out_text),
-                                      tuple(seq.out_lps)))
-      seq.events_sent += 1
-      seq.out_ids, seq.out_text, seq.out_lps = [], [], []
-
-  def _release(self, seq: _Seq) -> None:
-    """Takes the request out of the schedule and frees its pages and slot."""
-    if seq.state == _State.DONE:
-      return
-    if seq.state == _State.WAITING:
-      self._waiting.remove(seq)
-    else:
-      self._running.remove(seq)
-      self.alloc.release(seq.pages)
-      seq.pages = []
-      self._free_slots.append(seq.slot)
-    seq.state = _State.DONE
-
-  def _fail(self, seq: _Seq, message: str, invalid: bool = False) -> None:
-    """Ends one request with an error (``api.Failed``), never a normal finish:
-    its tokens not sent yet are dropped, its pages freed; the others run on."""
-    if seq.final_sent:
-      return
-    log.warning("request %s failed: %s", seq.req.request_id, message)
-    self._release(seq)
-    seq.final_sent = True
-    failed = api.Failed(message, invalid=invalid)
-    seq.handle.events.put(failed)
-    with self._lock:
-      self._by_id.pop(seq.req.request_id, None)
-    on_failed = getattr(self.observer, "on_failed", None)
-    if on_failed is not None:
-      on_failed(failed)
-
-  def _finish(self, seq: _Seq, reason: api.FinishReason) -> None:
-    """Ends a request now (cancel, deadline): its pending tokens are not sent."""
-    if seq.state == _State.DONE:
-      return
-    self._release(seq)
-    self._send_final(seq, reason)
-
-  def _send_final(self, seq: _Seq, reason: api.FinishReason) -> None:
-    self._send_delta(seq)  # nothing accepted is lost, whatever the interval
-    seq.final_sent = True
-    now = time.monotonic()
-    t0 = seq.handle.submitted
-    final = api.Final(
-        reason=reason, prompt_tokens=len(seq.prompt), completion_tokens=len(seq.generated),
-        cached_prompt_tokens=seq.cached_tokens,
-        queue_s=(seq.scheduled_at or now) - t0,
-        first_token_s=(seq.first_token_at - t0) if seq.first_token_at else 0.0,
-        total_s=now - t0, prompt_logprobs=self._prompt_logprobs(seq) if seq.scored else (),
-        stop_reason=((seq.text.stop_string or seq.stop_token)
-                     if reason == api.FinishReason.STOP else None))
-    seq.handle.events.put(final)
-    with self._lock:
-      self._by_id.pop(seq.req.request_id, None)
-    if self.observer is not None:
-      self.observer.on_final(final)
+    """Sends the text and events of the tokens accepted last step."""
+    return self.outputs.flush_deferred()
 
   # -- warm-up ---------------------------------------------------------------
 
   def warmup(self) -> None:
-    """Compiles every bucketed shape once, writing only to the null page.
-
-    Where the runner can compile a step without running it, a first pass over
-    the same calls lowers each step on this thread and compiles it on
-    ``compile_threads`` threads: XLA compiles without holding the interpreter,
-    so the compiles run side by side and beside the next step's lowering.
-    The second pass then runs each shape once from the compiled executables.
-    """
-    t0 = time.perf_counter()
-    threads = self.config.compile_threads
-    if threads > 1 and getattr(self.runner, "compiles_ahead", False):
-      with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="compile") as pool:
-        with self.runner.compiling_in(pool) as compiles:
-          self._warm_calls()
-        for f in compiles:
-          f.result()  # a failed compile raises here
-      log.info("warm-up: %d steps compiled on %d threads in %.1f s", len(compiles), threads,
-               time.perf_counter() - t0)
-    shapes = self._warm_calls()
-    log.info("warm-up compiled %d decode, %d prefill and %d mixed shapes in %.1f s", *shapes,
-             time.perf_counter() - t0)
-    why_not = self._grammars.prepare()  # (else the first structured request would build it)
-    if why_not:
-      log.info("structured outputs are off: %s", why_not)
+    """Compiles every bucketed shape once (serving.engine.warmup)."""
+    warmup_lib.warmup(self)
 
   def _warm_calls(self) -> tuple[int, int, int]:
-    """Runs every bucketed shape once: (decode, prefill, mixed) shapes."""
-    table_w = self.max_pages
-    # A slot's penalty and end-token state, as a penalized or min_tokens request
-    # sets it at admission (slot 0 is free: anything goes there until then).
-    v = self.runner.vocab_size
-    self._counts, self._slot_tokens = sampling.set_rows(
-        self._counts, self._slot_tokens, np.int32(0), np.zeros(v, np.int32),
-        sampling.slot_row(v))
-    # Structured requests' allow rows, as each step sets them (padding rows only).
-    for b in self.batch_buckets:
-      self._slot_tokens = sampling.set_allow(
-          self._slot_tokens, np.full((b,), self.config.max_batch, np.int32),
-          np.full((b, sampling.mask_words(v)), -1, np.int32))
-    for b in self.batch_buckets:
-      logits = self._decode_call(np.zeros((b,), np.int32), np.zeros((b,), np.int32),
-                                 np.zeros((b, table_w), np.int32))
-      self._warm_sampling(logits, b)
-      if self.config.decode_steps > 1 and getattr(self.runner, "supports_multi_step", False):
-        arrays = sampling.pack([], [], [], [], b)
-        for greedy_only, lp in ((True, False), (True, True), (False, True)):
-          out = self.runner.decode_multi(
-              np.zeros((b,), np.int32), np.zeros((b,), np.int32),
-              np.zeros((b, table_w), np.int32), arrays, self._counts, self._slot_tokens,
-              self._last_tok, steps=self.config.decode_steps, greedy_only=greedy_only,
-              logprobs=lp)
-          self._counts, self._last_tok = out[4], out[5]
-    # (position, page-table width) of each chunk shape: position 0 is a fresh
-    # chunk with the full table, position 1 a continued one at each width
-    # bucket (a model may compile the two apart).
-    chunk_tables = ((0, table_w),) + tuple((1, w) for w in self.table_buckets)
-    prefill_tables = chunk_tables if self.config.warmup_continued else chunk_tables[:1]
-    packed_tables = ()
-    if self.packed:  # every prefill call is packed: no row-layout shapes
-      packed_tables, prefill_tables = prefill_tables, ()
-      rows = self.config.prefill_rows
-      for n in self.packed_buckets:  # segment 0 everywhere: nothing is written
-        z = np.zeros((n,), np.int32)
-        for pos, w in packed_tables:
-          logits = self.runner.prefill_packed(z, z, z, np.zeros((rows,), np.int32),
-                                              np.zeros((rows, w), np.int32), fresh=pos == 0)
-      self._warm_sampling(logits, rows)
-    for rows in self.row_buckets:
-      for t in self.chunk_buckets:
-        # Rows of length 0 write nothing.
-        for pos, w in prefill_tables:
-          logits = self.runner.prefill(np.zeros((rows, t), np.int32),
-                                       np.full((rows,), pos, np.int32),
-                                       np.zeros((rows,), np.int32), np.zeros((rows, w), np.int32))
-        if prefill_tables:
-          self._warm_sampling(logits, rows)
-        if self.mixed and not self._mixed_packed and t in self._mixed_chunks:
-          b = self.batch_buckets[-1]
-          # Mixed steps split prompts across steps: continued chunks are the rule.
-          for pos, w in chunk_tables:
-            logits = self._mixed_call(
-                np.zeros((b,), np.int32), np.zeros((b,), np.int32),
-                np.zeros((b, table_w), np.int32),
-                np.zeros((rows, t), np.int32), np.full((rows,), pos, np.int32),
-                np.zeros((rows,), np.int32), np.zeros((rows, w), np.int32))
-          self._warm_sampling(logits, b + rows)
-    if self._mixed_packed:  # continued chunks are the rule here too
-      b, rows = self.batch_buckets[-1], self.config.prefill_rows
-      for n in self._mixed_packed_ns:
-        z = np.zeros((n,), np.int32)
-        for pos, w in chunk_tables:
-          logits = self._mixed_packed_call(
-              np.zeros((b,), np.int32), np.zeros((b,), np.int32),
-              np.zeros((b, table_w), np.int32), z, z, z, np.zeros((rows,), np.int32),
-              np.zeros((rows, w), np.int32), fresh=pos == 0)
-      self._warm_sampling(logits, b + rows)
-    if self.config.prompt_logprobs:  # a scored chunk is a call of one row
-      rows = self.row_buckets[0]
-      for t in self.chunk_buckets:
-        z = np.zeros((rows, t), np.int32)
-        for pos, w in chunk_tables:
-          logits, _ = self.runner.prefill_scores(z, np.full((rows,), pos, np.int32),
-                                                 np.zeros((rows,), np.int32),
-                                                 np.zeros((rows, w), np.int32), z)
-      self._warm_sampling(logits, rows)
-    if self.config.num_speculative_tokens:  # checking calls continue a sequence
-      t = self._spec_chunk
-      k1 = self.config.num_speculative_tokens + 1
-      for rows in self._spec_rows:
-        z, zr = np.zeros((rows, t), np.int32), np.zeros((rows,), np.int32)
-        if self._check_paged:  # and the prefill form, for rows short of pages
-          logits = self.runner.check_decode(z[:, :k1], zr,
-                                            np.zeros((rows, self.max_pages), np.int32))
-        for w in self.table_buckets:
-          logits = self.runner.check_prefill(z, zr, zr, np.zeros((rows, w), np.int32), width=k1)
-        arrays = sampling.pack([], [], [], [], rows)
-        allow = np.full((rows, k1, sampling.mask_words(self.runner.vocab_size)), -1, np.int32)
-        for greedy_only, lp, penalized, guided in itertools.product((True, False), repeat=4):
-          if guided and not penalized:  # (a structured request's slot state: penalized)
-            continue
-          sampling.verify_jit(logits, z[:, :k1], zr, arrays, self._counts, self._slot_tokens,
-                              allow if guided else None, greedy_only=greedy_only, logprobs=lp,
-                              penalized=penalized)
-        self._counts = sampling.add_counts(
-            self._counts, np.full((rows,), self.config.max_batch, np.int32), z[:, :k1], zr)
-        self._warm_sampling(logits[:, 0], rows)  # the rows without drafts
-        self._last_tok = sampling.set_last(
-            self._last_tok, np.full((rows,), self.config.max_batch, np.int32), z[:, 0])
-    jax.block_until_ready(self._counts)
-    return (len(self.batch_buckets),
-            len(self.row_buckets) * len(self.chunk_buckets) * len(prefill_tables)
-            + len(self.packed_buckets) * len(packed_tables)
-            + len(self.chunk_buckets) * len(chunk_tables) * self.config.prompt_logprobs
-            + len(self._spec_rows) * (len(self.table_buckets) + self._check_paged) * bool(
-                self.config.num_speculative_tokens),
-            (len(self._mixed_packed_ns) if self._mixed_packed else
-             len(self.row_buckets) * len(self._mixed_chunks)) * len(chunk_tables) * self.mixed)
-
-  def _warm_sampling(self, logits, b):
-    arrays = sampling.pack([], [], [], [], b)
-    for lp in (False, True):
-      out = sampling.greedy(logits, arrays, self._counts, self._last_tok, logprobs=lp)
-      self._counts, self._last_tok = out[4], out[5]
-    out = sampling.sample(logits, arrays, self._counts, self._slot_tokens, self._last_tok)
-    self._counts, self._last_tok = out[4], out[5]
-    jax.block_until_ready(sampling.take(self._last_tok, np.zeros((b,), np.int32)))
+    return warmup_lib.warm_calls(self)

@@ -119,7 +119,7 @@ def test_prompts_just_past_a_chunk_bucket_are_cut_to_the_bucket_below():
     assert got == [reference_greedy(p, 4) for p in prompts]
     assert calls == want_calls, (len(prompts[0]), calls)
   engine = E.tiny_engine(packed_prefill=True, **cfg)
-  assert engine._fit_buckets([(None, 30)]) == [(None, 30)]
+  assert engine.scheduler.fit_buckets([(None, 30)]) == [(None, 30)]
 
 
 def test_seeded_sampling_is_reproducible_in_any_batch(toy):
@@ -375,7 +375,7 @@ def test_prefill_is_packed_by_default_where_the_runner_can():
   assert [E.tiny_engine().counters()["packed_prefill"],  # what benchmarks record
           E.toy_engine().counters()["packed_prefill"]] == [True, False]
   engine = E.tiny_engine(packed_prefill=False, prefill_rows=4, min_chunk=4, prefill_chunk=64)
-  assert engine._fit_buckets([(None, 30)]) == [(None, 16)]  # rows: cut at the bucket below
+  assert engine.scheduler.fit_buckets([(None, 30)]) == [(None, 16)]  # rows: cut at the bucket below
 
 
 def test_packed_prefill_continues_a_split_prompt_packed():
@@ -955,7 +955,7 @@ def test_ngram_speculation_on_the_llama_decoder():
         if d and next(made) % 2:
           d[-1] = (d[-1] + 1) % model.config.vocab_size
         return d
-      engine._draft = draft
+      engine.speculator.draft = draft
     run = _spec_run(engine, requests, logprobs=True)
     outs[k], lps[k] = [ids for ids, _, _ in run], (run[1][2], run[2][2])
     if k:

@@ -406,11 +406,11 @@ def test_serve_decode_unroll_flag():
 
 def test_serve_compile_threads_default_is_one_per_core_up_to_8(monkeypatch):
   from serving import cli
-  from serving.engine import engine as engine_lib
+  from serving.engine import config as config_lib
 
   cfg = lambda *flags: cli._engine_config(cli.parser().parse_args(["serve", *flags]))
   for cores, want in ((None, 1), (2, 2), (16, 8)):
-    monkeypatch.setattr(engine_lib.os, "cpu_count", lambda c=cores: c)
+    monkeypatch.setattr(config_lib.os, "cpu_count", lambda c=cores: c)
     assert cfg()["compile_threads"] == want
   assert cfg("--compile-threads", "3")["compile_threads"] == 3  # a given value is kept
   with pytest.raises(SystemExit, match="compile_threads=0 must be >= 1"):

@@ -426,7 +426,7 @@ def test_ngram_speculation_of_json_on_the_llama_decoder():
           d[-1] = (d[-1] + 1) % model.config.vocab_size
         offered.append(len(d))
         return d
-      engine._draft = draft
+      engine.speculator.draft = draft
     run = _spec_run(engine, requests)
     assert all(f.reason == api.FinishReason.STOP for _, f in run)
     outs[k] = [ids for ids, _ in run]
