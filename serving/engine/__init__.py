@@ -10,20 +10,37 @@ Constructors:
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 from serving.engine.api import (  # noqa: F401
     Delta, Draining, Engine, EngineFailed, EngineInfo, EngineStats, Failed, Final, FinishReason,
     InvalidRequest, QueueFull, Request, RequestHandle, SamplingParams, StructuredOutputs,
     TokenLogprob)
-from serving.engine.engine import (  # noqa: F401
-    BatchingEngine, EngineConfig, StepRecord, auto_compile_threads)
-from serving.engine.runners import CountingRunner, ModelRunner  # noqa: F401
+from serving.engine.config import EngineConfig, auto_compile_threads  # noqa: F401
+
+if TYPE_CHECKING:
+  from serving.engine.engine import BatchingEngine
 
 log = logging.getLogger(__name__)
+
+# Imported when first named, so that the engine's pure-Python parts (scheduler,
+# KV cache manager, config) import without jax.
+_LAZY = {"BatchingEngine": "serving.engine.engine", "StepRecord": "serving.engine.timing",
+         "CountingRunner": "serving.engine.runners", "ModelRunner": "serving.engine.runners"}
+
+
+def __getattr__(name: str):
+  if name in _LAZY:
+    import importlib
+    return getattr(importlib.import_module(_LAZY[name]), name)
+  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def tiny_engine(*, num_pages: int = 64, page_size: int = 4, max_context: int = 1024,
                 step_delay: float = 0.0, **config) -> BatchingEngine:
+  from serving.engine.engine import BatchingEngine
+  from serving.engine.runners import CountingRunner
+
   config.setdefault("warmup", False)
   runner = CountingRunner(num_pages=num_pages, page_size=page_size, max_context=max_context,
                           step_delay=step_delay)
@@ -32,6 +49,8 @@ def tiny_engine(*, num_pages: int = 64, page_size: int = 4, max_context: int = 1
 
 def toy_engine(*, num_pages: int = 128, page_size: int = 8, seed: int = 0,
                **config) -> BatchingEngine:
+  from serving.engine.engine import BatchingEngine
+  from serving.engine.runners import ModelRunner
   from serving.engine.toy_model import ToyModel
 
   runner = ModelRunner(ToyModel(seed=seed), num_pages=num_pages, page_size=page_size)
@@ -126,6 +145,8 @@ def model_engine(spec: str | None = None, *, dtype: str | None = None,
   import jax
 
   import models
+  from serving.engine.engine import BatchingEngine
+  from serving.engine.runners import ModelRunner
 
   model = models.load(spec, dtype=dtype, decode_unroll=decode_unroll, tp=tp,
                       residual_dtype=residual_dtype)
