@@ -115,15 +115,13 @@ def build_engine(a):
   if a.compilation_cache:  # here, so an --engine-process child uses it too
     use_compilation_cache(a.compilation_cache)
   spec = None if a.model in (None, "default") else a.model
-  extra = {"step_delay": a.step_delay} if a.step_delay else {}
   return E.model_engine(spec, dtype=a.dtype, num_pages=a.num_pages,
                         gpu_memory_utilization=a.gpu_memory_utilization, page_size=a.page_size,
                         kv_cache_dtype=KV_CACHE_DTYPES[a.kv_cache_dtype],
                         attention=a.attention_backend,
                         decode_attention=a.decode_attention_backend, matmul=a.matmul_backend,
                         decode_unroll=a.decode_unroll, tp=a.tensor_parallel_size,
-                        residual_dtype=a.residual_dtype, **extra,
-                        **cfg)
+                        residual_dtype=a.residual_dtype, step_delay=a.step_delay, **cfg)
 
 
 def cmd_serve(a) -> int:

@@ -127,8 +127,14 @@ def model_engine(spec: str | None = None, *, dtype: str | None = None,
   reports no memory. ``residual_dtype``: models.Model's (None: the model's dtype)."""
   if page_size is not None and page_size < 1:
     raise ValueError(f"page_size={page_size} must be >= 1 (None: the kernel's)")
+  if num_pages is not None and num_pages < 2:
+    raise ValueError(f"num_pages={num_pages} must be >= 2 (page 0 is reserved; None: as many "
+                     "as fit)")
+  if step_delay < 0 or (step_delay and spec != "counting"):
+    raise ValueError(f"step_delay={step_delay}: seconds >= 0, for the counting model only")
   if spec in ("toy", "counting"):
-    for what, value in (("KV cache dtype", kv_cache_dtype), ("decode_unroll", decode_unroll),
+    for what, value in (("dtype", dtype), ("KV cache dtype", kv_cache_dtype),
+                        ("decode_unroll", decode_unroll),
                         ("residual dtype", residual_dtype),
                         ("tensor parallelism", None if tp == 1 else tp),
                         ("attention backend", attention),
@@ -137,10 +143,12 @@ def model_engine(spec: str | None = None, *, dtype: str | None = None,
       if value is not None:
         raise ValueError(f"the {spec} model has no {what} option")
   if spec == "toy":
-    return toy_engine(num_pages=num_pages or DEFAULT_NUM_PAGES, page_size=page_size or 8,
+    return toy_engine(num_pages=DEFAULT_NUM_PAGES if num_pages is None else num_pages,
+                      page_size=page_size or 8,
                       **config)
   if spec == "counting":
-    return tiny_engine(num_pages=num_pages or DEFAULT_NUM_PAGES, page_size=page_size or 4,
+    return tiny_engine(num_pages=DEFAULT_NUM_PAGES if num_pages is None else num_pages,
+                       page_size=page_size or 4,
                        step_delay=step_delay, **config)
   import jax
 

@@ -215,6 +215,9 @@ def _never_start(self):
     ("--token-budget", "4", "token_budget=4 must be >= EngineConfig.max_batch"),
     ("--prefill-chunk", "8", "EngineConfig.min_chunk=16 must be <= EngineConfig.prefill_chunk=8"),
     ("--matmul-backend", "xla", "the counting model has no matmul backend option"),
+    ("--dtype", "bfloat16", "the counting model has no dtype option"),
+    ("--num-pages", "0", "num_pages=0 must be >= 2"),
+    ("--step-delay", "-1", "step_delay=-1.0: seconds >= 0"),
     ("--tls-cert", "/nonexistent/cert.pem", "TLS: /nonexistent/cert.pem: No such file")])
 def test_serve_refuses_bad_engine_flags_with_a_message(flag, value, field, monkeypatch):
   from serving import cli
@@ -225,6 +228,18 @@ def test_serve_refuses_bad_engine_flags_with_a_message(flag, value, field, monke
     cli.main(["serve", "--model", "counting", "--no-warmup", flag, value,
               *(["--tls-key", value] if flag == "--tls-cert" else [])])
   assert str(e.value).startswith("serve: ") and field in str(e.value)
+
+
+def test_serve_refuses_a_step_delay_the_model_would_not_take(monkeypatch):
+  """--step-delay is the counting model's: another model would run at full
+  speed with the flag taken and ignored."""
+  from serving import cli
+  from serving.service import Server
+
+  monkeypatch.setattr(Server, "start", _never_start)
+  with pytest.raises(SystemExit) as e:
+    cli.main(["serve", "--model", "toy", "--no-warmup", "--step-delay", "0.5"])
+  assert str(e.value) == "serve: step_delay=0.5: seconds >= 0, for the counting model only"
 
 
 @pytest.mark.parametrize("flags, message", [
