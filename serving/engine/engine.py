@@ -86,7 +86,12 @@ class BatchingEngine(api.Engine):
     self.runner = runner
     self.config = config
     self.page_size = runner.page_size
-    self.max_seq_len = min(config.max_seq_len or runner.max_context, runner.max_context)
+    if config.max_seq_len is not None and config.max_seq_len > runner.max_context:
+      # (vLLM refuses a max_model_len past the model's too: positions past it
+      # are not the model's to give)
+      raise ValueError(f"EngineConfig.max_seq_len={config.max_seq_len} is more than the "
+                       f"{runner.max_context} tokens of runner {runner.name}'s context")
+    self.max_seq_len = config.max_seq_len or runner.max_context
     self.max_pages = -(-self.max_seq_len // self.page_size)
     self.kv = KVCacheManager(runner.num_pages, runner.page_size, slots=config.max_batch,
                              max_pages=self.max_pages, prefix_caching=config.prefix_caching)

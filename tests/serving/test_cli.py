@@ -211,6 +211,7 @@ def _never_start(self):
     ("--stream-interval", "0", "stream_interval"), ("--decode-steps", "0", "decode_steps"),
     ("--max-batch", "-1", "max_batch"), ("--max-seq-len", "0", "max_seq_len=0"),
     ("--page-size", "0", "page_size=0"),
+    ("--max-seq-len", "1025", "max_seq_len=1025 is more than the 1024 tokens"),
     ("--max-num-batched-tokens", "0", "token_budget=0 must be >= EngineConfig.max_batch"),
     ("--token-budget", "4", "token_budget=4 must be >= EngineConfig.max_batch"),
     ("--prefill-chunk", "8", "EngineConfig.min_chunk=16 must be <= EngineConfig.prefill_chunk=8"),
