@@ -92,14 +92,25 @@ def _structured(req: CompletionRequest | ChatCompletionRequest) -> api.Structure
   """vLLM's structured_outputs / guided_* fields, or OpenAI's response_format."""
   so = req.structured_outputs.model_dump(by_alias=True, exclude_none=True) if (
       req.structured_outputs is not None) else {}
+  given = {k: "structured_outputs" for k in so}  # kind -> the field that set it
+
+  def put(kind, value, field):
+    if kind in so:  # (else one of the two would be dropped)
+      raise APIError(400, f"{field} and {given[kind]} both give the output's {kind}: give one",
+                     param=field)
+    so[kind], given[kind] = value, field
+
   for k in ("json", "regex", "choice", "grammar"):
     if getattr(req, f"guided_{k}") is not None:
-      so[k] = getattr(req, f"guided_{k}")
+      put(k, getattr(req, f"guided_{k}"), f"guided_{k}")
   rf = req.response_format
+  if rf is not None and (rf.json_schema is not None) != (rf.type == "json_schema"):
+    raise APIError(400, f"response_format.json_schema goes with type json_schema (and it "
+                   f"with it), not type {rf.type}", param="response_format.json_schema")
   if rf is not None and rf.type == "json_object":
-    so["json_object"] = True
+    put("json_object", True, "response_format")
   elif rf is not None and rf.type == "json_schema":
-    so["json"] = rf.json_schema.schema_ if rf.json_schema is not None else {}
+    put("json", rf.json_schema.schema_, "response_format")
   if not so:
     return None
   if "json" in so and not isinstance(so["json"], str):
@@ -158,6 +169,8 @@ class _Call:
     # What would change the output's meaning is refused, not ignored.
     if chat and (req.tools and req.tool_choice != "none" or req.functions):
       raise APIError(400, "tool and function calling are not supported", param="tools")
+    if chat and req.tool_choice not in (None, "none") and not req.tools:  # (vLLM's rule)
+      raise APIError(400, f"tool_choice={req.tool_choice!r} needs tools", param="tool_choice")
     if not chat and req.suffix:
       raise APIError(400, "suffix (insertion) is not supported", param="suffix")
     if not chat and req.best_of not in (None, 1, req.n):

@@ -548,11 +548,31 @@ def test_a_field_not_honoured_is_refused_by_name(openai, path, body, param):
 @pytest.mark.parametrize("body, match", [
     ({"messages": CHAT, "top_logprobs": 2}, "top_logprobs needs logprobs"),
     ({"messages": CHAT, "stream_options": {"include_usage": True}}, "needs stream"),
+    ({"messages": CHAT, "tool_choice": "required"}, "tool_choice='required' needs tools"),
+    ({"messages": CHAT, "tool_choice": {"type": "function", "function": {"name": "f"}}},
+     "needs tools"),
+    ({"messages": CHAT, "response_format": {"type": "text", "json_schema": {"schema": {}}}},
+     "json_schema goes with type json_schema"),
+    ({"messages": CHAT, "response_format": {"type": "json_object",
+                                            "json_schema": {"schema": {}}}},
+     "json_schema goes with type json_schema"),
+    ({"messages": CHAT, "response_format": {"type": "json_schema"}},
+     "json_schema goes with type json_schema"),
+    # One kind from two fields: one of them would be dropped.
+    ({"messages": CHAT, "structured_outputs": {"regex": "a"}, "guided_regex": "b"},
+     "guided_regex and structured_outputs both give the output's regex"),
+    ({"messages": CHAT, "guided_json": {"type": "string"},
+      "response_format": {"type": "json_schema", "json_schema": {"schema": {}}}},
+     "response_format and guided_json both give the output's json"),
 ])
 def test_fields_that_mean_nothing_alone_are_refused(openai, body, match):
   _, port = openai
   status, r = _post(port, "/v1/chat/completions", body)
   assert status == 400 and match in r["error"]["message"], r
+  # "none" without tools asks for what is done anyway (vLLM takes it too).
+  status, r = _post(port, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 1,
+                                                    "tool_choice": "none"})
+  assert status == 200, r
 
 
 def test_methods_media_types_and_lone_surrogates(openai):
