@@ -22,6 +22,9 @@ def make_request(prompt: str | Sequence[int] | Sequence[dict], *, request_id: st
   if unknown:
     raise ValueError(f"unknown sampling fields {sorted(unknown)}; valid: {sorted(_SAMPLING_FIELDS)}")
   sp = pb.SamplingParams(**{k: v for k, v in sampling.items() if v is not None})
+  chat = not isinstance(prompt, str) and bool(prompt) and isinstance(prompt[0], dict)
+  if add_generation_prompt is not None and not chat:
+    raise ValueError("add_generation_prompt applies to chat messages, not a text or ids prompt")
   if isinstance(prompt, str):
     prompt = dict(text=prompt)
   elif prompt and isinstance(prompt[0], dict):
@@ -73,8 +76,12 @@ class Client:
                add_generation_prompt: bool | None = None) -> pb.TokenizeResponse:
     """Token ids of text, or of chat messages as a chat prompt has them."""
     if isinstance(text, str):
+      if add_generation_prompt is not None:
+        raise ValueError("add_generation_prompt applies to chat messages, not text")
       req = pb.TokenizeRequest(text=text, add_bos=add_bos)
     else:
+      if add_bos:
+        raise ValueError("add_bos applies to text: a chat's BOS is its template's")
       req = pb.TokenizeRequest(chat=_chat(text, add_generation_prompt))
     return self.stub.Tokenize(req, metadata=self.metadata)
 

@@ -315,6 +315,9 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
     prompt = ""
     try:
       if request.HasField("chat"):
+        for field, given in (("text", request.text), ("add_bos", request.add_bos)):
+          if given:  # (else it would be dropped: a chat's tokens are its template's)
+            raise api.InvalidRequest(f"{field} does not go with chat: give text or a chat")
         messages = _chat_messages(request.chat)
         prompt, ids = self.engine.render_chat(messages, _generation_prompt(request.chat))
       else:

@@ -926,6 +926,20 @@ def test_chat_messages_go_through_the_chat_template(counting):
       call(req)
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "the chat has no messages" in e.value.details()
+  # What a chat's tokens do not depend on is refused, not dropped.
+  chat = pb.Chat(messages=[pb.ChatMessage(role="user", content="hi")])
+  for req, field in ((pb.TokenizeRequest(text="hi", chat=chat), "text"),
+                     (pb.TokenizeRequest(add_bos=True, chat=chat), "add_bos")):
+    with pytest.raises(grpc.RpcError) as e:
+      c.stub.Tokenize(req)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert e.value.details() == f"{field} does not go with chat: give text or a chat"
+  with pytest.raises(ValueError, match="add_bos applies to text"):
+    c.tokenize(msgs, add_bos=True)
+  with pytest.raises(ValueError, match="add_generation_prompt applies to chat messages"):
+    c.tokenize("hi", add_generation_prompt=False)
+  with pytest.raises(ValueError, match="add_generation_prompt applies to chat messages"):
+    c.generate("hi", add_generation_prompt=False)
 
 
 def test_chat_templates_missing_refusing_or_writing_bos():
