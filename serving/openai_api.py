@@ -285,6 +285,14 @@ def _logprobs(engine, lps: list[api.TokenLogprob], chat: bool):
                             top_logprobs=[dict(t) for t in tops])
 
 
+def _prompt_logprobs(lps) -> list[PromptLogprob]:
+  """A Final's prompt logprobs, each with its prompt_logprobs=k alternatives."""
+  return [PromptLogprob(token_id=x.token_id, logprob=x.logprob,
+                        **({"top": [PromptLogprob(token_id=t, logprob=v) for t, v in x.top]}
+                           if x.top else {}))
+          for x in lps]
+
+
 def _echo_logprobs(engine, first: int, scored,
                    completion: CompletionLogprobs | None) -> CompletionLogprobs:
   """Completions' logprobs with echo: the prompt's tokens first (the first
@@ -530,8 +538,7 @@ class _OpenAI:
         if call.echo_first[p] is not None and scored:
           c["logprobs"] = _echo_logprobs(engine, call.echo_first[p], scored, c["logprobs"])
       if i % call.per == 0 and f.prompt_logprobs:
-        c["prompt_logprobs"] = [PromptLogprob(token_id=x.token_id, logprob=x.logprob)
-                                for x in f.prompt_logprobs]
+        c["prompt_logprobs"] = _prompt_logprobs(f.prompt_logprobs)
       choices.append((ChatChoice if chat else CompletionChoice)(**c))
     usage = _usage(finals, call.per)
     if chat:
@@ -576,6 +583,8 @@ class _OpenAI:
           finals[i] = ev
           end = {"logprobs": None, "finish_reason": _FINISH[ev.reason],
                  "stop_reason": ev.stop_reason}
+          if i % call.per == 0 and ev.prompt_logprobs:
+            end["prompt_logprobs"] = _prompt_logprobs(ev.prompt_logprobs)
           c = choice(i, delta=ChatDelta(), **end) if chat else choice(i, text="", **end)
         yield chunk(c)
       if include_usage:

@@ -205,6 +205,7 @@ class Usage(ResponseBody):
 class PromptLogprob(ResponseBody):
   token_id: int
   logprob: float
+  top: list[PromptLogprob] | None = None  # (prompt_logprobs=k > 0: the k likeliest there)
 
 
 class CompletionLogprobs(ResponseBody):
@@ -264,6 +265,7 @@ class ChatChunkChoice(ResponseBody):
   logprobs: ChatLogprobs | None
   finish_reason: str | None
   stop_reason: int | str | None = None
+  prompt_logprobs: list[PromptLogprob] | None = None  # (each prompt's first choice, at its end)
 
 
 class CompletionResponse(ResponseBody):

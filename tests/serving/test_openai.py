@@ -417,6 +417,24 @@ def test_echo_tokenize_metrics_and_priority(openai):
   assert status == 400 and "priority scheduling" in r["error"]["message"]
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_prompt_logprobs_come_with_their_alternatives_unary_and_streamed(openai, path):
+  """prompt_logprobs=k gives each prompt token's logprob and the k likeliest
+  tokens there, in a stream too (on the choice's last chunk)."""
+  _, port = openai
+  prompt = {"prompt": "ab"} if path == "/v1/completions" else {"messages": CHAT}
+  got = []
+  for stream in (False, True):
+    status, r = _post(port, path, {**prompt, "max_tokens": 2, "temperature": 0,
+                                   "prompt_logprobs": 2, "stream": stream})
+    assert status == 200, r
+    choices = [c for chunk in r for c in chunk["choices"]] if stream else r["choices"]
+    got.append([c["prompt_logprobs"] for c in choices if "prompt_logprobs" in c])
+  unary, streamed = got
+  assert len(unary) == 1 and unary == streamed
+  assert unary[0] and all(len(x["top"]) == 2 for x in unary[0]), unary
+
+
 def test_prompt_lists_and_echo_logprobs_for_scoring(openai):
   """A list of prompts gives prompt i's completion j at choice i * n + j, and
   usage counts each prompt once. echo with logprobs (lm-eval's loglikelihood
