@@ -199,9 +199,12 @@ class _Call:
     # logprobs, its tokens' logprobs before the completion's (lm-eval's
     # loglikelihood requests), which needs the server's prompt logprobs.
     echo = not chat and req.echo
+    if echo and sampling.logprobs and req.stream:  # (the echo goes out before they are known)
+      raise APIError(400, "echo with logprobs is not streamed: the prompt's logprobs would be "
+                     "missing", param="echo")
     self.echo = [self._text(p) if echo else "" for p in prompts]
     self.echo_first = [self._first_id(p) if echo else None for p in prompts]
-    if echo and sampling.logprobs:
+    if echo and sampling.logprobs and sampling.prompt_logprobs is None:  # (vLLM's way)
       sampling = dataclasses.replace(sampling, prompt_logprobs=sampling.top_logprobs)
     self.keys, requests = [], []
     for prompt in prompts:

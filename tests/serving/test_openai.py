@@ -454,6 +454,14 @@ def test_prompt_lists_and_echo_logprobs_for_scoring(openai):
   assert got[1] > -1e-3 and got[2] < -15 and got[3] > -1e-3, got  # b follows a; x not b
   assert first["top_logprobs"][0] is None and list(first["top_logprobs"][3]) == ["c"]
   assert len(second["tokens"]) == len(second["token_logprobs"]) == 4  # BOS a b + c
+  # The prompt's alternatives: prompt_logprobs where given, else logprobs (vLLM's rule).
+  _, r = _post(port, "/v1/completions", {"prompt": "abx", "max_tokens": 1, "temperature": 0,
+                                          "echo": True, "logprobs": 1, "prompt_logprobs": 3})
+  tops = r["choices"][0]["logprobs"]["top_logprobs"]
+  assert [len(t) for t in tops[1:]] == [3, 3, 3, 1], tops
+  status, r = _post(port, "/v1/completions", {"prompt": "ab", "echo": True, "logprobs": 1,
+                                               "stream": True})
+  assert status == 400 and r["error"]["param"] == "echo", r
   status, r = _post(port, "/v1/completions", {"prompt": ["a"] * 200, "n": 2})
   assert status == 400 and "at most 256 completions" in r["error"]["message"]
 
