@@ -127,6 +127,9 @@ def sampling_from_json(req: CompletionRequest | ChatCompletionRequest,
   kw = {k: getattr(req, k) for k in _SAME if getattr(req, k) is not None}
   kw.setdefault("temperature", 1.0)
   max_tokens = req.max_completion_tokens if chat else None
+  if max_tokens is not None and max_tokens < 1:  # (the error would name max_tokens)
+    raise APIError(400, f"max_completion_tokens={max_tokens} must be >= 1",
+                   param="max_completion_tokens")
   max_tokens = max_tokens if max_tokens is not None else req.max_tokens
   if max_tokens is None and not chat:
     max_tokens = 16  # OpenAI's completions default

@@ -170,6 +170,8 @@ def test_structured_outputs_and_response_format(openai):
                               "tools": [{"type": "function"}]}, 400, "tool"),
     ("/v1/completions", {"prompt": "a", "suffix": "z"}, 400, "suffix"),
     ("/v1/completions", {"prompt": "a", "best_of": 3}, 400, "best_of"),
+    ("/v1/chat/completions", {"messages": CHAT, "max_completion_tokens": 0}, 400,
+     "max_completion_tokens=0 must be >= 1"),
 ])
 def test_bad_requests_get_openai_errors(openai, path, body, status, match):
   _, port = openai
