@@ -1084,15 +1084,32 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_cli(a) -> int:
+  """``python -m serving profile`` and ``python -m serving.profiler``: bad
+  flags or model are a message and exit status 2, not a traceback."""
+  try:
+    return _run_cli(a)
+  except (ValueError, FileNotFoundError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+
+
+def _run_cli(a) -> int:
+  phases = [s.strip() for s in a.phases.split(",") if s.strip()]
+  if not phases:
+    raise ValueError(f"--phases {a.phases!r} names no phase (of {', '.join(PHASES)})")
+  for flag, value in (("--decode-batch", a.decode_batch),
+                      ("--decode-attention-backend", a.decode_attention_backend)):
+    if value is not None and not {"decode", "mixed"} & set(phases):
+      raise ValueError(f"{flag} {value}: --phases {a.phases!r} has no decode or mixed step")
+  for flag in ("keep_trace", "kernel_timeline"):  # (before the profile's minutes, not after)
+    if getattr(a, flag) and a.out is None:
+      raise ValueError(f"--{flag.replace('_', '-')} needs --out")
   model = load_model(a.model, layers=a.layers, dtype=a.dtype)
   trace_dir = None
   if a.keep_trace:
-    if a.out is None:
-      raise SystemExit("--keep-trace needs --out")
     trace_dir = a.out / "raw"
   rep = profile(model, batch=a.batch, prefill_len=a.prefill_len, decode_context=a.decode_context,
-                decode_batch=a.decode_batch,
-                phases=[s.strip() for s in a.phases.split(",") if s.strip()],
+                decode_batch=a.decode_batch, phases=phases,
                 attention=a.attention_backend, decode_attention=a.decode_attention_backend,
                 matmul=a.matmul_backend, steps=a.steps, iters=a.iters, page_size=a.page_size,
                 trace_dir=trace_dir, mixed_chunk=a.mixed_chunk,
@@ -1102,8 +1119,6 @@ def run_cli(a) -> int:
     paths = rep.write_all(a.out)
     print("wrote " + ", ".join(str(p) for p in paths.values()))
   if a.kernel_timeline:
-    if a.out is None:
-      raise SystemExit("--kernel-timeline needs --out")
     try:
       kernel_timeline(model, a.out, prefill_len=a.prefill_len)
     except RuntimeError as e:  # no GPU: the per-layer profile still stands
@@ -1114,11 +1129,7 @@ def run_cli(a) -> int:
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(prog="python -m serving.profiler", description=__doc__.split("\n")[0])
   add_arguments(p)
-  try:
-    return run_cli(p.parse_args(argv))
-  except (ValueError, FileNotFoundError) as e:  # bad flags or model: a message, not a traceback
-    print(f"error: {e}", file=sys.stderr)
-    return 2
+  return run_cli(p.parse_args(argv))
 
 
 if __name__ == "__main__":

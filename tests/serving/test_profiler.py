@@ -368,6 +368,19 @@ def test_cli_bad_input_is_a_message(capsys):
   assert "no such model" in capsys.readouterr().err
   assert P.main(["--model", "tiny", "--layers", "1", "--batch", "0"]) == 2
   assert "batch" in capsys.readouterr().err
+  # Flags the asked phases would not use, or need --out, are refused before any work.
+  for flags, message in (
+      (["--phases", ","], "names no phase"),
+      (["--phases", "prefill", "--decode-batch", "4"], "--decode-batch 4: --phases 'prefill'"),
+      (["--phases", "prefill", "--decode-attention-backend", "xla"],
+       "--decode-attention-backend xla: --phases 'prefill' has no decode or mixed step"),
+      (["--kernel-timeline"], "--kernel-timeline needs --out")):
+    assert P.main(["--model", "/nonexistent/model", *flags]) == 2, flags
+    assert message in capsys.readouterr().err, flags
+  # The same through python -m serving profile: a message, not a traceback.
+  from serving import cli
+  assert cli.main(["profile", "--model", "/nonexistent/model"]) == 2
+  assert "no such model" in capsys.readouterr().err
 
 
 def test_label_timeline_names_warpgroups_and_keeps_the_first_sms():
