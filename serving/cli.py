@@ -563,8 +563,12 @@ def main(argv=None) -> int:
     p.error(f"--range-ratio must be in [0, 1), got {a.range_ratio}")
   if a.cmd == "serve" and not 0.0 < a.gpu_memory_utilization <= 1.0:
     p.error(f"--gpu-memory-utilization must be in (0, 1], got {a.gpu_memory_utilization}")
-  if a.cmd == "loadgen" and (a.concurrency is None) == (a.rate is None):
-    a.concurrency = a.concurrency or (1 if a.rate is None else None)
+  if a.cmd == "loadgen" and a.concurrency is not None and a.rate is not None:
+    p.error(f"--concurrency {a.concurrency} and --rate {a.rate:g}: give one of them")
+  if a.cmd == "loadgen" and a.prefix_groups != 1 and not a.shared_prefix_len:
+    p.error(f"--prefix-groups {a.prefix_groups} needs --shared-prefix-len")
+  if a.cmd == "loadgen" and a.concurrency is None and a.rate is None:
+    a.concurrency = 1
   logging.basicConfig(level=logging.INFO if a.verbose or a.cmd == "serve" else logging.WARNING,
                       format="%(asctime)s %(name)s %(levelname)s %(message)s")
   logging.getLogger("jax").setLevel(logging.WARNING)

@@ -311,12 +311,16 @@ def test_serve_refuses_a_port_outside_0_65535(flag, capsys, monkeypatch):
     ("--output-len", "x", "is not an integer >= 1"),
     ("--prefix-groups", "0", "is not an integer >= 1"),
     ("--shared-prefix-len", "-1", "is not an integer >= 0"),
-    ("--rate", "0", "is not a number > 0"), ("--rate", "nan", "is not a number > 0")])
+    ("--rate", "0", "is not a number > 0"), ("--rate", "nan", "is not a number > 0"),
+    # Flags that would be dropped: a rate beside a concurrency, groups of no prefix.
+    ("--rate", "2", "--concurrency 4 and --rate 2: give one of them"),
+    ("--prefix-groups", "3", "--prefix-groups 3 needs --shared-prefix-len")])
 def test_loadgen_refuses_bad_counts_before_connecting(flag, bad, message, capsys):
   from serving import cli
 
   with pytest.raises(SystemExit) as e:
-    cli.main(["loadgen", "--target", "127.0.0.1:1", flag, bad])
+    cli.main(["loadgen", "--target", "127.0.0.1:1", flag, bad,
+              *(["--concurrency", "4"] if message.startswith("--concurrency") else [])])
   assert e.value.code == 2  # argparse's usage error, before any connection
   assert message in capsys.readouterr().err
 
