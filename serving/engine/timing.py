@@ -7,8 +7,6 @@ from __future__ import annotations
 import threading
 from typing import NamedTuple
 
-import jax
-
 
 class StepRecord(NamedTuple):
   """One engine iteration's timings (``BatchingEngine.step_times``). Host time
@@ -40,6 +38,8 @@ class Compiles:
 
   @classmethod
   def listen(cls) -> None:
+    import jax  # here: a StepRecord unpickled in a server's process must not import jax
+
     with cls._lock:
       if not cls._listening:
         jax.monitoring.register_event_duration_secs_listener(cls._heard)

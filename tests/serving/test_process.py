@@ -229,3 +229,40 @@ def test_n_completions_are_one_admission_decision_across_the_process(served):
     c.generate("k", max_tokens=2, n=21)
   assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "--max-waiting" in e.value.details()
   wait_for(lambda: engine.stats().pages_in_use == 0, what="pages freed")
+
+
+def test_the_servers_side_of_an_engine_process_never_imports_jax(tmp_path):
+  """With --engine-process the model lives in the child; the server's process
+  relays events and must not import jax (a first event whose unpickling did,
+  StepRecord's module, held the first stream up for half a second)."""
+  import os
+  import pathlib
+  import subprocess
+  import sys
+  import textwrap
+
+  root = pathlib.Path(__file__).resolve().parents[2]
+  code = textwrap.dedent("""
+      import pickle, sys
+      from serving.cli import build_engine, parser
+      from serving.engine import api
+      from serving.engine.process import ProcessEngine
+      import serving.service
+      if __name__ == "__main__":
+        a = parser().parse_args(["serve", "--model", "counting", "--no-warmup"])
+        e = ProcessEngine(build_engine, a)
+        e.start()
+        h = e.submit(api.Request("r", prompt_ids=[97],
+                                 sampling=api.SamplingParams(max_tokens=3, ignore_eos=True)))
+        while not isinstance(h.events.get(timeout=60), api.Final):
+          pass
+        e.stop()
+        print(len(e.step_times) > 0, sorted(m for m in sys.modules if m.split(".")[0] == "jax"))
+  """)
+  script = tmp_path / "parent.py"
+  script.write_text(code)
+  env = {**os.environ, "JAX_PLATFORMS": "cpu",
+         "PYTHONPATH": os.pathsep.join([str(root)] + [p for p in sys.path if p])}
+  out = subprocess.run([sys.executable, str(script)], cwd=root, env=env, check=True,
+                       capture_output=True, text=True, timeout=120).stdout
+  assert out.strip().splitlines()[-1] == "True []"
