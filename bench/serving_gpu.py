@@ -264,12 +264,14 @@ def serve_flags(a) -> list[str]:
            "--prefill-rows", "4", "--token-budget", str(cmax + chunk),
            "--default-max-tokens", str(a.output_len), "--decode-steps", str(a.decode_steps),
            "--stream-interval", str(a.stream_interval),
-           "--gpu-memory-utilization", str(a.gpu_memory_utilization),
            "--compile-threads", str(a.compile_threads),
            "--tensor-parallel-size", str(a.tp)]
   for flag, value in (("--decode-attention-backend", a.decode_attention),
                       ("--page-size", a.page_size),
                       ("--num-pages", a.num_pages),
+                      # the fraction sizes the cache only without a page count
+                      ("--gpu-memory-utilization",
+                       None if a.num_pages else a.gpu_memory_utilization),
                       ("--decode-prefill-budget", a.decode_prefill_budget),
                       ("--decode-unroll", a.decode_unroll),
                       ("--compilation-cache", a.compilation_cache),

@@ -397,10 +397,11 @@ def parser() -> argparse.ArgumentParser:
                  help="KV pages (page 0 reserved); default: as many as fit in "
                       "--gpu-memory-utilization of the device's memory beside the weights, "
                       "or 1024 where the device reports no memory (the CPU)")
-  s.add_argument("--gpu-memory-utilization", type=float, default=0.8,
+  s.add_argument("--gpu-memory-utilization", type=float,
                  help="share of the device memory jax may use (its bytes_limit) for the "
-                      "weights and the KV cache when --num-pages is not given; the rest is "
-                      "for activations and compiler scratch")
+                      "weights and the KV cache (default 0.8); sizes the cache, so it is "
+                      "refused beside --num-pages; the rest is for activations and compiler "
+                      "scratch")
   s.add_argument("--page-size", type=int, help="tokens per KV page (default: the kernel's)")
   s.add_argument("--kv-cache-dtype", default="auto", choices=tuple(KV_CACHE_DTYPES),
                  help="KV cache dtype: auto = the model's; fp8 = float8_e4m3fn, half the "
@@ -561,7 +562,8 @@ def main(argv=None) -> int:
   a = p.parse_args(argv)
   if a.cmd == "loadgen" and not 0.0 <= a.range_ratio < 1.0:
     p.error(f"--range-ratio must be in [0, 1), got {a.range_ratio}")
-  if a.cmd == "serve" and not 0.0 < a.gpu_memory_utilization <= 1.0:
+  if (a.cmd == "serve" and a.gpu_memory_utilization is not None
+      and not 0.0 < a.gpu_memory_utilization <= 1.0):
     p.error(f"--gpu-memory-utilization must be in (0, 1], got {a.gpu_memory_utilization}")
   if a.cmd == "loadgen" and a.concurrency is not None and a.rate is not None:
     p.error(f"--concurrency {a.concurrency} and --rate {a.rate:g}: give one of them")

@@ -1063,8 +1063,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
   p.add_argument("--decode-context", type=int, default=512, help="L: kv tokens per row in decode")
   p.add_argument("--phases", default="prefill,decode",
                  help="comma list of prefill, decode, mixed (decode rows + a prompt chunk)")
-  p.add_argument("--mixed-chunk", type=int, default=128,
-                 help="T: prompt tokens of the mixed step's chunk")
+  p.add_argument("--mixed-chunk", type=int,
+                 help="T: prompt tokens of the mixed step's chunk (default 128; needs the "
+                      "mixed phase)")
   p.add_argument("--attention-backend", default="default",
                  help="comma list, e.g. mosaic,cudnn,xla (prefill; decode too where it exists)")
   p.add_argument("--decode-attention-backend", help="comma list for decode (default: as above)")
@@ -1101,6 +1102,8 @@ def _run_cli(a) -> int:
                       ("--decode-attention-backend", a.decode_attention_backend)):
     if value is not None and not {"decode", "mixed"} & set(phases):
       raise ValueError(f"{flag} {value}: --phases {a.phases!r} has no decode or mixed step")
+  if a.mixed_chunk is not None and "mixed" not in phases:
+    raise ValueError(f"--mixed-chunk {a.mixed_chunk}: --phases {a.phases!r} has no mixed step")
   for flag in ("keep_trace", "kernel_timeline"):  # (before the profile's minutes, not after)
     if getattr(a, flag) and a.out is None:
       raise ValueError(f"--{flag.replace('_', '-')} needs --out")
@@ -1112,7 +1115,8 @@ def _run_cli(a) -> int:
                 decode_batch=a.decode_batch, phases=phases,
                 attention=a.attention_backend, decode_attention=a.decode_attention_backend,
                 matmul=a.matmul_backend, steps=a.steps, iters=a.iters, page_size=a.page_size,
-                trace_dir=trace_dir, mixed_chunk=a.mixed_chunk,
+                trace_dir=trace_dir,
+                mixed_chunk=128 if a.mixed_chunk is None else a.mixed_chunk,
                 kv_cache_dtype=KV_CACHE_DTYPES[a.kv_cache_dtype])
   print(rep.table(per_layer=a.per_layer))
   if a.out is not None:

@@ -112,7 +112,8 @@ def fit_num_pages(model, page_size: int, gpu_memory_utilization: float, *,
 
 
 def model_engine(spec: str | None = None, *, dtype: str | None = None,
-                 num_pages: int | None = DEFAULT_NUM_PAGES, gpu_memory_utilization: float = 0.8,
+                 num_pages: int | None = DEFAULT_NUM_PAGES,
+                 gpu_memory_utilization: float | None = None,
                  page_size: int | None = None, attention: str | None = None,
                  decode_attention: str | None = None, matmul: str | None = None,
                  step_delay: float = 0.0, kv_cache_dtype: str | None = None,
@@ -122,18 +123,23 @@ def model_engine(spec: str | None = None, *, dtype: str | None = None,
   ``tp`` > 1: the model's weights and KV cache split over that many devices
   (Megatron layout), each step running per shard. ``dtype`` None: float32 on
   the CPU, bfloat16 elsewhere (models.load). ``num_pages=None``: as many
-  KV pages as fit in ``gpu_memory_utilization`` of the device's memory once
-  the weights are on it (``kv_pages``), or DEFAULT_NUM_PAGES where the device
-  reports no memory. ``residual_dtype``: models.Model's (None: the model's dtype)."""
+  KV pages as fit in ``gpu_memory_utilization`` (None: 0.8) of the device's
+  memory once the weights are on it (``kv_pages``), or DEFAULT_NUM_PAGES where
+  the device reports no memory; with a page count given, a fraction is refused
+  (it would size nothing). ``residual_dtype``: models.Model's (None: the model's dtype)."""
   if page_size is not None and page_size < 1:
     raise ValueError(f"page_size={page_size} must be >= 1 (None: the kernel's)")
   if num_pages is not None and num_pages < 2:
     raise ValueError(f"num_pages={num_pages} must be >= 2 (page 0 is reserved; None: as many "
                      "as fit)")
+  if gpu_memory_utilization is not None and num_pages is not None:
+    raise ValueError(f"gpu_memory_utilization={gpu_memory_utilization} sizes the KV cache only "
+                     f"when num_pages is not given (num_pages={num_pages}): pass one of them")
   if step_delay < 0 or (step_delay and spec != "counting"):
     raise ValueError(f"step_delay={step_delay}: seconds >= 0, for the counting model only")
   if spec in ("toy", "counting"):
     for what, value in (("dtype", dtype), ("KV cache dtype", kv_cache_dtype),
+                        ("GPU memory utilization", gpu_memory_utilization),
                         ("decode_unroll", decode_unroll),
                         ("residual dtype", residual_dtype),
                         ("tensor parallelism", None if tp == 1 else tp),
@@ -160,7 +166,8 @@ def model_engine(spec: str | None = None, *, dtype: str | None = None,
                       residual_dtype=residual_dtype)
   page_size = page_size or default_page_size()
   if num_pages is None:
-    num_pages = fit_num_pages(model, page_size, gpu_memory_utilization,
+    num_pages = fit_num_pages(model, page_size, 0.8 if gpu_memory_utilization is None
+                              else gpu_memory_utilization,
                               kv_cache_dtype=kv_cache_dtype, tp=tp)
   runner = ModelRunner(model, num_pages=num_pages, page_size=page_size,
                        attention=attention, decode_attention=decode_attention, matmul=matmul,

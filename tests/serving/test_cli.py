@@ -375,6 +375,13 @@ def test_serve_sizes_the_kv_cache_from_device_memory(monkeypatch):
   with pytest.raises(SystemExit) as e:  # a usage error before anything loads
     cli.main(["serve", "--model", "tiny", "--gpu-memory-utilization", "0"])
   assert e.value.code == 2
+  # A fraction beside a page count, or for a model without a device cache,
+  # would size nothing: refused, naming it.
+  for flags in (["--model", "tiny", "--num-pages", "64"], ["--model", "toy"]):
+    a = cli.parser().parse_args(["serve", *flags, "--no-warmup",
+                                 "--gpu-memory-utilization", "0.5"])
+    with pytest.raises(ValueError, match="(?i)gpu.memory.utilization"):
+      cli.build_engine(a)
 
 
 _BUILD = """

@@ -374,6 +374,8 @@ def test_cli_bad_input_is_a_message(capsys):
       (["--phases", "prefill", "--decode-batch", "4"], "--decode-batch 4: --phases 'prefill'"),
       (["--phases", "prefill", "--decode-attention-backend", "xla"],
        "--decode-attention-backend xla: --phases 'prefill' has no decode or mixed step"),
+      (["--phases", "prefill,decode", "--mixed-chunk", "64"],
+       "--mixed-chunk 64: --phases 'prefill,decode' has no mixed step"),
       (["--kernel-timeline"], "--kernel-timeline needs --out")):
     assert P.main(["--model", "/nonexistent/model", *flags]) == 2, flags
     assert message in capsys.readouterr().err, flags
