@@ -89,3 +89,38 @@ def utilization(cost: Cost, seconds: float, target: target_lib.Target | None = N
   bound = "compute" if cost.intensity >= ridge else "memory"
   src = c.source if t.is_gpu else f"{c.source} (CPU: not a tensor-core figure)"
   return Utilization(seconds, tflops, gbps, tflops / c.bf16_tflops, gbps / c.hbm_gbps, bound, src)
+
+
+def serving_step(*, weight_bytes: float, matmul_params: float, kv_bytes_per_token: float,
+                 attn_flops_per_pair: float, concurrency: int, input_len: int,
+                 output_len: int) -> Cost:
+  """One steady-state step of a server under stall-free batching: each of
+  ``concurrency`` running requests decodes one token, and the prompt tokens
+  that must enter to keep it full (``input_len / output_len`` per request a
+  step, since each request decodes ``output_len`` steps) share the same pass
+  over the weights. Decodes read their context's KV (``input_len +
+  output_len / 2`` tokens on average); a prompt token attends to half its
+  prompt on average. ``attn_flops_per_pair``: attention FLOPs of one (query,
+  key) pair over all layers (4 * layers * heads * head_dim).
+
+  The weights are read once a step, so the step is memory-bound until the
+  tokens per step pass the ridge point; ``roofline_seconds`` is the step's
+  floor on a target, and ``concurrency / roofline_seconds`` the output
+  tokens/s no schedule can beat."""
+  for name, v in (("concurrency", concurrency), ("input_len", input_len),
+                  ("output_len", output_len)):
+    if v < 1:
+      raise ValueError(f"{name}={v} must be >= 1")
+  prompt = concurrency * input_len / output_len  # prompt tokens a step
+  context = input_len + output_len / 2  # a decode's mean KV tokens
+  flops = (2.0 * matmul_params * (concurrency + prompt)
+           + attn_flops_per_pair * (concurrency * context + prompt * input_len / 2))
+  kv = kv_bytes_per_token * (concurrency * context + prompt)  # read by decodes, written by prompts
+  return Cost(flops, weight_bytes + kv)
+
+
+def roofline_seconds(cost: Cost, target: target_lib.Target | None = None) -> float:
+  """The least time ``cost`` can take on ``target``: its FLOPs at the dense
+  bf16 peak or its bytes at the HBM bandwidth, whichever is longer."""
+  c = (target or target_lib.current()).ceilings
+  return max(cost.flops / (c.bf16_tflops * 1e12), cost.bytes / (c.hbm_gbps * 1e9))

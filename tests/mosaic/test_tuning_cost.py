@@ -79,3 +79,33 @@ def test_costs_and_utilization():
   assert abs(causal.flops / full.flops - 4097 / 8192) < 1e-12
   with pytest.raises(ValueError):
     cost.utilization(c, 0.0, h200)
+
+
+def test_serving_step_roofline_matches_the_hand_arithmetic():
+  """Llama-3-8B (7.5 B matmul weights, bf16; 128 KiB of KV a token) at c=64,
+  512 in / 256 out, on a card of 700 TFLOP/s and 4.8 TB/s: the step reads
+  15 GB of weights plus 64 x 640 x 128 KiB = 5.4 GB of KV (~4.3 ms) and
+  computes 64 decode + 128 prompt tokens x 15 GFLOP (~4.1 ms): memory-bound,
+  ~15,000 output tok/s at best."""
+  layers, heads, kv_heads, hd, d, vocab = 32, 32, 8, 128, 4096, 128256
+  matmul_params = 8.03e9 - vocab * d  # the embedding is gathered, not multiplied
+  step = cost.serving_step(weight_bytes=2 * matmul_params, matmul_params=matmul_params,
+                           kv_bytes_per_token=2 * layers * kv_heads * hd * 2,
+                           attn_flops_per_pair=4 * layers * heads * hd,
+                           concurrency=64, input_len=512, output_len=256)
+  card = target.Target("hopper", "card", "9.0", target.Ceilings(700.0, 4800.0, 132, 1))
+  assert 20.0e9 < step.bytes < 21.0e9
+  assert 2.9e12 < step.flops < 3.0e12  # matmuls 2.88e12, attention ~0.03e12
+  s = cost.roofline_seconds(step, card)
+  assert s == pytest.approx(step.bytes / 4.8e12)  # memory-bound
+  assert 14_500 < 64 / s < 15_500
+  # Short outputs push prompt tokens into every step: compute-bound.
+  prefill_heavy = cost.serving_step(weight_bytes=2 * matmul_params, matmul_params=matmul_params,
+                                    kv_bytes_per_token=2 * layers * kv_heads * hd * 2,
+                                    attn_flops_per_pair=4 * layers * heads * hd,
+                                    concurrency=64, input_len=2048, output_len=64)
+  assert cost.roofline_seconds(prefill_heavy, card) == pytest.approx(
+      prefill_heavy.flops / 700e12)
+  with pytest.raises(ValueError, match="output_len=0"):
+    cost.serving_step(weight_bytes=1, matmul_params=1, kv_bytes_per_token=1,
+                      attn_flops_per_pair=1, concurrency=1, input_len=1, output_len=0)
