@@ -247,7 +247,9 @@ def roofline_tok_s(config, concurrency: int, input_len: int, output_len: int, *,
   ceilings, over ``tp`` cards."""
   from mosaic import cost
 
-  matmul_params = config.num_params() - config.vocab_size * config.hidden_size  # embedding: a gather
+  # An untied embedding table is a gather, not a matmul: only lm_head is read whole.
+  matmul_params = config.num_params() - (
+      0 if config.tie_embeddings else config.vocab_size * config.hidden_size)
   step = cost.serving_step(
       weight_bytes=weight_bytes * matmul_params, matmul_params=matmul_params,
       kv_bytes_per_token=2 * config.num_layers * config.num_kv_heads * config.head_dim * kv_bytes,
