@@ -150,9 +150,12 @@ def test_compilation_cache_flag_reaches_the_engine_process(tmp_path):
   from serving import cli
 
   cache = tmp_path / "cache"
-  # A 32-token chunk: two prefill widths to compile, not six.
-  a = cli.parser().parse_args(["serve", "--model", "tiny", "--num-pages", "16", "--max-batch", "2",
-                               "--prefill-chunk", "32", "--compilation-cache", str(cache)])
+  # The fewest shapes to compile: a 32-token chunk (two prefill widths, not
+  # six), one prompt a call, one batch size, a context of one 128-token page
+  # (one page-table width).
+  a = cli.parser().parse_args(["serve", "--model", "tiny", "--num-pages", "16", "--max-batch", "1",
+                               "--prefill-chunk", "32", "--prefill-rows", "1", "--max-seq-len",
+                               "128", "--compilation-cache", str(cache)])
   engine = ProcessEngine(cli.build_engine, a)
   try:
     engine.start()  # the warm-up compiles every step shape, in the child
