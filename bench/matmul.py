@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import itertools
 import json
 import pathlib
 import sys
@@ -202,6 +203,8 @@ def candidates(m: int, n: int, k: int, sms: int, activation=None,
               if rep(base, stages=st).smem_bytes(swiglu=swiglu) <= mm.SMEM_LIMIT]
       if fits:
         cs += [rep(base, stages=st) for st in {fits[-1], max(2, fits[-1] - 1)}]
+  elif m <= 1024:
+    cs = [h] + _wave_filling(m, n, k, sms)
   else:
     cs = [h, rep(h, wg_dim="m"), rep(h, grid_width=16), rep(h, grid_width=4),
           rep(h, grid_minor="m"), C(tile_m=64, tile_n=256, stages=4, wg_dim="m", epi_n=64)]
@@ -226,6 +229,30 @@ def candidates(m: int, n: int, k: int, sms: int, activation=None,
       seen.add(c)
       out.append(c)
   return out
+
+
+def _wave_filling(m: int, n: int, k: int, sms: int, keep: int = 10) -> list[mm.Config]:
+  """The mixed step's rows (64 decodes + a 256- or 512-token chunk): CTA
+  shapes whose grid, with a K split of 1 or 2, fills most of a whole number
+  of waves with little row padding (at M = 320, N = 6,144 the 128 x 256 CTAs
+  of prefill are 72 on 132 SMs). Ranked by the fraction of the SMs' time that
+  does useful rows, then by the CTA's area (its reuse of each block read);
+  the best ``keep``, each with the deepest ring that fits."""
+  C, rep = mm.Config, dataclasses.replace
+  scored = []
+  for tile_m, tile_n, wg in itertools.product((64, 128, 192), (64, 128, 256), "mn"):
+    base = C(tile_m=tile_m, tile_n=tile_n, tile_k=64, wg_dim=wg)
+    rows = -(-m // base.cta_m)
+    tiles = rows * -(-n // base.cta_n)
+    for split in (1, 2):
+      units = tiles * split
+      useful = (m / (rows * base.cta_m)) * (units / (-(-units // sms) * sms))
+      fits = [st for st in range(2, 9)
+              if rep(base, split_k=split, stages=st).smem_bytes() <= mm.SMEM_LIMIT]
+      if fits:
+        scored.append((useful, base.cta_m * base.cta_n, rep(base, split_k=split, stages=fits[-1])))
+  scored.sort(key=lambda t: (-t[0], -t[1]))
+  return [c for _, _, c in scored[:keep]]
 
 
 def cfg_str(c: mm.Config) -> str:

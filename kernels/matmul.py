@@ -938,8 +938,10 @@ def fit_smem(cfg: Config, in_itemsize: int = 2, out_itemsize: int = 2,
 
 
 # Row buckets of the tuning table: the decode batches (1, 16, 64), the mixed
-# step's decode batch plus a prompt chunk (64 + 64, 64 + 128), and prefill.
-M_BUCKETS = (1, 16, 64, 128, 192, 256, 2048, 8192)
+# step's decode batch plus a prompt chunk (64 + 64, 64 + 128, 64 + 256,
+# 64 + 512), and prefill. Between 256 and 2,048 rows one config does not fit
+# all: 128 x 256 CTAs over 320 rows of N = 6,144 are 72 CTAs on 132 SMs.
+M_BUCKETS = (1, 16, 64, 128, 192, 256, 320, 576, 2048, 8192)
 
 
 def tuning_key(m: int, n: int, k: int, dtype, activation=None, rms: bool = False) -> str:
