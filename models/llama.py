@@ -290,7 +290,8 @@ class Linear(nnx.Module):
     layer = _LAYER.get()
     if axis is not None:
       y = ops()["matmul"](a, self.w[...], out_dtype=jnp.float32, layer=layer)
-      y = jax.lax.psum(y, axis)
+      with jax.named_scope("all_reduce"):  # a row of its own in profiles (serving.profiler)
+        y = jax.lax.psum(y, axis)
       if self.b is not None:  # replicated: added once, after the sum
         y = y + _layer_param(self.b[...], layer).astype(jnp.float32)
       if r is not None:
@@ -491,7 +492,10 @@ class Llama(nnx.Module):
         y = self.lm_head(h, out_dtype=jnp.float32)
         axis = _TP_AXIS.get()
         # Column-parallel: each device has a slice of the vocabulary.
-        return y if axis is None else jax.lax.all_gather(y, axis, axis=y.ndim - 1, tiled=True)
+        if axis is None:
+          return y
+        with jax.named_scope("all_gather"):
+          return jax.lax.all_gather(y, axis, axis=y.ndim - 1, tiled=True)
       lead = h.shape[:-1]
       y = ops()["matmul"](h.reshape(-1, h.shape[-1]), self.embed[...].T, out_dtype=jnp.float32)
       return y.reshape(*lead, -1)

@@ -71,9 +71,12 @@ from mosaic import cost as cost_lib
 from serving.options import KV_CACHE_DTYPES
 
 # Scopes the model emits (models/llama.py), in execution order within a layer.
-LAYER_OPS = ("attn_norm", "qkv", "rope", "kv_write", "attention", "o_proj", "mlp_norm",
-             "gate_up", "down")
-TOP_OPS = ("embed", "final_norm", "lm_head")
+LAYER_OPS = ("attn_norm", "qkv", "rope", "kv_write", "attention", "o_proj", "o_proj_all_reduce",
+             "mlp_norm", "gate_up", "down", "down_all_reduce")
+TOP_OPS = ("embed", "final_norm", "lm_head", "lm_head_all_gather")
+# Under tensor parallelism the model scopes its collectives inside the op they
+# end ("o_proj/all_reduce"): each is a row of its own, named "<op>_<collective>".
+COLLECTIVES = ("all_reduce", "all_gather")
 OPS = TOP_OPS + LAYER_OPS
 PHASES = ("prefill", "decode", "mixed")
 PNG_SIZE = (1200, 800)  # pixels of the chart: 12 x 8 inches at 100 dpi
@@ -85,7 +88,7 @@ _PNG_DPI = 100
 
 def op_costs(cfg, phase: str, batch: int, length: int, *, dtype="bfloat16",
              decode_tokens: int = 1, chunk: int = 0, kv_dtype=None,
-             folded_norms: bool = False, decode_append: bool = False
+             folded_norms: bool = False, decode_append: bool = False, tp: int = 1
              ) -> dict[str, cost_lib.Cost]:
   """FLOPs and minimum bytes of each op of ONE layer (LAYER_OPS) and of the
   ops outside the layers (TOP_OPS), for a step of ``phase``.
@@ -105,6 +108,10 @@ def op_costs(cfg, phase: str, batch: int, length: int, *, dtype="bfloat16",
   ``decode_append``: a one-token decode step rotates q and k and writes the
   cache inside its attention op (attention_decode_append), so rope's and
   kv_write's bytes are attention's and those ops are gone from the layer.
+  ``tp``: tensor parallelism; the costs are one device's: its share of the
+  heads, FFN features and (untied) vocabulary; norms and the embedding are
+  replicated. The collectives have no cost model (their link is not in
+  mosaic.target's ceilings): their rows carry time and share only.
   """
   if phase not in PHASES:
     raise ValueError(f"{phase=} is not one of {PHASES}")
@@ -118,8 +125,14 @@ def op_costs(cfg, phase: str, batch: int, length: int, *, dtype="bfloat16",
 
   isz = np.dtype(dtype).itemsize
   kv_isz = np.dtype(kv_dtype or dtype).itemsize
+  if tp < 1:
+    raise ValueError(f"{tp=} must be >= 1")
   d, hd, f, v = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size, cfg.vocab_size
   hq, hkv = cfg.num_heads, cfg.num_kv_heads
+  # Megatron layout (models.llama.param_spec): one device's heads and features.
+  hq, hkv, f = hq // tp, hkv // tp, f // tp
+  if not getattr(cfg, "tie_embeddings", False):
+    v //= tp
   mm = lambda rows, n, k, **kw: cost_lib.matmul(rows, n, k, dtype, dtype, **kw)
   attention = lambda b, tq, tkv, kv=None: cost_lib.attention(b, hq, hkv, tq, tkv, hd,
                                                              causal=True, dtype=dtype, kv_dtype=kv)
@@ -193,7 +206,11 @@ def classify(op_name: str) -> tuple[str, bool]:
   table a decode step builds once) is not."""
   parts = op_name.split("/")
   in_layer = ("while" in parts and "body" in parts) or "layers" in parts
-  for p in reversed(parts):
+  for i in range(len(parts) - 1, -1, -1):
+    p = parts[i]
+    if p in COLLECTIVES:
+      owner = next((q for q in reversed(parts[:i]) if q in OPS), None)
+      p = f"{owner}_{p}"
     if p in OPS:
       return p, p in LAYER_OPS and in_layer
   if "while" in parts and "cond" in parts:
@@ -243,6 +260,12 @@ def parse_trace(path: str | os.PathLike, window_prefix: str = "mosaic_profile_st
     elif e.get("ph") == "M" and e.get("name") == "thread_name":
       threads[(e["pid"], e.get("tid"))] = e.get("args", {}).get("name", "")
   gpu_pids = {p for p, n in procs.items() if n.startswith("/device:GPU")}
+  # A tensor-parallel step runs the same program on every device: the first
+  # device's kernels are the step's (both devices' would count each op twice).
+  ordinals = {p: int(m.group(1)) for p in gpu_pids
+              if (m := re.match(r"/device:GPU:(\d+)", procs[p]))}
+  if len(ordinals) > 1:
+    gpu_pids = {min(ordinals, key=ordinals.get)}
   windows = {}
   for e in events:
     if e.get("ph") == "X" and str(e.get("name", "")).startswith(window_prefix):
@@ -270,13 +293,15 @@ def parse_trace(path: str | os.PathLike, window_prefix: str = "mosaic_profile_st
   else:
     for e in events:
       args = e.get("args") or {}
-      if e.get("ph") == "X" and "hlo_op" in args:
+      # (host devices: XLA CPU thunks say which device they ran for)
+      if e.get("ph") == "X" and "hlo_op" in args and str(args.get("device_ordinal", "0")) == "0":
         kernels.append(Kernel(float(e["ts"]), float(e.get("dur", 0)), str(e.get("name", "")),
                               args["hlo_op"], e.get("tid")))
     kernels = _leaves(kernels)
     device = "cpu"
   kernels.sort(key=lambda k: k.ts)
   info = {"device_threads": sorted({n for (pid, _), n in threads.items() if pid in gpu_pids}),
+          "gpus_in_trace": max(1, len(ordinals)) if gpu_pids else 0,
           "kernels": len(kernels),
           "with_hlo_op": sum(k.hlo_op is not None for k in kernels),
           "with_host_names": sum(bool(k.host_names) for k in kernels)}
@@ -465,6 +490,9 @@ class _Step:
     mk = jax.jit(lambda k: llama.to_cache_dtype(jax.random.normal(k, shape, jnp.float32),
                                            jnp.dtype(kv_dtype or model.dtype)))
     self.cache = llama.KVCache(mk(kk), mk(kv))
+    mesh = getattr(model, "mesh", None)  # tensor parallelism: kv heads split over 'tp'
+    if mesh is not None:
+      self.cache = jax.device_put(self.cache, llama.cache_sharding(mesh))
     self.backends = llama.backends(**backends)
     if phase == "prefill":
       tokens = rng.integers(0, cfg.vocab_size, (batch, length), dtype=np.int32)
@@ -484,7 +512,7 @@ class _Step:
       self.rest += (jnp.asarray(chunk_tokens), jnp.zeros((1,), jnp.int32),
                     jnp.full((1,), chunk, jnp.int32), jnp.asarray(chunk_table))
       fn, kw = llama.mixed_step, dict(backends=self.backends, fresh=True)
-    lowered = fn.lower(model.graphdef, model.params, self.cache, *self.rest, **kw)
+    lowered = fn.lower(model.graphdef, model.params, self.cache, *self.rest, mesh=mesh, **kw)
     self.compiled = lowered.compile()
     self.hlo_text = self.compiled.as_text()
     self.op_names = hlo_op_names(self.hlo_text)
@@ -604,8 +632,9 @@ def summarize(prof: Profile, steps: list[StepTimes], costs: dict[str, cost_lib.C
   for r in ops:
     r["share_pct"] = 100 * r["time_us"] * 1e-6 / total if total else 0.0
   prof.ops = ops
-  all_cost = cost_lib.Cost(sum(costs[o].flops for o in TOP_OPS) + layer_cost.flops * num_layers,
-                           sum(costs[o].bytes for o in TOP_OPS) + layer_cost.bytes * num_layers)
+  top_cost = sum((costs[o] for o in TOP_OPS if o in costs), cost_lib.Cost(0.0, 0.0))
+  all_cost = cost_lib.Cost(top_cost.flops + layer_cost.flops * num_layers,
+                           top_cost.bytes + layer_cost.bytes * num_layers)
   prof.step["sum_s"] = total
   prof.step["layers_sum_s"] = sum(r["time_us"] for r in prof.layers) * 1e-6
   prof.step["span_s"] = statistics.median([s.span_s for s in steps])
@@ -830,6 +859,8 @@ def profile(model, *, batch: int = 1, prefill_len: int = 128, decode_context: in
   llama.ops()  # registers the ops' backends
   cfg = model.config
   tgt = target_lib.current()
+  mesh = getattr(model, "mesh", None)
+  tp = 1 if mesh is None else int(mesh.size)
   confs = configurations(phases, _names(attention),
                          None if decode_attention is None else _names(decode_attention),
                          _names(matmul))
@@ -892,7 +923,7 @@ def profile(model, *, batch: int = 1, prefill_len: int = 128, decode_context: in
       costs = op_costs(cfg, prof.phase, prof.batch, prof.length, dtype=model.dtype,
                        chunk=prof.chunk, kv_dtype=kv_cache_dtype,
                        folded_norms=getattr(model, "fold_norms", False),
-                       decode_append=appended)
+                       decode_append=appended, tp=tp)
       summarize(prof, per_step, costs, cfg.num_layers, tgt)
       prof.step["trace_device"] = tr.device
       prof.step["trace_info"] = tr.info
@@ -907,7 +938,10 @@ def profile(model, *, batch: int = 1, prefill_len: int = 128, decode_context: in
     note = (f"CPU ({tgt.name}): no tensor cores; % figures are against nominal CPU ceilings "
             f"({tgt.ceilings.bf16_tflops:g} TFLOP/s, {tgt.ceilings.hbm_gbps:g} GB/s) and mean "
             "little; op times are XLA CPU thunk times from the host trace")
-  model_info = dict(cfg.to_dict()) | {"dtype": str(model.dtype)}
+  if tp > 1:
+    note += (f"; tensor parallel over {tp} devices: the rows are device 0's kernels and "
+             "costs (every device runs the same program), the collectives' rows time only")
+  model_info = dict(cfg.to_dict()) | {"dtype": str(model.dtype), "tensor_parallel_size": tp}
   return Report(bench.environment(), model_info, note, [p for p, _ in built])
 
 
@@ -961,10 +995,12 @@ def _split_steps(tr: Trace, steps: int) -> list[list[Kernel]]:
   return [ks[a:b] for a, b in zip([0] + cuts, cuts + [len(ks)])]
 
 
-def load_model(spec: str, *, layers: int | None = None, dtype: str = "bfloat16", seed: int = 0):
+def load_model(spec: str, *, layers: int | None = None, dtype: str = "bfloat16", seed: int = 0,
+               tp: int = 1):
   """A model to profile: 'tiny', a named config (random weights, e.g.
   'llama3.1-8b'), or anything models.load takes. ``layers`` cuts the layer
-  count of a random-weight model."""
+  count of a random-weight model; ``tp`` splits it over that many devices
+  (tensor parallelism, as ``serve --tensor-parallel-size``)."""
   import models
   from models import config as config_lib
   from models import model as model_lib
@@ -975,11 +1011,12 @@ def load_model(spec: str, *, layers: int | None = None, dtype: str = "bfloat16",
     if layers is not None:
       cfg = cfg.replace(num_layers=layers, name=f"{cfg.name}-{layers}l")
     params = model_lib.random_params(cfg, seed, dtype=dtype)
-    return model_lib.Model(cfg, params, tok_lib.ByteTokenizer(), dtype=dtype)
+    return model_lib.Model(cfg, params, tok_lib.ByteTokenizer(), dtype=dtype,
+                           mesh=model_lib.tp_mesh(cfg, tp))
   if layers is not None:
     raise ValueError(f"--layers applies to named configs ({', '.join(config_lib.CONFIGS)}); "
                      f"{spec!r} is a checkpoint")
-  return models.load(spec, dtype=dtype)
+  return models.load(spec, dtype=dtype, tp=tp)
 
 
 # Warpgroup roles of the FA3 prefill kernel (kernels/attention_prefill.py).
@@ -1075,6 +1112,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
   p.add_argument("--page-size", type=int, help="tokens per KV page (default: the kernel's)")
   p.add_argument("--kv-cache-dtype", default="auto", choices=tuple(KV_CACHE_DTYPES),
                  help="KV cache dtype: auto = the model's; fp8 = float8_e4m3fn")
+  p.add_argument("--tensor-parallel-size", "--tp", type=int, default=1,
+                 help="devices the model is split over (as serve's flag); the rows are device "
+                      "0's, with a row per collective (o_proj_all_reduce, down_all_reduce, "
+                      "lm_head_all_gather)")
   p.add_argument("--per-layer", action="store_true", help="print every (layer, op) row")
   p.add_argument("--out", type=pathlib.Path, help="write profile.json, .png, _trace.json here")
   p.add_argument("--keep-trace", action="store_true",
@@ -1107,7 +1148,9 @@ def _run_cli(a) -> int:
   for flag in ("keep_trace", "kernel_timeline"):  # (before the profile's minutes, not after)
     if getattr(a, flag) and a.out is None:
       raise ValueError(f"--{flag.replace('_', '-')} needs --out")
-  model = load_model(a.model, layers=a.layers, dtype=a.dtype)
+  if a.tensor_parallel_size < 1:
+    raise ValueError(f"--tensor-parallel-size {a.tensor_parallel_size} must be >= 1")
+  model = load_model(a.model, layers=a.layers, dtype=a.dtype, tp=a.tensor_parallel_size)
   trace_dir = None
   if a.keep_trace:
     trace_dir = a.out / "raw"

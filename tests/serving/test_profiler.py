@@ -3,12 +3,14 @@
 
 import gzip
 import json
+import pathlib
 import struct
 
 import pytest
 
 from models import config as config_lib
 from serving import profiler as P
+from tests.host_devices import run_checked
 
 
 # ---------------------------------------------------------------- costs by hand
@@ -111,6 +113,24 @@ def test_op_costs_match_hand_computed_mixed():
     P.op_costs(cfg, "mixed", b, l)
 
 
+def test_op_costs_under_tensor_parallelism_are_one_devices_share():
+  cfg = config_lib.get("llama3.1-8b")
+  one = P.op_costs(cfg, "decode", 16, 1024)
+  two = P.op_costs(cfg, "decode", 16, 1024, tp=2)
+  for op in ("qkv", "attention", "gate_up", "lm_head"):  # heads, features, vocabulary split
+    assert two[op].flops == pytest.approx(one[op].flops / 2), op
+  assert two["down"].flops == one["down"].flops / 2 and two["o_proj"].flops == one["o_proj"].flops / 2
+  for op in ("attn_norm", "mlp_norm", "final_norm", "embed"):  # replicated
+    assert two[op] == one[op], op
+  # A tied embedding is the logits' weight on every device: not split.
+  tied = cfg.replace(tie_embeddings=True)
+  assert (P.op_costs(tied, "decode", 16, 1024, tp=2)["lm_head"]
+          == P.op_costs(tied, "decode", 16, 1024)["lm_head"])
+  assert not {o for o in two if "all_" in o}  # collectives: time only, no cost model
+  with pytest.raises(ValueError, match="tp"):
+    P.op_costs(cfg, "decode", 1, 8, tp=0)
+
+
 def test_op_costs_reject_bad_input():
   cfg = config_lib.get("tiny")
   with pytest.raises(ValueError, match="phase"):
@@ -182,6 +202,12 @@ def test_hlo_op_names_and_classify():
   # With no loop: in a layer inside the model's "layers" scope only.
   assert P.classify("jit(f)/layers/qkv/dot_general") == ("qkv", True)
   assert P.classify("jit(f)/rope/cos") == ("rope", False)
+  # Tensor parallelism: each collective is a row named by the op it ends.
+  assert P.classify("jit(f)/shard_map/while/body/o_proj/all_reduce/psum") == (
+      "o_proj_all_reduce", True)
+  assert P.classify("jit(f)/shard_map/while/body/down/all_reduce/psum") == ("down_all_reduce", True)
+  assert P.classify("jit(f)/shard_map/lm_head/all_gather/all_gather") == (
+      "lm_head_all_gather", False)
 
 
 @pytest.mark.parametrize("by_name", [False, True])
@@ -271,6 +297,35 @@ def test_parse_trace_reads_gpu_streams_only(tmp_path):
   assert st.times == {(0, "qkv"): pytest.approx(30e-6), (0, "attn_norm"): pytest.approx(5e-6),
                       (0, "o_proj"): pytest.approx(8e-6)}
   assert st.span_s == pytest.approx(58e-6)
+
+
+def test_parse_trace_keeps_the_first_device_of_a_tensor_parallel_step(tmp_path):
+  # Every device runs the same program: counting both would book each op twice.
+  ev = [{"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/host:CPU"}}]
+  for pid, gpu in ((3, 1), (2, 0)):
+    ev += [{"ph": "M", "pid": pid, "name": "process_name", "args": {"name": f"/device:GPU:{gpu}"}},
+           {"ph": "M", "pid": pid, "tid": 7, "name": "thread_name",
+            "args": {"name": "Stream #7(Compute)"}},
+           {"ph": "X", "pid": pid, "tid": 7, "ts": 20 + gpu, "dur": 30 + gpu, "name": "nvjet",
+            "args": {"hlo_op": "gemm.2"}}]
+  path = tmp_path / "perfetto_trace.json.gz"
+  with gzip.open(path, "wt") as fh:
+    json.dump({"traceEvents": ev}, fh)
+  tr = P.parse_trace(path)
+  assert [(k.ts, k.dur) for k in tr.kernels] == [(20.0, 30.0)]
+  assert tr.info["gpus_in_trace"] == 2
+  # Host devices (CPU): XLA's thunks carry their device ordinal.
+  cpu = [{"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/host:CPU"}}] + [
+      {"ph": "X", "pid": 1, "tid": 10 + d, "ts": 5 + d, "dur": 2, "name": "dot.1",
+       "args": {"hlo_op": "dot.1", "device_ordinal": str(d)}} for d in (0, 1)]
+  with gzip.open(path, "wt") as fh:
+    json.dump({"traceEvents": cpu}, fh)
+  tr = P.parse_trace(path)
+  assert tr.device == "cpu" and [k.ts for k in tr.kernels] == [5.0]
+
+
+def test_tensor_parallel_profile_has_a_row_per_collective():
+  run_checked(pathlib.Path(__file__).parent / "tp_profile_check.py")
 
 
 def test_find_trace_file_missing(tmp_path):
@@ -376,9 +431,13 @@ def test_cli_bad_input_is_a_message(capsys):
        "--decode-attention-backend xla: --phases 'prefill' has no decode or mixed step"),
       (["--phases", "prefill,decode", "--mixed-chunk", "64"],
        "--mixed-chunk 64: --phases 'prefill,decode' has no mixed step"),
-      (["--kernel-timeline"], "--kernel-timeline needs --out")):
+      (["--kernel-timeline"], "--kernel-timeline needs --out"),
+      (["--tensor-parallel-size", "0"], "--tensor-parallel-size 0 must be >= 1")):
     assert P.main(["--model", "/nonexistent/model", *flags]) == 2, flags
     assert message in capsys.readouterr().err, flags
+  # More devices than this process has (one CPU device here): a message.
+  assert P.main(["--model", "tiny", "--tensor-parallel-size", "2"]) == 2
+  assert "needs 2 devices" in capsys.readouterr().err
   # The same through python -m serving profile: a message, not a traceback.
   from serving import cli
   assert cli.main(["profile", "--model", "/nonexistent/model"]) == 2
