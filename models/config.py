@@ -426,6 +426,10 @@ CONFIGS: dict[str, ModelConfig] = {c.name: c for c in [
                 _L3, 1e-5, tie_embeddings=True, max_position_embeddings=131072),
     ModelConfig("llama3.1-8b", 128256, 4096, 32, 32, 8, 128, 14336, 500000.0,
                 RopeScaling(8.0, 1.0, 4.0, 8192), 1e-5, max_position_embeddings=131072),
+    # Random weights at this shape are the tensor-parallel case: 141 GB of
+    # bf16 weights, half on each of two cards.
+    ModelConfig("llama3.1-70b", 128256, 8192, 80, 64, 8, 128, 28672, 500000.0,
+                RopeScaling(8.0, 1.0, 4.0, 8192), 1e-5, max_position_embeddings=131072),
     ModelConfig("mistral-7b", 32000, 4096, 32, 32, 8, 128, 14336, 10000.0, None, 1e-5,
                 sliding_window=4096, max_position_embeddings=32768),
     ModelConfig("qwen2.5-0.5b", 151936, 896, 24, 14, 2, 64, 4864, 1000000.0, None, 1e-6,

@@ -213,6 +213,20 @@ def test_config_validation():
     assert models.ModelConfig.from_dict(c.to_dict()) == c, name
 
 
+def test_the_70b_config_is_hugging_faces_and_splits_over_two_devices():
+  hf = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256,
+        "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
+        "num_attention_heads": 64, "num_key_value_heads": 8, "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0, "max_position_embeddings": 131072, "tie_word_embeddings": False,
+        "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
+        "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 8192, "rope_type": "llama3"}}
+  cfg = models.config.get("llama3.1-70b")
+  assert models.ModelConfig.from_hf(hf, name=cfg.name) == cfg
+  assert 70.0e9 < cfg.num_params() < 71.0e9
+  llama.check_tp(cfg, 2)  # heads, kv heads, FFN blocks and vocabulary divide by 2
+
+
 @pytest.mark.parametrize("fresh, pad_rows", [(True, 1), (False, 1), (False, 6)])
 def test_mixed_step_equals_decode_then_prefill(tiny, fresh, pad_rows):
   """One mixed call (decode rows + prefill chunks sharing the matmuls) gives the
