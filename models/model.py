@@ -183,24 +183,35 @@ def random_params(cfg: config_lib.ModelConfig, seed: int = TINY_SEED, dtype="flo
   return params
 
 
-def random_device_params(cfg: config_lib.ModelConfig, dtype="bfloat16", seed: int = 0):
+def random_device_params(cfg: config_lib.ModelConfig, dtype="bfloat16", seed: int = 0,
+                         mesh=None):
   """Random weights of ``cfg`` made on the device, one jitted draw per leaf
   (an 8B model in seconds, with no float32 copy of the whole model): matrices
   N(0, 1/fan_in) over their second-to-last axis, vectors (norms, biases) ones;
-  in a checkpoint's layout (Model folds the norms)."""
+  in a checkpoint's layout (Model folds the norms). With a 'tp' ``mesh`` each
+  leaf is drawn already split as tensor parallelism places it, so a model
+  that fits only on all the devices (70B on two cards) never sits whole on
+  one; the values are the same as without a mesh."""
   dtype = jnp.dtype(dtype)
   abstract = nnx.eval_shape(lambda: llama.Llama(cfg, dtype=dtype, rngs=nnx.Rngs(seed)))
-  leaves, treedef = jax.tree.flatten(nnx.to_pure_dict(nnx.split(abstract)[1]))
+  pure = nnx.to_pure_dict(nnx.split(abstract)[1])
+  leaves, treedef = jax.tree.flatten(pure)
   keys = jax.random.split(jax.random.key(seed), len(leaves))
+  if mesh is None:
+    places = [None] * len(leaves)
+  else:
+    specs = jax.tree.leaves(llama.param_specs(pure),
+                            is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+    places = [jax.sharding.NamedSharding(mesh, spec) for spec in specs]
 
-  @functools.partial(jax.jit, static_argnums=(1, 2))
   def init(key, shape, dt):
     if len(shape) == 1:
       return jnp.ones(shape, dt)
     return (jax.random.normal(key, shape, jnp.float32) * shape[-2] ** -0.5).astype(dt)
 
-  return jax.tree.unflatten(treedef, [init(k, tuple(x.shape), dtype)
-                                      for k, x in zip(keys, leaves)])
+  draw = functools.cache(lambda place: jax.jit(init, static_argnums=(1, 2), out_shardings=place))
+  return jax.tree.unflatten(treedef, [draw(place)(k, tuple(x.shape), dtype)
+                                      for k, x, place in zip(keys, leaves, places)])
 
 
 def make_mesh(tp: int):
@@ -253,7 +264,8 @@ def load(spec: str | os.PathLike | None = None, *, dtype=None, tp: int = 1,
     params, tok = random_params(cfg), tok_lib.ByteTokenizer()
   elif isinstance(spec, str) and spec in config_lib.CONFIGS:
     cfg = config_lib.get(spec)
-    params, tok = random_device_params(cfg, dtype), tok_lib.ByteTokenizer()
+    params = random_device_params(cfg, dtype, mesh=tp_mesh(cfg, tp))
+    tok = tok_lib.ByteTokenizer()
   else:
     path = pathlib.Path(spec)
     if not path.exists():

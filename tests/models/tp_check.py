@@ -56,8 +56,23 @@ def main():
       jnp.full((2,), 5, jnp.int32), jnp.ones((2, 4), jnp.int32),
       backends=llama.backends(), mesh=two.mesh).as_text()
   assert "all_reduce" in hlo or "all-reduce" in hlo, "no all-reduce in the TP decode step"
+  _random_params_are_drawn_split(seed)
   _llama_8b_tp2_lowers_for_h200()
   print("ok", err)
+
+
+def _random_params_are_drawn_split(seed):
+  """A named config's random weights at TP=2 are drawn on both devices as
+  TP places them (70B fits only so), with the values of the one-device draw."""
+  cfg = models.config.get("tiny")
+  one = model_lib.random_device_params(cfg, "float32", seed)
+  two = model_lib.random_device_params(cfg, "float32", seed, mesh=model_lib.make_mesh(2))
+  w = two["layers"]["attn"]["wqkv"]["w"]
+  assert len(w.sharding.device_set) == 2 and w.sharding.spec[-1] == "tp", w.sharding
+  down = two["layers"]["mlp"]["w_down"]["w"]
+  assert down.sharding.spec[-2] == "tp", down.sharding
+  for a, b in zip(jax.tree.leaves(one), jax.tree.leaves(two)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def _llama_8b_tp2_lowers_for_h200():
