@@ -28,7 +28,8 @@ if [ "${TESTS:-1}" = 1 ]; then
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 pack() { tar czf "$OUT/results.tgz" -C "$OUT" results; }  # after each run: a timeout keeps the rest
-for b in ${BENCHES:-$(cd bench && ls *.py | grep -v -e calibrate -e __init__ -e gpu_smoke | sed 's/\.py$//')}; do
+# (tensor_parallel needs two GPUs: BENCHES=tensor_parallel on the two-GPU kind)
+for b in ${BENCHES:-$(cd bench && ls *.py | grep -v -e calibrate -e __init__ -e gpu_smoke -e tensor_parallel | sed 's/\.py$//')}; do
   IFS=';' read -ra variants <<< "${VARIANTS:-:}"
   for v in "${variants[@]}"; do
     name=${v%%:*}; flags=${v#*:}

@@ -12,11 +12,16 @@ import numpy as np
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
+def host_env(devices: int = 2) -> dict[str, str]:
+  """The environment of a child process with ``devices`` CPU host devices."""
+  return dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+              JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO))
+
+
 def run_checked(script: pathlib.Path, devices: int = 2, timeout: float = 900) -> str:
   """Runs ``script SEED`` (a fresh seed each time) on ``devices`` host devices;
   fails unless it exits 0 and prints "ok". Returns its stdout."""
-  env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
-             JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO))
+  env = host_env(devices)
   seed = str(np.random.default_rng().integers(1 << 30))
   r = subprocess.run([sys.executable, str(script), seed], capture_output=True, text=True,
                      env=env, cwd=REPO, timeout=timeout)
