@@ -491,6 +491,7 @@ class _Step:
                                            jnp.dtype(kv_dtype or model.dtype)))
     self.cache = llama.KVCache(mk(kk), mk(kv))
     mesh = getattr(model, "mesh", None)  # tensor parallelism: kv heads split over 'tp'
+    self.devices = 1 if mesh is None else int(mesh.size)
     if mesh is not None:
       self.cache = jax.device_put(self.cache, llama.cache_sharding(mesh))
     self.backends = llama.backends(**backends)
@@ -523,12 +524,16 @@ class _Step:
     return logits
 
   def _cupti(self, iters: int) -> float:
-    """Median over steps of the sum of the step's kernel durations (CUPTI),
-    with the cache threaded from step to step (a step donates its cache, so
-    it cannot be called twice on the same inputs)."""
+    """Median over steps of the sum of the step's kernel durations (CUPTI; one
+    device's share under tensor parallelism), with the cache threaded from
+    step to step (a step donates its cache, so it cannot be called twice on
+    the same inputs)."""
     from mosaic import bench
 
-    samples = [sum(s for _, s in bench.cupti_kernels(self, ())) for _ in range(iters)]
+    # CUPTI sees every device's kernels: under tensor parallelism their sum
+    # over the devices, which run the same program, is divided among them.
+    samples = [sum(s for _, s in bench.cupti_kernels(self, ())) / self.devices
+               for _ in range(iters)]
     return statistics.median(samples)
 
   def measure(self, iters: int) -> dict[str, Any]:

@@ -324,6 +324,19 @@ def test_parse_trace_keeps_the_first_device_of_a_tensor_parallel_step(tmp_path):
   assert tr.device == "cpu" and [k.ts for k in tr.kernels] == [5.0]
 
 
+def test_cupti_step_time_is_one_devices_share_under_tensor_parallelism(monkeypatch):
+  from mosaic import bench
+
+  # CUPTI reports both devices' kernels of a TP=2 step: 3 + 5 us on each.
+  monkeypatch.setattr(bench, "cupti_kernels", lambda f, inputs: [
+      ("qkv", 3e-6), ("qkv", 3e-6), ("all_reduce", 5e-6), ("all_reduce", 5e-6)])
+  step = P._Step.__new__(P._Step)
+  step.devices = 2
+  assert step._cupti(3) == pytest.approx(8e-6)
+  step.devices = 1
+  assert step._cupti(3) == pytest.approx(16e-6)
+
+
 def test_tensor_parallel_profile_has_a_row_per_collective():
   run_checked(pathlib.Path(__file__).parent / "tp_profile_check.py")
 
