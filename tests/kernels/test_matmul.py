@@ -285,6 +285,19 @@ def test_swiglu_entries_and_swapped_tiles(monkeypatch):
     mm.matmul_mosaic(a, b, activation="swiglu", config=plain)
 
 
+def test_the_mixed_steps_rows_have_table_entries_of_their_own(monkeypatch):
+  # 64 decode rows + a 256- or 512-token chunk: not prefill's 2,048-row entry.
+  key = lambda m: mm.tuning_key(m, 6144, 4096, jnp.bfloat16).split(",")[0]
+  assert [key(m) for m in (257, 320, 321, 576, 577)] == [
+      "m=320", "m=320", "m=576", "m=576", "m=2048"]
+  mid = C(tile_m=64, tile_n=128, tile_k=64, stages=4, wg_dim="n")
+  big = C(tile_m=128, tile_n=128, tile_k=64, stages=4, wg_dim="n")
+  _fake_table(monkeypatch, {mm.tuning_key(320, 6144, 4096, jnp.bfloat16): mid,
+                            mm.tuning_key(2048, 6144, 4096, jnp.bfloat16): big})
+  assert mm.pick_config(320, 6144, 4096, jnp.bfloat16) == mid
+  assert mm.pick_config(1024, 6144, 4096, jnp.bfloat16) == big
+
+
 def test_picked_config_is_fitted_to_the_residual(monkeypatch):
   # A table's 7-stage tall tile fits beside no residual tile; with the
   # model's residual (o, down) it runs one stage shallower, not refused.
