@@ -204,7 +204,7 @@ def candidates(m: int, n: int, k: int, sms: int, activation=None,
       if fits:
         cs += [rep(base, stages=st) for st in {fits[-1], max(2, fits[-1] - 1)}]
   elif m <= 1024:
-    cs = [h] + _wave_filling(m, n, k, sms)
+    cs = [h] + _wave_filling(m, n, sms)
   else:
     cs = [h, rep(h, wg_dim="m"), rep(h, grid_width=16), rep(h, grid_width=4),
           rep(h, grid_minor="m"), C(tile_m=64, tile_n=256, stages=4, wg_dim="m", epi_n=64)]
@@ -231,7 +231,7 @@ def candidates(m: int, n: int, k: int, sms: int, activation=None,
   return out
 
 
-def _wave_filling(m: int, n: int, k: int, sms: int, keep: int = 10) -> list[mm.Config]:
+def _wave_filling(m: int, n: int, sms: int, keep: int = 10) -> list[mm.Config]:
   """The mixed step's rows (64 decodes + a 256- or 512-token chunk): CTA
   shapes whose grid, with a K split of 1 or 2, fills most of a whole number
   of waves with little row padding (at M = 320, N = 6,144 the 128 x 256 CTAs

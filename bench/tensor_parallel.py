@@ -65,7 +65,7 @@ def check_tokens(one, many, prompts: int, tokens: int, tol: float, seed: int, ba
   return rows
 
 
-def step_rows(model, tp: int, iters: int, context: int, batches, page_size: int):
+def step_rows(model, tp: int, iters: int, context: int, batches, page_size: int, backends):
   from bench.model import _steps
   from mosaic import target as target_lib
 
@@ -73,7 +73,7 @@ def step_rows(model, tp: int, iters: int, context: int, batches, page_size: int)
   gbps = target_lib.current().ceilings.hbm_gbps
   rows = []
   for batch in batches:
-    times, logits = _steps(model, "decode", batch, context, BACKENDS, page_size, iters)
+    times, logits = _steps(model, "decode", batch, context, backends, page_size, iters)
     med = statistics.median(times)
     # One device reads its share of the weights and of the KV heads each step.
     kv = 2 * 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * batch * context
@@ -112,10 +112,9 @@ def main(argv=None) -> int:
   from models import llama
   from mosaic import bench
 
-  global BACKENDS
-  batches, ps = BATCHES, llama.DEFAULT_PAGE_SIZE
+  backends, batches, ps = BACKENDS, BATCHES, llama.DEFAULT_PAGE_SIZE
   if a.quick:
-    BACKENDS = dict(attention="xla", matmul="xla", norm="xla")
+    backends = dict(attention="xla", matmul="xla", norm="xla")
     a.prompts, a.tokens, a.iters, a.context, batches, ps = 2, 4, 2, 40, (1, 4), 16
   if len(jax.devices()) < a.tp:
     sys.exit(f"--tp {a.tp} needs {a.tp} devices; this machine has {len(jax.devices())} "
@@ -126,9 +125,9 @@ def main(argv=None) -> int:
   one = None if a.no_tp1 else models.load(a.config, dtype=dtype)
   rows, failed = [], False
   summary = {"config": a.config, "tp": a.tp, "device": jax.devices()[0].device_kind,
-             "devices": len(jax.devices()), "seed": seed, "backends": BACKENDS}
+             "devices": len(jax.devices()), "seed": seed, "backends": backends}
   if one is not None:
-    checks = check_tokens(one, many, a.prompts, a.tokens, a.tol, seed, BACKENDS)
+    checks = check_tokens(one, many, a.prompts, a.tokens, a.tol, seed, backends)
     rows += [{"part": "tokens"} | r for r in checks]
     failed = any("error" in r for r in checks)
     summary["tokens_agree"] = not failed
@@ -137,7 +136,7 @@ def main(argv=None) -> int:
     steps = {}
     for tp, model in ((1, one), (a.tp, many)):
       if model is not None:
-        steps[tp] = step_rows(model, tp, a.iters, a.context, batches, ps)
+        steps[tp] = step_rows(model, tp, a.iters, a.context, batches, ps, backends)
         rows += [{"part": "decode"} | r for r in steps[tp]]
     failed = any("error" in r for rs in steps.values() for r in rs)
     if 1 in steps:

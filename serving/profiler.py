@@ -131,7 +131,7 @@ def op_costs(cfg, phase: str, batch: int, length: int, *, dtype="bfloat16",
   hq, hkv = cfg.num_heads, cfg.num_kv_heads
   # Megatron layout (models.llama.param_spec): one device's heads and features.
   hq, hkv, f = hq // tp, hkv // tp, f // tp
-  if not getattr(cfg, "tie_embeddings", False):
+  if not cfg.tie_embeddings:
     v //= tp
   mm = lambda rows, n, k, **kw: cost_lib.matmul(rows, n, k, dtype, dtype, **kw)
   attention = lambda b, tq, tkv, kv=None: cost_lib.attention(b, hq, hkv, tq, tkv, hd,

@@ -10,6 +10,7 @@ Prints "ok" or raises.
 
 import sys
 
+from models import config as config_lib
 from serving import profiler as P
 
 COLLECTIVES = {"o_proj_all_reduce", "down_all_reduce", "lm_head_all_gather"}
@@ -27,7 +28,7 @@ def rows(tp: int, seed: int):
 
 def main(seed: int) -> None:
   one, two = rows(1, seed), rows(2, seed)
-  layers = P.load_model("tiny").config.num_layers
+  layers = config_lib.get("tiny").num_layers
   assert not {op for _, op in one} & COLLECTIVES, sorted(one)
   want = {(layer, op) for layer in range(layers) for op in ("o_proj_all_reduce", "down_all_reduce")}
   want.add((None, "lm_head_all_gather"))
