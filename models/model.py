@@ -58,6 +58,8 @@ class Model:
       fold_norms = self.residual_dtype == self.dtype
     self.tokenizer = tokenizer
     self.mesh = mesh
+    # Devices the weights and the KV heads are split over (1: no mesh).
+    self.tensor_parallel_size = 1 if mesh is None else int(mesh.size)
     self.fold_norms = fold_norms
     abstract = nnx.eval_shape(lambda: llama.Llama(config, dtype=self.dtype, rngs=nnx.Rngs(0),
                                                   norms_folded=fold_norms,

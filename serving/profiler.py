@@ -491,7 +491,7 @@ class _Step:
                                            jnp.dtype(kv_dtype or model.dtype)))
     self.cache = llama.KVCache(mk(kk), mk(kv))
     mesh = getattr(model, "mesh", None)  # tensor parallelism: kv heads split over 'tp'
-    self.devices = 1 if mesh is None else int(mesh.size)
+    self.devices = model.tensor_parallel_size
     if mesh is not None:
       self.cache = jax.device_put(self.cache, llama.cache_sharding(mesh))
     self.backends = llama.backends(**backends)
@@ -864,8 +864,7 @@ def profile(model, *, batch: int = 1, prefill_len: int = 128, decode_context: in
   llama.ops()  # registers the ops' backends
   cfg = model.config
   tgt = target_lib.current()
-  mesh = getattr(model, "mesh", None)
-  tp = 1 if mesh is None else int(mesh.size)
+  tp = model.tensor_parallel_size
   confs = configurations(phases, _names(attention),
                          None if decode_attention is None else _names(decode_attention),
                          _names(matmul))

@@ -138,7 +138,7 @@ class ModelRunner:
     mesh = getattr(model, "mesh", None)
     self.state_sharding = None if mesh is None else jax.sharding.NamedSharding(
         mesh, jax.sharding.PartitionSpec())
-    self.tensor_parallel_size = 1 if mesh is None else int(mesh.size)
+    self.tensor_parallel_size = getattr(model, "tensor_parallel_size", 1)
 
   def _direct_steps(self, attention, decode_attention, matmul):
     """The jitted steps of models.llama with the graph definition closed over.
