@@ -429,6 +429,20 @@ def main():
   if a.engine_process:
     # Two processes share the GPU: neither may take most of its memory up front.
     os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
+    # This process holds a second copy of the weights for the reference check,
+    # which `serve` never does. The engine sizes its cache as if alone on the
+    # card (its bytes_limit, the client's 75% share), so this process must
+    # stay in the rest: cudaMalloc'd buffers of their exact size, where jax's
+    # default arena grows by doubling regions (the engine's warm-up then hit
+    # out-of-memory growing its own arena). The engine process, spawned
+    # below, keeps the default allocator.
+    from jax._src import xla_bridge
+
+    if xla_bridge.backends_are_initialized():
+      raise SystemExit("serving_gpu: jax's GPU client started before its allocator was set")
+    os.environ["XLA_PYTHON_CLIENT_ALLOCATOR"] = "platform"
+    jax.devices()  # the client reads the variable here, once
+    del os.environ["XLA_PYTHON_CLIENT_ALLOCATOR"]
     from serving.engine.process import ProcessEngine
 
     engine = ProcessEngine(build_engine, a)  # its own copy of the (seeded) random model
