@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import gc
 import json
 import os
 import pathlib
@@ -191,23 +192,32 @@ def schedule(records) -> dict:
   return out
 
 
-def check_prompt_logprobs(target, model, prompt, got, page) -> dict:
-  """The served prompt logprobs of ``prompt`` against XLA's forward of the
-  same weights over it (xla backends, float32 logits at every position):
-  ‖served - ref‖ / ‖ref‖ over the prompt tokens' logprobs, and the same
-  greedy token as the unscored request."""
+def xla_reference(model, prompt, all_logits: bool = False) -> np.ndarray:
+  """XLA's forward (xla backends) of ``prompt`` on the same weights: float32
+  logits at the last position [V], or at every position [T, V]."""
   import models
-  from serving.client import Client
+  from serving.engine import default_page_size
 
-  with Client(target) as c:
-    r = c.generate(prompt, max_tokens=1, prompt_logprobs=5)
+  page = default_page_size()  # the result does not depend on the page size
   pages = -(-len(prompt) // page)
   table = np.arange(1, pages + 1, dtype=np.int32)[None]
   cache = model.init_cache(pages + 1, page_size=page)
   logits, _ = models.Model.prefill(model, cache, np.asarray([prompt], np.int32),
                                    np.zeros(1, np.int32), np.array([len(prompt)], np.int32),
-                                   table, attention="xla", matmul="xla", all_logits=True)
-  ref = np.asarray(jax.nn.log_softmax(jnp.asarray(logits[0], jnp.float32), axis=-1))
+                                   table, attention="xla", matmul="xla", all_logits=all_logits)
+  return np.asarray(jnp.asarray(logits[0], jnp.float32))
+
+
+def check_prompt_logprobs(target, ref_logits, prompt, got) -> dict:
+  """The served prompt logprobs of ``prompt`` against XLA's forward of the
+  same weights over it (``ref_logits`` [T, V], float32, from xla_reference):
+  ‖served - ref‖ / ‖ref‖ over the prompt tokens' logprobs, and the same
+  greedy token as the unscored request."""
+  from serving.client import Client
+
+  with Client(target) as c:
+    r = c.generate(prompt, max_tokens=1, prompt_logprobs=5)
+  ref = np.asarray(jax.nn.log_softmax(jnp.asarray(ref_logits), axis=-1))
   want = ref[np.arange(len(prompt) - 1), prompt[1:]]
   served = np.array([x.logprob for x in r.prompt_logprobs])
   ids_ok = [x.token_id for x in r.prompt_logprobs] == prompt[1:]
@@ -429,13 +439,14 @@ def main():
   if a.engine_process:
     # Two processes share the GPU: neither may take most of its memory up front.
     os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
-    # This process holds a second copy of the weights for the reference check,
-    # which `serve` never does. The engine sizes its cache as if alone on the
-    # card (its bytes_limit, the client's 75% share), so this process must
-    # stay in the rest: cudaMalloc'd buffers of their exact size, where jax's
-    # default arena grows by doubling regions (the engine's warm-up then hit
-    # out-of-memory growing its own arena). The engine process, spawned
-    # below, keeps the default allocator.
+    # This process draws a copy of the weights for the reference check, which
+    # `serve`'s server never does, and must give it back before the engine
+    # process starts: that one sizes its cache as if alone on the card and
+    # grows its arena by regions of tens of GiB during the warm-up (with this
+    # copy held, or held in jax's default arena, which keeps freed memory,
+    # the warm-up ran out of memory on the H200). The platform allocator
+    # frees to the driver; the engine process, spawned below, keeps the
+    # default allocator.
     from jax._src import xla_bridge
 
     if xla_bridge.backends_are_initialized():
@@ -445,15 +456,28 @@ def main():
     del os.environ["XLA_PYTHON_CLIENT_ALLOCATOR"]
     from serving.engine.process import ProcessEngine
 
+  # 1. correctness, checked before timing against XLA's forward of the same
+  # seeded weights. The reference is computed first: with --engine-process
+  # this process draws its own copy of the weights, which must be gone (back
+  # to the driver: the platform allocator above) before the engine process
+  # sizes its cache and grows its arena, as beside `serve`'s server, which
+  # holds none.
+  rng = np.random.default_rng(0)
+  n_in = a.input_len
+  model = flags_model(a) if a.engine_process else None
+  engine = None if a.engine_process else build_engine(a)
+  runner = None if a.engine_process else engine.runner
+  model = model or runner.model
+  cfg = model.config
+  prompt = rng.integers(0, cfg.vocab_size, n_in).tolist()
+  ref_logits = xla_reference(model, prompt, all_logits=a.prompt_logprobs)
+  ref_last = ref_logits[n_in - 1] if a.prompt_logprobs else ref_logits
+  top5 = np.argsort(-ref_last)[:5].tolist()
+  del model
+  if a.engine_process:
+    jax.clear_caches()
+    gc.collect()  # the weights' buffers go back to the driver here
     engine = ProcessEngine(build_engine, a)  # its own copy of the (seeded) random model
-    runner = None
-  else:
-    engine = build_engine(a)
-    runner = engine.runner
-  # The reference for the correctness check: the same seeded weights.
-  model = flags_model(a) if a.engine_process else runner.model
-
-  import models
 
   page = engine.info.page_size
   cmax, chunk = a.concurrency, a.ttft_len
@@ -478,28 +502,17 @@ def main():
                        "shared_prefix_len": a.shared_prefix_len, "prefix_groups": a.prefix_groups,
                        "requests_per_stream": a.requests_per_stream}
 
-  # 1. correctness before timing.
   from serving.client import Client
 
-  rng = np.random.default_rng(0)
-  n_in = a.input_len
-  prompt = rng.integers(0, model.config.vocab_size, n_in).tolist()
   with Client(target) as c:
     got = c.generate(prompt, max_tokens=1).token_ids[0]
-  pages = -(-n_in // page)
-  ref_cache = model.init_cache(pages + 1, page_size=page)
-  table = np.arange(1, pages + 1, dtype=np.int32)[None]
-  ref, _ = models.Model.prefill(model, ref_cache, np.asarray([prompt], np.int32),
-                                np.zeros(1, np.int32), np.array([n_in], np.int32), table,
-                                attention="xla", matmul="xla")
-  top5 = np.argsort(-np.asarray(ref[0], np.float32))[:5].tolist()
   summary["correct"] = bool(got in top5)
   print(f"correctness: server token {got}, xla top-5 {top5}: "
         f"{'ok' if summary['correct'] else 'MISMATCH'}", flush=True)
   if a.prompt_logprobs:
-    summary.update(check_prompt_logprobs(target, model, prompt, got, page))
+    summary.update(check_prompt_logprobs(target, ref_logits, prompt, got))
     summary["correct"] = summary["correct"] and summary["prompt_logprobs_correct"]
-  del ref_cache
+  del ref_logits
 
   n1, n64 = (2, cmax) if a.quick else (4, a.requests_per_stream * cmax)
   io = dict(input_len=n_in, output_len=a.output_len)
@@ -522,7 +535,7 @@ def main():
                  "target": 60.0, "anchor_hf": 63.3, "unit": "ms"})
 
     if a.prompt_logprobs:
-      ms = time_scored(target, model.config.vocab_size, chunk)
+      ms = time_scored(target, cfg.vocab_size, chunk)
       summary[f"ttft_{chunk}_scored_ms_p50"] = ms
       rows.append({"case": f"TTFT, {chunk}-token prompt with prompt_logprobs=5, c=1",
                    "ours": ms, "target": "", "anchor_hf": "", "unit": "ms"})
@@ -556,7 +569,7 @@ def main():
     rows.append({"case": f"output tok/s, c={cmax} ({shape})",
                  "ours": r["output_tok_s"],
                  "target": 10000.0, "anchor_hf": HF_ANCHOR["hf_tok_s_b64"], "unit": "tok/s"})
-    bound = roofline_tok_s(model.config, cmax, n_in, a.output_len, tp=a.tp,
+    bound = roofline_tok_s(cfg, cmax, n_in, a.output_len, tp=a.tp,
                            kv_bytes=1 if a.kv_cache_dtype else 2)
     summary[f"roofline_tok_s_c{cmax}"] = bound
     summary[f"roofline_fraction_c{cmax}"] = r["output_tok_s"] / bound
