@@ -439,14 +439,9 @@ def main():
   if a.engine_process:
     # Two processes share the GPU: neither may take most of its memory up front.
     os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
-    # This process draws a copy of the weights for the reference check, which
-    # `serve`'s server never does, and must give it back before the engine
-    # process starts: that one sizes its cache as if alone on the card and
-    # grows its arena by regions of tens of GiB during the warm-up (with this
-    # copy held, or held in jax's default arena, which keeps freed memory,
-    # the warm-up ran out of memory on the H200). The platform allocator
-    # frees to the driver; the engine process, spawned below, keeps the
-    # default allocator.
+    # This process's reference weights must go back to the driver when freed
+    # (below): jax's default arena keeps what it frees. The engine process,
+    # spawned later, keeps the default allocator.
     from jax._src import xla_bridge
 
     if xla_bridge.backends_are_initialized():
@@ -458,10 +453,11 @@ def main():
 
   # 1. correctness, checked before timing against XLA's forward of the same
   # seeded weights. The reference is computed first: with --engine-process
-  # this process draws its own copy of the weights, which must be gone (back
-  # to the driver: the platform allocator above) before the engine process
-  # sizes its cache and grows its arena, as beside `serve`'s server, which
-  # holds none.
+  # this process draws its own copy of the weights, which must be gone before
+  # the engine process starts, as beside `serve`'s server, which holds none:
+  # the engine sizes its cache as if alone on the card and grows its arena
+  # by regions of tens of GiB in the warm-up (beside the copy it ran out of
+  # memory on the H200).
   rng = np.random.default_rng(0)
   n_in = a.input_len
   model = flags_model(a) if a.engine_process else None
