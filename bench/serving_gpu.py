@@ -460,10 +460,11 @@ def main():
   # memory on the H200).
   rng = np.random.default_rng(0)
   n_in = a.input_len
-  model = flags_model(a) if a.engine_process else None
-  engine = None if a.engine_process else build_engine(a)
-  runner = None if a.engine_process else engine.runner
-  model = model or runner.model
+  if a.engine_process:
+    engine, model = None, flags_model(a)  # the engine process starts below
+  else:
+    engine = build_engine(a)
+    model = engine.runner.model
   cfg = model.config
   prompt = rng.integers(0, cfg.vocab_size, n_in).tolist()
   ref_logits = xla_reference(model, prompt, all_logits=a.prompt_logprobs)
