@@ -25,6 +25,7 @@ WHEELS=(
   uvicorn==0.55.0
   annotated-doc==0.0.7
   opentelemetry-api==1.45.3
+  gguf==0.19.0  # bench/torch_interop.py --gguf: transformers reads the embedded model with it
 )
 # A pin that no longer matches .venv is named (the tests ran on .venv's).
 if [ -x .venv/bin/python ]; then

@@ -32,9 +32,11 @@ timed):
    give flat logits, so a bf16 near-tie can flip a token: where the two
    generations differ, the row says at which token and whether sdpa's own
    top-2 logit gap there is within the mosaic-sdpa logit difference (a tie)
-   or not (a failure).
+   or not (a failure). ``--gguf PATH`` runs a checkpoint instead (the
+   embedded SmolLM2-135M-Instruct, as transformers loads a GGUF), its
+   generation from a chat prompt, with the text in the row.
 
-  PYTHONPATH=. python3 bench/torch_interop.py --out /tmp/torch_interop [--quick]
+  PYTHONPATH=. python3 bench/torch_interop.py --out /tmp/torch_interop [--quick] [--gguf F]
 
 Writes torch_interop.json and .md under --out (mosaic.bench.write).
 """
@@ -294,15 +296,33 @@ def first_difference(a, b) -> int | None:
   return None if a.shape == b.shape else n
 
 
-def model_part(rows, name, seed, context, new_tokens, prompt_len):
-  from transformers import LlamaForCausalLM
+# The greedy generation's prompt when the model is a checkpoint (--gguf).
+PROMPT = ("<|im_start|>user\nExplain in a few sentences why the sky is blue.<|im_end|>\n"
+          "<|im_start|>assistant\n")
 
-  mtorch.register_transformers_attention()
-  cfg = model_config(name)
+
+def load_model(name, seed, gguf):
+  """(model in float32 on the GPU, tokenizer or None, its name): the --gguf
+  checkpoint as transformers itself loads it (dequantized by the gguf
+  package), else a random-weight config of ``model_config``."""
+  from transformers import AutoTokenizer, LlamaForCausalLM
+
+  if gguf:
+    path = pathlib.Path(gguf)
+    model = LlamaForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                             dtype=torch.float32).to("cuda")
+    tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    return model, tok, path.stem
   torch.manual_seed(seed)
   with torch.device("cuda"):
-    model = LlamaForCausalLM(cfg)  # float32 weights: the reference
+    return LlamaForCausalLM(model_config(name)), None, name
+
+
+def model_part(rows, name, seed, context, new_tokens, prompt_len, gguf=None):
+  mtorch.register_transformers_attention()
+  model, tok, name = load_model(name, seed, gguf)  # float32 weights: the reference
   model.eval()
+  cfg = model.config
   ids = torch.randint(3, cfg.vocab_size, (1, context), device="cuda",
                       generator=torch.Generator(device="cuda").manual_seed(seed))
   case = f"{name}_ctx{context}"
@@ -334,7 +354,8 @@ def model_part(rows, name, seed, context, new_tokens, prompt_len):
     row = {"part": "model", "case": f"{name}_greedy{new_tokens}", "impl": "mosaic vs sdpa",
            "ok": True}
     try:
-      prompt = ids[:, :prompt_len]
+      prompt = (ids[:, :prompt_len] if tok is None else
+                tok(PROMPT, return_tensors="pt", add_special_tokens=False).input_ids.cuda())
       gen = {}
       for impl in ("sdpa", "mosaic"):
         _set_attn(model, impl)
@@ -343,6 +364,9 @@ def model_part(rows, name, seed, context, new_tokens, prompt_len):
       t = first_difference(gen["mosaic"], gen["sdpa"])
       if t is None:
         row["note"] = f"{new_tokens} greedy tokens equal"
+        if tok is not None:
+          text = tok.decode(gen["mosaic"][0, prompt.shape[1]:], skip_special_tokens=True)
+          row["note"] += f" (from a {prompt.shape[1]}-token chat prompt): {text!r}"
       else:
         prefix = gen["sdpa"][:, :t]
         at = {}
@@ -375,7 +399,10 @@ def main(argv=None):
   p.add_argument("--model", default="llama1b", help="llama1b or smollm2")
   p.add_argument("--context", type=int, default=4096)
   p.add_argument("--new-tokens", type=int, default=64)
-  p.add_argument("--prompt-len", type=int, default=128)
+  p.add_argument("--prompt-len", type=int, default=128,
+                 help="the random model's generation prompt (random tokens)")
+  p.add_argument("--gguf", help="a Llama-architecture GGUF checkpoint (the embedded SmolLM2 "
+                 "model) instead of --model's random weights; needs the gguf package")
   args = p.parse_args(argv)
   if not torch.cuda.is_available() or not any(d.platform == "gpu" for d in jax.devices()):
     sys.exit("torch_interop: needs a CUDA GPU visible to both torch and jax")
@@ -402,7 +429,7 @@ def main(argv=None):
     flush()
   if "model" in parts:
     model_part(rows, "smollm2" if args.quick else args.model, seed, args.context,
-               args.new_tokens, args.prompt_len)
+               args.new_tokens, args.prompt_len, args.gguf)
     flush()
   print(bench.table(rows, COLUMNS))
   print(f"total {time.time() - t0:.0f}s")
