@@ -305,12 +305,12 @@ def load_model(name, seed, gguf):
   """(model in float32 on the GPU, tokenizer or None, its name): the --gguf
   checkpoint as transformers itself loads it (dequantized by the gguf
   package), else a random-weight config of ``model_config``."""
-  from transformers import AutoTokenizer, LlamaForCausalLM
+  from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
   if gguf:
     path = pathlib.Path(gguf)
-    model = LlamaForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
-                                             dtype=torch.float32).to("cuda")
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                 dtype=torch.float32).to("cuda")
     tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     return model, tok, path.stem
   torch.manual_seed(seed)
@@ -399,11 +399,15 @@ def main(argv=None):
   p.add_argument("--model", default="llama1b", help="llama1b or smollm2")
   p.add_argument("--context", type=int, default=4096)
   p.add_argument("--new-tokens", type=int, default=64)
-  p.add_argument("--prompt-len", type=int, default=128,
-                 help="the random model's generation prompt (random tokens)")
-  p.add_argument("--gguf", help="a Llama-architecture GGUF checkpoint (the embedded SmolLM2 "
-                 "model) instead of --model's random weights; needs the gguf package")
+  p.add_argument("--prompt-len", type=int,
+                 help="random tokens the random model's generation starts from (default 128)")
+  p.add_argument("--gguf", help="a GGUF checkpoint that transformers reads (the embedded "
+                 "SmolLM2 model) instead of --model's random weights; needs the gguf package")
   args = p.parse_args(argv)
+  if args.gguf and args.prompt_len is not None:
+    p.error("--prompt-len is the random model's: a --gguf model generates from a chat prompt")
+  if args.gguf and not pathlib.Path(args.gguf).is_file():
+    p.error(f"--gguf {args.gguf}: no such file")
   if not torch.cuda.is_available() or not any(d.platform == "gpu" for d in jax.devices()):
     sys.exit("torch_interop: needs a CUDA GPU visible to both torch and jax")
   out = pathlib.Path(args.out)
@@ -429,7 +433,7 @@ def main(argv=None):
     flush()
   if "model" in parts:
     model_part(rows, "smollm2" if args.quick else args.model, seed, args.context,
-               args.new_tokens, args.prompt_len, args.gguf)
+               args.new_tokens, args.prompt_len or 128, args.gguf)
     flush()
   print(bench.table(rows, COLUMNS))
   print(f"total {time.time() - t0:.0f}s")
