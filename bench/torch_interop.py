@@ -296,9 +296,9 @@ def first_difference(a, b) -> int | None:
   return None if a.shape == b.shape else n
 
 
-# The greedy generation's prompt when the model is a checkpoint (--gguf).
-PROMPT = ("<|im_start|>user\nExplain in a few sentences why the sky is blue.<|im_end|>\n"
-          "<|im_start|>assistant\n")
+# The greedy generation's request when the model is a checkpoint (--gguf), in
+# the checkpoint's own chat template.
+QUESTION = "Explain in a few sentences why the sky is blue."
 
 
 def load_model(name, seed, gguf):
@@ -312,6 +312,8 @@ def load_model(name, seed, gguf):
     model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
                                                  dtype=torch.float32).to("cuda")
     tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    if not tok.chat_template:
+      raise SystemExit(f"--gguf {gguf}: the checkpoint has no chat template to prompt it with")
     return model, tok, path.stem
   torch.manual_seed(seed)
   with torch.device("cuda"):
@@ -354,8 +356,9 @@ def model_part(rows, name, seed, context, new_tokens, prompt_len, gguf=None):
     row = {"part": "model", "case": f"{name}_greedy{new_tokens}", "impl": "mosaic vs sdpa",
            "ok": True}
     try:
-      prompt = (ids[:, :prompt_len] if tok is None else
-                tok(PROMPT, return_tensors="pt", add_special_tokens=False).input_ids.cuda())
+      prompt = ids[:, :prompt_len] if tok is None else tok.apply_chat_template(
+          [{"role": "user", "content": QUESTION}], add_generation_prompt=True,
+          return_tensors="pt", return_dict=True)["input_ids"].cuda()
       gen = {}
       for impl in ("sdpa", "mosaic"):
         _set_attn(model, impl)
@@ -366,7 +369,7 @@ def model_part(rows, name, seed, context, new_tokens, prompt_len, gguf=None):
         row["note"] = f"{new_tokens} greedy tokens equal"
         if tok is not None:
           text = tok.decode(gen["mosaic"][0, prompt.shape[1]:], skip_special_tokens=True)
-          row["note"] += f" (from a {prompt.shape[1]}-token chat prompt): {text!r}"
+          row["note"] += f" (from {QUESTION!r} in its chat template): {text!r}"
       else:
         prefix = gen["sdpa"][:, :t]
         at = {}
@@ -396,7 +399,7 @@ def main(argv=None):
   p.add_argument("--parts", default="overhead,prefill,model")
   p.add_argument("--calls", type=int, default=200)
   p.add_argument("--repeats", type=int, default=5)
-  p.add_argument("--model", default="llama1b", help="llama1b or smollm2")
+  p.add_argument("--model", help="the random-weight model: llama1b (default) or smollm2")
   p.add_argument("--context", type=int, default=4096)
   p.add_argument("--new-tokens", type=int, default=64)
   p.add_argument("--prompt-len", type=int,
@@ -404,8 +407,10 @@ def main(argv=None):
   p.add_argument("--gguf", help="a GGUF checkpoint that transformers reads (the embedded "
                  "SmolLM2 model) instead of --model's random weights; needs the gguf package")
   args = p.parse_args(argv)
-  if args.gguf and args.prompt_len is not None:
-    p.error("--prompt-len is the random model's: a --gguf model generates from a chat prompt")
+  for flag, value in (("--model", args.model), ("--prompt-len", args.prompt_len)):
+    if args.gguf and value is not None:
+      p.error(f"{flag} is the random model's: --gguf runs the checkpoint, prompted in its "
+              "chat template")
   if args.gguf and not pathlib.Path(args.gguf).is_file():
     p.error(f"--gguf {args.gguf}: no such file")
   if not torch.cuda.is_available() or not any(d.platform == "gpu" for d in jax.devices()):
@@ -432,8 +437,9 @@ def main(argv=None):
     prefill(rows, shapes)
     flush()
   if "model" in parts:
-    model_part(rows, "smollm2" if args.quick else args.model, seed, args.context,
-               args.new_tokens, args.prompt_len or 128, args.gguf)
+    random_model = args.model or ("smollm2" if args.quick else "llama1b")
+    model_part(rows, random_model, seed, args.context, args.new_tokens,
+               128 if args.prompt_len is None else args.prompt_len, args.gguf)
     flush()
   print(bench.table(rows, COLUMNS))
   print(f"total {time.time() - t0:.0f}s")
