@@ -309,11 +309,13 @@ def load_model(name, seed, gguf):
 
   if gguf:
     path = pathlib.Path(gguf)
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
-                                                 dtype=torch.float32).to("cuda")
+    # The tokenizer first: a checkpoint it cannot prompt is refused before the
+    # weights are dequantized.
     tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     if not tok.chat_template:
       raise SystemExit(f"--gguf {gguf}: the checkpoint has no chat template to prompt it with")
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                 dtype=torch.float32).to("cuda")
     return model, tok, path.stem
   torch.manual_seed(seed)
   with torch.device("cuda"):
@@ -399,7 +401,8 @@ def main(argv=None):
   p.add_argument("--parts", default="overhead,prefill,model")
   p.add_argument("--calls", type=int, default=200)
   p.add_argument("--repeats", type=int, default=5)
-  p.add_argument("--model", help="the random-weight model: llama1b (default) or smollm2")
+  p.add_argument("--model", choices=("llama1b", "smollm2"),
+                 help="the random-weight model (default llama1b; smollm2 under --quick)")
   p.add_argument("--context", type=int, default=4096)
   p.add_argument("--new-tokens", type=int, default=64)
   p.add_argument("--prompt-len", type=int,
