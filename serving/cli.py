@@ -296,6 +296,7 @@ def cmd_generate(a) -> int:
     n = 0
     final = None
     others: dict[int, list] = {}  # with --n: completions 1.. print after completion 0
+    lps = []  # completion 0's token logprobs (--logprobs)
     prompt = a.prompt
     if a.chat or a.system is not None:  # one user turn, after the system message if any
       prompt = ([{"role": "system", "content": a.system}] if a.system is not None else []) + [
@@ -307,6 +308,7 @@ def cmd_generate(a) -> int:
       if chunk.token_ids and first is None:
         first = time.perf_counter() - t0
       n += len(chunk.token_ids)
+      lps += chunk.logprobs
       sys.stdout.write(chunk.text)
       sys.stdout.flush()
       if chunk.HasField("final"):
@@ -318,11 +320,13 @@ def cmd_generate(a) -> int:
     print(f"--- completion {i} ({done.usage.completion_tokens} tokens, "
           f"{pb.FinishReason.Name(done.finish_reason)}) ---")
     print("".join(ch.text for ch in chunks))
-  if final is not None and final.prompt_logprobs:
-    lps = final.prompt_logprobs
-    print(f"prompt logprobs ({len(lps)} tokens, sum {sum(x.logprob for x in lps):.4f}):",
+  for what, scored in (("prompt logprobs", final.prompt_logprobs if final else ()),
+                       ("logprobs", lps)):
+    if not scored:
+      continue
+    print(f"{what} ({len(scored)} tokens, sum {sum(x.logprob for x in scored):.4f}):",
           file=sys.stderr)
-    for x in lps:
+    for x in scored:  # token id, its logprob, [the likeliest ids: logprob]
       top = ", ".join(f"{t.token_id}: {t.logprob:.4f}" for t in x.top)
       print(f"  {x.token_id:>8} {x.logprob:10.4f}" + (f"   [{top}]" if top else ""),
             file=sys.stderr)
@@ -506,7 +510,8 @@ def parser() -> argparse.ArgumentParser:
                  help="go on past the end-of-sequence token (until --max-tokens)")
   g.add_argument("--include-stop-str-in-output", action="store_true",
                  help="keep the stop string that ended the text")
-  g.add_argument("--logprobs", action="store_true", help="return each token's logprob")
+  g.add_argument("--logprobs", action="store_true",
+                 help="print each generated token's logprob (completion 0's, to stderr)")
   g.add_argument("--allowed-token-ids", type=_token_ids, metavar="ID,ID,...",
                  help="only these token ids may be generated")
   g.add_argument("--logit-bias", action="append", type=_token_bias, metavar="TOKEN_ID=BIAS",
@@ -569,6 +574,8 @@ def main(argv=None) -> int:
     p.error(f"--concurrency {a.concurrency} and --rate {a.rate:g}: give one of them")
   if a.cmd == "loadgen" and a.prefix_groups != 1 and not a.shared_prefix_len:
     p.error(f"--prefix-groups {a.prefix_groups} needs --shared-prefix-len")
+  if a.cmd == "generate" and a.top_logprobs and not a.logprobs:
+    p.error(f"--top-logprobs {a.top_logprobs} needs --logprobs")
   if a.cmd == "loadgen" and a.concurrency is None and a.rate is None:
     a.concurrency = 1
   logging.basicConfig(level=logging.INFO if a.verbose or a.cmd == "serve" else logging.WARNING,

@@ -164,8 +164,10 @@ def _chat(messages: list[ChatMessage]) -> tuple[tuple[str, str], ...]:
 class _Call:
   """One HTTP call's engine requests and their merged events."""
 
-  def __init__(self, engine, req: CompletionRequest | ChatCompletionRequest, chat: bool):
+  def __init__(self, engine, req: CompletionRequest | ChatCompletionRequest, chat: bool,
+               observe_itl=None):
     self.engine, self.chat = engine, chat
+    self.observe_itl = observe_itl  # (gap, tokens): the inter-token latency histogram
     if req.model not in (None, "", engine.info.model_name):
       raise APIError(404, f"the model {req.model!r} does not exist; this server serves "
                      f"{engine.info.model_name!r}", "not_found", "model")
@@ -245,6 +247,7 @@ class _Call:
     """(index, Delta | Final) until every completion's Final; ``gone()`` is
     asked every _POLL_S: True cancels the requests (_ClientGone)."""
     finals, check = 0, time.monotonic() + _POLL_S
+    last: dict[int, float] = {}  # completion -> when its last tokens came
     try:
       while finals < self.n:
         try:
@@ -268,6 +271,12 @@ class _Call:
                          f"({ev.completion_tokens} tokens generated)", "unavailable")
         if isinstance(ev, api.Final) and ev.reason not in _FINISH:
           raise APIError(500, f"the request ended: {ev.reason.name.lower()}", "internal_error")
+        if isinstance(ev, api.Delta) and ev.token_ids and self.observe_itl is not None:
+          # As the gRPC stream counts them: k tokens at once are k equal gaps.
+          now = time.monotonic()
+          if i in last:
+            self.observe_itl((now - last[i]) / len(ev.token_ids), len(ev.token_ids))
+          last[i] = now
         yield i, ev
         finals += isinstance(ev, api.Final)
     finally:
@@ -500,7 +509,7 @@ class _OpenAI:
     try:
       try:
         req = parse(ChatCompletionRequest if chat else CompletionRequest, raw)
-        return _Call(self.engine, req, chat), req
+        return _Call(self.engine, req, chat, self.servicer.metrics.observe_itl), req
       except api.InvalidRequest as e:
         raise APIError(400, str(e)) from None
       except (TypeError, ValueError, KeyError, AttributeError) as e:  # a field's wrong value

@@ -58,8 +58,10 @@ class ChatMessage(_Body):
   content: str | list[TextPart] = _f("a string or a list of text parts", ...)
 
   def text(self) -> str:
+    # Text parts one per line, as vLLM joins them for a template that takes
+    # a string.
     c = self.content
-    return c if isinstance(c, str) else "".join(p.text for p in c)
+    return c if isinstance(c, str) else "\n".join(p.text for p in c)
 
 
 class StreamOptions(_Body):

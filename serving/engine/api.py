@@ -242,6 +242,8 @@ class Request:
   messages: Sequence[tuple[str, str]] | None = None
   add_generation_prompt: bool = True  # the template ends with the assistant's header
   deadline: float | None = None  # time.monotonic() by which the request must end
+  # prompt_text's special tokens (vLLM's add_special_tokens): BOS first where
+  # the model's tokenizer puts one (its add_bos), never on a model without.
   add_bos: bool = True
   priority: int = 0  # lower is more urgent; needs EngineConfig.scheduling = "priority"
 

@@ -31,12 +31,18 @@ class Intake:
     self.grammars = grammars  # structured.Grammars
 
   def tokenize(self, text: str, add_bos: bool = False) -> list[int]:
+    """``add_bos``: the model's special tokens (vLLM's ``add_special_tokens``):
+    BOS goes first only where the tokenizer puts one before a plain prompt
+    (its ``add_bos``, e.g. a GGUF's tokenizer.ggml.add_bos_token); a model
+    trained without one is not given one."""
     try:
       ids = list(self.tok.encode(text))
     except ValueError as e:  # a model loaded without a tokenizer: token ids only
       raise api.InvalidRequest(str(e)) from None
     bos = getattr(self.tok, "bos_id", None)
-    return [bos] + ids if add_bos and bos is not None else ids
+    if add_bos and bos is not None and getattr(self.tok, "add_bos", False):
+      return [bos] + ids
+    return ids
 
   def token_pieces(self, ids: Sequence[int]) -> list[str]:
     return [self.tok.decode([i]) for i in ids]

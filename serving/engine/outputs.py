@@ -66,7 +66,10 @@ class Outputs:
     if seq.ends and not seq.ends.isdisjoint(tokens[:n]):
       n = next(k for k in range(n) if tokens[k] in seq.ends) + 1
       is_eos = tokens[n - 1] in e.eos_ids and not p.ignore_eos
-      reason, silent = api.FinishReason.EOS if is_eos else api.FinishReason.STOP, True
+      reason = api.FinishReason.EOS if is_eos else api.FinishReason.STOP
+      # A stop token's text is kept with include_stop_str_in_output (vLLM's
+      # way; EOS, a special token, has none either way).
+      silent = is_eos or not p.include_stop_str_in_output
       if not is_eos:
         seq.stop_token = tokens[n - 1]
     ids = tokens[:n]

@@ -18,6 +18,7 @@ from typing import Protocol
 class Tokenizer(Protocol):
   bos_id: int | None
   eos_ids: tuple[int, ...]
+  add_bos: bool  # BOS goes before a plain text prompt (models.tokenizer.Tokenizer)
 
   def encode(self, text: str) -> list[int]: ...
 
@@ -33,6 +34,7 @@ class ByteTokenizer:
     self.vocab_size = vocab_size
     self.bos_id = 256
     self.eos_ids = (257,)
+    self.add_bos = True  # the test models see BOS first, as a Llama does
 
   def encode(self, text: str) -> list[int]:
     return list(text.encode("utf-8"))

@@ -174,6 +174,13 @@ def test_generate_and_loadgen_commands(server_proc, tmp_path):
   assert "prompt logprobs (4 tokens, sum -40.0000)" in out.stderr, out.stderr
   assert f"{ord('c'):>8} {-0.0:10.4f}   [{ord('c')}: -0.0000]" in out.stderr, out.stderr
   out = subprocess.run([sys.executable, "-m", "serving", "generate", "--target", target,
+                        "hello a", "--max-tokens", "3", "--logprobs", "--top-logprobs", "2"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+  assert out.returncode == 0 and out.stdout.strip() == "bcd", (out.stdout, out.stderr)
+  # The counting model is sure of each next byte: logprob ~0, its top-1 itself.
+  assert out.stderr.startswith("logprobs (3 tokens, sum -0.0000):"), out.stderr
+  assert f"{ord('d'):>8} {-0.0:10.4f}   [{ord('d')}: -0.0000, " in out.stderr, out.stderr
+  out = subprocess.run([sys.executable, "-m", "serving", "generate", "--target", target,
                         "hi", "--system", "be brief", "--max-tokens", "5"], cwd=ROOT,
                        capture_output=True, text=True, timeout=120)
   assert out.returncode == 0 and out.stdout.strip() == '!"#$%', (out.stdout, out.stderr)
@@ -247,7 +254,8 @@ def test_serve_refuses_a_step_delay_the_model_would_not_take(monkeypatch):
     (["--seed", "-1"], "argument --seed: '-1' is not an integer in 0..18446744073709551615"),
     (["--max-tokens", str(2**31)], "argument --max-tokens: '2147483648' is not an integer in"),
     (["--allowed-token-ids", f"1,{2**40}"], "is not a comma-separated list of ids"),
-    (["--logit-bias", f"{2**40}=1"], "is not TOKEN_ID=BIAS")])
+    (["--logit-bias", f"{2**40}=1"], "is not TOKEN_ID=BIAS"),
+    (["--top-logprobs", "2"], "--top-logprobs 2 needs --logprobs")])
 def test_generate_refuses_numbers_the_request_cannot_carry(flags, message, capsys):
   """A value outside its proto field's type is a usage error (protobuf would
   raise while building the request); values the field holds are the server's

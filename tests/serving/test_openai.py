@@ -401,6 +401,10 @@ def test_echo_tokenize_metrics_and_priority(openai):
   assert status == 200 and t["tokens"] == [256, ord("h"), ord("i")] and t["count"] == 3
   _, t = _post(port, "/tokenize", {"messages": CHAT})
   assert t["tokens"] == list(b"system: be brief\nuser: hi\nassistant: ")
+  # Text parts one per line (vLLM's join), not run together.
+  _, t = _post(port, "/tokenize", {"messages": [{"role": "user", "content": [
+      {"type": "text", "text": "Hello"}, {"type": "text", "text": "World"}]}]})
+  assert t["tokens"] == list(b"user: Hello\nWorld\nassistant: ")
   status, r = _post(port, "/tokenize", {"prompt": 3})
   assert status == 400 and "prompt" in r["error"]["message"]
   status, d = _post(port, "/detokenize", {"tokens": list(b"h\xc3\xa9 x")})
@@ -417,6 +421,22 @@ def test_echo_tokenize_metrics_and_priority(openai):
   assert "time_to_first_token_seconds" in text and "requests_finished_total" in text
   status, r = _post(port, "/v1/completions", {"prompt": "a", "priority": 2})
   assert status == 400 and "priority scheduling" in r["error"]["message"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_http_tokens_count_in_the_inter_token_histogram(openai, stream):
+  """The inter-token latency histogram counts HTTP calls' tokens as it does
+  gRPC streams': one gap per token after a completion's first message, for
+  each of n completions, streamed or not."""
+  server, port = openai
+  samples = lambda: server.metrics.sample("inter_token_latency_seconds_count") or 0  # noqa: E731
+  before = samples()
+  status, r = _post(port, "/v1/completions", {"prompt": "a", "max_tokens": 9, "n": 2,
+                                              "temperature": 0, "stream": stream})
+  assert status == 200
+  # Deltas may come merged (a lagging reader), so between n * 1 and n * 8 gaps;
+  # none at all is the bug (HTTP tokens were never counted).
+  assert 2 <= samples() - before <= 16, (before, samples())
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])

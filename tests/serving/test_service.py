@@ -51,6 +51,11 @@ def test_token_id_prompts_stops_and_logprobs(counting):
   r = c.generate([ord("a")], max_tokens=20, stop_token_ids=[ord("e")])
   assert r.text == "bcd" and r.finish_reason == pb.FINISH_REASON_STOP
   assert r.WhichOneof("stop_reason") == "stop_token_id" and r.stop_token_id == ord("e")
+  for stream in (False, True):  # the stop token's text kept (vLLM's include_stop_str_in_output)
+    kw = dict(max_tokens=20, stop_token_ids=[ord("e")], include_stop_str_in_output=True)
+    text = ("".join(ch.text for ch in c.stream([ord("a")], **kw)) if stream
+            else c.generate([ord("a")], **kw).text)
+    assert text == "bcde", stream
   final = list(c.stream([ord("a")], max_tokens=20, stop=["zz", "de"]))[-1].final
   assert final.stop_string == "de" and final.finish_reason == pb.FINISH_REASON_STOP
   assert c.generate([ord("a")], max_tokens=2).WhichOneof("stop_reason") is None  # LENGTH
@@ -979,6 +984,41 @@ def test_chat_templates_missing_refusing_or_writing_bos():
   sp.encode = lambda text: [ord(ch) for ch in text]
   engine.tok = sp
   assert ids() == [7] + [ord(ch) for ch in "[hi]"]
+
+
+def test_text_prompt_gets_bos_only_where_the_tokenizer_adds_one():
+  """A text prompt's special tokens are the tokenizer's (vLLM's
+  add_special_tokens): BOS first where the model's tokenizer puts one before
+  a plain prompt, none where it does not (SmolLM2's GGUF says
+  tokenizer.ggml.add_bos_token = false: a BOS there is a prompt the model
+  was not trained on), none when the request turns special tokens off."""
+  import tokenizers
+  from tokenizers import models as tk_models, pre_tokenizers
+
+  from models import tokenizer as tok_lib
+
+  engine = E.tiny_engine()
+  vocab = {"<s>": 0, "</s>": 1, "h": 2, "i": 3}
+  tk = tokenizers.Tokenizer(tk_models.WordLevel(vocab=vocab, unk_token="</s>"))
+  tk.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+  tk.add_special_tokens(["<s>", "</s>"])
+  fields = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": ["<s>", "</s>", "h", "i"],
+            "tokenizer.ggml.bos_token_id": 0, "tokenizer.ggml.eos_token_id": 1}
+  for add_bos_field, want in ((False, [2, 3]), (True, [0, 2, 3]), (None, [2, 3])):
+    f = dict(fields) if add_bos_field is None else {
+        **fields, "tokenizer.ggml.add_bos_token": add_bos_field}
+    engine.tok = tok_lib.from_gguf_fields(f)
+    assert engine.tok.encode("hi") == [2, 3]
+    assert engine._prompt_ids(E.Request("r", prompt_text="hi")) == want, add_bos_field
+    assert engine._prompt_ids(E.Request("r", prompt_text="hi", add_bos=False)) == [2, 3]
+    assert engine.tokenize("hi", add_bos=True) == want
+  # A Hugging Face tokenizer.json: BOS where its post-processor writes one.
+  engine.tok = tok_lib.HFTokenizer(tk, bos_id=0, eos_ids=(1,))
+  assert engine._prompt_ids(E.Request("r", prompt_text="hi")) == [2, 3]
+  tk.post_processor = tokenizers.processors.TemplateProcessing(
+      single="<s> $A", special_tokens=[("<s>", 0)])
+  engine.tok = tok_lib.HFTokenizer(tk, bos_id=0, eos_ids=(1,))
+  assert engine._prompt_ids(E.Request("r", prompt_text="hi")) == [0, 2, 3]
 
 
 def test_a_call_of_n_completions_is_one_admission_decision():
