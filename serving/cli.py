@@ -240,7 +240,7 @@ _SAMPLING_HELP = {
     "max_tokens": "tokens to generate at most (default: the server's --default-max-tokens, "
                   "256 unless set)",
     "min_tokens": "tokens generated before EOS or a stop may end the text (default: 0)",
-    "top_logprobs": "with --logprobs, also this many likeliest tokens' logprobs (0-5; default: 0)",
+    "top_logprobs": "with --logprobs, also this many likeliest tokens' logprobs (0-20; default: 0)",
     "n": "completions of the prompt; completion 0 streams, the others print after it "
          "(default: 1)",
     "prompt_logprobs": "print the prompt's logprobs, with this many likeliest tokens each "

@@ -41,6 +41,7 @@ import json
 import logging
 import pathlib
 import queue
+import re
 import socket
 import tempfile
 import threading
@@ -104,9 +105,12 @@ def _structured(req: CompletionRequest | ChatCompletionRequest) -> api.Structure
     if getattr(req, f"guided_{k}") is not None:
       put(k, getattr(req, f"guided_{k}"), f"guided_{k}")
   rf = req.response_format
-  if rf is not None and (rf.json_schema is not None) != (rf.type == "json_schema"):
-    raise APIError(400, f"response_format.json_schema goes with type json_schema (and it "
-                   f"with it), not type {rf.type}", param="response_format.json_schema")
+  if rf is not None and rf.type == "json_schema" and rf.json_schema is None:
+    raise APIError(400, "response_format of type json_schema needs its json_schema "
+                   "(name and schema)", param="response_format.json_schema")
+  if rf is not None and rf.type != "json_schema" and rf.json_schema is not None:
+    raise APIError(400, f"response_format.json_schema goes with type json_schema, not type "
+                   f"{rf.type}", param="response_format.json_schema")
   if rf is not None and rf.type == "json_object":
     put("json_object", True, "response_format")
   elif rf is not None and rf.type == "json_schema":
@@ -146,7 +150,21 @@ def sampling_from_json(req: CompletionRequest | ChatCompletionRequest,
   elif req.logprobs is not None:  # completions: logprobs is the number of alternatives
     kw["logprobs"], kw["top_logprobs"] = True, req.logprobs
   kw["structured"] = _structured(req)
-  return api.SamplingParams(**kw), req.n
+  try:
+    return api.SamplingParams(**kw), req.n
+  except api.InvalidRequest as e:
+    # The engine names its own field; the client is told the body's.
+    message = str(e)
+    field = re.match(r"[a-z_]+", message)
+    field = field and field.group()
+    body_name = {"top_logprobs": "top_logprobs" if chat else "logprobs",
+                 "max_tokens": "max_completion_tokens" if chat and req.max_completion_tokens
+                 is not None else "max_tokens",
+                 "structured": None}.get(field, field)
+    if field and body_name != field:
+      message = (body_name or "") + message[len(field):]
+    raise APIError(400, message, param=body_name if body_name in type(req).model_fields
+                   else None) from None
 
 
 def _check_size(what: str, chars: int) -> None:
@@ -283,7 +301,12 @@ class _Call:
       self.events.close()
 
 
-def _logprobs(engine, lps: list[api.TokenLogprob], chat: bool):
+def _logprobs(engine, lps: list[api.TokenLogprob], chat: bool, offset: int = 0):
+  """Logprobs in OpenAI's shapes. Completions (the legacy format): each
+  position's dict holds the sampled token and its ``logprobs`` likeliest (so
+  up to logprobs + 1 entries, as OpenAI and vLLM give them), and
+  ``text_offset`` is each token's offset in the choice's text, from
+  ``offset`` (the text before these tokens)."""
   if not lps:
     return None
   pieces = engine.token_pieces([x.token_id for x in lps] +
@@ -291,13 +314,27 @@ def _logprobs(engine, lps: list[api.TokenLogprob], chat: bool):
   names = iter(pieces[len(lps):])
   tops = [[(next(names), v) for _, v in x.top] for x in lps]
   if chat:
+    raw = engine.token_bytes([x.token_id for x in lps] + [t for x in lps for t, _ in x.top])
+    raw_top = iter(raw[len(lps):])
     return ChatLogprobs(content=[
-        ContentLogprob(token=pieces[j], logprob=x.logprob, bytes=list(pieces[j].encode()),
-                       top_logprobs=[TopLogprob(token=t, logprob=v, bytes=list(t.encode()))
+        ContentLogprob(token=pieces[j], logprob=x.logprob, bytes=raw[j],
+                       top_logprobs=[TopLogprob(token=t, logprob=v, bytes=next(raw_top))
                                      for t, v in tops[j]])
         for j, x in enumerate(lps)])
   return CompletionLogprobs(tokens=pieces[:len(lps)], token_logprobs=[x.logprob for x in lps],
-                            top_logprobs=[dict(t) for t in tops])
+                            top_logprobs=[{pieces[j]: x.logprob, **dict(tops[j])}
+                                          for j, x in enumerate(lps)],
+                            text_offset=_offsets(pieces[:len(lps)], offset))
+
+
+def _offsets(pieces: list[str], start: int) -> list[int]:
+  """Each piece's offset in the text, the first at ``start`` (vLLM's
+  text_offset: the pieces' lengths, summed)."""
+  out = []
+  for p in pieces:
+    out.append(start)
+    start += len(p)
+  return out
 
 
 def _prompt_logprobs(lps) -> list[PromptLogprob]:
@@ -317,11 +354,14 @@ def _echo_logprobs(engine, first: int, scored,
   names = iter(pieces[len(ids):])
   out = CompletionLogprobs(
       tokens=pieces[:len(ids)], token_logprobs=[None] + [x.logprob for x in scored],
-      top_logprobs=[None] + [{next(names): v for _, v in x.top} for x in scored])
+      top_logprobs=[None] + [{pieces[j + 1]: x.logprob, **{next(names): v for _, v in x.top}}
+                             for j, x in enumerate(scored)],
+      text_offset=_offsets(pieces[:len(ids)], 0))
   if completion is not None:
     out.tokens += completion.tokens
     out.token_logprobs += completion.token_logprobs
     out.top_logprobs += completion.top_logprobs
+    out.text_offset += completion.text_offset
   return out
 
 
@@ -543,7 +583,7 @@ class _OpenAI:
     choices = []
     for i, f in enumerate(finals):
       p = call.prompt_of(i)
-      c = {"index": i, "logprobs": _logprobs(engine, lps[i], chat),
+      c = {"index": i, "logprobs": _logprobs(engine, lps[i], chat, len(call.echo[p])),
            "finish_reason": _FINISH[f.reason], "stop_reason": f.stop_reason}
       if chat:
         c["message"] = AssistantMessage(role="assistant", content="".join(text[i]))
@@ -581,6 +621,7 @@ class _OpenAI:
       return ChatChunkChoice(index=i, **kw) if chat else CompletionChoice(index=i, **kw)
 
     finals: list[api.Final | None] = [None] * call.n
+    sent = [len(call.echo[call.prompt_of(i)]) for i in range(call.n)]  # text so far (offsets)
     try:
       for i in range(call.n):  # chat: the role first; completions: the echo, if asked
         if chat:
@@ -591,7 +632,8 @@ class _OpenAI:
                              finish_reason=None))
       for i, ev in call.follow(gone.is_set):
         if isinstance(ev, api.Delta):
-          lp = _logprobs(engine, list(ev.logprobs), chat)
+          lp = _logprobs(engine, list(ev.logprobs), chat, sent[i])
+          sent[i] += len(ev.text)
           c = (choice(i, delta=ChatDelta(content=ev.text), logprobs=lp, finish_reason=None)
                if chat else choice(i, text=ev.text, logprobs=lp, finish_reason=None))
         else:

@@ -214,6 +214,7 @@ class CompletionLogprobs(ResponseBody):
   tokens: list[str]
   token_logprobs: list[float | None]
   top_logprobs: list[dict[str, float] | None]
+  text_offset: list[int]
 
 
 class TopLogprob(ResponseBody):

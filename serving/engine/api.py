@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-MAX_TOP_LOGPROBS = 5
+MAX_TOP_LOGPROBS = 20  # (vLLM's default max_logprobs; OpenAI chat's top_logprobs limit)
 MAX_LOGIT_BIAS = 300  # entries per request (OpenAI's limit)
 MAX_ALLOWED_TOKENS = 1 << 17  # allowed_token_ids per request (a vocabulary's worth)
 MAX_GRAMMAR_CHARS = 1 << 16  # a structured output's schema, regex or grammar
@@ -389,6 +389,12 @@ class Engine(abc.ABC):
   @abc.abstractmethod
   def token_pieces(self, ids: Sequence[int]) -> list[str]:
     ...
+
+  def token_bytes(self, ids: Sequence[int]) -> list[list[int]]:
+    """Each id's own bytes (OpenAI's logprob ``bytes``: a token that is part
+    of a character holds that part, where its piece would be U+FFFD). The
+    default spells each piece in UTF-8."""
+    return [list(p.encode()) for p in self.token_pieces(ids)]
 
   @abc.abstractmethod
   def detokenize(self, ids: Sequence[int]) -> str:

@@ -226,6 +226,9 @@ class BatchingEngine(api.Engine):
   def token_pieces(self, ids: Sequence[int]) -> list[str]:
     return self.intake.token_pieces(ids)
 
+  def token_bytes(self, ids: Sequence[int]) -> list[list[int]]:
+    return self.intake.token_bytes(ids)
+
   def detokenize(self, ids: Sequence[int]) -> str:
     return self.intake.detokenize(ids)
 

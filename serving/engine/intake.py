@@ -29,6 +29,7 @@ class Intake:
     self.config = config
     self.eos_ids = eos_ids
     self.grammars = grammars  # structured.Grammars
+    self._bytes: list[bytes | None] | None = None  # token_bytes' table, built on first use
 
   def tokenize(self, text: str, add_bos: bool = False) -> list[int]:
     """``add_bos``: the model's special tokens (vLLM's ``add_special_tokens``):
@@ -46,6 +47,18 @@ class Intake:
 
   def token_pieces(self, ids: Sequence[int]) -> list[str]:
     return [self.tok.decode([i]) for i in ids]
+
+  def token_bytes(self, ids: Sequence[int]) -> list[list[int]]:
+    """Each id's bytes in the text; a special token's (no bytes in the
+    text), and a tokenizer's that cannot say, are its piece's UTF-8."""
+    if self._bytes is None:
+      try:
+        self._bytes = self.tok.token_bytes()
+      except (AttributeError, NotImplementedError, ValueError):  # (NoTokenizer: ValueError)
+        self._bytes = []
+    table = self._bytes
+    return [list(table[i]) if 0 <= i < len(table) and table[i] is not None
+            else list(self.tok.decode([i]).encode()) for i in ids]
 
   def detokenize(self, ids: Sequence[int]) -> str:
     self.check_vocab("token ids", ids)
@@ -84,6 +97,10 @@ class Intake:
       raise api.InvalidRequest(
           f"prompt ({len(prompt)} tokens) + min_tokens ({p.min_tokens}) exceeds the "
           f"{self.capacity} tokens the KV cache holds")
+    for name in ("top_logprobs", "prompt_logprobs"):
+      if (getattr(p, name) or 0) > self.vocab_size:
+        raise api.InvalidRequest(f"{name}={getattr(p, name)} is more than the vocabulary's "
+                                 f"{self.vocab_size} tokens")
     for name, ids in (("stop_token_ids", p.stop_token_ids),
                       ("logit_bias", [t for t, _ in p.logit_bias]),
                       ("allowed_token_ids", p.allowed_token_ids)):

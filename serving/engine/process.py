@@ -395,6 +395,9 @@ class ProcessEngine(api.Engine):
   def token_pieces(self, ids: Sequence[int]) -> list[str]:
     return self._call("token_pieces", list(ids))
 
+  def token_bytes(self, ids: Sequence[int]) -> list[list[int]]:
+    return self._call("token_bytes", list(ids))
+
   def detokenize(self, ids: Sequence[int]) -> str:
     return self._call("detokenize", list(ids))
 

@@ -183,7 +183,11 @@ def _update(counts, last, slot, tokens):
 def _logprobs(logits, tokens):
   lp = jax.nn.log_softmax(logits, axis=-1)
   chosen = jnp.take_along_axis(lp, tokens[:, None], axis=-1)[:, 0]
-  top_lp, top_ids = jax.lax.top_k(lp, MAX_TOP_LOGPROBS)
+  k = min(MAX_TOP_LOGPROBS, lp.shape[-1])  # (a vocabulary smaller than that: a test model's)
+  top_lp, top_ids = jax.lax.top_k(lp, k)
+  if k < MAX_TOP_LOGPROBS:  # one shape for the host; intake refuses asking past the vocabulary
+    pad = ((0, 0), (0, MAX_TOP_LOGPROBS - k))
+    top_lp, top_ids = jnp.pad(top_lp, pad, constant_values=-jnp.inf), jnp.pad(top_ids, pad)
   return chosen, top_ids, top_lp
 
 

@@ -119,6 +119,17 @@ def test_logprobs_in_openai_shapes(openai):
   lp = r["choices"][0]["logprobs"]
   assert lp["tokens"] == ["b", "c", "d"] and all(abs(v) < 1e-6 for v in lp["token_logprobs"])
   assert [len(t) for t in lp["top_logprobs"]] == [2, 2, 2] and "c" in lp["top_logprobs"][1]
+  assert lp["text_offset"] == [0, 1, 2]
+  # logprobs=0: each position's own token alone; streamed, the offsets run on
+  # across chunks.
+  _, r = _post(port, "/v1/completions", {"prompt": "a", "max_tokens": 3, "temperature": 0,
+                                          "logprobs": 0})
+  assert [list(t) for t in r["choices"][0]["logprobs"]["top_logprobs"]] == [["b"], ["c"], ["d"]]
+  _, chunks = _post(port, "/v1/completions", {"prompt": "a", "max_tokens": 3, "temperature": 0,
+                                               "logprobs": 0, "stream": True})
+  offsets = [o for c in chunks if c["choices"][0]["logprobs"]
+             for o in c["choices"][0]["logprobs"]["text_offset"]]
+  assert offsets == [0, 1, 2], chunks
   _, r = _post(port, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 2,
                                                "temperature": 0, "logprobs": True,
                                                "top_logprobs": 1})
@@ -126,6 +137,15 @@ def test_logprobs_in_openai_shapes(openai):
   assert [x["token"] for x in content] == ["!", '"']
   assert content[0]["top_logprobs"][0]["token"] == "!" and content[0]["bytes"] == [33]
   assert all(math.isfinite(x["logprob"]) for x in content)
+  # A token that is part of a character: its piece is U+FFFD, its bytes its own
+  # (what OpenAI's bytes field is for: joined, they spell the character).
+  server, _ = openai
+  assert server.engine.token_pieces([0xC3]) == ["\ufffd"]
+  assert server.engine.token_bytes([0xC3, 0xA9, ord("!")]) == [[0xC3], [0xA9], [33]]
+  _, r = _post(port, "/v1/chat/completions", {
+      "messages": [{"role": "user", "content": "\u00e9"}], "max_tokens": 1, "temperature": 0,
+      "logprobs": True, "logit_bias": {"195": 100}})
+  assert r["choices"][0]["logprobs"]["content"][0]["bytes"] == [195], r
 
 
 def test_structured_outputs_and_response_format(openai):
@@ -177,6 +197,34 @@ def test_bad_requests_get_openai_errors(openai, path, body, status, match):
   _, port = openai
   got, r = _post(port, path, body)
   assert got == status and r["error"]["code"] == status and match in r["error"]["message"], r
+
+
+@pytest.mark.parametrize("path, body, param, message", [
+    ("/v1/completions", {"prompt": "a", "logprobs": 21}, "logprobs",
+     "logprobs=21 must be in [0, 20]"),
+    ("/v1/chat/completions", {"messages": CHAT, "logprobs": True, "top_logprobs": 21},
+     "top_logprobs", "top_logprobs=21 must be in [0, 20]"),
+    ("/v1/completions", {"prompt": "a", "temperature": -1}, "temperature", "temperature=-1"),
+    ("/v1/completions", {"prompt": "a", "max_tokens": 0}, "max_tokens", "max_tokens=0"),
+    ("/v1/completions", {"prompt": "a", "seed": -1}, "seed", "seed=-1"),
+    ("/v1/completions", {"prompt": "a", "max_tokens": 2, "min_tokens": 3}, "min_tokens",
+     "min_tokens=3 must be <= max_tokens=2"),
+    ("/v1/chat/completions", {"messages": CHAT, "max_completion_tokens": 2, "min_tokens": 3},
+     "min_tokens", "min_tokens=3 must be <= max_tokens=2"),
+    ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "json_schema"}},
+     "response_format.json_schema", "response_format of type json_schema needs its json_schema"),
+])
+def test_a_bad_value_names_the_body_field_it_came_in(openai, path, body, param, message):
+  """The error's param and message name the field as the client sent it
+  (completions' logprobs, not the engine's top_logprobs)."""
+  _, port = openai
+  got, r = _post(port, path, body)
+  assert got == 400 and r["error"]["param"] == param and message in r["error"]["message"], r
+  # Within the limit, the same fields run.
+  if "logprobs" in body:
+    ok = {**body, ("top_logprobs" if "messages" in body else "logprobs"): 20, "max_tokens": 1}
+    got, r = _post(port, path, ok)
+    assert got == 200, r
 
 
 def test_a_body_that_is_not_json_is_400(openai):
@@ -474,13 +522,21 @@ def test_prompt_lists_and_echo_logprobs_for_scoring(openai):
   assert first["tokens"][1:] == ["a", "b", "x", "y"] and first["token_logprobs"][0] is None
   got = first["token_logprobs"][1:]
   assert got[1] > -1e-3 and got[2] < -15 and got[3] > -1e-3, got  # b follows a; x not b
-  assert first["top_logprobs"][0] is None and list(first["top_logprobs"][3]) == ["c"]
+  # Each position's dict: its own token first, then the likeliest (OpenAI's
+  # legacy format: up to logprobs + 1 entries); "y" after "x" is the likeliest.
+  assert first["top_logprobs"][0] is None and list(first["top_logprobs"][3]) == ["x", "c"]
+  assert list(first["top_logprobs"][4]) == ["y"]
+  # text_offset: where each token starts in the choice's text (BOS has no
+  # text, so it and "a" both start at 0).
+  assert first["text_offset"] == [0, 0, 1, 2, 3], first
   assert len(second["tokens"]) == len(second["token_logprobs"]) == 4  # BOS a b + c
   # The prompt's alternatives: prompt_logprobs where given, else logprobs (vLLM's rule).
   _, r = _post(port, "/v1/completions", {"prompt": "abx", "max_tokens": 1, "temperature": 0,
                                           "echo": True, "logprobs": 1, "prompt_logprobs": 3})
   tops = r["choices"][0]["logprobs"]["top_logprobs"]
-  assert [len(t) for t in tops[1:]] == [3, 3, 3, 1], tops
+  # 3 each, plus the prompt's own token where it is not among them ("a" after
+  # BOS, "x" after "b"); the completion's "y", logprobs=1, is its own likeliest.
+  assert [len(t) for t in tops[1:]] == [4, 3, 4, 1], tops
   status, r = _post(port, "/v1/completions", {"prompt": "ab", "echo": True, "logprobs": 1,
                                                "stream": True})
   assert status == 400 and r["error"]["param"] == "echo", r
@@ -605,7 +661,7 @@ def test_a_field_not_honoured_is_refused_by_name(openai, path, body, param):
                                             "json_schema": {"schema": {}}}},
      "json_schema goes with type json_schema"),
     ({"messages": CHAT, "response_format": {"type": "json_schema"}},
-     "json_schema goes with type json_schema"),
+     "response_format of type json_schema needs its json_schema"),
     # One kind from two fields: one of them would be dropped.
     ({"messages": CHAT, "structured_outputs": {"regex": "a"}, "guided_regex": "b"},
      "guided_regex and structured_outputs both give the output's regex"),

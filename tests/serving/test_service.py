@@ -215,7 +215,7 @@ def test_health_watch_and_reflection_through_the_grpc_libraries():
 
 @pytest.mark.parametrize("kw,match", [
     (dict(temperature=-1.0), "temperature"), (dict(top_p=1.5), "top_p"),
-    (dict(max_tokens=5000), "exceeds the context"), (dict(top_logprobs=6), "top_logprobs"),
+    (dict(max_tokens=5000), "exceeds the context"), (dict(top_logprobs=21), "top_logprobs"),
     (dict(stop_token_ids=[999]), "outside the vocabulary"),
     (dict(min_tokens=4, max_tokens=3), "min_tokens=4 must be <= max_tokens"),
     (dict(min_tokens=5000), "min_tokens (5000) exceeds the context"),
@@ -900,7 +900,7 @@ def test_prompt_logprobs_unary_streamed_and_refused_unless_enabled():
     check(r.prompt_logprobs, 1)
     assert not r.completions[1].prompt_logprobs
     assert not c.generate([97, 98], max_tokens=2).prompt_logprobs  # not asked for
-    for bad in (-1, 6):
+    for bad in (-1, 21):
       with pytest.raises(grpc.RpcError) as e:
         c.generate("ab", prompt_logprobs=bad)
       assert (e.value.code() == grpc.StatusCode.INVALID_ARGUMENT

@@ -413,7 +413,7 @@ def test_seeded_sampling_ignores_batch_neighbours():
     (dict(top_k=-2), "top_k"), (dict(min_p=1.5), "min_p"),
     (dict(repetition_penalty=0.0), "repetition_penalty"),
     (dict(presence_penalty=3.0), "presence_penalty"), (dict(max_tokens=0), "max_tokens"),
-    (dict(top_logprobs=9), "top_logprobs"), (dict(temperature=float("nan")), "temperature"),
+    (dict(top_logprobs=21), "top_logprobs"), (dict(temperature=float("nan")), "temperature"),
     (dict(stop=("",)), "stop"), (dict(min_tokens=-1), "min_tokens"),
     (dict(min_tokens=5, max_tokens=4), "min_tokens"),
     (dict(logit_bias=(5,)), "pairs"), (dict(logit_bias=((5, 1.0, 2.0),)), "pairs"),
