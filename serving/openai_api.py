@@ -3,7 +3,7 @@
 ``openai_http(engine, servicer, host, port)`` answers what vLLM's and
 SGLang's OpenAI servers answer: ``POST /v1/completions``,
 ``POST /v1/chat/completions`` (server-sent events with ``"stream": true``),
-``GET /v1/models``, ``POST /tokenize``, ``POST /detokenize``, ``GET /health`` and
+``GET /v1/models`` (and ``/v1/models/{model}``), ``POST /tokenize``, ``POST /detokenize``, ``GET /health`` and
 ``GET /metrics``. The app is FastAPI's (routing, 405 for a wrong method);
 request and response bodies are pydantic models; uvicorn serves it (HTTP/1.1
 over h11, connections kept alive, HTTPS with the server's TLS certificate).
@@ -437,6 +437,7 @@ class _OpenAI:
   def __init__(self, engine: api.Engine, servicer, auth_token: str | None):
     self.engine, self.servicer = engine, servicer
     self._token = auth_token.encode() if auth_token else None
+    self.created = int(time.time())  # the model card's "created": when this server started
 
   async def authorize(self, request: fastapi.Request) -> None:
     """``Authorization: Bearer <token>`` (the scheme in any case). (async: FastAPI
@@ -701,11 +702,19 @@ class _OpenAI:
     ok = getattr(self.engine, "error", None) is None and not self.engine.stats().draining
     return (200, {"status": "ok"}) if ok else (503, {"status": "unavailable"})
 
-  def models(self) -> bytes:
+  def _card(self) -> ModelCard:
     i = self.engine.info
-    return ModelList(object="list", data=[ModelCard(
-        id=i.model_name, object="model", created=0, owned_by="mosaic-serve",
-        max_model_len=i.max_context)]).json_bytes()
+    return ModelCard(id=i.model_name, object="model", created=self.created,
+                     owned_by="mosaic-serve", max_model_len=i.max_context)
+
+  def models(self) -> bytes:
+    return ModelList(object="list", data=[self._card()]).json_bytes()
+
+  def model(self, model_id: str) -> bytes:
+    """OpenAI's GET /v1/models/{model}: the served model's card, else 404."""
+    if model_id != self.engine.info.model_name:
+      self._check_model(model_id)
+    return self._card().json_bytes()
 
 
 def app(engine: api.Engine, servicer, auth_token: str | None = None) -> fastapi.FastAPI:
@@ -761,6 +770,10 @@ def app(engine: api.Engine, servicer, auth_token: str | None = None) -> fastapi.
   @a.get("/v1/models", dependencies=auth, response_model=ModelList)
   async def models():
     return Response(o.models(), media_type="application/json")
+
+  @a.get("/v1/models/{model_id:path}", dependencies=auth, response_model=ModelCard)
+  async def model(model_id: str):  # (:path: a name like org/model holds a slash)
+    return Response(o.model(model_id), media_type="application/json")
 
   @a.get("/health")
   async def health():

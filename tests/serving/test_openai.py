@@ -6,6 +6,7 @@ import http.client
 import json
 import math
 import socket
+import time
 
 import openai as sdk  # (the official client; the fixture below is named openai)
 import pytest
@@ -73,6 +74,10 @@ def test_models_health_and_completions(openai):
   assert _get(port, "/health") == (200, {"status": "ok"})
   status, models = _get(port, "/v1/models")
   assert status == 200 and models["data"][0]["id"] == "counting"
+  assert abs(models["data"][0]["created"] - time.time()) < 3600  # the server's start
+  assert _get(port, "/v1/models/counting") == (200, models["data"][0])
+  status, r = _get(port, "/v1/models/org/other")
+  assert status == 404 and "serves 'counting'" in r["error"]["message"], r
   status, r = _post(port, "/v1/completions",
                     {"model": "counting", "prompt": "a", "max_tokens": 5, "temperature": 0})
   assert status == 200 and r["object"] == "text_completion" and r["id"].startswith("cmpl-")
@@ -574,6 +579,7 @@ def test_the_official_openai_client(openai):
   _, port = openai
   c = _client(port)
   assert [m.id for m in c.models.list()] == ["counting"]
+  assert c.models.retrieve("counting").id == "counting"
   r = c.completions.create(model="counting", prompt="a", max_tokens=5, temperature=0)
   assert r.choices[0].text == "bcdef" and r.choices[0].finish_reason == "length"
   assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (2, 5)
