@@ -196,6 +196,8 @@ def _fill(cfg: ModelConfig, get: Callable[[str, int | None], np.ndarray], names:
       for i in range(cfg.num_layers):
         if key in _FUSED:
           part = [get(names[k].format(i=i), i) for k in _fused_parts(key)]
+          _check_parts(key, part, [names[k].format(i=i) for k in _fused_parts(key)], cfg,
+                       source)
           layer = _FUSED[key][1](part, cfg)
         else:
           layer = get(name.format(i=i), i)
@@ -213,6 +215,22 @@ def _fill(cfg: ModelConfig, get: Callable[[str, int | None], np.ndarray], names:
   if hasattr(bar, "close"):
     bar.close()
   return out
+
+
+def _check_parts(key: str, arrays, names: list[str], cfg: ModelConfig, source: str) -> None:
+  """A fused leaf's parts (one layer's q/k/v or gate/up), each checked against
+  the config before they are combined: a wrong width would otherwise be
+  reshaped into the wrong heads, or zero-padded up to the MLP's width."""
+  d, hd = cfg.hidden_size, cfg.head_dim
+  if key.startswith("layers.attn.wqkv"):
+    widths = [(cfg.num_heads * hd,), (cfg.num_kv_heads * hd,), (cfg.num_kv_heads * hd,)]
+  else:  # gate, up: the checkpoint's intermediate_size (or already padded to ffn_size)
+    widths = [(cfg.intermediate_size, cfg.ffn_size)] * 2
+  for a, name, ws in zip(arrays, names, widths):
+    shapes = [((d, w) if key.endswith(".w") else (w,)) for w in ws]
+    if tuple(np.shape(a)) not in shapes:
+      raise ValueError(f"{source}: tensor {name!r} has shape {tuple(np.shape(a))}, the "
+                       f"config implies {shapes[0]}")
 
 
 def _checked(arr, shape, name, source):
@@ -312,10 +330,12 @@ def read_hf(folder, dtype=np.float32, tokenizer: bool = True
     st = _SafetensorsFile(f)
     for name in st.header:
       index[name] = st
-  if cfg.tie_embeddings is False and "lm_head.weight" not in index and \
-      "model.embed_tokens.weight" in index:
-    # Some exports drop lm_head when it equals the embedding.
-    cfg = cfg.replace(tie_embeddings=True)
+  if cfg.tie_embeddings is False and "lm_head.weight" not in index:
+    # (Tying the head to the embedding here would be a different model than
+    # the config names: refused, as vLLM refuses weights it cannot load.)
+    raise ValueError(f"{folder}: config.json says tie_word_embeddings false, but no "
+                     f"lm_head.weight is in {', '.join(f.name for f in files)}; if the output "
+                     "head is the embedding, set tie_word_embeddings true")
 
   def get(name, layer):
     del layer

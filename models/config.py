@@ -301,7 +301,13 @@ def _rope(hf: dict[str, Any], max_pos: int) -> tuple[float, RopeScaling | None]:
     if rope_theta is None:
       rope_theta = rs.get("rope_theta")
   rs = dict(rs or {})
-  rs.pop("rope_theta", None)
+  inner = rs.pop("rope_theta", None)
+  if inner is not None and rope_theta is not None and float(inner) != float(rope_theta):
+    # (transformers 5 reads the dict's, older versions the top-level one)
+    raise ValueError(f"config.json: rope_theta={rope_theta} and {field}.rope_theta={inner} "
+                     "disagree; give one value")
+  if rope_theta is None:
+    rope_theta = inner
   kind = rs.pop("rope_type", None) or rs.pop("type", None) or "default"
   rs.pop("type", None)
   if kind not in _ROPE_KEYS:

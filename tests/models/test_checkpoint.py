@@ -4,6 +4,7 @@ model, and clear errors for bad inputs."""
 
 import json
 import pathlib
+import re
 import shutil
 
 import jax
@@ -284,6 +285,43 @@ def test_error_truncated_and_missing_weights(hf_copy):
   for f in hf_copy.glob("*.safetensors"):
     f.unlink()
   with pytest.raises(FileNotFoundError, match=r"no \*\.safetensors weights"):
+    models.load(hf_copy)
+
+
+def _edit_tensors(folder, edit):
+  """Rewrites each safetensors file of ``folder`` through ``edit(dict)``."""
+  from safetensors.numpy import load_file, save_file
+
+  for f in sorted(folder.glob("*.safetensors")):
+    tensors = load_file(f)
+    edit(tensors)
+    save_file(tensors, f)
+
+
+@pytest.mark.parametrize("name, rows", [("model.layers.0.mlp.up_proj.weight", 1),
+                                        ("model.layers.0.mlp.gate_proj.weight", -1),
+                                        ("model.layers.0.self_attn.k_proj.weight", -1)])
+def test_error_a_fused_part_of_the_wrong_width_is_named(hf_copy, name, rows):
+  """q/k/v and gate/up are checked one by one before they are fused: an up
+  projection narrower than intermediate_size was zero-padded up to the MLP
+  width and loaded (another model, no error), a k projection of the wrong
+  width failed in a reshape that named no tensor."""
+  def edit(t):
+    if name in t:
+      w = t[name]
+      t[name] = w[:1] if rows == 1 else np.concatenate([w, w[:8]])
+  _edit_tensors(hf_copy, edit)
+  with pytest.raises(ValueError, match=f"tensor '{re.escape(name)}' has shape"):
+    models.load(hf_copy)
+
+
+def test_error_untied_config_without_its_head(hf_copy):
+  """tie_word_embeddings false and no lm_head.weight: refused, naming the
+  field (the head was silently tied to the embedding: not the model the
+  config describes)."""
+  assert json.loads((hf_copy / "config.json").read_text())["tie_word_embeddings"] is False
+  _edit_tensors(hf_copy, lambda t: t.pop("lm_head.weight", None))
+  with pytest.raises(ValueError, match="tie_word_embeddings false, but no lm_head.weight"):
     models.load(hf_copy)
 
 

@@ -228,6 +228,19 @@ def test_refused_values(tmp_path):
       _load_config(tmp_path, **fields)
 
 
+def test_rope_theta_in_two_places_must_agree():
+  """rope_theta beside rope_parameters.rope_theta: transformers 5 reads the
+  dict's, older versions the top-level one; two values are refused, one is
+  read wherever it is."""
+  f = lambda **kw: config_lib.ModelConfig.from_hf({**BASE, **kw})  # noqa: E731
+  default = {"rope_type": "default"}
+  assert f(rope_theta=100.0, rope_parameters=default).rope_theta == 100.0
+  assert f(rope_theta=None, rope_parameters={**default, "rope_theta": 500.0}).rope_theta == 500.0
+  assert f(rope_theta=500.0, rope_parameters={**default, "rope_theta": 500.0}).rope_theta == 500.0
+  with pytest.raises(ValueError, match=r"rope_theta=100.0 and rope_parameters.rope_theta=10000"):
+    f(rope_theta=100.0, rope_parameters={**default, "rope_theta": 10000.0})
+
+
 def test_config_defaults_and_padding():
   f = lambda **kw: config_lib.ModelConfig.from_hf({**BASE, **kw})
   assert f().intermediate_size == 100 and f().ffn_size == 128
