@@ -497,13 +497,16 @@ class Server:
     reflection.enable_server_reflection(
         (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self._grpc)
     addr = f"{host}:{port}"
-    if tls:
-      creds = grpc.ssl_server_credentials([(tls[1], tls[0])])  # (key, cert)
-      self.port = self._grpc.add_secure_port(addr, creds)
-    else:
-      self.port = self._grpc.add_insecure_port(addr)
+    try:
+      if tls:
+        creds = grpc.ssl_server_credentials([(tls[1], tls[0])])  # (key, cert)
+        self.port = self._grpc.add_secure_port(addr, creds)
+      else:
+        self.port = self._grpc.add_insecure_port(addr)
+    except RuntimeError as e:  # (grpcio raises "Failed to bind to address ..." where it once returned 0)
+      raise OSError(f"cannot serve gRPC on {addr}: {e} (is the port taken?)") from None
     if not self.port:
-      raise OSError(f"cannot bind {addr}")
+      raise OSError(f"cannot serve gRPC on {addr} (is the port taken?)")
     self.metrics_http = self.openai_http = None  # bound here, served by start()
     try:
       if metrics_port is not None:

@@ -267,8 +267,10 @@ def test_generate_refuses_numbers_the_request_cannot_carry(flags, message, capsy
   assert e.value.code == 2 and message in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("flag", ["--http-port", "--metrics-port"])
+@pytest.mark.parametrize("flag", ["--http-port", "--metrics-port", "--port"])
 def test_serve_reports_a_taken_http_port_before_the_warm_up(flag, monkeypatch):
+  """One line naming the address, for the gRPC port too (grpcio's bind
+  error was a traceback)."""
   import socket
 
   from serving import cli
