@@ -167,6 +167,11 @@ def sampling_from_json(req: CompletionRequest | ChatCompletionRequest,
                    else None) from None
 
 
+def _max_model_len(info: api.EngineInfo) -> int:
+  """Tokens a request can hold: the context, or the KV cache's fewer."""
+  return min(info.max_context, info.capacity or info.max_context)
+
+
 def _check_size(what: str, chars: int) -> None:
   """The gRPC service's rule, before anything is tokenized."""
   if chars > MAX_PROMPT_CHARS:
@@ -680,7 +685,7 @@ class _OpenAI:
         ids = self.engine.tokenize(req.prompt, add_bos=add)
     except api.InvalidRequest as e:
       raise APIError(400, str(e)) from None
-    return TokenizeResponse(count=len(ids), max_model_len=self.engine.info.max_context,
+    return TokenizeResponse(count=len(ids), max_model_len=_max_model_len(self.engine.info),
                             tokens=ids).json_bytes()
 
   def detokenize(self, raw: bytes) -> bytes:
@@ -705,7 +710,7 @@ class _OpenAI:
   def _card(self) -> ModelCard:
     i = self.engine.info
     return ModelCard(id=i.model_name, object="model", created=self.created,
-                     owned_by="mosaic-serve", max_model_len=i.max_context)
+                     owned_by="mosaic-serve", max_model_len=_max_model_len(i))
 
   def models(self) -> bytes:
     return ModelList(object="list", data=[self._card()]).json_bytes()

@@ -335,6 +335,9 @@ class EngineInfo:
   dtype: str
   backends: dict[str, str] = dataclasses.field(default_factory=dict)
   tensor_parallel_size: int = 1
+  # Tokens (prompt + output) one request can hold: max_context, or fewer
+  # where the whole KV cache holds fewer (vLLM's max_model_len is this).
+  capacity: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)

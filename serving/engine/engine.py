@@ -98,6 +98,10 @@ class BatchingEngine(api.Engine):
     self.alloc = self.kv.alloc
     # The whole cache may hold fewer tokens than the context: a request stops there.
     self.capacity = min(self.max_seq_len, self.alloc.usable * self.page_size)
+    if self.capacity < self.max_seq_len:
+      log.warning("the KV cache holds %d tokens, fewer than the %d of max_seq_len: a request's "
+                  "prompt and output together stop there (more pages, or a shorter "
+                  "--max-seq-len, make the two agree)", self.capacity, self.max_seq_len)
     self.scheduler = Scheduler(config, self.kv, capacity=self.capacity,
                                on_admit=self._init_slot)
     for flag, on in (("prompt_logprobs", config.prompt_logprobs),
@@ -115,6 +119,7 @@ class BatchingEngine(api.Engine):
     self.eos_ids = frozenset(eos)
     self.info = api.EngineInfo(
         model_name=runner.name, vocab_size=runner.vocab_size, max_context=self.max_seq_len,
+        capacity=self.capacity,
         eos_token_id=eos[0] if eos else -1, bos_token_id=-1 if bos is None else bos,
         max_batch=config.max_batch, page_size=self.page_size, num_pages=runner.num_pages,
         dtype=runner.dtype, backends=dict(runner.backends),

@@ -75,6 +75,11 @@ def test_models_health_and_completions(openai):
   status, models = _get(port, "/v1/models")
   assert status == 200 and models["data"][0]["id"] == "counting"
   assert abs(models["data"][0]["created"] - time.time()) < 3600  # the server's start
+  # max_model_len: what one request can hold, here the KV cache's 252 tokens
+  # (fewer than the 1,024 of the context), as the requests are refused.
+  server, _ = openai
+  assert models["data"][0]["max_model_len"] == server.engine.capacity < 1024
+  assert _post(port, "/tokenize", {"prompt": "a"})[1]["max_model_len"] == server.engine.capacity
   assert _get(port, "/v1/models/counting") == (200, models["data"][0])
   status, r = _get(port, "/v1/models/org/other")
   assert status == 404 and "serves 'counting'" in r["error"]["message"], r
