@@ -3,8 +3,8 @@
 ``openai_http(engine, servicer, host, port)`` answers what vLLM's and
 SGLang's OpenAI servers answer: ``POST /v1/completions``,
 ``POST /v1/chat/completions`` (server-sent events with ``"stream": true``),
-``GET /v1/models`` (and ``/v1/models/{model}``), ``POST /tokenize``, ``POST /detokenize``, ``GET /health`` and
-``GET /metrics``. The app is FastAPI's (routing, 405 for a wrong method);
+``GET /v1/models`` (and ``/v1/models/{model}``), ``POST /tokenize``,
+``POST /detokenize``, ``GET /health`` and ``GET /metrics``. The app is FastAPI's (routing, 405 for a wrong method);
 request and response bodies are pydantic models; uvicorn serves it (HTTP/1.1
 over h11, connections kept alive, HTTPS with the server's TLS certificate).
 
@@ -168,8 +168,9 @@ def sampling_from_json(req: CompletionRequest | ChatCompletionRequest,
 
 
 def _max_model_len(info: api.EngineInfo) -> int:
-  """Tokens a request can hold: the context, or the KV cache's fewer."""
-  return min(info.max_context, info.capacity or info.max_context)
+  """Tokens a request can hold: the engine's capacity (at most the context),
+  else the context."""
+  return info.capacity or info.max_context
 
 
 def _check_size(what: str, chars: int) -> None:
@@ -717,8 +718,7 @@ class _OpenAI:
 
   def model(self, model_id: str) -> bytes:
     """OpenAI's GET /v1/models/{model}: the served model's card, else 404."""
-    if model_id != self.engine.info.model_name:
-      self._check_model(model_id)
+    self._check_model(model_id)
     return self._card().json_bytes()
 
 

@@ -503,7 +503,7 @@ class Server:
         self.port = self._grpc.add_secure_port(addr, creds)
       else:
         self.port = self._grpc.add_insecure_port(addr)
-    except RuntimeError as e:  # (grpcio raises "Failed to bind to address ..." where it once returned 0)
+    except RuntimeError as e:  # (grpcio raises "Failed to bind ..."; it once returned 0)
       raise OSError(f"cannot serve gRPC on {addr}: {e} (is the port taken?)") from None
     if not self.port:
       raise OSError(f"cannot serve gRPC on {addr} (is the port taken?)")
