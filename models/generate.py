@@ -59,8 +59,9 @@ def main(argv=None) -> int:
     if text is None:
       p.error(f"{args.model}: the model ships no chat template; drop --chat")
   ids = model.tokenizer.encode(text)
-  if model.tokenizer.add_bos and not args.chat:  # chat templates spell BOS themselves
-    ids = [model.tokenizer.bos_id] + ids
+  if not args.chat:  # chat templates spell their special tokens themselves
+    ids = ([model.tokenizer.bos_id] * model.tokenizer.add_bos + ids
+           + list(model.tokenizer.eos_ids[:1]) * model.tokenizer.add_eos)
   out = generate(model, ids, args.max_new_tokens, attention=args.attention,
                         decode_attention=args.decode_attention, matmul=args.matmul,
                         norm=args.norm)

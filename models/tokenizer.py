@@ -1,8 +1,8 @@
 """Tokenizers behind one small interface.
 
 Every tokenizer has ``encode(str) -> list[int]`` (no BOS added: the caller
-decides, helped by ``add_bos``), ``decode(list[int]) -> str`` (special tokens
-skipped), ``bos_id``, ``eos_ids``, ``add_bos`` and ``apply_chat_template(messages, add_generation_prompt=True)``
+decides, helped by ``add_bos`` and ``add_eos``), ``decode(list[int]) -> str``
+(special tokens skipped), ``bos_id``, ``eos_ids``, ``add_bos``, ``add_eos`` and ``apply_chat_template(messages, add_generation_prompt=True)``
 which renders the model's Jinja chat template (``None`` when it has none).
 
 Sources: a byte-level tokenizer that needs no files (the "tiny" model), a
@@ -25,6 +25,7 @@ class Tokenizer:
   bos_token: str = ""
   eos_token: str = ""
   add_bos: bool = False  # whether the model expects BOS before a plain prompt
+  add_eos: bool = False  # and EOS (eos_ids[0]) after it (a post-processor's "$A </s>")
 
   def encode(self, text: str) -> list[int]:
     raise NotImplementedError
@@ -139,8 +140,14 @@ class HFTokenizer(Tokenizer):
     self.bos_id = bos_id
     self.eos_ids = tuple(eos_ids)
     self.chat_template = chat_template
-    # The tokenizer's own post-processor says whether it would prepend BOS.
-    self.add_bos = bos_id is not None and tk.encode("a", add_special_tokens=True).ids[:1] == [bos_id]
+    # The tokenizer's own post-processor says whether it would prepend BOS
+    # or append EOS (tokenizer.json's TemplateProcessing "<s> $A </s>").
+    plain, special = (tk.encode("a", add_special_tokens=b).ids for b in (False, True))
+    extra, n = len(special) - len(plain), len(plain)  # special = [BOS] + plain + [EOS]
+    self.add_bos = (bos_id is not None and extra > 0 and special[0] == bos_id
+                    and special[1:1 + n] == plain)
+    self.add_eos = (bool(self.eos_ids) and extra > self.add_bos
+                    and special[-1] == self.eos_ids[0] and special[-1 - n:-1] == plain)
     self.bos_token = tk.id_to_token(bos_id) if bos_id is not None else ""
     self.eos_token = tk.id_to_token(self.eos_ids[0]) if self.eos_ids else ""
 
@@ -280,4 +287,5 @@ def from_gguf_fields(fields: dict[str, Any], path: str = "<gguf>") -> Tokenizer:
   out = HFTokenizer(tk, bos_id=None if bos is None else int(bos), eos_ids=eos_ids,
                     chat_template=fields.get("tokenizer.chat_template"))
   out.add_bos = bool(fields.get("tokenizer.ggml.add_bos_token", False)) and bos is not None
+  out.add_eos = bool(fields.get("tokenizer.ggml.add_eos_token", False)) and bool(eos_ids)
   return out

@@ -60,6 +60,10 @@ def _client(a):
                 tls_server_name=a.tls_server_name)
 
 
+_SPECULATION_FLAGS = ("prompt_lookup_max", "prompt_lookup_min", "speculative_max_batch",
+                      "speculative_patience")
+
+
 def _engine_config(a) -> dict:
   from serving import engine as E
 
@@ -71,10 +75,13 @@ def _engine_config(a) -> dict:
              decode_prefill_budget=a.decode_prefill_budget, prefill_first=a.prefill_first,
              packed_prefill=a.packed_prefill, compile_threads=a.compile_threads,
              scheduling=a.scheduling_policy, prompt_logprobs=a.enable_prompt_logprobs,
-             jump_forward=a.jump_forward, num_speculative_tokens=a.num_speculative_tokens,
-             prompt_lookup_max=a.prompt_lookup_max, prompt_lookup_min=a.prompt_lookup_min,
-             speculative_max_batch=a.speculative_max_batch,
-             speculative_patience=a.speculative_patience)
+             jump_forward=a.jump_forward, num_speculative_tokens=a.num_speculative_tokens)
+  for f in _SPECULATION_FLAGS:  # given: EngineConfig's default otherwise
+    if getattr(a, f) is not None:
+      if not a.num_speculative_tokens:
+        raise SystemExit(f"serve: --{f.replace('_', '-')} sets how speculation drafts; it "
+                         "needs --num-speculative-tokens")
+      cfg[f] = getattr(a, f)
   if a.token_budget is not None:  # 0 is a value to refuse, not "the default"
     cfg["token_budget"] = a.token_budget
   if a.compile_threads is None:
@@ -460,15 +467,15 @@ def parser() -> argparse.ArgumentParser:
                  help="n-gram (prompt lookup) speculation: draft up to this many tokens per "
                       "step from earlier text and check them in one call (small batches, "
                       "no grammars; 0: off)")
-  s.add_argument("--prompt-lookup-max", type=int, default=3,
-                 help="longest n-gram matched for drafts")
-  s.add_argument("--prompt-lookup-min", type=int, default=1,
-                 help="shortest n-gram matched for drafts")
-  s.add_argument("--speculative-max-batch", type=int, default=4,
-                 help="speculate only while at most this many requests run")
-  s.add_argument("--speculative-patience", type=int, default=4,
+  s.add_argument("--prompt-lookup-max", type=int,
+                 help="longest n-gram matched for drafts (default: 3)")
+  s.add_argument("--prompt-lookup-min", type=int,
+                 help="shortest n-gram matched for drafts (default: 1)")
+  s.add_argument("--speculative-max-batch", type=int,
+                 help="speculate only while at most this many requests run (default: 4)")
+  s.add_argument("--speculative-patience", type=int,
                  help="a request that gains nothing from this many checks in a row stops "
-                      "drafting for a while (8 of its tokens, doubling; 0: never)")
+                      "drafting for a while (8 of its tokens, doubling; 0: never) (default: 4)")
   s.add_argument("--engine-process", action="store_true",
                  help="run the engine in a process of its own, so that the gRPC stream "
                       "threads do not share its interpreter (serving.engine.process)")

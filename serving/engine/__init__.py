@@ -89,11 +89,16 @@ def kv_pages(stats: dict | None, page_bytes: int, fraction: float) -> int | None
   return max(int(free // page_bytes), 0)
 
 
-def fit_num_pages(model, page_size: int, gpu_memory_utilization: float, *,
+def fit_num_pages(model, page_size: int, gpu_memory_utilization: float | None, *,
                   kv_cache_dtype: str | None = None, tp: int = 1) -> int:
   """KV pages of ``model``'s cache that fit beside what the device already
-  holds (``kv_pages``), or DEFAULT_NUM_PAGES where it reports no memory."""
+  holds in ``gpu_memory_utilization`` (None: 0.8) of its memory (``kv_pages``),
+  or DEFAULT_NUM_PAGES where it reports no memory; there a fraction given is
+  refused, as it would size nothing."""
   import jax
+
+  explicit = gpu_memory_utilization is not None
+  gpu_memory_utilization = gpu_memory_utilization if explicit else 0.8
 
   two = jax.eval_shape(lambda: model.init_cache(2, page_size=page_size, dtype=kv_cache_dtype))
   # Per device: the cache splits its heads over the tp devices.
@@ -101,6 +106,10 @@ def fit_num_pages(model, page_size: int, gpu_memory_utilization: float, *,
   stats = _memory_stats()
   num_pages = kv_pages(stats, page_bytes, gpu_memory_utilization)
   if num_pages is None:
+    if explicit:
+      raise ValueError(f"gpu_memory_utilization={gpu_memory_utilization}: the device "
+                       f"({jax.devices()[0].platform}) reports no memory limit to take a share "
+                       "of; pass num_pages")
     return DEFAULT_NUM_PAGES
   if num_pages < 2:
     raise ValueError(
@@ -166,8 +175,7 @@ def model_engine(spec: str | None = None, *, dtype: str | None = None,
                       residual_dtype=residual_dtype)
   page_size = page_size or default_page_size()
   if num_pages is None:
-    num_pages = fit_num_pages(model, page_size, 0.8 if gpu_memory_utilization is None
-                              else gpu_memory_utilization,
+    num_pages = fit_num_pages(model, page_size, gpu_memory_utilization,
                               kv_cache_dtype=kv_cache_dtype, tp=tp)
   runner = ModelRunner(model, num_pages=num_pages, page_size=page_size,
                        attention=attention, decode_attention=decode_attention, matmul=matmul,

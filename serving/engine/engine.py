@@ -108,6 +108,9 @@ class BatchingEngine(api.Engine):
                      ("num_speculative_tokens", config.num_speculative_tokens)):
       if on and not getattr(runner, "supports_prompt_logprobs", False):
         raise ValueError(f"{flag}: runner {runner.name} does not keep every position's logits")
+    why = getattr(runner, "backends_why_not", None)
+    if why is not None:
+      raise ValueError(why)
     self.packed = False
     if config.packed_prefill is not False:
       why = getattr(runner, "packed_why_not", f"runner {runner.name} has no packed prefill")

@@ -34,15 +34,20 @@ class Intake:
   def tokenize(self, text: str, add_bos: bool = False) -> list[int]:
     """``add_bos``: the model's special tokens (vLLM's ``add_special_tokens``):
     BOS goes first only where the tokenizer puts one before a plain prompt
-    (its ``add_bos``, e.g. a GGUF's tokenizer.ggml.add_bos_token); a model
-    trained without one is not given one."""
+    (its ``add_bos``, e.g. a GGUF's tokenizer.ggml.add_bos_token), and EOS
+    last only where it appends one (its ``add_eos``); a model trained
+    without them is not given them."""
     try:
       ids = list(self.tok.encode(text))
     except ValueError as e:  # a model loaded without a tokenizer: token ids only
       raise api.InvalidRequest(str(e)) from None
-    bos = getattr(self.tok, "bos_id", None)
-    if add_bos and bos is not None and getattr(self.tok, "add_bos", False):
-      return [bos] + ids
+    if not add_bos:
+      return ids
+    bos, eos = getattr(self.tok, "bos_id", None), tuple(getattr(self.tok, "eos_ids", ()))
+    if bos is not None and getattr(self.tok, "add_bos", False):
+      ids = [bos] + ids
+    if eos and getattr(self.tok, "add_eos", False):
+      ids = ids + [eos[0]]
     return ids
 
   def token_pieces(self, ids: Sequence[int]) -> list[str]:

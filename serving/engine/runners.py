@@ -326,6 +326,51 @@ class ModelRunner:
     return {name: f._cache_size() for name, f in zip(names, self._fast)}
 
   @functools.cached_property
+  def backends_why_not(self) -> str | None:
+    """None if each backend chosen by name can run every call the engine
+    makes, else why not, naming the first that cannot. A backend chosen by
+    name never falls back (mosaic.registry), so without this check a backend
+    that cannot run here, or cannot run a prompt chunk over cached tokens
+    (cuDNN's), would fail the first request that needs it, not the start."""
+    if not self.backends or self._fast is None:
+      return None  # off the direct path the model's own API checks its calls
+    from models import llama
+    from mosaic import registry
+
+    llama.ops()
+    cfg = self.model.config
+    dt = jnp.dtype(self.dtype)
+    sds = jax.ShapeDtypeStruct
+    hq, hkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    window = getattr(cfg, "sliding_window", None)
+    vec = lambda n: sds((1, n), jnp.int32)  # noqa: E731
+    pages = lambda x: sds(x.shape, x.dtype)  # noqa: E731
+    q = sds((1, 64, hq, hd), dt)
+    kv = sds((1, 64, hkv, hd), dt)
+    long_kv = sds((1, 128, hkv, hd), dt)
+    calls = {
+        "attention_prefill": (
+            ("a fresh prompt chunk", (q, kv, kv), dict(causal=True, sliding_window=window)),
+            # Prompts longer than a chunk, prefix-cache hits and speculative checks.
+            ("a prompt chunk over cached tokens", (q, long_kv, long_kv),
+             dict(causal=True, sliding_window=window, q_positions=vec(64),
+                  kv_positions=vec(128), q_segment_ids=vec(64), kv_segment_ids=vec(128)))),
+        "attention_decode": (
+            ("a decode step", (sds((1, 1, hq, hd), dt), pages(self.cache.k), pages(self.cache.v),
+                               sds((1,), jnp.int32), sds((1, 1), jnp.int32)), dict(layer=0)),),
+        "matmul": (
+            ("a projection", (sds((16, cfg.hidden_size), dt), sds((cfg.hidden_size, hq * hd), dt)),
+             {}),),
+    }
+    for op, name in self.backends.items():
+      impl = registry.get_op(op).get(name)
+      for what, args, kw in calls.get(op, ()):
+        why = impl.why_not(*args, **kw)
+        if why is not None:
+          return f"{op} backend {name!r} cannot run {what}: {why}"
+    return None
+
+  @functools.cached_property
   def packed_why_not(self) -> str | None:
     """None if ``prefill_packed`` can run, else why not: it needs the direct
     path and a prefill attention that takes segment ids (cuDNN's does not)."""

@@ -373,12 +373,16 @@ def test_serve_sizes_the_kv_cache_from_device_memory(monkeypatch):
     pages[frac, kv] = c.num_pages
   assert pages["0.8", "auto"] > pages["0.5", "auto"]
   assert abs(pages["0.5", "fp8"] - 2 * pages["0.5", "auto"]) <= 1
-  # No room: a clear error; no memory stats (the CPU): the default count.
+  # No room: a clear error; no memory stats (the CPU): the default count, and
+  # a fraction given there is refused (it would size nothing).
   a = cli.parser().parse_args(["serve", "--model", "tiny", "--no-warmup",
                                "--gpu-memory-utilization", "0.2"])
   with pytest.raises(ValueError, match="no room for a KV cache"):
     cli.build_engine(a)
   monkeypatch.setattr(E, "_memory_stats", lambda: None)
+  with pytest.raises(ValueError, match="gpu_memory_utilization=0.2: .*no memory limit"):
+    cli.build_engine(a)
+  a = cli.parser().parse_args(["serve", "--model", "tiny", "--no-warmup"])
   assert cli.build_engine(a).runner.num_pages == E.DEFAULT_NUM_PAGES
   with pytest.raises(ValueError, match="gpu_memory_utilization"):
     E.kv_pages({"bytes_limit": limit}, 1, 1.5)
@@ -477,6 +481,14 @@ def test_serve_speculation_flags_reach_the_engine_config():
     cfg("--num-speculative-tokens", "4", "--speculative-patience", "-1")
   with pytest.raises(SystemExit, match="serve: .*prompt_lookup_max"):
     cfg("--num-speculative-tokens", "4", "--prompt-lookup-max", "1", "--prompt-lookup-min", "2")
+  # Each sets how drafts are made: without speculation it would change
+  # nothing, so it is refused by name, the default's value too.
+  for flag, value in (("--prompt-lookup-max", "3"), ("--prompt-lookup-min", "2"),
+                      ("--speculative-max-batch", "8"), ("--speculative-patience", "0")):
+    with pytest.raises(SystemExit, match=f"serve: {flag} .*needs --num-speculative-tokens"):
+      cfg(flag, value)
+    with pytest.raises(SystemExit, match=f"serve: {flag} "):
+      cfg("--num-speculative-tokens", "0", flag, value)
 
 
 def test_help_lists_every_command_and_shows_the_defaults():

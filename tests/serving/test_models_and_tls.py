@@ -177,6 +177,34 @@ def test_fp8_kv_cache_through_the_server():
     E.model_engine("toy", kv_cache_dtype="float8_e4m3fn")
 
 
+def test_a_backend_chosen_by_name_that_cannot_serve_is_refused_at_start():
+  # A backend chosen by name never falls back, so one that cannot run a call
+  # the engine makes would fail the first request needing it (cuDNN: every
+  # prompt chunk over cached tokens; on the CPU, every call). The engine is
+  # refused at start, naming the op, the backend and the call.
+  from serving import cli
+
+  kw = dict(dtype="float32", num_pages=32, warmup=False, max_batch=2, prefill_chunk=16,
+            max_seq_len=64)
+  with pytest.raises(ValueError, match="attention_prefill backend 'cudnn' cannot run a"):
+    E.model_engine("tiny", attention="cudnn", page_size=8, **kw)
+  # Triton's decode kernel takes pages of 16 tokens or more.
+  with pytest.raises(ValueError, match="attention_decode backend 'triton' cannot run a decode "
+                                       "step: page size"):
+    E.model_engine("tiny", decode_attention="triton", page_size=8, **kw)
+  with pytest.raises(SystemExit, match="serve: attention_prefill backend 'cudnn'"):
+    cli.cmd_serve(cli.parser().parse_args(["serve", "--model", "tiny", "--no-warmup",
+                                           "--attention-backend", "cudnn"]))
+  # The ones that can serve here still start, and a prompt over two chunks
+  # (the second over the first's cached tokens) runs on the backend named.
+  for name in ("xla", "reference"):
+    eng = E.model_engine("tiny", attention=name, page_size=8, **kw)
+    assert eng.info.backends["attention_prefill"] == name
+    with running(eng) as (_, c):
+      out = c.generate(list(range(3, 40)), max_tokens=3, ignore_eos=True)
+      assert len(out.token_ids) == 3
+
+
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
 def test_tls(tmp_path: pathlib.Path):
   key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"

@@ -1019,6 +1019,19 @@ def test_text_prompt_gets_bos_only_where_the_tokenizer_adds_one():
       single="<s> $A", special_tokens=[("<s>", 0)])
   engine.tok = tok_lib.HFTokenizer(tk, bos_id=0, eos_ids=(1,))
   assert engine._prompt_ids(E.Request("r", prompt_text="hi")) == [0, 2, 3]
+  # EOS where the post-processor appends one ("<s> $A </s>"; GGUF's
+  # add_eos_token), as the tokenizer's own encode(add_special_tokens=True).
+  tk.post_processor = tokenizers.processors.TemplateProcessing(
+      single="<s> $A </s>", special_tokens=[("<s>", 0), ("</s>", 1)])
+  engine.tok = tok_lib.HFTokenizer(tk, bos_id=0, eos_ids=(1,))
+  assert engine._prompt_ids(E.Request("r", prompt_text="hi")) == tk.encode("hi").ids == [0, 2, 3, 1]
+  assert engine._prompt_ids(E.Request("r", prompt_text="hi", add_bos=False)) == [2, 3]
+  tk.post_processor = tokenizers.processors.TemplateProcessing(
+      single="$A </s>", special_tokens=[("</s>", 1)])
+  engine.tok = tok_lib.HFTokenizer(tk, bos_id=0, eos_ids=(1,))
+  assert engine._prompt_ids(E.Request("r", prompt_text="hi")) == [2, 3, 1]
+  engine.tok = tok_lib.from_gguf_fields({**fields, "tokenizer.ggml.add_eos_token": True})
+  assert engine._prompt_ids(E.Request("r", prompt_text="hi")) == [2, 3, 1]
 
 
 def test_a_call_of_n_completions_is_one_admission_decision():
