@@ -153,18 +153,22 @@ def sampling_from_json(req: CompletionRequest | ChatCompletionRequest,
   try:
     return api.SamplingParams(**kw), req.n
   except api.InvalidRequest as e:
-    # The engine names its own field; the client is told the body's.
-    message = str(e)
-    field = re.match(r"[a-z_]+", message)
-    field = field and field.group()
-    body_name = {"top_logprobs": "top_logprobs" if chat else "logprobs",
-                 "max_tokens": "max_completion_tokens" if chat and req.max_completion_tokens
-                 is not None else "max_tokens",
-                 "structured": None}.get(field, field)
-    if field and body_name != field:
-      message = (body_name or "") + message[len(field):]
-    raise APIError(400, message, param=body_name if body_name in type(req).model_fields
-                   else None) from None
+    raise refusal(e, req, chat) from None
+
+
+def refusal(e: api.InvalidRequest, req: CompletionRequest | ChatCompletionRequest,
+            chat: bool) -> APIError:
+  """The engine's refusal as a 400 naming the body's field (``param``): the
+  engine names its own (``e.field``), which the body may spell otherwise."""
+  field, message = e.field, str(e)
+  body_name = {"top_logprobs": "top_logprobs" if chat else "logprobs",
+               "max_tokens": "max_completion_tokens" if chat and req.max_completion_tokens
+               is not None else "max_tokens",
+               "structured": None}.get(field, field)  # (several body fields set it)
+  if field and body_name and body_name != field:
+    message = re.sub(rf"\b{field}\b", body_name, message)
+  return APIError(400, message, param=body_name if body_name in type(req).model_fields
+                  else None)
 
 
 def _max_model_len(info: api.EngineInfo) -> int:
@@ -558,7 +562,7 @@ class _OpenAI:
         req = parse(ChatCompletionRequest if chat else CompletionRequest, raw)
         return _Call(self.engine, req, chat, self.servicer.metrics.observe_itl), req
       except api.InvalidRequest as e:
-        raise APIError(400, str(e)) from None
+        raise (refusal(e, req, chat) if req is not None else APIError(400, str(e))) from None
       except (TypeError, ValueError, KeyError, AttributeError) as e:  # a field's wrong value
         raise APIError(400, f"bad request field: {e!r}") from None
       except api.QueueFull as e:

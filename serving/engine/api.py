@@ -29,7 +29,15 @@ MAX_CHOICES = 1024
 
 
 class InvalidRequest(ValueError):
-  """A request the engine cannot run as asked (bad parameter, prompt too long)."""
+  """A request the engine cannot run as asked (bad parameter, prompt too long).
+  ``field``: the SamplingParams field it names, where it names one."""
+
+  def __init__(self, message: str, field: str | None = None):
+    super().__init__(message)
+    self.field = field
+
+  def __reduce__(self):  # the field survives the pipe of an --engine-process engine
+    return type(self), (str(self), self.field)
 
 
 class QueueFull(RuntimeError):
@@ -141,73 +149,81 @@ class SamplingParams:
     if not all(isinstance(e, Sequence) and len(e) == 2 and integral(e[0])
                for e in self.logit_bias):
       raise InvalidRequest("logit_bias must be (token id, bias) pairs or a {token id: bias} "
-                           "mapping")
+                           "mapping", field="logit_bias")
     for name in ("top_k", "min_tokens", "top_logprobs", "max_tokens", "seed",
                  "truncate_prompt_tokens", "prompt_logprobs"):
       v = getattr(self, name)
       if v is not None and not integral(v):
-        raise InvalidRequest(f"{name}={v!r} must be an integer")
+        raise InvalidRequest(f"{name}={v!r} must be an integer", field=name)
     if not all(isinstance(s, str) for s in self.stop):
-      raise InvalidRequest("stop must be strings")
+      raise InvalidRequest("stop must be strings", field="stop")
     for name in ("stop_token_ids", "allowed_token_ids"):
       if not all(integral(t) for t in getattr(self, name)):
-        raise InvalidRequest(f"{name} must be integers")
+        raise InvalidRequest(f"{name} must be integers", field=name)
     if self.structured is not None and not isinstance(self.structured, StructuredOutputs):
-      raise InvalidRequest(f"structured={self.structured!r} must be StructuredOutputs")
+      raise InvalidRequest(f"structured={self.structured!r} must be StructuredOutputs",
+                           field="structured")
 
     def finite(name):
       v = getattr(self, name)
       if not isinstance(v, (int, float)) or not math.isfinite(v):
-        raise InvalidRequest(f"{name}={v!r} must be a finite number")
+        raise InvalidRequest(f"{name}={v!r} must be a finite number", field=name)
     for f in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
               "frequency_penalty"):
       finite(f)
     if self.temperature < 0 or self.temperature > 100:
-      raise InvalidRequest(f"temperature={self.temperature} must be in [0, 100] (0 = greedy)")
+      raise InvalidRequest(f"temperature={self.temperature} must be in [0, 100] (0 = greedy)",
+                           field="temperature")
     if self.top_k < 0:
-      raise InvalidRequest(f"top_k={self.top_k} must be >= 0 (0 = no cut)")
+      raise InvalidRequest(f"top_k={self.top_k} must be >= 0 (0 = no cut)", field="top_k")
     if not 0 < self.top_p <= 1:
-      raise InvalidRequest(f"top_p={self.top_p} must be in (0, 1]")
+      raise InvalidRequest(f"top_p={self.top_p} must be in (0, 1]", field="top_p")
     if not 0 <= self.min_p <= 1:
-      raise InvalidRequest(f"min_p={self.min_p} must be in [0, 1]")
+      raise InvalidRequest(f"min_p={self.min_p} must be in [0, 1]", field="min_p")
     if not 0 < self.repetition_penalty <= 100:
       raise InvalidRequest(
-          f"repetition_penalty={self.repetition_penalty} must be in (0, 100] (1 = none)")
+          f"repetition_penalty={self.repetition_penalty} must be in (0, 100] (1 = none)",
+          field="repetition_penalty")
     for f in ("presence_penalty", "frequency_penalty"):
       if not -2 <= getattr(self, f) <= 2:
-        raise InvalidRequest(f"{f}={getattr(self, f)} must be in [-2, 2]")
+        raise InvalidRequest(f"{f}={getattr(self, f)} must be in [-2, 2]", field=f)
     if self.seed is not None and not 0 <= self.seed < 2**64:
-      raise InvalidRequest(f"seed={self.seed} must be in [0, 2**64)")
+      raise InvalidRequest(f"seed={self.seed} must be in [0, 2**64)", field="seed")
     if self.max_tokens is not None and self.max_tokens < 1:
-      raise InvalidRequest(f"max_tokens={self.max_tokens} must be >= 1")
+      raise InvalidRequest(f"max_tokens={self.max_tokens} must be >= 1", field="max_tokens")
     if self.min_tokens < 0:
-      raise InvalidRequest(f"min_tokens={self.min_tokens} must be >= 0")
+      raise InvalidRequest(f"min_tokens={self.min_tokens} must be >= 0", field="min_tokens")
     if self.max_tokens is not None and self.min_tokens > self.max_tokens:
       raise InvalidRequest(
-          f"min_tokens={self.min_tokens} must be <= max_tokens={self.max_tokens}")
+          f"min_tokens={self.min_tokens} must be <= max_tokens={self.max_tokens}",
+          field="min_tokens")
     if len(self.stop) > 16 or any(not s or len(s) > 256 for s in self.stop):
       raise InvalidRequest(
-          f"stop has {len(self.stop)} strings; at most 16 non-empty strings of <= 256 chars")
+          f"stop has {len(self.stop)} strings; at most 16 non-empty strings of <= 256 chars",
+          field="stop")
     if len(self.stop_token_ids) > 64:
-      raise InvalidRequest(f"{len(self.stop_token_ids)=} stop token ids; at most 64")
+      raise InvalidRequest(f"stop_token_ids has {len(self.stop_token_ids)} ids; at most 64",
+                           field="stop_token_ids")
     if len(self.logit_bias) > MAX_LOGIT_BIAS:
       raise InvalidRequest(f"logit_bias has {len(self.logit_bias)} entries; at most "
-                           f"{MAX_LOGIT_BIAS}")
+                           f"{MAX_LOGIT_BIAS}", field="logit_bias")
     for t, b in self.logit_bias:
       if not isinstance(b, (int, float)) or not -100 <= b <= 100:  # NaN fails too
-        raise InvalidRequest(f"logit_bias[{t}]={b!r} must be in [-100, 100]")
+        raise InvalidRequest(f"logit_bias[{t}]={b!r} must be in [-100, 100]", field="logit_bias")
     if len({t for t, _ in self.logit_bias}) < len(self.logit_bias):
-      raise InvalidRequest("logit_bias names a token id twice")
+      raise InvalidRequest("logit_bias names a token id twice", field="logit_bias")
     if len(self.allowed_token_ids) > MAX_ALLOWED_TOKENS:
       raise InvalidRequest(f"allowed_token_ids has {len(self.allowed_token_ids)} ids; at most "
-                           f"{MAX_ALLOWED_TOKENS}")
+                           f"{MAX_ALLOWED_TOKENS}", field="allowed_token_ids")
     if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
-      raise InvalidRequest(f"top_logprobs={self.top_logprobs} must be in [0, {MAX_TOP_LOGPROBS}]")
+      raise InvalidRequest(f"top_logprobs={self.top_logprobs} must be in "
+                           f"[0, {MAX_TOP_LOGPROBS}]", field="top_logprobs")
     if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens < 1:
-      raise InvalidRequest(f"truncate_prompt_tokens={self.truncate_prompt_tokens} must be >= 1")
+      raise InvalidRequest(f"truncate_prompt_tokens={self.truncate_prompt_tokens} must be >= 1",
+                           field="truncate_prompt_tokens")
     if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS:
       raise InvalidRequest(f"prompt_logprobs={self.prompt_logprobs} must be in "
-                           f"[0, {MAX_TOP_LOGPROBS}] (or unset)")
+                           f"[0, {MAX_TOP_LOGPROBS}] (or unset)", field="prompt_logprobs")
 
   @property
   def greedy(self) -> bool:

@@ -69,12 +69,12 @@ class Intake:
     self.check_vocab("token ids", ids)
     return self.tok.decode(list(ids))
 
-  def check_vocab(self, what: str, ids) -> None:
+  def check_vocab(self, what: str, ids, field: str | None = None) -> None:
     """InvalidRequest naming the first ids outside [0, vocab_size)."""
     bad = [t for t in ids if not 0 <= t < self.vocab_size]
     if bad:
       raise api.InvalidRequest(f"{what} {bad[:5]} are outside the vocabulary "
-                               f"[0, {self.vocab_size})")
+                               f"[0, {self.vocab_size})", field=field)
 
   def prepare(self, request: api.Request, make_events):
     """A request's checks and what its Seq is made of: (handle, prompt ids,
@@ -94,30 +94,30 @@ class Intake:
       if (getattr(p, name) or 0) > room:
         raise api.InvalidRequest(
             f"prompt ({len(prompt)} tokens) + {name} ({getattr(p, name)}) exceeds the "
-            f"context of {self.max_seq_len}")
+            f"context of {self.max_seq_len}", field=name)
     if len(prompt) >= self.capacity:
       raise api.InvalidRequest(
           f"the prompt has {len(prompt)} tokens; the KV cache holds {self.capacity}")
     if len(prompt) + p.min_tokens > self.capacity:
       raise api.InvalidRequest(
           f"prompt ({len(prompt)} tokens) + min_tokens ({p.min_tokens}) exceeds the "
-          f"{self.capacity} tokens the KV cache holds")
+          f"{self.capacity} tokens the KV cache holds", field="min_tokens")
     for name in ("top_logprobs", "prompt_logprobs"):
       if (getattr(p, name) or 0) > self.vocab_size:
         raise api.InvalidRequest(f"{name}={getattr(p, name)} is more than the vocabulary's "
-                                 f"{self.vocab_size} tokens")
+                                 f"{self.vocab_size} tokens", field=name)
     for name, ids in (("stop_token_ids", p.stop_token_ids),
                       ("logit_bias", [t for t, _ in p.logit_bias]),
                       ("allowed_token_ids", p.allowed_token_ids)):
-      self.check_vocab(name, ids)
+      self.check_vocab(name, ids, field=name)
     if p.min_tokens and p.allowed_token_ids and not (
         set(p.allowed_token_ids) - set(p.stop_token_ids)
         - (set() if p.ignore_eos else self.eos_ids)):
       raise api.InvalidRequest("every allowed token id ends the request: min_tokens="
-                               f"{p.min_tokens} cannot be met")
+                               f"{p.min_tokens} cannot be met", field="min_tokens")
     if p.prompt_logprobs is not None and not self.config.prompt_logprobs:
       raise api.InvalidRequest("prompt_logprobs needs a server started with "
-                               "--enable-prompt-logprobs")
+                               "--enable-prompt-logprobs", field="prompt_logprobs")
     if request.priority and self.config.scheduling != "priority":
       raise api.InvalidRequest(f"priority={request.priority} needs priority scheduling "
                                "(serve --scheduling-policy priority)")
@@ -126,7 +126,7 @@ class Intake:
         list(p.allowed_token_ids)].any():
       # Else the request would end (STOP) at its first step with no output.
       raise api.InvalidRequest("allowed_token_ids and the structured output admit no common "
-                               "first token")
+                               "first token", field="allowed_token_ids")
     seed = p.seed if p.seed is not None else random.getrandbits(64)
     handle = api.RequestHandle(request.request_id, len(prompt),
                                make_events(request.request_id))

@@ -223,6 +223,13 @@ def test_bad_requests_get_openai_errors(openai, path, body, status, match):
      "min_tokens", "min_tokens=3 must be <= max_tokens=2"),
     ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "json_schema"}},
      "response_format.json_schema", "response_format of type json_schema needs its json_schema"),
+    # Refused by the engine at submit (it knows the context and the vocabulary).
+    ("/v1/chat/completions", {"messages": CHAT, "max_completion_tokens": 10**6},
+     "max_completion_tokens", "+ max_completion_tokens (1000000) exceeds the context"),
+    ("/v1/completions", {"prompt": "a", "max_tokens": 10**6}, "max_tokens",
+     "+ max_tokens (1000000) exceeds the context"),
+    ("/v1/completions", {"prompt": "a", "stop_token_ids": [10**6]}, "stop_token_ids",
+     "stop_token_ids [1000000] are outside the vocabulary"),
 ])
 def test_a_bad_value_names_the_body_field_it_came_in(openai, path, body, param, message):
   """The error's param and message name the field as the client sent it

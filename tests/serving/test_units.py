@@ -428,6 +428,24 @@ def test_logit_bias_may_be_a_mapping():
   assert api.SamplingParams(logit_bias={5: 1.0, 9: -2.0}).logit_bias == ((5, 1.0), (9, -2.0))
 
 
+def test_a_refusal_names_its_field_and_keeps_it_across_processes():
+  # The HTTP API reports the body's field from it (param); an --engine-process
+  # engine's refusals come through a pickle.
+  import pickle
+
+  from serving.engine import api
+
+  for kw, field in ((dict(temperature=-1), "temperature"), (dict(top_p=0), "top_p"),
+                    (dict(stop_token_ids=tuple(range(65))), "stop_token_ids"),
+                    (dict(frequency_penalty=3), "frequency_penalty"),
+                    (dict(top_k=1.5), "top_k")):
+    with pytest.raises(api.InvalidRequest) as e:
+      api.SamplingParams(**kw)
+    assert e.value.field == field and str(e.value).startswith(field), (kw, str(e.value))
+    again = pickle.loads(pickle.dumps(e.value))
+    assert (type(again), again.field, str(again)) == (api.InvalidRequest, field, str(e.value))
+
+
 @pytest.mark.parametrize("kw,match", [
     (dict(max_batch=0), "max_batch"), (dict(decode_steps=0), "decode_steps"),
     (dict(min_chunk=32, prefill_chunk=16), "min_chunk"),
