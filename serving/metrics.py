@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import socketserver
+import time
 import wsgiref.simple_server
 
 from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram,
@@ -154,6 +155,10 @@ class Metrics:
     for _ in range(n):
       self.itl.observe(gap)
 
+  def token_gaps(self) -> "TokenGaps":
+    """A call's clock for the inter-token latency histogram."""
+    return TokenGaps(self.observe_itl)
+
   def sample(self, name: str, **labels) -> float | None:
     """One sample's value by its exposed name (``PREFIX`` may be left out),
     e.g. ``sample("requests_finished_total", reason="eos")``; None if absent."""
@@ -194,3 +199,21 @@ def metrics_http(metrics: Metrics, host: str, port: int) -> wsgiref.simple_serve
 
   return wsgiref.simple_server.make_server(host, port, only_metrics, server_class=_Server,
                                            handler_class=_QuietHandler)
+
+
+class TokenGaps:
+  """The inter-token gaps of one call's completions, as the gRPC and HTTP
+  APIs count them: k tokens that reach a completion at once are k equal
+  gaps since its previous tokens (its first tokens are its TTFT, no gap)."""
+
+  def __init__(self, observe):
+    self.observe = observe  # (gap seconds, count)
+    self.last: dict[int, float] = {}  # completion -> when its last tokens came
+
+  def arrived(self, completion: int, k: int) -> None:
+    if not k:
+      return
+    now = time.monotonic()
+    if completion in self.last:
+      self.observe((now - self.last[completion]) / k, k)
+    self.last[completion] = now

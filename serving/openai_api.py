@@ -193,9 +193,9 @@ class _Call:
   """One HTTP call's engine requests and their merged events."""
 
   def __init__(self, engine, req: CompletionRequest | ChatCompletionRequest, chat: bool,
-               observe_itl=None):
+               token_gaps=None):
     self.engine, self.chat = engine, chat
-    self.observe_itl = observe_itl  # (gap, tokens): the inter-token latency histogram
+    self.token_gaps = token_gaps  # () -> metrics.TokenGaps: the inter-token latency histogram
     if req.model not in (None, "", engine.info.model_name):
       raise APIError(404, f"the model {req.model!r} does not exist; this server serves "
                      f"{engine.info.model_name!r}", "not_found", "model")
@@ -275,7 +275,7 @@ class _Call:
     """(index, Delta | Final) until every completion's Final; ``gone()`` is
     asked every _POLL_S: True cancels the requests (_ClientGone)."""
     finals, check = 0, time.monotonic() + _POLL_S
-    last: dict[int, float] = {}  # completion -> when its last tokens came
+    gaps = self.token_gaps() if self.token_gaps is not None else None
     try:
       while finals < self.n:
         try:
@@ -299,12 +299,8 @@ class _Call:
                          f"({ev.completion_tokens} tokens generated)", "unavailable")
         if isinstance(ev, api.Final) and ev.reason not in _FINISH:
           raise APIError(500, f"the request ended: {ev.reason.name.lower()}", "internal_error")
-        if isinstance(ev, api.Delta) and ev.token_ids and self.observe_itl is not None:
-          # As the gRPC stream counts them: k tokens at once are k equal gaps.
-          now = time.monotonic()
-          if i in last:
-            self.observe_itl((now - last[i]) / len(ev.token_ids), len(ev.token_ids))
-          last[i] = now
+        if isinstance(ev, api.Delta) and gaps is not None:
+          gaps.arrived(i, len(ev.token_ids))
         yield i, ev
         finals += isinstance(ev, api.Final)
     finally:
@@ -560,7 +556,7 @@ class _OpenAI:
     try:
       try:
         req = parse(ChatCompletionRequest if chat else CompletionRequest, raw)
-        return _Call(self.engine, req, chat, self.servicer.metrics.observe_itl), req
+        return _Call(self.engine, req, chat, self.servicer.metrics.token_gaps), req
       except api.InvalidRequest as e:
         raise (refusal(e, req, chat) if req is not None else APIError(400, str(e))) from None
       except (TypeError, ValueError, KeyError, AttributeError) as e:  # a field's wrong value

@@ -194,7 +194,7 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
   def _events(self, events: Events, context):
     """(completion index, event) until every completion's Final; Deltas of a
     completion that queued up meanwhile are merged into one."""
-    last: dict[int, float] = {}
+    gaps = self.metrics.token_gaps()
     finals = 0
     follow = None  # an event read while merging, handled next
     while True:
@@ -219,13 +219,7 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
             break
           d = nxt[1]
           ev = api.Delta(ev.token_ids + d.token_ids, ev.text + d.text, ev.logprobs + d.logprobs)
-        now = time.monotonic()
-        k = len(ev.token_ids)
-        if i in last and k:
-          # k tokens in one message: k inter-token gaps of equal share.
-          self.metrics.observe_itl((now - last[i]) / k, k)
-        if k:
-          last[i] = now
+        gaps.arrived(i, len(ev.token_ids))
       # An ended deadline or cancel is the call's status, not a response:
       # abort before handing the Final on (Generate returns on the last Final).
       if isinstance(ev, api.Failed):
