@@ -168,8 +168,8 @@ class BatchingEngine(api.Engine):
     self._mixed_packed_ns = tuple(n for n in self.packed_buckets
                                   if n <= bucket(cap, self.packed_buckets))
     if config.mixed_steps and not self.mixed:
-      log.warning("mixed_steps: runner %s has no mixed step; prefill and decode run apart",
-                  runner.name)
+      raise ValueError(f"mixed_steps: runner {runner.name} has no mixed step (a sliding-window "
+                       "model's, or one off models.Model's direct path); leave it off")
     self._draining = False
     self._stopping = False
     self._thread: threading.Thread | None = None

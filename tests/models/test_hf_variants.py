@@ -94,6 +94,10 @@ def test_variant_through_the_engine(hf_variants, name):
   for kw in (dict(prompt_text="hi"), dict(messages=[("user", "hi")])):
     with pytest.raises(api.InvalidRequest, match="loaded without a tokenizer"):
       engine.submit(api.Request("t", **kw))
+  if model.config.sliding_window is not None:  # no mixed step: refused, not ignored
+    with pytest.raises(ValueError, match="mixed_steps: runner .* has no mixed step"):
+      E.BatchingEngine(E.ModelRunner(model, num_pages=32, page_size=PAGE),
+                       E.EngineConfig(max_seq_len=64, warmup=False, mixed_steps=True))
 
 
 def test_activations_match_transformers(hf_variants):
