@@ -157,6 +157,37 @@ class HFTokenizer(Tokenizer):
   def decode(self, ids: Sequence[int]) -> str:
     return self.tk.decode(list(ids), skip_special_tokens=True)
 
+  def token_bytes(self) -> list[bytes | None]:
+    """From the vocabulary's pieces as the decoder reads them: byte-level BPE
+    (GPT-2, Llama 3, Qwen: each char stands for one byte), or
+    sentencepiece-style pieces ("\u2581" is a space; "<0x0A>" one byte where
+    the decoder falls back to bytes). A piece inside a multi-byte character
+    is its bytes alone, which decode([id]) cannot give."""
+    spec = json.loads(self.tk.to_str())
+    dec = spec.get("decoder") or {}
+    kinds = {d.get("type") for d in [dec, *dec.get("decoders", [])]}
+    specials = {t["id"] for t in spec.get("added_tokens", []) if t.get("special")}
+    char_byte = {c: b for b, c in _byte_chars().items()}
+    out: list[bytes | None] = [None] * self.tk.get_vocab_size(with_added_tokens=True)
+    for piece, i in self.tk.get_vocab(with_added_tokens=True).items():
+      if i in specials or i >= len(out):
+        continue
+      if "ByteLevel" in kinds and all(c in char_byte for c in piece):
+        out[i] = bytes(char_byte[c] for c in piece)
+      elif "ByteFallback" in kinds and len(piece) == 6 and piece.startswith("<0x") and (
+          piece.endswith(">")):
+        out[i] = bytes([int(piece[3:5], 16)])
+      else:  # an added token (plain text), or a sentencepiece-style piece
+        out[i] = (piece if "ByteLevel" in kinds else piece.replace("\u2581", " ")).encode()
+    return out
+
+
+def _byte_chars() -> dict[int, str]:
+  """GPT-2's byte-level alphabet: each byte's printable stand-in char."""
+  keep = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+  extra = iter(range(256, 512))
+  return {b: chr(b if b in keep else next(extra)) for b in range(256)}
+
 
 class SentencePieceTokenizer(Tokenizer):
 

@@ -140,6 +140,8 @@ def sampling_from_json(req: CompletionRequest | ChatCompletionRequest,
   kw["max_tokens"] = max_tokens
   kw["stop"] = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
   kw["stop_token_ids"] = tuple(req.stop_token_ids or ())
+  if req.allowed_token_ids == []:  # (none allowed is no request; vLLM refuses it too)
+    raise APIError(400, "allowed_token_ids must not be empty", param="allowed_token_ids")
   kw["allowed_token_ids"] = tuple(req.allowed_token_ids or ())
   kw["logit_bias"] = tuple(sorted((int(t), b) for t, b in (req.logit_bias or {}).items()))
   if chat:
@@ -211,7 +213,15 @@ class _Call:
                      param="best_of")
     if req.stream_options is not None and not req.stream:
       raise APIError(400, "stream_options needs stream: true", param="stream_options")
+    # Completions' echo with max_tokens 0 returns the prompt alone (OpenAI's
+    # legacy way to score a text; vLLM's echo_without_generation): one token
+    # is computed and dropped.
+    self.echo_only = not chat and bool(req.echo) and req.max_tokens == 0
+    if self.echo_only:
+      req = req.model_copy(update={"max_tokens": 1})
     sampling, self.per = sampling_from_json(req, chat)  # completions per prompt
+    self.logprobs = sampling.logprobs
+    self.prompt_logprobs = sampling.prompt_logprobs is not None  # asked for (not echo's)
     if chat:
       prompts = [{"messages": _chat(req.messages),
                   "add_generation_prompt": req.add_generation_prompt}]
@@ -247,7 +257,12 @@ class _Call:
             request_id=self.keys[-1], sampling=completion_params(sampling, j),
             priority=req.priority or 0, **prompt))
     # One admission decision for the call's completions: all or none.
-    self.events = Events(self.engine.submit_all(requests))
+    try:
+      self.events = Events(self.engine.submit_all(requests))
+    except api.InvalidRequest as e:
+      if e.field == "prompt_logprobs" and not self.prompt_logprobs:  # asked for by echo
+        raise APIError(400, f"echo with logprobs scores the prompt: {e}", param="echo") from None
+      raise
 
   def _text(self, prompt: dict) -> str:
     if "prompt_text" in prompt:
@@ -307,13 +322,14 @@ class _Call:
       self.events.close()
 
 
-def _logprobs(engine, lps: list[api.TokenLogprob], chat: bool, offset: int = 0):
-  """Logprobs in OpenAI's shapes. Completions (the legacy format): each
+def _logprobs(engine, lps: list[api.TokenLogprob] | None, chat: bool, offset: int = 0):
+  """Logprobs in OpenAI's shapes (None: not asked for; asked for, they are
+  there, empty for no tokens). Completions (the legacy format): each
   position's dict holds the sampled token and its ``logprobs`` likeliest (so
   up to logprobs + 1 entries, as OpenAI and vLLM give them), and
   ``text_offset`` is each token's offset in the choice's text, from
   ``offset`` (the text before these tokens)."""
-  if not lps:
+  if lps is None:
     return None
   pieces = engine.token_pieces([x.token_id for x in lps] +
                                [t for x in lps for t, _ in x.top])
@@ -343,12 +359,20 @@ def _offsets(pieces: list[str], start: int) -> list[int]:
   return out
 
 
-def _prompt_logprobs(lps) -> list[PromptLogprob]:
-  """A Final's prompt logprobs, each with its prompt_logprobs=k alternatives."""
-  return [PromptLogprob(token_id=x.token_id, logprob=x.logprob,
-                        **({"top": [PromptLogprob(token_id=t, logprob=v) for t, v in x.top]}
-                           if x.top else {}))
-          for x in lps]
+def _prompt_logprobs(engine, lps) -> list[dict[str, PromptLogprob] | None]:
+  """A Final's prompt logprobs in vLLM's shape: None for the first token,
+  then each token's {id: logprob} with its prompt_logprobs=k alternatives
+  (rank: the place among them; the token's own is None outside them)."""
+  ids = [i for x in lps for i in (x.token_id, *(t for t, _ in x.top))]
+  pieces = iter(engine.token_pieces(ids))
+  out: list[dict[str, PromptLogprob] | None] = [None]
+  for x in lps:
+    ranks = {t: r for r, (t, _) in enumerate(x.top, 1)}
+    own = {str(x.token_id): PromptLogprob(logprob=x.logprob, rank=ranks.get(x.token_id),
+                                          decoded_token=next(pieces))}
+    out.append({**own, **{str(t): PromptLogprob(logprob=v, rank=r, decoded_token=next(pieces))
+                          for r, (t, v) in enumerate(x.top, 1)}})
+  return out
 
 
 def _echo_logprobs(engine, first: int, scored,
@@ -363,7 +387,7 @@ def _echo_logprobs(engine, first: int, scored,
       top_logprobs=[None] + [{pieces[j + 1]: x.logprob, **{next(names): v for _, v in x.top}}
                              for j, x in enumerate(scored)],
       text_offset=_offsets(pieces[:len(ids)], 0))
-  if completion is not None:
+  if completion is not None:  # (None: the prompt alone, echo with max_tokens 0)
     out.tokens += completion.tokens
     out.token_logprobs += completion.token_logprobs
     out.top_logprobs += completion.top_logprobs
@@ -587,25 +611,32 @@ class _OpenAI:
     except BaseException:
       call.cancel()
       raise
+    if call.echo_only:  # the prompt alone: the token computed is dropped
+      text, lps = [[] for _ in text], [[] for _ in lps]
+      finals = [dataclasses.replace(f, reason=api.FinishReason.LENGTH, completion_tokens=0,
+                                    stop_reason=None) for f in finals]
     choices = []
     for i, f in enumerate(finals):
       p = call.prompt_of(i)
-      c = {"index": i, "logprobs": _logprobs(engine, lps[i], chat, len(call.echo[p])),
+      c = {"index": i, "logprobs": _logprobs(engine, lps[i] if call.logprobs else None, chat,
+                                             len(call.echo[p])),
            "finish_reason": _FINISH[f.reason], "stop_reason": f.stop_reason}
       if chat:
         c["message"] = AssistantMessage(role="assistant", content="".join(text[i]))
       else:
         c["text"] = call.echo[p] + "".join(text[i])
         scored = finals[p * call.per].prompt_logprobs  # the prompt's completion 0 has them
-        if call.echo_first[p] is not None and scored:
+        if call.echo_first[p] is not None and call.logprobs:  # (a 1-token prompt: none scored)
           c["logprobs"] = _echo_logprobs(engine, call.echo_first[p], scored, c["logprobs"])
-      if i % call.per == 0 and f.prompt_logprobs:
-        c["prompt_logprobs"] = _prompt_logprobs(f.prompt_logprobs)
+      if call.prompt_logprobs and not chat:  # every choice of the prompt (vLLM)
+        c["prompt_logprobs"] = _prompt_logprobs(engine, finals[p * call.per].prompt_logprobs)
       choices.append((ChatChoice if chat else CompletionChoice)(**c))
     usage = _usage(finals, call.per)
     if chat:
+      extra = ({"prompt_logprobs": _prompt_logprobs(engine, finals[0].prompt_logprobs)}
+               if call.prompt_logprobs else {})
       return ChatCompletionResponse(**self._head(chat), object="chat.completion",
-                                    choices=choices, usage=usage).json_bytes()
+                                    choices=choices, usage=usage, **extra).json_bytes()
     return CompletionResponse(**self._head(chat), object="text_completion", choices=choices,
                               usage=usage).json_bytes()
 
@@ -638,8 +669,13 @@ class _OpenAI:
           yield chunk(choice(i, text=call.echo[call.prompt_of(i)], logprobs=None,
                              finish_reason=None))
       for i, ev in call.follow(gone.is_set):
+        if isinstance(ev, api.Final) and call.echo_only:  # the prompt alone (above)
+          ev = dataclasses.replace(ev, reason=api.FinishReason.LENGTH, completion_tokens=0,
+                                   stop_reason=None)
         if isinstance(ev, api.Delta):
-          lp = _logprobs(engine, list(ev.logprobs), chat, sent[i])
+          if call.echo_only:
+            continue
+          lp = _logprobs(engine, list(ev.logprobs) if call.logprobs else None, chat, sent[i])
           sent[i] += len(ev.text)
           c = (choice(i, delta=ChatDelta(content=ev.text), logprobs=lp, finish_reason=None)
                if chat else choice(i, text=ev.text, logprobs=lp, finish_reason=None))
@@ -647,8 +683,8 @@ class _OpenAI:
           finals[i] = ev
           end = {"logprobs": None, "finish_reason": _FINISH[ev.reason],
                  "stop_reason": ev.stop_reason}
-          if i % call.per == 0 and ev.prompt_logprobs:
-            end["prompt_logprobs"] = _prompt_logprobs(ev.prompt_logprobs)
+          if i % call.per == 0 and call.prompt_logprobs:  # (the prompt's first choice)
+            end["prompt_logprobs"] = _prompt_logprobs(engine, ev.prompt_logprobs)
           c = choice(i, delta=ChatDelta(), **end) if chat else choice(i, text="", **end)
         yield chunk(c)
       if include_usage:

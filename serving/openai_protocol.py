@@ -205,9 +205,18 @@ class Usage(ResponseBody):
 
 
 class PromptLogprob(ResponseBody):
-  token_id: int
+  """vLLM's Logprob: a token's logprob at a prompt position, its rank there
+  (1: the likeliest; None where it is not among the k asked for) and text."""
+
   logprob: float
-  top: list[PromptLogprob] | None = None  # (prompt_logprobs=k > 0: the k likeliest there)
+  rank: int | None = None
+  decoded_token: str | None = None
+
+
+# vLLM's prompt_logprobs: one entry per prompt token, None for the first (it
+# has no context); each maps token ids (as JSON keys) to their logprobs: the
+# prompt's own token and the k likeliest there.
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
 
 
 class CompletionLogprobs(ResponseBody):
@@ -240,7 +249,7 @@ class CompletionChoice(ResponseBody):
   logprobs: CompletionLogprobs | None
   finish_reason: str | None
   stop_reason: int | str | None = None  # (a stream's last chunk of the choice only)
-  prompt_logprobs: list[PromptLogprob] | None = None  # (each prompt's first choice)
+  prompt_logprobs: PromptLogprobs | None = None  # (every choice of the prompt)
 
 
 class AssistantMessage(ResponseBody):
@@ -254,7 +263,6 @@ class ChatChoice(ResponseBody):
   logprobs: ChatLogprobs | None
   finish_reason: str
   stop_reason: int | str | None
-  prompt_logprobs: list[PromptLogprob] | None = None
 
 
 class ChatDelta(ResponseBody):
@@ -268,7 +276,7 @@ class ChatChunkChoice(ResponseBody):
   logprobs: ChatLogprobs | None
   finish_reason: str | None
   stop_reason: int | str | None = None
-  prompt_logprobs: list[PromptLogprob] | None = None  # (each prompt's first choice, at its end)
+  prompt_logprobs: PromptLogprobs | None = None  # (a stream's: at the choice's end)
 
 
 class CompletionResponse(ResponseBody):
@@ -287,6 +295,7 @@ class ChatCompletionResponse(ResponseBody):
   model: str
   choices: list[ChatChoice]
   usage: Usage
+  prompt_logprobs: PromptLogprobs | None = None  # (vLLM's place for chat: the response's)
 
 
 class ChatCompletionChunk(ResponseBody):

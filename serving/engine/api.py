@@ -174,8 +174,10 @@ class SamplingParams:
     if self.temperature < 0 or self.temperature > 100:
       raise InvalidRequest(f"temperature={self.temperature} must be in [0, 100] (0 = greedy)",
                            field="temperature")
+    if self.top_k == -1:  # vLLM's spelling of no cut
+      object.__setattr__(self, "top_k", 0)
     if self.top_k < 0:
-      raise InvalidRequest(f"top_k={self.top_k} must be >= 0 (0 = no cut)", field="top_k")
+      raise InvalidRequest(f"top_k={self.top_k} must be >= 0 (0 or -1 = no cut)", field="top_k")
     if not 0 < self.top_p <= 1:
       raise InvalidRequest(f"top_p={self.top_p} must be in (0, 1]", field="top_p")
     if not 0 <= self.min_p <= 1:
@@ -187,8 +189,10 @@ class SamplingParams:
     for f in ("presence_penalty", "frequency_penalty"):
       if not -2 <= getattr(self, f) <= 2:
         raise InvalidRequest(f"{f}={getattr(self, f)} must be in [-2, 2]", field=f)
-    if self.seed is not None and not 0 <= self.seed < 2**64:
-      raise InvalidRequest(f"seed={self.seed} must be in [0, 2**64)", field="seed")
+    if self.seed is not None and not -2**63 <= self.seed < 2**64:
+      raise InvalidRequest(f"seed={self.seed} must be in [-2**63, 2**64)", field="seed")
+    if self.seed is not None and self.seed < 0:  # (vLLM takes any int64) as its 64 bits
+      object.__setattr__(self, "seed", self.seed % 2**64)
     if self.max_tokens is not None and self.max_tokens < 1:
       raise InvalidRequest(f"max_tokens={self.max_tokens} must be >= 1", field="max_tokens")
     if self.min_tokens < 0:

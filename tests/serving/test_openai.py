@@ -216,7 +216,10 @@ def test_bad_requests_get_openai_errors(openai, path, body, status, match):
      "top_logprobs", "top_logprobs=21 must be in [0, 20]"),
     ("/v1/completions", {"prompt": "a", "temperature": -1}, "temperature", "temperature=-1"),
     ("/v1/completions", {"prompt": "a", "max_tokens": 0}, "max_tokens", "max_tokens=0"),
-    ("/v1/completions", {"prompt": "a", "seed": -1}, "seed", "seed=-1"),
+    ("/v1/completions", {"prompt": "a", "seed": 2**64}, "seed", f"seed={2**64}"),
+    ("/v1/completions", {"prompt": "a", "top_k": -2}, "top_k", "top_k=-2"),
+    ("/v1/completions", {"prompt": "a", "allowed_token_ids": []}, "allowed_token_ids",
+     "must not be empty"),
     ("/v1/completions", {"prompt": "a", "max_tokens": 2, "min_tokens": 3}, "min_tokens",
      "min_tokens=3 must be <= max_tokens=2"),
     ("/v1/chat/completions", {"messages": CHAT, "max_completion_tokens": 2, "min_tokens": 3},
@@ -517,9 +520,22 @@ def test_prompt_logprobs_come_with_their_alternatives_unary_and_streamed(openai,
     assert status == 200, r
     choices = [c for chunk in r for c in chunk["choices"]] if stream else r["choices"]
     got.append([c["prompt_logprobs"] for c in choices if "prompt_logprobs" in c])
+    if path == "/v1/chat/completions" and not stream:  # vLLM's place: the response's
+      assert not got[-1]
+      got[-1] = [r["prompt_logprobs"]]
   unary, streamed = got
   assert len(unary) == 1 and unary == streamed
-  assert unary[0] and all(len(x["top"]) == 2 for x in unary[0]), unary
+  # vLLM's shape: None for the first token, then {id: {logprob, rank,
+  # decoded_token}}: the prompt's own token and the 2 likeliest (ranks 1, 2).
+  first, *rest = unary[0]
+  assert first is None and rest, unary
+  for entry in rest:
+    assert 2 <= len(entry) <= 3, entry
+    ranked = sorted((v["rank"], v["logprob"]) for v in entry.values() if v["rank"])
+    assert [r for r, _ in ranked] == [1, 2] and ranked[0][1] >= ranked[1][1], entry
+    assert all(k.isdigit() and isinstance(v["decoded_token"], str) for k, v in entry.items())
+  if path == "/v1/completions":  # BOS a b; the counting model: after "a", "b" is the likeliest
+    assert len(rest) == 2 and rest[1][str(ord("b"))]["rank"] == 1, rest
 
 
 def test_prompt_lists_and_echo_logprobs_for_scoring(openai):
@@ -755,3 +771,53 @@ def test_an_oversize_prompt_is_refused_before_it_is_tokenized(openai, monkeypatc
   assert calls == []
   status, r = _post(port, "/v1/completions", {"prompt": big[:100], "max_tokens": 1})
   assert status == 200 and calls, r
+
+
+def test_echo_scores_a_prompt_alone_and_logprobs_are_there_when_asked(openai):
+  """echo with max_tokens 0 returns the prompt and its logprobs alone (OpenAI's
+  legacy scoring call; vLLM's echo_without_generation), streamed too; a
+  one-token prompt's echo keeps its token (no logprob); logprobs asked for
+  are an object even when no token has text (an output that is only EOS)."""
+  server, port = openai
+  body = {"prompt": "abx", "echo": True, "logprobs": 1, "max_tokens": 0}
+  status, r = _post(port, "/v1/completions", body)
+  assert status == 200, r
+  (c,) = r["choices"]
+  assert c["text"] == "abx" and c["finish_reason"] == "length", c
+  assert c["logprobs"]["tokens"][1:] == ["a", "b", "x"] and c["logprobs"]["token_logprobs"][0] is None
+  assert c["logprobs"]["token_logprobs"][3] < -15  # "x" does not follow "b"
+  assert r["usage"]["completion_tokens"] == 0 and r["usage"]["prompt_tokens"] == 4
+  status, r = _post(port, "/v1/completions", {"prompt": "abx", "echo": True, "max_tokens": 0,
+                                               "stream": True})
+  assert status == 200 and "".join(c["text"] for x in r for c in x["choices"]) == "abx", r
+  assert [c["finish_reason"] for x in r for c in x["choices"]][-1] == "length"
+  status, r = _post(port, "/v1/completions", {"prompt": "a", "max_tokens": 0})
+  assert status == 400 and r["error"]["param"] == "max_tokens", r  # (without echo)
+  # One token: the prompt's own entry, then the completion's.
+  _, r = _post(port, "/v1/completions", {"prompt": [ord("a")], "echo": True, "logprobs": 1,
+                                          "max_tokens": 2, "temperature": 0})
+  lp = r["choices"][0]["logprobs"]
+  assert r["choices"][0]["text"] == "abc" and lp["tokens"] == ["a", "b", "c"], lp
+  assert lp["token_logprobs"][0] is None and lp["text_offset"] == [0, 1, 2], lp
+  # An output of EOS alone (forced by logit_bias) has no token with text, and
+  # its logprobs are an empty object, not null.
+  eos = {str(server.engine.info.eos_token_id): 100}
+  for path, prompt in (("/v1/completions", {"prompt": "a"}), ("/v1/chat/completions",
+                                                             {"messages": CHAT})):
+    extra = {"logprobs": True} if "chat" in path else {"logprobs": 0}
+    status, r = _post(port, path, {**prompt, **extra, "max_tokens": 3, "temperature": 0,
+                                   "logit_bias": eos})
+    c = r["choices"][0]
+    assert status == 200 and c["finish_reason"] == "stop", r
+    assert c["logprobs"] in ({"content": []}, {"tokens": [], "token_logprobs": [],
+                                               "top_logprobs": [], "text_offset": []}), c
+
+
+def test_echo_logprobs_on_a_server_without_prompt_logprobs_names_echo():
+  # The prompt's logprobs are asked for by echo, not by the client: the
+  # refusal says so (it named prompt_logprobs, a field the client never sent).
+  with running(E.tiny_engine(max_batch=2), http_port=0) as (server, _):
+    status, r = _post(server.openai_http.server_port, "/v1/completions",
+                      {"prompt": "ab", "echo": True, "logprobs": 1, "max_tokens": 1})
+  assert status == 400 and r["error"]["param"] == "echo", r
+  assert "--enable-prompt-logprobs" in r["error"]["message"], r
