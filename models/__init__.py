@@ -76,6 +76,16 @@ CLI: ``python -m models.generate --model default --prompt "..."``.
 from models.config import ModelConfig  # noqa: E402
 from models.llama import DEFAULT_PAGE_SIZE, KVCache  # noqa: E402
 from models.model import Model, load, save  # noqa: E402
-from models import generate  # noqa: E402  (a callable module: greedy helper + CLI)
 
 __all__ = ["DEFAULT_PAGE_SIZE", "KVCache", "Model", "ModelConfig", "generate", "load", "save"]
+
+
+def __getattr__(name):
+  # models.generate (a callable module: greedy helper + CLI) is imported on
+  # first use, so that ``python -m models.generate`` runs it without runpy's
+  # "found in sys.modules" warning.
+  if name == "generate":
+    import importlib
+
+    return importlib.import_module("models.generate")
+  raise AttributeError(f"module 'models' has no attribute {name!r}")

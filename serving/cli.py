@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import pathlib
+import ssl
 import sys
 import time
 
@@ -56,8 +57,14 @@ def _client_args(p):
 def _client(a):
   from serving.client import Client
 
-  return Client(a.target, token=a.token, tls_ca=a.tls_ca.read_bytes() if a.tls_ca else None,
-                tls_server_name=a.tls_server_name)
+  if a.tls_server_name and not a.tls_ca:
+    raise SystemExit(f"{a.cmd}: --tls-server-name checks the server's certificate against "
+                     "--tls-ca: give both")
+  try:
+    ca = a.tls_ca.read_bytes() if a.tls_ca else None
+  except OSError as e:
+    raise SystemExit(f"{a.cmd}: --tls-ca {a.tls_ca}: {e.strerror}") from None
+  return Client(a.target, token=a.token, tls_ca=ca, tls_server_name=a.tls_server_name)
 
 
 _SPECULATION_FLAGS = ("prompt_lookup_max", "prompt_lookup_min", "speculative_max_batch",
@@ -84,8 +91,13 @@ def _engine_config(a) -> dict:
       cfg[f] = getattr(a, f)
   if a.token_budget is not None:  # 0 is a value to refuse, not "the default"
     cfg["token_budget"] = a.token_budget
+  if 1 <= a.prefill_chunk < E.EngineConfig.min_chunk:  # (the smallest chunk bucket)
+    cfg["min_chunk"] = a.prefill_chunk
   if a.compile_threads is None:
     cfg["compile_threads"] = E.auto_compile_threads()
+  elif a.no_warmup:
+    raise SystemExit(f"serve: --compile-threads {a.compile_threads} compiles the warm-up's "
+                     "shapes: it does nothing with --no-warmup")
   if a.tensor_parallel_size < 1:
     raise SystemExit(f"serve: --tensor-parallel-size {a.tensor_parallel_size} must be >= 1")
   if a.decode_unroll is not None and a.decode_unroll < 1:
@@ -140,6 +152,10 @@ def cmd_serve(a) -> int:
       raise SystemExit("--tls-cert and --tls-key go together")
     try:
       tls = (a.tls_cert.read_bytes(), a.tls_key.read_bytes())
+      ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(a.tls_cert, a.tls_key)
+    except ssl.SSLError as e:  # (before the model loads; gRPC would blame the port)
+      raise SystemExit(f"serve: --tls-cert {a.tls_cert} and --tls-key {a.tls_key} are not a "
+                       f"PEM certificate and its key: {e.reason or e}") from None
     except OSError as e:
       raise SystemExit(f"serve: TLS: {e.filename}: {e.strerror}") from None
   if a.engine_process:
@@ -366,7 +382,7 @@ def cmd_loadgen(a) -> int:
   print(loadgen.format_report(r))
   if a.json:
     a.json.write_text(json.dumps(r, indent=1))
-  return 0
+  return 0 if r["completed"] else 1
 
 
 def parser() -> argparse.ArgumentParser:
@@ -581,6 +597,10 @@ def main(argv=None) -> int:
     p.error(f"--concurrency {a.concurrency} and --rate {a.rate:g}: give one of them")
   if a.cmd == "loadgen" and a.prefix_groups != 1 and not a.shared_prefix_len:
     p.error(f"--prefix-groups {a.prefix_groups} needs --shared-prefix-len")
+  if a.cmd == "generate" and a.timeout is not None and not a.timeout > 0:
+    p.error(f"--timeout {a.timeout:g}: seconds > 0")
+  if a.cmd == "serve" and a.ready_file and not a.ready_file.parent.is_dir():
+    p.error(f"--ready-file {a.ready_file}: {a.ready_file.parent} is not a directory")
   if a.cmd == "generate" and a.top_logprobs and not a.logprobs:
     p.error(f"--top-logprobs {a.top_logprobs} needs --logprobs")
   if a.cmd == "loadgen" and a.concurrency is None and a.rate is None:
@@ -596,3 +616,6 @@ def main(argv=None) -> int:
     return a.fn(a)
   except grpc.RpcError as e:  # the server's answer, or none: one line, not a traceback
     raise SystemExit(f"{a.cmd}: {e.code().name}: {e.details()}") from None
+  except KeyboardInterrupt:  # Ctrl-C: the call is cancelled (the server ends it), no traceback
+    print(file=sys.stderr)
+    return 130

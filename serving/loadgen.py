@@ -10,7 +10,11 @@ server's batches. With ``shared_prefix_len`` P each prompt starts with one of
 ``prefix_groups`` random prefixes of P tokens (a system prompt; SGLang's
 generated-shared-prefix data), then its own ``input_len`` tokens; the report
 counts the prompt tokens the server served from its prefix cache. Times are
-measured at the client.
+measured at the client. A request the server refuses or fails is counted
+(``failed``, with the first errors) and the run goes on, as vLLM's
+benchmark_serving does; the latencies are the completed requests'. The report
+says when the outputs were shorter than asked (a server whose KV cache
+holds less, a grammar that ends first).
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ import dataclasses
 import random
 import statistics
 import time
+
+import grpc
 
 from serving.client import Client
 
@@ -31,6 +37,8 @@ class Sample:
   e2e: float
   tokens: int
   cached: int = 0  # prompt tokens the server read from its prefix cache
+  error: str | None = None  # the call's status when it failed
+  asked: int = 0  # its output_len
 
 
 def _pct(xs, q):
@@ -72,6 +80,12 @@ def run(client: Client, *, num_requests: int, input_len: int, output_len: int,
     prompts = [prefixes[i % prefix_groups] + p for i, p in enumerate(prompts)]
 
   def one(prompt, output_len) -> Sample:
+    try:
+      return dataclasses.replace(stream(prompt, output_len), asked=output_len)
+    except grpc.RpcError as e:
+      return Sample(float("nan"), [], float("nan"), 0, error=f"{e.code().name}: {e.details()}")
+
+  def stream(prompt, output_len) -> Sample:
     t0 = time.perf_counter()
     first = last = None
     itls, n, cached = [], 0, 0
@@ -106,6 +120,8 @@ def run(client: Client, *, num_requests: int, input_len: int, output_len: int,
         futures.append(pool.submit(one, p, n))
       samples = [f.result() for f in futures]
   wall = time.perf_counter() - t_start
+  errors = [s.error for s in samples if s.error is not None]
+  samples = [s for s in samples if s.error is None]
   ttft = [s.ttft for s in samples]
   itl = [x for s in samples for x in s.itls]
   tpot = [(s.e2e - s.ttft) / (s.tokens - 1) for s in samples if s.tokens > 1]
@@ -116,8 +132,9 @@ def run(client: Client, *, num_requests: int, input_len: int, output_len: int,
       "prefix_groups": prefix_groups, "input_tokens": sum(map(len, prompts)),
       "cached_prompt_tokens": sum(s.cached for s in samples), "concurrency": concurrency,
       "rate": rate, "structured": structured, "wall_s": wall,
-      "output_tokens": tokens, "output_tok_s": tokens / wall,
-      "requests_s": num_requests / wall,
+      "output_tokens": tokens, "output_tokens_asked": sum(s.asked for s in samples),
+      "output_tok_s": tokens / wall, "requests_s": len(samples) / wall,
+      "completed": len(samples), "failed": len(errors), "errors": sorted(set(errors))[:5],
   }
   for name, xs in (("ttft", ttft), ("itl", itl), ("tpot", tpot), ("e2e", [s.e2e for s in samples])):
     for q in (50, 90, 99):
@@ -139,8 +156,14 @@ def format_report(r: dict) -> str:
                 f"{r['cached_prompt_tokens']} of {r['input_tokens']} prompt tokens cached")
   lines = [f"{r['num_requests']} requests, {r['input_len']} in / {r['output_len']} out{lengths}, "
            f"{mode}: "
-           f"{r['output_tok_s']:.1f} output tok/s, {r['requests_s']:.2f} req/s",
-           "           p50      p90      p99   (ms)"]
+           f"{r['output_tok_s']:.1f} output tok/s, {r['requests_s']:.2f} req/s"]
+  if r["failed"]:
+    lines.append(f"  {r['failed']} of {r['num_requests']} requests failed: "
+                 + "; ".join(r["errors"]))
+  if r["output_tokens"] < r["output_tokens_asked"]:
+    lines.append(f"  {r['output_tokens']} output tokens, fewer than the "
+                 f"{r['output_tokens_asked']} asked for")
+  lines.append("           p50      p90      p99   (ms)")
   for name in ("ttft", "itl", "tpot", "e2e"):
     lines.append(f"  {name:5s} " + " ".join(f"{r[f'{name}_p{q}_ms']:8.2f}" for q in (50, 90, 99)))
   return "\n".join(lines)

@@ -98,6 +98,8 @@ class Intake:
     if len(prompt) >= self.capacity:
       raise api.InvalidRequest(
           f"the prompt has {len(prompt)} tokens; the KV cache holds {self.capacity}")
+    # A KV cache smaller than the context ends a request there (LENGTH), as
+    # the context would; only min_tokens past it cannot be met.
     if len(prompt) + p.min_tokens > self.capacity:
       raise api.InvalidRequest(
           f"prompt ({len(prompt)} tokens) + min_tokens ({p.min_tokens}) exceeds the "

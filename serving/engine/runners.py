@@ -111,13 +111,19 @@ class ModelRunner:
     self.tokenizer = model.tokenizer
     self.page_size = page_size
     self.num_pages = num_pages
-    if kv_cache_dtype is None:
-      self.cache = model.init_cache(num_pages, page_size=page_size)
-    elif "dtype" not in inspect.signature(model.init_cache).parameters:
+    kw = {} if kv_cache_dtype is None else {"dtype": kv_cache_dtype}
+    if kw and "dtype" not in inspect.signature(model.init_cache).parameters:
       raise ValueError(f"{type(model).__name__} has no KV cache dtype option "
                        f"(asked for {kv_cache_dtype})")
-    else:
-      self.cache = model.init_cache(num_pages, page_size=page_size, dtype=kv_cache_dtype)
+    try:
+      self.cache = model.init_cache(num_pages, page_size=page_size, **kw)
+    except jax.errors.JaxRuntimeError as e:  # (a traceback naming no flag)
+      if "RESOURCE_EXHAUSTED" not in str(e):
+        raise
+      shapes = jax.eval_shape(lambda: model.init_cache(num_pages, page_size=page_size, **kw))
+      size = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes))
+      raise ValueError(f"num_pages={num_pages}: a KV cache of {size / 2**30:.1f} GiB does not "
+                       "fit in the device's memory; give fewer pages") from None
     self.kv_cache_dtype = str(self.cache.k.dtype)
     self.dtype = str(jnp.dtype(getattr(model, "dtype", self.cache.k.dtype)))  # the weights'
 

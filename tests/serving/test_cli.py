@@ -221,7 +221,7 @@ def _never_start(self):
     ("--max-seq-len", "1025", "max_seq_len=1025 is more than the 1024 tokens"),
     ("--max-num-batched-tokens", "0", "token_budget=0 must be >= EngineConfig.max_batch"),
     ("--token-budget", "4", "token_budget=4 must be >= EngineConfig.max_batch"),
-    ("--prefill-chunk", "8", "EngineConfig.min_chunk=16 must be <= EngineConfig.prefill_chunk=8"),
+    ("--prefill-chunk", "0", "prefill_chunk=0 must be >= 1"),
     ("--matmul-backend", "xla", "the counting model has no matmul backend option"),
     ("--dtype", "bfloat16", "the counting model has no dtype option"),
     ("--num-pages", "0", "num_pages=0 must be >= 2"),
@@ -521,3 +521,40 @@ def test_help_lists_every_command_and_shows_the_defaults():
   generate = help_of("generate")
   assert "(default: 127.0.0.1:50051)" in generate["--target"]
   assert "--default-max-tokens" in generate["--max-tokens"]
+
+
+def test_client_and_serve_flags_that_would_do_nothing_or_fail_late_are_refused_first(
+    tmp_path, monkeypatch, capsys):
+  """Each ends in one line naming the flag, before a model loads or a call
+  is made: a server name with no CA to check it against (it was ignored), a
+  missing CA file, a deadline <= 0, a ready file in no directory (it failed
+  after the warm-up), compile threads with no warm-up (ignored). Ctrl-C in
+  generate exits 130 without a traceback."""
+  from serving import cli
+
+  def refused(argv, match):
+    with pytest.raises(SystemExit) as e:
+      cli.main(argv)
+    said = str(e.value.code) if not isinstance(e.value.code, int) else capsys.readouterr().err
+    assert e.value.code != 0 and re.search(match, said), (argv, said)
+
+  target = ["--target", "127.0.0.1:1"]
+  refused(["generate", *target, "hi", "--tls-server-name", "x"], "--tls-server-name .*--tls-ca")
+  refused(["generate", *target, "hi", "--tls-ca", str(tmp_path / "none.pem")],
+          "generate: --tls-ca .*none.pem: No such file")
+  refused(["loadgen", *target, "--tls-ca", str(tmp_path / "none.pem")], "loadgen: --tls-ca")
+  refused(["generate", *target, "hi", "--timeout", "-1"], "--timeout -1: seconds > 0")
+  refused(["serve", "--model", "counting", "--ready-file", str(tmp_path / "no" / "r.json")],
+          "--ready-file .* is not a directory")
+  refused(["serve", "--model", "counting", "--no-warmup", "--compile-threads", "4"],
+          "--compile-threads 4 .* nothing with --no-warmup")
+  # A chunk below the smallest bucket (16) is a chunk, not an error about
+  # min_chunk, which is no flag.
+  cfg = cli._engine_config(cli.parser().parse_args(["serve", "--prefill-chunk", "8"]))
+  assert (cfg["prefill_chunk"], cfg["min_chunk"]) == (8, 8)
+
+  def interrupted(a):
+    raise KeyboardInterrupt
+
+  monkeypatch.setattr(cli, "cmd_generate", interrupted)
+  assert cli.main(["generate", *target, "hi"]) == 130

@@ -212,6 +212,13 @@ def test_tls(tmp_path: pathlib.Path):
                   "-out", str(cert), "-days", "1", "-subj", "/CN=localhost",
                   "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"],
                  check=True, capture_output=True)
+  # serve with the files swapped: one line naming them, before the model
+  # loads (gRPC's bind failure said "is the port taken?").
+  from serving import cli
+
+  with pytest.raises(SystemExit, match="--tls-cert .*key.pem and --tls-key .*cert.pem are not"):
+    cli.cmd_serve(cli.parser().parse_args(["serve", "--model", "counting", "--port", "0",
+                                           "--tls-cert", str(key), "--tls-key", str(cert)]))
   server = Server(E.tiny_engine(), port=0, tls=(cert.read_bytes(), key.read_bytes()),
                   http_port=0).start()
   try:
@@ -239,3 +246,23 @@ def test_tls(tmp_path: pathlib.Path):
       assert e.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
   finally:
     server.stop(grace=0.5)
+
+
+def test_a_kv_cache_past_the_device_memory_is_one_line_naming_num_pages(monkeypatch):
+  # jax's RESOURCE_EXHAUSTED traceback named no flag; the size is the cache's.
+  import jax
+
+  models = pytest.importorskip("models")
+  model = models.load("tiny")
+  real = model.init_cache
+
+  def exhausted(num_pages, **kw):
+    if num_pages > 64:  # (jax.eval_shape's call traces; only a real one allocates)
+      if not isinstance(jax.numpy.zeros(()), jax.core.Tracer):
+        raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating")
+    return real(num_pages, **kw)
+
+  monkeypatch.setattr(model, "init_cache", exhausted)
+  with pytest.raises(ValueError, match=r"num_pages=100000: a KV cache of [\d.]+ GiB does not fit"):
+    E.ModelRunner(model, num_pages=100_000, page_size=8)
+  assert E.ModelRunner(model, num_pages=16, page_size=8).num_pages == 16

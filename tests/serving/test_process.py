@@ -22,8 +22,9 @@ def _expected(last: str, n: int) -> str:
 
 @pytest.fixture(scope="module")
 def served():
+  # Pages for the whole context: a request may ask for 1,000 tokens.
   engine = ProcessEngine(E.tiny_engine, max_batch=8, max_waiting=12, step_delay=0.002,
-                         stream_interval=2)
+                         stream_interval=2, num_pages=2100)
   with running(engine) as (server, c):
     yield engine, server, c
 
@@ -108,7 +109,7 @@ def test_a_dead_engine_process_fails_requests_and_calls():
   engine = ProcessEngine(E.tiny_engine, max_batch=2, step_delay=0.01)
   engine.start()
   handle = engine.submit(api.Request("r", prompt_ids=[1, 2], add_bos=False,
-                                     sampling=api.SamplingParams(max_tokens=1000, ignore_eos=True)))
+                                     sampling=api.SamplingParams(max_tokens=200, ignore_eos=True)))
   engine._proc.kill()
   events = []
   wait_for(lambda: events.append(handle.events.get(timeout=30)) or

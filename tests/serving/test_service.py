@@ -655,6 +655,43 @@ def test_loadgen_splits_a_grouped_chunk_into_per_token_gaps():
   assert abs(r["tpot_mean_ms"] - r["itl_mean_ms"]) < 5, r
 
 
+def test_loadgen_counts_failed_and_short_requests_and_goes_on():
+  """A refused request is counted with its status, the others are measured;
+  outputs shorter than asked are reported (vLLM's benchmark_serving goes on
+  past failures; the report said "N out" whatever came)."""
+  from serving import loadgen
+
+  class Chunk:
+    token_ids = [7]
+
+    def HasField(self, name):
+      return False
+
+  class Refused(grpc.RpcError):
+    def code(self):
+      return grpc.StatusCode.INVALID_ARGUMENT
+
+    def details(self):
+      return "the prompt is too long"
+
+  class FakeClient:
+    calls = 0
+
+    def stream(self, prompt, *, max_tokens, **kw):
+      FakeClient.calls += 1
+      if FakeClient.calls % 3 == 0:
+        raise Refused()
+      yield from [Chunk()] * (max_tokens - 2)  # 2 short of what was asked
+
+  r = loadgen.run(FakeClient(), num_requests=6, input_len=4, output_len=10, concurrency=1)
+  assert (r["completed"], r["failed"]) == (4, 2), r
+  assert r["errors"] == ["INVALID_ARGUMENT: the prompt is too long"]
+  assert (r["output_tokens"], r["output_tokens_asked"]) == (32, 40)
+  report = loadgen.format_report(r)
+  assert "2 of 6 requests failed: INVALID_ARGUMENT" in report, report
+  assert "32 output tokens, fewer than the 40 asked for" in report, report
+
+
 def test_loadgen_range_ratio_draws_ragged_lengths():
   """range_ratio r: each request's prompt and output lengths drawn from
   [L(1-r), L(1+r)]; r = 0 sends every request at exactly L; r outside [0, 1)
