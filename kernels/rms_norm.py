@@ -152,6 +152,9 @@ def _rms_norm_mosaic(x, weight, eps: float, config: Config | None = None, layer=
 
 
 def _check(x, weight, layer=None):
+  if not hasattr(x, "shape") or not hasattr(weight, "shape"):
+    raise ValueError(f"x and weight must be arrays, got {type(x).__name__} and "
+                     f"{type(weight).__name__}")
   if x.ndim < 1:
     raise ValueError(f"rms_norm needs x with a feature axis, got {x.shape=}")
   if layer is None and weight.shape != (x.shape[-1],):
@@ -200,6 +203,8 @@ def _mosaic_supports(x, weight, **kwargs) -> str | None:
     return f"weight dtype {jnp.dtype(weight.dtype).name} is not supported"
   if cols % 128 or cols > MAX_COLS:
     return f"the feature size must be a multiple of 128 and <= {MAX_COLS}, got {cols}"
+  if x.size == 0:
+    return "x has no rows (the kernel's grid needs at least one)"
   return None
 
 

@@ -90,7 +90,7 @@ class Model:
   def prefill(self, cache, tokens, positions, lengths, page_table, *, attention=None,
               matmul=None, norm=None, all_logits=False):
     """See the package docstring. ``attention``/``matmul``/``norm`` name backends."""
-    tokens = np.asarray(tokens, np.int32)
+    tokens = self._token_ids(tokens)
     if tokens.ndim != 2:
       raise ValueError(f"prefill tokens must be [B, T]; got {tokens.shape=}")
     b, t = tokens.shape
@@ -113,7 +113,7 @@ class Model:
              prefill_attention=None, matmul=None, norm=None):
     """See the package docstring. ``attention`` names the attention_decode backend;
     ``prefill_attention`` the attention_prefill one (sliding-window models)."""
-    tokens = np.asarray(tokens, np.int32)
+    tokens = self._token_ids(tokens)
     squeeze = tokens.ndim == 1
     if squeeze:
       tokens = tokens[:, None]
@@ -134,6 +134,18 @@ class Model:
                                 matmul=matmul, rms_norm=norm), mesh=self.mesh)
     logits = logits[:b]
     return (logits[:, 0] if squeeze else logits), cache
+
+  def _token_ids(self, tokens) -> np.ndarray:
+    """int32 token ids, each in [0, vocab_size): an id outside is refused (the
+    embedding lookup would clamp or wrap it into another token, or NaN)."""
+    raw = np.asarray(tokens)
+    if raw.size and not np.issubdtype(raw.dtype, np.integer):
+      raise ValueError(f"tokens must be integer ids; got dtype {raw.dtype}")
+    v = self.config.vocab_size
+    if raw.size and (raw.min() < 0 or raw.max() >= v):
+      bad = raw[(raw < 0) | (raw >= v)]
+      raise ValueError(f"token ids {bad[:5].tolist()} are outside the vocabulary [0, {v})")
+    return raw.astype(np.int32)
 
   def _check_pages(self, totals, page_table, cache):
     ps = cache.page_size
@@ -335,6 +347,10 @@ def generate(model: Model, prompt_ids: Sequence[int], max_new_tokens: int, *,
   n_pages = math.ceil(total / ps)
   cache = model.init_cache(n_pages + 1, ps)
   page_table = np.arange(1, n_pages + 1, dtype=np.int32)[None]  # page 0 is scratch
+  known = ("attention", "decode_attention", "prefill_attention", "matmul", "norm")
+  if set(backends) - set(known):
+    raise TypeError(f"generate() got unknown backend keywords {sorted(set(backends) - set(known))}"
+                    f"; known: {', '.join(known)}")
   pre = {k: v for k, v in backends.items() if k in ("attention", "matmul", "norm")}
   dec = {k: v for k, v in backends.items()
          if k in ("matmul", "norm", "prefill_attention")}

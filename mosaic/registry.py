@@ -24,8 +24,8 @@ can compute once for calls of that shape (the arrays may be
 jax.ShapeDtypeStruct; only what the plan needs must be real). A call inside a
 loop then takes ``plan=`` and skips that work: FlashInfer's plan / run, so
 that per-step metadata is not rebuilt in every layer. A plan made for another
-implementation is refused; one made for an implementation without a planner
-is ignored.
+implementation, or with other keyword arguments (arrays: other shapes), is
+refused; one made for an implementation without a planner is ignored.
 """
 
 from __future__ import annotations
@@ -73,6 +73,25 @@ class Plan:
   op: str = dataclasses.field(metadata=dict(static=True))
   backend: str = dataclasses.field(metadata=dict(static=True))
   data: Any = None
+  # The keyword arguments it was made with (_call_key): a call must pass the
+  # same ones (arrays: the same shapes), or the plan describes another call.
+  args: tuple = dataclasses.field(default=(), metadata=dict(static=True))
+
+
+def _call_key(kwargs: dict) -> tuple:
+  """A call's keyword arguments as a hashable key: values, and arrays (which
+  may be traced) by their shape."""
+  def one(v):
+    if v is None or isinstance(v, (bool, int, float, str)):
+      return v
+    if hasattr(v, "shape"):
+      return ("array", tuple(v.shape))
+    try:
+      hash(v)
+      return v
+    except TypeError:
+      return repr(v)
+  return tuple((k, one(v)) for k, v in sorted(kwargs.items()))
 
 
 def _always(*args, **kwargs) -> None:
@@ -172,7 +191,7 @@ class Op:
     """The plan of the implementation this call would run (see module docstring)."""
     impl = self.select(*args, backend=backend, **kwargs)
     data = impl.planner(*args, **kwargs) if impl.planner is not None else None
-    return Plan(self.name, impl.name, data)
+    return Plan(self.name, impl.name, data, _call_key(kwargs))
 
   def __call__(self, *args, backend: str | None = None, plan: Plan | None = None, **kwargs):
     impl = self.select(*args, backend=backend, **kwargs)
@@ -183,6 +202,12 @@ class Op:
       if plan.backend != impl.name:
         raise BackendError(f"{self.name}: the plan was made for backend {plan.backend!r}, "
                            f"but this call runs {impl.name!r}")
+      if plan.args != _call_key(kwargs):  # (its masks and ranges would be another call's)
+        made, now = dict(plan.args), dict(_call_key(kwargs))
+        diff = sorted(k for k in made.keys() | now.keys() if made.get(k) != now.get(k))
+        raise BackendError(f"{self.name}: the plan was made with other arguments: "
+                           + "; ".join(f"{k}={made.get(k)!r} there, {now.get(k)!r} here"
+                                       for k in diff))
       if impl.planner is not None:
         kwargs["plan"] = plan.data
     return impl.fn(*args, **kwargs)

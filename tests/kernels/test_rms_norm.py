@@ -99,6 +99,15 @@ def test_bad_inputs():
     rn.Config(block_rows=3)
   with pytest.raises(ValueError, match="stages"):
     rn.Config(stages=0)
+  # No rows: mosaic says why (it raised ZeroDivisionError inside Pallas); the
+  # others return the empty output. A list is refused by name on every backend.
+  empty, w = jnp.ones((0, 256), jnp.bfloat16), jnp.ones((256,), jnp.bfloat16)
+  with pytest.raises(registry.BackendError, match="no rows"):
+    rn.rms_norm(empty, w, backend="mosaic")
+  for backend in ("xla", "reference"):
+    assert rn.rms_norm(empty, w, backend=backend).shape == (0, 256)
+    with pytest.raises(ValueError, match="must be arrays, got list"):
+      rn.rms_norm([1.0, 2.0], jnp.ones((2,)), backend=backend)
 
 
 @pytest.mark.gpu

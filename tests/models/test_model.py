@@ -158,6 +158,11 @@ def test_buckets_do_not_recompile(tiny):
     (dict(page_table=np.array([[1]])), "page_table has 1 pages per row"),
     (dict(page_table=np.array([[1, 99]])), r"page_table entries must be in \[0, 8\)"),
     (dict(positions=[-1]), "positions must be"),
+    # An id outside the vocabulary gave NaN logits (past it) or another token
+    # (negative), with no error.
+    (dict(tokens=[[5, 400, 7]]), r"token ids \[400\] are outside the vocabulary \[0, 320\)"),
+    (dict(tokens=[[5, -3, 7]]), r"token ids \[-3\] are outside the vocabulary"),
+    (dict(tokens=[[5.7, 6.2, 7.0]]), "tokens must be integer ids; got dtype float64"),
 ])
 def test_prefill_rejects_bad_input(tiny, bad, match):
   args = dict(tokens=[[5, 6, 7]], positions=[0], lengths=[3], page_table=np.array([[1, 2]]))
@@ -175,6 +180,8 @@ def test_decode_rejects_bad_input(tiny):
     tiny.decode(cache, [[3, 4]], [1], np.array([[1]]))
   with pytest.raises(ValueError, match="unknown attention_decode backend 'nope'"):
     tiny.decode(cache, [3], [1], np.array([[1]]), attention="nope")
+  with pytest.raises(ValueError, match=r"token ids \[1000\] are outside the vocabulary"):
+    tiny.decode(cache, [1000], [1], np.array([[1]]))
 
 
 def test_generate_tiny_is_deterministic_and_decodes(tiny):
@@ -185,6 +192,10 @@ def test_generate_tiny_is_deterministic_and_decodes(tiny):
   assert isinstance(tiny.tokenizer.decode(a), str)
   with pytest.raises(ValueError, match="prompt_ids is empty"):
     models.generate(tiny, [], 3)
+  # A backend keyword it does not know (the op's name, a typo) is refused, not dropped.
+  for kw in ("attention_decode", "attn"):
+    with pytest.raises(TypeError, match=f"unknown backend keywords \\['{kw}'\\]"):
+      models.generate(tiny, ids, 2, **{kw: "xla"})
 
 
 def test_rope_llama3_scaling_bands():

@@ -99,3 +99,50 @@ def test_plan_goes_to_the_backend_it_was_made_for():
     assert jax.tree.leaves(p) == ["plan of 3"]  # a pytree: plans cross jit boundaries
   finally:
     registry._OPS.pop(name, None)
+
+
+def test_a_plan_made_with_other_arguments_is_refused():
+  """A plan describes one call (a mosaic prefill plan holds the masks' block
+  ranges): used with other keyword arguments it gave another call's answer
+  (a window's plan on an unwindowed call: rel. error 0.73). Arrays count by
+  shape, so a traced positions array of the same shape passes."""
+  import jax
+  import jax.numpy as jnp
+
+  name = "toy_planned_kwargs_op_for_tests"
+  registry._OPS.pop(name, None)
+  o = registry.op(name)
+  o.register("planned", lambda x, plan=None, **kw: (x, plan, sorted(kw)),
+             plan=lambda x, **kw: "plan")
+  o.set_defaults(default=("planned",))
+  try:
+    pos = jnp.arange(4)
+    p = o.plan(1, causal=True, window=8, positions=pos)
+    assert o(2, plan=p, causal=True, window=8, positions=pos + 1)[1] == "plan"
+    assert jax.jit(lambda q: o(2, plan=p, causal=True, window=8, positions=q)[1] == "plan")(pos)
+    for kw, what in ((dict(causal=True, positions=pos), "window=8 there, None here"),
+                     (dict(causal=False, window=8, positions=pos), "causal=True there, False here"),
+                     (dict(causal=True, window=8, positions=jnp.arange(5)),
+                      r"positions=\('array', \(4,\)\) there, \('array', \(5,\)\) here")):
+      with pytest.raises(registry.BackendError, match="made with other arguments: " + what):
+        o(2, plan=p, **kw)
+  finally:
+    registry._OPS.pop(name, None)
+
+
+def test_a_mosaic_prefill_plan_is_checked_against_its_call():
+  import jax.numpy as jnp
+
+  import kernels
+  from mosaic import testing
+
+  kernels.load_all()
+  q, k, v = testing.random_inputs([(1, 64, 2, 64)] * 3, "bfloat16")
+  op = registry.get_op("attention_prefill")
+  seg = jnp.ones((1, 64), jnp.int32)
+  windowed = op.plan(q, k, v, backend="mosaic", causal=False, sliding_window=8)
+  with pytest.raises(registry.BackendError, match="sliding_window=8 there, None here"):
+    op(q, k, v, backend="mosaic", causal=False, plan=windowed)
+  segmented = op.plan(q, k, v, backend="mosaic", q_segment_ids=seg, kv_segment_ids=seg)
+  with pytest.raises(registry.BackendError, match="kv_segment_ids=.* there, None here"):
+    op(q, k, v, backend="mosaic", plan=segmented)
