@@ -154,12 +154,13 @@ class Outputs:
     e.scheduler.release(seq)
     seq.final_sent = True
     failed = api.Failed(message, invalid=invalid)
-    seq.handle.events.put(failed)
     with e._lock:
       e._by_id.pop(seq.req.request_id, None)
+    # Counted before the client hears of it: its next /metrics read sees it.
     on_failed = getattr(e.observer, "on_failed", None)
     if on_failed is not None:
       on_failed(failed)
+    seq.handle.events.put(failed)
 
   def finish(self, seq: Seq, reason: api.FinishReason) -> None:
     """Ends a request now (cancel, deadline): its pending tokens are not sent."""
@@ -182,8 +183,8 @@ class Outputs:
         total_s=now - t0, prompt_logprobs=prompt_logprobs(seq) if seq.scored else (),
         stop_reason=((seq.text.stop_string or seq.stop_token)
                      if reason == api.FinishReason.STOP else None))
-    seq.handle.events.put(final)
     with e._lock:
       e._by_id.pop(seq.req.request_id, None)
-    if e.observer is not None:
+    if e.observer is not None:  # (counted before the client hears of it, as above)
       e.observer.on_final(final)
+    seq.handle.events.put(final)
