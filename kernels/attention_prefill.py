@@ -145,7 +145,8 @@ def _check(q, k, v, causal, sm_scale, q_positions, kv_positions, q_segment_ids,
     raise ValueError(f"{causal=} must be a Python bool")
   if sm_scale is not None and not isinstance(sm_scale, (int, float)):
     raise ValueError(f"{sm_scale=} must be a Python float or None")
-  if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
+  if sliding_window is not None and (not isinstance(sliding_window, int)
+                                     or isinstance(sliding_window, bool) or sliding_window < 1):
     raise ValueError(f"{sliding_window=} must be a positive int or None")
   for name, x, s in (("q_positions", q_positions, Sq), ("kv_positions", kv_positions, Skv),
                      ("q_segment_ids", q_segment_ids, Sq), ("kv_segment_ids", kv_segment_ids, Skv)):

@@ -304,6 +304,24 @@ def test_bad_inputs_are_rejected(bad, match):
       ad.attention_decode(*args.values(), layer=layer, backend=backend)
 
 
+def test_out_of_range_pages_and_negative_lengths_are_refused_where_known():
+  # Eager calls (values known): a page index outside the pages gave each
+  # backend a different wrong answer (NaN, another page's keys), a negative
+  # length read as 0. Under jit the values are not known (the model checks).
+  q, kp, vp, lengths, table = _case(1, 1, 4, 2, 64, 16, lengths=[5])
+  n = kp.shape[-3]
+  for bad_table, bad_lengths, match in (
+      (table.at[0, 0].set(n), lengths, rf"page_table entries must be in \[0, {n}\)"),
+      (table.at[0, 0].set(-1), lengths, "page_table entries must be in"),
+      (table, lengths.at[0].set(-2), r"lengths must be >= 0; got \[-2\]")):
+    for backend in ("xla", "reference", "mosaic"):
+      with pytest.raises(ValueError, match=match):
+        ad.attention_decode(q, kp, vp, bad_lengths, bad_table, backend=backend)
+  jitted = jax.jit(lambda t: ad.attention_decode(q, kp, vp, lengths, t, backend="xla"))
+  testing.assert_close(jitted(table), ad.attention_decode_reference(q, kp, vp, lengths, table),
+                       jnp.bfloat16)
+
+
 def test_mosaic_says_why_not():
   q, kp, vp, lengths, table = _case(1, 1, 4, 2, 64, 16, lengths=[5], dtype=jnp.float32)
   with pytest.raises(registry.BackendError, match="dtype float32 is not supported"):

@@ -292,6 +292,14 @@ def test_bad_shapes_are_rejected(bad, match):
       registry.get_op("attention_prefill")(q, k, k, backend=backend)
 
 
+def test_a_bool_window_is_refused():
+  # sliding_window=True was a window of 1 (bool is an int).
+  q, k, v = _qkv(1, 16, 16, 2, 2, 64)
+  for backend in ("reference", "xla"):
+    with pytest.raises(ValueError, match="sliding_window=True must be a positive int"):
+      registry.get_op("attention_prefill")(q, k, v, sliding_window=True, backend=backend)
+
+
 def test_mosaic_rejects_what_it_cannot_run():
   q = jnp.ones((1, 16, 2, 64), jnp.float32)
   with pytest.raises(registry.BackendError, match="dtype float32"):
