@@ -999,11 +999,13 @@ def _check(q, k_pages, v_pages, lengths, page_table, layer=None, kv_scales=None)
     if tuple(kv_scales.shape) not in ok or jnp.dtype(kv_scales.dtype) != jnp.float32:
       raise ValueError(f"kv_scales must be float32 (k_scale, v_scale) of shape "
                        f"{' or '.join(map(str, ok))}, got {kv_scales.shape} {kv_scales.dtype}")
-  # Values, where they are known here (not traced): a page index outside the
-  # pages read another page or garbage, differently per backend, and a
-  # negative length read as 0.
-  known = lambda x: (isinstance(x, (np.ndarray, jax.Array))  # noqa: E731
-                     and not isinstance(x, jax.core.Tracer) and x.size)
+  # Values, where they are known on the host (not traced, not on a GPU,
+  # where reading them would wait for it): a page index outside the pages read
+  # another page or garbage, differently per backend, and a negative length
+  # read as 0.
+  known = lambda x: (isinstance(x, np.ndarray) or (  # noqa: E731
+      isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
+      and all(d.platform == "cpu" for d in x.devices()))) and x.size
   num_pages = k_pages.shape[-3]
   if known(page_table):  # (np.asarray first: jnp's min would trace inside a jit)
     table = np.asarray(page_table)
