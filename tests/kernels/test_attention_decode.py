@@ -308,12 +308,14 @@ def test_out_of_range_pages_and_negative_lengths_are_refused_where_known():
   # Eager calls (values known): a page index outside the pages gave each
   # backend a different wrong answer (NaN, another page's keys), a negative
   # length read as 0. Under jit the values are not known (the model checks).
+  # (Host arrays: a GPU array's values are not read, which would wait for it.)
   q, kp, vp, lengths, table = _case(1, 1, 4, 2, 64, 16, lengths=[5])
   n = kp.shape[-3]
   for bad_table, bad_lengths, match in (
       (table.at[0, 0].set(n), lengths, rf"page_table entries must be in \[0, {n}\)"),
       (table.at[0, 0].set(-1), lengths, "page_table entries must be in"),
       (table, lengths.at[0].set(-2), r"lengths must be >= 0; got \[-2\]")):
+    bad_table, bad_lengths = np.asarray(bad_table), np.asarray(bad_lengths)
     for backend in ("xla", "reference", "mosaic"):
       with pytest.raises(ValueError, match=match):
         ad.attention_decode(q, kp, vp, bad_lengths, bad_table, backend=backend)
