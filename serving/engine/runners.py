@@ -376,28 +376,15 @@ class ModelRunner:
           return f"{op} backend {name!r} cannot run {what}: {why}"
     return None
 
-  @functools.cached_property
+  @property
   def packed_why_not(self) -> str | None:
     """None if ``prefill_packed`` can run, else why not: it needs the direct
-    path and a prefill attention that takes segment ids (cuDNN's does not)."""
+    path and a prefill attention that takes positions and segment ids, which
+    a backend chosen by name must take anyway (``backends_why_not``: a chunk
+    over cached tokens); the default order picks one that does."""
     if self._fast is None:
       return f"{type(self.model).__name__} has no packed prefill step"
-    name = self.backends.get("attention_prefill")
-    if name is None:
-      return None  # the op's default order picks a backend that can
-    from models import llama
-    from mosaic import registry
-
-    cfg = self.model.config
-    dt = jnp.dtype(self.dtype)
-    q = jax.ShapeDtypeStruct((1, 128, cfg.num_heads, cfg.head_dim), dt)
-    kv = jax.ShapeDtypeStruct((1, 128, cfg.num_kv_heads, cfg.head_dim), dt)
-    vec = jax.ShapeDtypeStruct((1, 128), jnp.int32)
-    llama.ops()
-    why = registry.get_op("attention_prefill").get(name).why_not(
-        q, kv, kv, causal=True, q_positions=vec, kv_positions=vec, q_segment_ids=vec,
-        kv_segment_ids=vec)
-    return None if why is None else f"attention_prefill={name}: {why}"
+    return self.backends_why_not
 
   def prefill_packed(self, tokens, tpos, seg, last, page_table, fresh=True):
     """Prompt chunks packed in one row (models.Model only; llama.prefill_packed):
