@@ -213,6 +213,9 @@ class Config(tuning.KernelConfig):
 
   def smem_bytes(self, in_itemsize: int = 2, out_itemsize: int = 2, rms: bool = False,
                  swiglu: bool = False, residual: bool = False) -> int:
+    # fp8 operands (1-byte items) come with float32 row and column scales
+    # (and their barriers, and the alignment of both buffers).
+    scales = (self.tile_m + self.tile_n) * 4 + 1024 if in_itemsize == 1 else 0
     if self.swap_ab:
       a_rows = max(self.tile_m, RMS_ROWS) if rms else self.tile_m
       ring = self.stages * (a_rows + self.tile_n) * self.tile_k * in_itemsize
@@ -227,11 +230,11 @@ class Config(tuning.KernelConfig):
         n += self.tile_m * out_tn * out_itemsize
       if self.cluster == "k":  # the leader's receive buffers: a partial (and Gram) a split
         n += (self.split_k - 1) * (self.tile_n + (RMS_ROWS if rms else 0)) * self.tile_m * 4
-      return n
+      return n + scales
     ring = self.stages * (self.cta_m + self.cta_n) * self.tile_k * in_itemsize
     out_isz = 4 if self.split_k > 1 else out_itemsize
     epi = 2 * 2 * self.epi_m * self.epi_n * out_isz
-    return ring + epi + 2 * self.tile_n * 4 + 1024
+    return ring + epi + 2 * self.tile_n * 4 + 1024 + 2 * scales
 
 
 SMEM_LIMIT = 227 * 1024
@@ -249,17 +252,23 @@ RMS_ROWS = 64
 # Kernel body
 
 
-def _kernel(layer_gmem, a_gmem, b_gmem, bias_gmem, res_gmem, out_gmem, *, cfg: Config,
-            k_iters: int, out_dtype, activation):
+def _kernel(layer_gmem, a_gmem, b_gmem, bias_gmem, res_gmem, rs_gmem, cs_gmem, out_gmem, *,
+            cfg: Config, k_iters: int, out_dtype, activation):
   """Warp-specialized persistent body; ``out_gmem`` is [M, N] ([M, N / 2] with
   swiglu) or [splits, M, N] split-K partials (the activation comes after their
-  sum). b is a [L, K, N] stack (bias [L, N]) of which layer_gmem[0] is used."""
+  sum). b is a [L, K, N] stack (bias [L, N]) of which layer_gmem[0] is used.
+  fp8 (``rs_gmem``/``cs_gmem`` given): b is a [L, N, K] stack, K-major as fp8
+  wgmma needs, and the accumulator is scaled by rs[M] (a's rows) times
+  cs[L, N] (b's columns) before the bias."""
   layer = dsl.layer_index(layer_gmem, b_gmem.shape[0])
   b_gmem = b_gmem.at[layer]
   if bias_gmem is not None:
     bias_gmem = bias_gmem.at[layer]
+  scaled = rs_gmem is not None
+  if scaled:
+    cs_gmem = cs_gmem.at[layer]
   m, _ = a_gmem.shape
-  n = b_gmem.shape[1]
+  n = b_gmem.shape[0 if scaled else 1]
   tm, tn, tk = cfg.tile_m, cfg.tile_n, cfg.tile_k
   cta_m, cta_n = cfg.cta_m, cfg.cta_n
   walk_m, walk_n = _walk(cfg, m, n)
@@ -277,7 +286,8 @@ def _kernel(layer_gmem, a_gmem, b_gmem, bias_gmem, res_gmem, out_gmem, *, cfg: C
   n_epi = (tm // epi_m) * (out_tn // epi_n)
   slots = min(2, n_epi)
   a_tr = dsl.smem_transforms((cta_m, tk), dtype)
-  b_tr = dsl.smem_transforms((tk, cta_n), dtype)
+  b_block = (cta_n, tk) if scaled else (tk, cta_n)
+  b_tr = dsl.smem_transforms(b_block, dtype)
   out_tr = dsl.smem_transforms((epi_m, epi_n), acc_out_dtype)
 
   # The operand block a cluster's pair shares is multicast to both CTAs.
@@ -290,8 +300,8 @@ def _kernel(layer_gmem, a_gmem, b_gmem, bias_gmem, res_gmem, out_gmem, *, cfg: C
         in_specs=[
             plgpu.BlockSpec((cta_m, tk), lambda k: (0, k), transforms=a_tr,
                             **shared("n")),
-            plgpu.BlockSpec((tk, cta_n), lambda k: (k, 0), transforms=b_tr,
-                            **shared("m")),
+            plgpu.BlockSpec(b_block, (lambda k: (0, k)) if scaled else (lambda k: (k, 0)),
+                            transforms=b_tr, **shared("m")),
         ],
         stages=min(cfg.stages, kps) if kps > 1 else 2,
         num_compute_wgs=2,
@@ -304,14 +314,17 @@ def _kernel(layer_gmem, a_gmem, b_gmem, bias_gmem, res_gmem, out_gmem, *, cfg: C
       pipeline_allocs=make_pipeline(ignore, ignore).get_allocations(a_gmem, b_gmem),
       out_smem=plgpu.SMEM((2, slots, epi_m, epi_n), acc_out_dtype, transforms=out_tr),
       bias_smem=None if bias_gmem is None else plgpu.SMEM((2, tn), bias_gmem.dtype),
-      barriers=plgpu.Barrier(num_barriers=2 * (slots + 1)),
+      rs_smem=plgpu.SMEM((2, tm), jnp.float32) if scaled else None,
+      cs_smem=plgpu.SMEM((2, tn), jnp.float32) if scaled else None,
+      barriers=plgpu.Barrier(num_barriers=2 * (slots + 3)),
   )
 
   @functools.partial(pl.run_scoped, **scratch, collective_axes="wg")
-  def _scope(pipeline_allocs, out_smem, bias_smem, barriers):
+  def _scope(pipeline_allocs, out_smem, bias_smem, rs_smem, cs_smem, barriers):
     wg = lax.axis_index("wg")
-    res_bar = lambda slot: barriers.at[wg * (slots + 1) + slot]
-    bias_bar = barriers.at[wg * (slots + 1) + slots]
+    res_bar = lambda slot: barriers.at[wg * (slots + 3) + slot]
+    bias_bar = barriers.at[wg * (slots + 3) + slots]
+    rs_bar, cs_bar = (barriers.at[wg * (slots + 3) + slots + i] for i in (1, 2))
 
     @plgpu.nd_loop((walk_m * walk_n * splits,), collective_axes="sm")
     def _tiles(info: plgpu.NDLoopInfo):
@@ -337,6 +350,13 @@ def _kernel(layer_gmem, a_gmem, b_gmem, bias_gmem, res_gmem, out_gmem, *, cfg: C
           wg_ms, out_wg_ns]
 
       def store_tile(acc):
+        if scaled:  # the fp8 operands' scales: rows (a's tokens) times columns (b's)
+          plgpu.barrier_wait(rs_bar)
+          plgpu.barrier_wait(cs_bar)
+          rs = plgpu.load(rs_smem.at[wg], (), layout=plgpu.Layout.WGMMA.reduce(1))
+          cs = plgpu.load(cs_smem.at[wg], (), layout=plgpu.Layout.WGMMA.reduce(0))
+          acc = (acc * lax.broadcast_in_dim(rs, (tm, tn), [0])
+                 * lax.broadcast_in_dim(cs, (tm, tn), [1]))
         if bias_gmem is not None:
           plgpu.barrier_wait(bias_bar)
           bias = plgpu.load(bias_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(0))
@@ -369,6 +389,9 @@ def _kernel(layer_gmem, a_gmem, b_gmem, bias_gmem, res_gmem, out_gmem, *, cfg: C
           if bias_gmem is not None:
             # Issued before the K loop so the copy hides behind it.
             plgpu.copy_gmem_to_smem(bias_gmem.at[pl.ds(wg_n0, tn)], bias_smem.at[wg], bias_bar)
+          if scaled:
+            plgpu.copy_gmem_to_smem(rs_gmem.at[cta_ms].at[wg_ms], rs_smem.at[wg], rs_bar)
+            plgpu.copy_gmem_to_smem(cs_gmem.at[pl.ds(wg_n0, tn)], cs_smem.at[wg], cs_bar)
           # The named scopes are the regions of the in-kernel timeline
           # (dsl.kernel_timeline); they cost nothing otherwise.
           with jax.named_scope("k_loop"):
@@ -377,14 +400,16 @@ def _kernel(layer_gmem, a_gmem, b_gmem, bias_gmem, res_gmem, out_gmem, *, cfg: C
             store_tile(acc_ref[...])
 
       def mma(_, a_smem, b_smem, acc_ref):
-        plgpu.wgmma(acc_ref, a_smem.at[wg_ms], b_smem.at[:, wg_ns])
+        b_wg = dsl.transpose(b_smem.at[wg_ns]) if scaled else b_smem.at[:, wg_ns]
+        plgpu.wgmma(acc_ref, a_smem.at[wg_ms], b_wg)
         plgpu.wgmma_wait(0)
         return acc_ref
 
       k0 = split * (kps * tk)
       make_pipeline(mma, compute_context)(
           a_gmem.at[cta_ms, pl.ds(k0, kps * tk)],
-          b_gmem.at[pl.ds(k0, kps * tk), cta_ns],
+          (b_gmem.at[cta_ns, pl.ds(k0, kps * tk)] if scaled
+           else b_gmem.at[pl.ds(k0, kps * tk), cta_ns]),
           allocations=pipeline_allocs,
       )
 
@@ -393,7 +418,7 @@ def _kernel(layer_gmem, a_gmem, b_gmem, bias_gmem, res_gmem, out_gmem, *, cfg: C
 
 def _swap_kernel(layer_gmem, a_gmem, b_gmem, *refs, cfg: Config, k_iters: int,
                  has_bias: bool, has_res: bool, split_out: bool, swiglu: bool,
-                 rms_eps: float | None, cluster_k: bool, cluster_n: bool):
+                 rms_eps: float | None, cluster_k: bool, cluster_n: bool, scaled: bool = False):
   """One CTA per (tile_n weight columns n, tile_m rows m, split s) with
   swapped operands: acc [tile_n, tile_m] = b[ks, cols]^T a[rows, ks]^T summed
   over the split's K blocks, i.e. the transposed output tile. A single
@@ -409,12 +434,16 @@ def _swap_kernel(layer_gmem, a_gmem, b_gmem, *refs, cfg: Config, k_iters: int,
   ``cluster_n`` two CTAs of neighbouring weight tiles (axis "c") share each
   step's a block, half issued by each and multicast into both rings: a slot
   is refilled only once both have read it (the ``consumed`` cluster barrier,
-  one arrival from each CTA)."""
+  one arrival from each CTA). fp8 (``scaled``): b is a [L, N, K] stack (its
+  [tile_n, tile_k] blocks are the K-major A operand fp8 wgmma needs) and the
+  accumulator is scaled by rs[M] (a's rows) times cs[L, N] (b's columns)."""
   refs = list(refs)
   bias_gmem = refs.pop(0) if has_bias else None
   res_gmem = refs.pop(0) if has_res else None
+  rs_gmem, cs_gmem = (refs.pop(0), refs.pop(0)) if scaled else (None, None)
   out_gmem, bias_smem, (bars, epi_bars), *refs = refs
   res_smem = refs.pop(0) if has_res else None
+  scale_smem = (refs.pop(0), refs.pop(0)) if scaled else None
   consumed = refs.pop(0) if cluster_n else None
   recv = refs
   layer = dsl.layer_index(layer_gmem, b_gmem.shape[0])
@@ -445,6 +474,9 @@ def _swap_kernel(layer_gmem, a_gmem, b_gmem, *refs, cfg: Config, k_iters: int,
       plgpu.copy_gmem_to_smem(bias_gmem.at[layer, cols], bias_smem, epi_bars.at[0])
     if res_gmem is not None:
       plgpu.copy_gmem_to_smem(res_gmem.at[rows, out_cols], res_smem, epi_bars.at[1])
+    if scaled:
+      plgpu.copy_gmem_to_smem(rs_gmem.at[rows], scale_smem[0], epi_bars.at[2])
+      plgpu.copy_gmem_to_smem(cs_gmem.at[layer, cols], scale_smem[1], epi_bars.at[3])
 
   # Up to 64 rows a step's wgmmas are short, and waiting for them before
   # refilling the slot keeps all `stages` blocks of the weight stream in
@@ -460,7 +492,8 @@ def _swap_kernel(layer_gmem, a_gmem, b_gmem, *refs, cfg: Config, k_iters: int,
 
     def issue(step, slot):
       ks = pl.ds((first + step) * tk, tk)
-      plgpu.copy_gmem_to_smem(b_gmem.at[ks, cols], b_smem.at[slot], bars.at[slot])
+      plgpu.copy_gmem_to_smem(b_gmem.at[cols, ks] if scaled else b_gmem.at[ks, cols],
+                              b_smem.at[slot], bars.at[slot])
       plgpu.copy_gmem_to_smem(a_gmem.at[rows, ks], a_slot(slot), bars.at[slot],
                               collective_axes="c" if cluster_n else None)
 
@@ -475,7 +508,8 @@ def _swap_kernel(layer_gmem, a_gmem, b_gmem, *refs, cfg: Config, k_iters: int,
         slot = lax.rem(i, jnp.int32(stages))
         plgpu.barrier_wait(bars.at[slot])
         a_t = dsl.transpose(a_slot(slot))
-        plgpu.wgmma(acc_ref, dsl.transpose(b_smem.at[slot]), a_t)
+        b_t = b_smem.at[slot] if scaled else dsl.transpose(b_smem.at[slot])
+        plgpu.wgmma(acc_ref, b_t, a_t)
         if gram_ref is not None:  # G += a_64 a^T: row j's sum of squares at (j, j)
           plgpu.wgmma(gram_ref, a_smem.at[slot], a_t)
         # Step i - lag's slot is read: free for the step `stages` after it
@@ -520,7 +554,7 @@ def _swap_kernel(layer_gmem, a_gmem, b_gmem, *refs, cfg: Config, k_iters: int,
         accs.append(plgpu.ACC((RMS_ROWS, tm), jnp.float32))
       return pl.run_scoped(k_loop, *accs)
 
-  out = pl.run_scoped(k_phase, ring((a_rows, tk)), ring((tk, tn)))
+  out = pl.run_scoped(k_phase, ring((a_rows, tk)), ring((tn, tk) if scaled else (tk, tn)))
   acc, gram = (out, None) if rms_eps is None else out
 
   def epilogue(acc, gram, out, staged_f32):
@@ -530,7 +564,7 @@ def _swap_kernel(layer_gmem, a_gmem, b_gmem, *refs, cfg: Config, k_iters: int,
     pl.run_scoped(functools.partial(
         _swap_epilogue, acc, gram, out, a_gmem=a_gmem, bias_gmem=bias_gmem,
         res_gmem=res_gmem, res_smem=res_smem, bias_smem=bias_smem, epi_bars=epi_bars,
-        rows=rows, out_cols=out_cols, swiglu=swiglu, rms_eps=rms_eps),
+        rows=rows, out_cols=out_cols, swiglu=swiglu, rms_eps=rms_eps, scale_smem=scale_smem),
         plgpu.SMEM((tm, out_tn), dtype))
 
   if not cluster_k:
@@ -560,12 +594,19 @@ def _swap_kernel(layer_gmem, a_gmem, b_gmem, *refs, cfg: Config, k_iters: int,
 
 
 def _swap_epilogue(acc, gram, out, staged, *, a_gmem, bias_gmem, res_gmem, res_smem,
-                   bias_smem, epi_bars, rows, out_cols, swiglu, rms_eps):
+                   bias_smem, epi_bars, rows, out_cols, swiglu, rms_eps, scale_smem=None):
   """The swapped kernel's acc [tile_n, tile_m] (and Gram) -> its output tile
-  in ``out``: the norm's row scale, bias, gate, transposed store through
-  ``staged``, residual (prefetched into ``res_smem``)."""
+  in ``out``: the fp8 scales, the norm's row scale, bias, gate, transposed
+  store through ``staged``, residual (prefetched into ``res_smem``)."""
   out_tn = acc.shape[0] // 2 if swiglu else acc.shape[0]
   with jax.named_scope("epilogue"):
+    if scale_smem is not None:  # acc is transposed: columns are a's rows
+      plgpu.barrier_wait(epi_bars.at[2])
+      plgpu.barrier_wait(epi_bars.at[3])
+      rs = plgpu.load(scale_smem[0], (), layout=plgpu.Layout.WGMMA.reduce(0))
+      cs = plgpu.load(scale_smem[1], (), layout=plgpu.Layout.WGMMA.reduce(1))
+      acc = (acc * lax.broadcast_in_dim(rs, acc.shape, [1])
+             * lax.broadcast_in_dim(cs, acc.shape, [0]))
     if rms_eps is not None:
       layout = plgpu.Layout.WGMMA
       diag = (plgpu.broadcasted_iota(jnp.int32, gram.shape, 0, layout=layout)
@@ -595,13 +636,14 @@ def _swap_epilogue(acc, gram, out, staged, *, a_gmem, bias_gmem, res_gmem, res_s
     plgpu.wait_smem_to_gmem(0)
 
 
-def _run_swap(layer_arr, a, b, bias, residual, *, cfg: Config, k_iters: int, out_dtype,
-              activation=None, rms_eps=None):
+def _run_swap(layer_arr, a, b, bias, residual, scales=None, *, cfg: Config, k_iters: int,
+              out_dtype, activation=None, rms_eps=None):
   """The ``swap_ab`` launch: grid (N / tile_n, M tiles, splits); returns the
   [M, N] output ([M, N / 2] with swiglu), or [splits, M, N] float32 partials
-  (split-K without a cluster)."""
+  (split-K without a cluster). ``scales``: fp8 (row_scale [M], col_scale
+  [L, N]) with b a [L, N, K] stack."""
   m, _ = a.shape
-  n = b.shape[-1]
+  n = b.shape[-2] if scales is not None else b.shape[-1]
   cluster_k, cluster_n = _cluster_k(cfg), _cluster_n(cfg)
   split_out = cfg.split_k > 1 and not cluster_k
   if rms_eps is not None and split_out:
@@ -610,9 +652,11 @@ def _run_swap(layer_arr, a, b, bias, residual, *, cfg: Config, k_iters: int, out
   tm, tn = cfg.tile_m, cfg.tile_n
   out_tn = tn // 2 if swiglu else tn
   operands = [layer_arr, a, b] + [x for x in (bias, residual) if x is not None]
+  operands += list(scales or ())
   body = functools.partial(_swap_kernel, cfg=cfg, k_iters=k_iters, has_bias=bias is not None,
                            has_res=residual is not None, split_out=split_out, swiglu=swiglu,
-                           rms_eps=rms_eps, cluster_k=cluster_k, cluster_n=cluster_n)
+                           rms_eps=rms_eps, cluster_k=cluster_k, cluster_n=cluster_n,
+                           scaled=scales is not None)
   out_type = (jax.ShapeDtypeStruct((cfg.split_k, m, n), jnp.float32) if split_out
               else jax.ShapeDtypeStruct((m, n // 2 if swiglu else n), out_dtype))
   # The K loop's ring and the epilogue's staging tile are scoped in the
@@ -620,10 +664,12 @@ def _run_swap(layer_arr, a, b, bias, residual, *, cfg: Config, k_iters: int, out
   # residual live throughout.
   scratch = [
       plgpu.SMEM((tn,), jnp.float32 if bias is None else bias.dtype),
-      (plgpu.Barrier(num_arrivals=2, num_barriers=cfg.stages), plgpu.Barrier(num_barriers=2)),
+      (plgpu.Barrier(num_arrivals=2, num_barriers=cfg.stages), plgpu.Barrier(num_barriers=4)),
   ]
   if residual is not None:
     scratch.append(plgpu.SMEM((tm, out_tn), out_dtype))
+  if scales is not None:
+    scratch += [plgpu.SMEM((tm,), jnp.float32), plgpu.SMEM((tn,), jnp.float32)]
   grid = dict(grid=(n // tn, dsl.cdiv(m, tm), cfg.split_k), grid_names=("n", "m", "s"))
   if cluster_n:  # pairs of weight tiles; each slot's "both have read it" barrier
     scratch.append(plgpu.ClusterBarrier(collective_axes=("c",), num_barriers=cfg.stages))
@@ -660,30 +706,41 @@ def _num_sms() -> int:
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "out_dtype", "activation", "rms_eps"))
-def _run(a, b, bias, residual, layer=None, *, cfg: Config, out_dtype, activation=None,
-         rms_eps=None):
-  """b [K, N] (bias [N]), or with ``layer`` a [L, K, N] stack (bias [L, N])."""
+def _run(a, b, bias, residual, layer=None, scales=None, *, cfg: Config, out_dtype,
+         activation=None, rms_eps=None):
+  """b [K, N] (bias [N]), or with ``layer`` a [L, K, N] stack (bias [L, N]).
+  fp8 (``scales`` = (row_scale [M], col_scale [N] or [L, N])): b is [N, K]
+  (or [L, N, K]), K-major."""
   if layer is None:  # one code path: a stack of one (free reshapes, a constant index)
     b, bias = b[None], None if bias is None else bias[None]
+    if scales is not None:
+      scales = (scales[0], scales[1][None])
+  if scales is not None and bias is not None:
+    # A 16-bit bias beside the float32 scales deadlocked the interpreter's
+    # barriers; a float32 bias (N values) is the same sum.
+    bias = bias.astype(jnp.float32)
   layer_arr = dsl.layer_operand(layer)  # clamped in the kernel
   k = a.shape[1]
   k_iters = dsl.cdiv(k, cfg.tile_k)
   splits = _splits(cfg, k)
   # A K too short to split runs in one CTA, and an odd count of weight tiles
   # has no pairs: no cluster then.
+  n = b.shape[-2] if scales is not None else b.shape[-1]
   lone = ((splits == 1 and cfg.cluster == "k")
-          or (cfg.swap_ab and cfg.cluster == "n" and (b.shape[-1] // cfg.tile_n) % 2))
+          or (cfg.swap_ab and cfg.cluster == "n" and (n // cfg.tile_n) % 2))
   cfg = dataclasses.replace(cfg, split_k=splits, cluster=None if lone else cfg.cluster)
   split_out = cfg.split_k > 1 and not _cluster_k(cfg)
   if rms_eps is not None and not fuses_rms(cfg, k):
     a, rms_eps = rms_rows(a, rms_eps), None  # an XLA fusion ahead of the kernel
-  # Split partials get the bias, residual and activation in the reduction below.
+  # Split partials get the bias, residual and activation in the reduction
+  # below; the fp8 scales, per row and column, may scale each partial.
   keep = lambda x: None if split_out else x
   if cfg.swap_ab:
-    out = _run_swap(layer_arr, a, b, keep(bias), keep(residual), cfg=cfg, k_iters=k_iters,
-                    out_dtype=jnp.dtype(out_dtype), activation=activation, rms_eps=rms_eps)
+    out = _run_swap(layer_arr, a, b, keep(bias), keep(residual), scales, cfg=cfg,
+                    k_iters=k_iters, out_dtype=jnp.dtype(out_dtype), activation=activation,
+                    rms_eps=rms_eps)
   else:
-    out = _run_persistent(layer_arr, a, b, keep(bias), keep(residual), cfg=cfg,
+    out = _run_persistent(layer_arr, a, b, keep(bias), keep(residual), scales, cfg=cfg,
                           k_iters=k_iters, out_dtype=jnp.dtype(out_dtype), activation=activation)
   if split_out:
     bias = None if bias is None else dsl.take_layer(bias, layer_arr[0])
@@ -691,12 +748,13 @@ def _run(a, b, bias, residual, layer=None, *, cfg: Config, out_dtype, activation
   return out
 
 
-def _run_persistent(layer_arr, a, b, bias, residual, *, cfg: Config, k_iters: int, out_dtype,
-                    activation=None):
+def _run_persistent(layer_arr, a, b, bias, residual, scales=None, *, cfg: Config, k_iters: int,
+                    out_dtype, activation=None):
   """The warp-specialized launch: one CTA per SM (or per tile); returns the
-  [M, N] output ([M, N / 2] with swiglu), or [splits, M, N] float32 partials."""
+  [M, N] output ([M, N / 2] with swiglu), or [splits, M, N] float32 partials.
+  ``scales``: fp8 (row_scale [M], col_scale [L, N]) with b a [L, N, K] stack."""
   m = a.shape[0]
-  n = b.shape[-1]
+  n = b.shape[-2] if scales is not None else b.shape[-1]
   split_out = cfg.split_k > 1
   walk_m, walk_n = _walk(cfg, m, n)
   tiles = walk_m * walk_n * cfg.split_k
@@ -711,7 +769,8 @@ def _run_persistent(layer_arr, a, b, bias, residual, *, cfg: Config, k_iters: in
                            activation=activation)
   operands = [layer_arr, a, b]
   names = ["layer", "a", "b"]
-  for name, x in (("bias", bias), ("residual", residual)):
+  rs, cs = scales or (None, None)
+  for name, x in (("bias", bias), ("residual", residual), ("rs", rs), ("cs", cs)):
     if x is not None:
       operands.append(x)
       names.append(name)
@@ -719,7 +778,8 @@ def _run_persistent(layer_arr, a, b, bias, residual, *, cfg: Config, k_iters: in
   def entry(*refs):
     *ins, out_ref = refs
     r = dict(zip(names, ins))
-    body(r["layer"], r["a"], r["b"], r.get("bias"), r.get("residual"), out_ref)
+    body(r["layer"], r["a"], r["b"], r.get("bias"), r.get("residual"), r.get("rs"), r.get("cs"),
+         out_ref)
 
   return dsl.kernel(
       entry,
@@ -908,8 +968,18 @@ def _mosaic_why_not(a, b, *, bias=None, residual=None, out_dtype=None, activatio
   return None
 
 
-def heuristic(m: int, n: int, k: int, num_sms: int = 132) -> Config:
-  """A config from the shape alone: big tiles for big M, split-K to fill the SMs."""
+def heuristic(m: int, n: int, k: int, num_sms: int = 132, itemsize: int = 2) -> Config:
+  """A config from the shape alone: big tiles for big M, split-K to fill the SMs.
+  fp8 (``itemsize`` 1) keeps a 128-byte K block (the swizzle fp8 wgmma reads)
+  and streams small M's weights through swapped tiles, split in a cluster."""
+  if itemsize == 1:
+    if m <= 64:
+      tile_m = next(t for t in SWAP_TILE_M if t >= m)
+      split = max(1, min(MAX_CLUSTER_K, num_sms // max(1, n // 128), dsl.cdiv(k, 256)))
+      return fit_smem(Config(tile_m=tile_m, tile_n=128, tile_k=256, stages=6, swap_ab=True,
+                             split_k=split, cluster="k" if split > 1 else None), 1)
+    cfg = heuristic(m, n, k, num_sms)
+    return fit_smem(dataclasses.replace(cfg, tile_k=128), 1)
   if m <= 64:
     cfg = Config(tile_m=64, tile_n=128, tile_k=64, stages=4, wg_dim="n")
   elif m <= 128:
@@ -963,7 +1033,7 @@ def pick_config(m: int, n: int, k: int, dtype, activation=None, rms: bool = Fals
   consumer, keeping the shape's schedule."""
   sms = 132 if dsl.interpreting() else _num_sms()
   plain = lambda: tuning.lookup(OP, tuning_key(m, n, k, dtype), Config,
-                                lambda: heuristic(m, n, k, sms))
+                                lambda: heuristic(m, n, k, sms, jnp.dtype(dtype).itemsize))
   act = plain if activation is None else lambda: tuning.lookup(
       OP, tuning_key(m, n, k, dtype, activation), Config, plain)
   cfg = act() if not rms else tuning.lookup(

@@ -582,3 +582,52 @@ def test_fa3_block_ranges_are_planned_once_per_step_not_per_layer(step):
   inner = _primitives(scans[0].params["jaxpr"].jaxpr)
   assert "reduce_min" in outer and "reduce_min" not in inner  # _block_ranges' mins
   assert sum(inner.count(k) for k in KERNEL_CALLS) >= 7  # the layer's kernels are in it
+
+
+# fp8 (W8A8): the Llama-3-8B layer shapes at the decode, mixed-step and
+# prefill row counts, through the public wrapper (the configs it picks for the
+# H200), with the epilogues the model uses; and the schedules one by one.
+F8 = jnp.float8_e4m3fn
+
+
+def _lower_fp8(m, n, k, layers=None, activation=None, bias=False, residual=False, config=None):
+  from kernels import matmul_fp8 as mf
+
+  w = S((n, k), F8) if layers is None else S((layers, n, k), F8)
+  per_n = S((n,), F32) if layers is None else S((layers, n), F32)
+  out_n = n // 2 if activation else n
+  extra = ([S(per_n.shape, BF16)] if bias else []) + ([S((m, out_n), BF16)] if residual else [])
+
+  def f(a, w, a_scale, w_scale, *rest):
+    rest = list(rest)
+    b = rest.pop(0) if bias else None
+    r = rest.pop(0) if residual else None
+    return mf.matmul_fp8_mosaic(a, w, a_scale=a_scale, w_scale=w_scale, bias=b, residual=r,
+                                activation=activation, config=config,
+                                layer=None if layers is None else jnp.int32(1))
+
+  _lower(f, S((m, k), F8), w, S((m,), F32), per_n, *extra)
+
+
+@pytest.mark.parametrize("m", [1, 16, 64, 192, 320, 2048])
+def test_fp8_matmul_llama_shapes_lower(m):
+  _lower_fp8(m, 6144, 4096, layers=32)                                # qkv
+  _lower_fp8(m, 4096, 4096, layers=32, residual=True)                 # wo (+ residual)
+  _lower_fp8(m, 28672, 4096, layers=32, activation="swiglu")          # gate/up, fused gate
+  _lower_fp8(m, 4096, 14336, layers=32, residual=True)                # down (+ residual)
+
+
+@pytest.mark.parametrize("m,n,k,cfg", [
+    (8192, 8192, 8192, mm.Config(tile_m=128, tile_n=128, tile_k=128, stages=3)),
+    (8192, 8192, 8192, mm.Config(tile_m=128, tile_n=256, tile_k=128, stages=2, cluster="m")),
+    (304, 4096, 4096, mm.Config(tile_m=64, tile_n=128, tile_k=128, stages=4, wg_dim="m")),
+    (64, 4096, 14336, mm.Config(tile_m=64, tile_n=128, tile_k=128, stages=3, split_k=4)),
+    (16, 6144, 4096, mm.Config(tile_m=16, tile_n=128, tile_k=256, stages=6, swap_ab=True)),
+    (16, 4096, 4096, mm.Config(tile_m=16, tile_n=64, tile_k=256, stages=6, swap_ab=True,
+                               split_k=4, cluster="k")),
+    (192, 6144, 4096, mm.Config(tile_m=192, tile_n=128, tile_k=128, stages=4, swap_ab=True)),
+    (64, 6144, 4096, mm.Config(tile_m=64, tile_n=128, tile_k=128, stages=4, swap_ab=True,
+                               cluster="n")),
+])
+def test_fp8_matmul_schedules_lower(m, n, k, cfg):
+  _lower_fp8(m, n, k, config=cfg, bias=True, residual=not cfg.split_k > 1)
