@@ -86,6 +86,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from kernels.matmul import SWIGLU_BLOCK, fold_rms_weight
+from kernels.matmul_fp8 import quantize_rows, quantize_weight
 from models.config import FFN_BLOCK, ModelConfig
 from mosaic import registry
 
@@ -106,6 +107,9 @@ TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 PAGE_BUCKETS = (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 
 OPS = ("rms_norm", "matmul", "attention_prefill", "attention_decode")  # chosen by backend flags
+# Weight quantizations of the layers' linears (None: the model's dtype). fp8:
+# W8A8, per-channel weight and per-token activation scales (kernels/matmul_fp8.py).
+QUANTIZATIONS = (None, "fp8")
 # Runs attention_decode's backend where it has it (``_append_backend``).
 APPEND_OP = "attention_decode_append"
 
@@ -114,7 +118,7 @@ def _load_ops():
   """Imports the op modules, which register their backends."""
   import importlib
 
-  names = OPS + (APPEND_OP,)
+  names = OPS + (APPEND_OP, "matmul_fp8")
   for name in names:
     importlib.import_module(f"kernels.{name}")
   return {name: registry.get_op(name) for name in names}
@@ -271,14 +275,43 @@ _LAYER: contextvars.ContextVar[jax.Array | None] = contextvars.ContextVar("layer
 class Linear(nnx.Module):
   """y = x @ w (+ b) (+ residual) through the ``matmul`` op; w is [in, out].
 
+  With ``quantization="fp8"`` the weight is w_q [out, in] float8_e4m3fn and
+  w_scale [out] (``quantize_params``), and each call quantizes its input rows
+  (one XLA fusion, which also applies a folded norm's row scale) and runs the
+  ``matmul_fp8`` op (W8A8 on fp8 tensor cores).
+
   Under tensor parallelism a ``row_parallel`` layer (wo, w_down: input
   features split) yields partial sums: they are summed over 'tp' before the
   residual is added; a column-parallel one (q/k/v, gate/up) needs nothing.
   """
 
-  def __init__(self, din: int, dout: int, *, bias: bool = False, dtype, rngs: nnx.Rngs):
-    self.w = nnx.Param(_init(rngs, (din, dout), dtype, din))
+  def __init__(self, din: int, dout: int, *, bias: bool = False, dtype, rngs: nnx.Rngs,
+               quantization: str | None = None):
+    if quantization not in QUANTIZATIONS:
+      raise ValueError(f"{quantization=} must be one of {QUANTIZATIONS}")
+    self.quantized = quantization == "fp8"
+    if self.quantized:
+      w_q, w_scale = quantize_weight(_init(rngs, (din, dout), dtype, din))
+      self.w_q, self.w_scale = nnx.Param(w_q), nnx.Param(w_scale)
+    else:
+      self.w = nnx.Param(_init(rngs, (din, dout), dtype, din))
     self.b = nnx.Param(_init(rngs, (dout,), dtype, 1.0) * 0.1) if bias else None
+
+  def _matmul(self, a, *, residual=None, out_dtype=None, activation=None, layer=None,
+              rms_eps=None, bias=True):
+    """The op call on 2-D rows a [M, K]."""
+    b = None if self.b is None or not bias else self.b[...]
+    if not self.quantized:
+      return ops()["matmul"](a, self.w[...], bias=b, residual=residual, out_dtype=out_dtype,
+                             activation=activation, layer=layer,
+                             **({} if rms_eps is None else dict(rms_eps=rms_eps)))
+    with jax.named_scope("quantize"):
+      a_q, a_scale = quantize_rows(a, rms_eps)
+    # --matmul-backend names the fp8 op's backend too (the same names).
+    name = registry.get_op("matmul").explicit_choice(None)
+    return ops()["matmul_fp8"](a_q, self.w_q[...], a_scale=a_scale, w_scale=self.w_scale[...],
+                               bias=b, residual=residual, out_dtype=out_dtype or a.dtype,
+                               activation=activation, layer=layer, backend=name)
 
   def __call__(self, x, *, residual=None, out_dtype=None, row_parallel=False, activation=None,
                rms_eps=None):
@@ -289,7 +322,7 @@ class Linear(nnx.Module):
     axis = _TP_AXIS.get() if row_parallel else None
     layer = _LAYER.get()
     if axis is not None:
-      y = ops()["matmul"](a, self.w[...], out_dtype=jnp.float32, layer=layer)
+      y = self._matmul(a, out_dtype=jnp.float32, layer=layer, bias=False)
       with jax.named_scope("all_reduce"):  # a row of its own in profiles (serving.profiler)
         y = jax.lax.psum(y, axis)
       if self.b is not None:  # replicated: added once, after the sum
@@ -298,9 +331,8 @@ class Linear(nnx.Module):
         y = y + r.astype(jnp.float32)
       y = y.astype(out_dtype or x.dtype)
       return y.reshape(*lead, y.shape[-1])
-    y = ops()["matmul"](a, self.w[...], bias=None if self.b is None else self.b[...],
-                        residual=r, out_dtype=out_dtype, activation=activation, layer=layer,
-                        **({} if rms_eps is None else dict(rms_eps=rms_eps)))
+    y = self._matmul(a, residual=r, out_dtype=out_dtype, activation=activation, layer=layer,
+                     rms_eps=rms_eps)
     # The float32 reference backends may hand back float32: keep the model dtype.
     y = y.astype(out_dtype or x.dtype)
     return y.reshape(*lead, y.shape[-1])
@@ -346,15 +378,16 @@ class RMSNorm(nnx.Module):
 
 class Attention(nnx.Module):
 
-  def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
+  def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs, quantization=None):
     d, hd = cfg.hidden_size, cfg.head_dim
     self.cfg = cfg
     # One matmul for q, k and v. Columns are grouped by kv head: [Hkv, G + 2, hd]
     # holds each kv head's G query heads, then its k, then its v, so an even
     # split of the columns over 'tp' gives each device whole groups.
     self.wqkv = Linear(d, (cfg.num_heads + 2 * cfg.num_kv_heads) * hd, bias=cfg.qkv_bias,
-                       dtype=dtype, rngs=rngs)
-    self.wo = Linear(cfg.num_heads * hd, d, bias=cfg.o_bias, dtype=dtype, rngs=rngs)
+                       dtype=dtype, rngs=rngs, quantization=quantization)
+    self.wo = Linear(cfg.num_heads * hd, d, bias=cfg.o_bias, dtype=dtype, rngs=rngs,
+                     quantization=quantization)
     # Qwen3: RMSNorm weights over head_dim for q and k (applied before RoPE).
     self.q_norm = nnx.Param(jnp.ones((hd,), dtype)) if cfg.qk_norm else None
     self.k_norm = nnx.Param(jnp.ones((hd,), dtype)) if cfg.qk_norm else None
@@ -397,11 +430,13 @@ class MLP(nnx.Module):
   split keeps blocks whole. F is ``cfg.ffn_size``: intermediate_size padded
   with zero features up to whole blocks."""
 
-  def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
+  def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs, quantization=None):
     d, f = cfg.hidden_size, cfg.ffn_size
     self.act = cfg.hidden_act
-    self.w_gate_up = Linear(d, 2 * f, bias=cfg.mlp_bias, dtype=dtype, rngs=rngs)
-    self.w_down = Linear(f, d, bias=cfg.mlp_bias, dtype=dtype, rngs=rngs)
+    self.w_gate_up = Linear(d, 2 * f, bias=cfg.mlp_bias, dtype=dtype, rngs=rngs,
+                            quantization=quantization)
+    self.w_down = Linear(f, d, bias=cfg.mlp_bias, dtype=dtype, rngs=rngs,
+                         quantization=quantization)
 
   def __call__(self, h, residual, rms_eps=None):
     with jax.named_scope("gate_up"):
@@ -418,18 +453,18 @@ class MLP(nnx.Module):
 
 class Block(nnx.Module):
 
-  def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
+  def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs, quantization=None):
     self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
-    self.attn = Attention(cfg, dtype=dtype, rngs=rngs)
+    self.attn = Attention(cfg, dtype=dtype, rngs=rngs, quantization=quantization)
     self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
-    self.mlp = MLP(cfg, dtype=dtype, rngs=rngs)
+    self.mlp = MLP(cfg, dtype=dtype, rngs=rngs, quantization=quantization)
 
 
 class Llama(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, *, dtype="bfloat16", rngs: nnx.Rngs,
                norms_folded: bool = False, decode_append: bool = True,
-               decode_unroll: int | None = None, residual_dtype=None):
+               decode_unroll: int | None = None, residual_dtype=None, quantization=None):
     """``norms_folded``: the layers' norm weights are folded into wqkv and
     w_gate_up (``fold_norm_weights`` on the params), which then normalize.
     ``decode_append``: a one-token decode step rotates, writes the cache and
@@ -440,7 +475,10 @@ class Llama(nnx.Module):
     float32 stream under bfloat16 weights adds every sublayer's output to it
     in float32 (the matmul epilogue's residual add) and rounds only the norms'
     outputs, the matmul inputs, to ``dtype``. The folded norms normalize the
-    matmul's own a operand, which is ``dtype``, so the two exclude each other."""
+    matmul's own a operand, which is ``dtype``, so the two exclude each other.
+    ``quantization``: "fp8" makes the layers' linears W8A8 (``Linear``; the
+    embedding and lm_head stay in ``dtype``); their params come from
+    ``quantize_params``."""
     if decode_unroll is not None and (isinstance(decode_unroll, bool)
                                       or not isinstance(decode_unroll, int)
                                       or decode_unroll < 1):
@@ -460,12 +498,13 @@ class Llama(nnx.Module):
     self.norms_folded = norms_folded
     self.decode_append = decode_append
     self.decode_unroll = decode_unroll
+    self.quantization = quantization
     self.embed = nnx.Param(_init(rngs, (cfg.vocab_size, cfg.hidden_size), dtype, 1.0))
 
     @nnx.split_rngs(splits=cfg.num_layers)
     @nnx.vmap(in_axes=(0,), out_axes=0)
     def make_layers(rngs):
-      return Block(cfg, dtype=dtype, rngs=rngs)
+      return Block(cfg, dtype=dtype, rngs=rngs, quantization=quantization)
 
     self.layers = make_layers(rngs)  # every parameter has a leading [num_layers] axis
     self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
@@ -942,6 +981,35 @@ def _fold(g, w):
   return fold_rms_weight(g, w)  # one fused elementwise kernel: no float32 copy of w
 
 
+# ---------------------------------------------------------------- fp8 weights
+
+QUANTIZED_LINEARS = (("attn", "wqkv"), ("attn", "wo"), ("mlp", "w_gate_up"), ("mlp", "w_down"))
+
+
+def quantize_params(params, quantization: str | None):
+  """A copy of the pure-dict ``params`` (after ``fold_norm_weights``) for
+  ``Llama(quantization=...)``: each layer linear's w [L, in, out] becomes
+  w_q [L, out, in] float8_e4m3fn and w_scale [L, out] (per output channel).
+  The embedding, the norms, the biases and lm_head are kept."""
+  if quantization not in QUANTIZATIONS:
+    raise ValueError(f"{quantization=} must be one of {QUANTIZATIONS}")
+  if quantization is None:
+    return params
+  layers = dict(params["layers"])
+  for owner, lin in QUANTIZED_LINEARS:
+    sub = dict(layers[owner])
+    p = dict(sub[lin])
+    p["w_q"], p["w_scale"] = _quantize(p.pop("w"))
+    sub[lin] = p
+    layers[owner] = sub
+  return dict(params, layers=layers)
+
+
+@jax.jit
+def _quantize(w):
+  return quantize_weight(w)  # one fusion: no float32 copy of the stack
+
+
 # ---------------------------------------------------------------- jitted entry points
 
 
@@ -1055,11 +1123,12 @@ def param_spec(path: tuple[str, ...], ndim: int) -> P:
   input features; norms and the embedding table are replicated."""
   names = [str(p) for p in path]
   leaf, owner = names[-1], names[-2] if len(names) > 1 else ""
-  lead = (None,) * (ndim - (2 if leaf == "w" else 1))
+  lead = (None,) * (ndim - (2 if leaf in ("w", "w_q") else 1))
+  # fp8 weights are [.., out, in] (quantize_params): their out features lead.
   if owner in ("wqkv", "w_gate_up", "lm_head"):
-    return P(*lead, None, "tp") if leaf == "w" else P(*lead, "tp")
-  if owner in ("wo", "w_down") and leaf == "w":
-    return P(*lead, "tp", None)
+    return {"w": P(*lead, None, "tp"), "w_q": P(*lead, "tp", None)}.get(leaf, P(*lead, "tp"))
+  if owner in ("wo", "w_down"):
+    return {"w": P(*lead, "tp", None), "w_q": P(*lead, None, "tp")}.get(leaf, P())
   return P()
 
 

@@ -42,7 +42,7 @@ class Model:
   def __init__(self, config: config_lib.ModelConfig, params, tokenizer: tok_lib.Tokenizer,
                *, dtype="bfloat16", mesh=None, fold_norms: bool | None = None,
                decode_append: bool = True, decode_unroll: int | None = None,
-               residual_dtype=None):
+               residual_dtype=None, quantization: str | None = None):
     """``fold_norms``: fold the layers' norm weights into wqkv / w_gate_up,
     whose matmuls then normalize their input (models.llama, "Folded norms");
     None: fold unless the residual stream's dtype differs from ``dtype``.
@@ -50,7 +50,12 @@ class Model:
     models.llama.Llama).
     ``decode_append``: one-token decode steps run RoPE, the K/V write and
     attention as one op (models.llama.Llama). ``decode_unroll``: layers per
-    iteration of a one-token decode step's layer loop (None: all, no loop)."""
+    iteration of a one-token decode step's layer loop (None: all, no loop).
+    ``quantization``: "fp8" quantizes the layers' linear weights here, after
+    the norms are folded into them (W8A8; models.llama.quantize_params)."""
+    if quantization not in llama.QUANTIZATIONS:
+      raise ValueError(f"quantization={quantization!r} is not supported; use one of "
+                       f"{[q for q in llama.QUANTIZATIONS if q]} (or None)")
     self.config = config
     self.dtype = jnp.dtype(dtype)
     self.residual_dtype = self.dtype if residual_dtype is None else jnp.dtype(residual_dtype)
@@ -61,17 +66,20 @@ class Model:
     # Devices the weights and the KV heads are split over (1: no mesh).
     self.tensor_parallel_size = 1 if mesh is None else int(mesh.size)
     self.fold_norms = fold_norms
+    self.quantization = quantization
     abstract = nnx.eval_shape(lambda: llama.Llama(config, dtype=self.dtype, rngs=nnx.Rngs(0),
                                                   norms_folded=fold_norms,
                                                   decode_append=decode_append,
                                                   decode_unroll=decode_unroll,
-                                                  residual_dtype=self.residual_dtype))
+                                                  residual_dtype=self.residual_dtype,
+                                                  quantization=quantization))
     self.graphdef, state = nnx.split(abstract)
     if isinstance(params, nnx.State):
       params = nnx.to_pure_dict(params)
     params = jax.tree.map(lambda a: jnp.asarray(a, self.dtype), params)
     if fold_norms:
       params = llama.fold_norm_weights(params)
+    params = llama.quantize_params(params, quantization)
     nnx.replace_by_pure_dict(state, params)
     if mesh is not None:
       state = llama.shard_params(state, mesh)
@@ -260,12 +268,14 @@ def default_dtype() -> str:
 
 
 def load(spec: str | os.PathLike | None = None, *, dtype=None, tp: int = 1,
-         decode_unroll: int | None = None, tokenizer=None, residual_dtype=None) -> Model:
+         decode_unroll: int | None = None, tokenizer=None, residual_dtype=None,
+         quantization: str | None = None) -> Model:
   """A Model from: None/"default" (embedded SmolLM2-135M-Instruct), "tiny" or
   another named config of models.config ("llama3.1-8b", ...: random weights,
   fixed seed, byte-level tokenizer; for tests and benchmarks), an HF folder,
   a .gguf file, or an orbax directory written by ``save``. ``dtype``: None
-  is ``default_dtype()``. ``decode_unroll``, ``residual_dtype``: as ``Model``'s.
+  is ``default_dtype()``. ``decode_unroll``, ``residual_dtype``,
+  ``quantization``: as ``Model``'s.
 
   ``tokenizer``: None, the checkpoint's own (an HF folder without one loads
   for token-id prompts only: models.tokenizer.NoTokenizer); False, no
@@ -311,7 +321,7 @@ def load(spec: str | os.PathLike | None = None, *, dtype=None, tp: int = 1,
   elif tokenizer is not None:
     tok = tok_lib.from_folder(pathlib.Path(tokenizer))
   return Model(cfg, params, tok, dtype=dtype, mesh=tp_mesh(cfg, tp), decode_unroll=decode_unroll,
-               residual_dtype=residual_dtype)
+               residual_dtype=residual_dtype, quantization=quantization)
 
 
 def _np_dtype(dtype):

@@ -140,7 +140,8 @@ def build_engine(a):
                         attention=a.attention_backend,
                         decode_attention=a.decode_attention_backend, matmul=a.matmul_backend,
                         decode_unroll=a.decode_unroll, tp=a.tensor_parallel_size,
-                        residual_dtype=a.residual_dtype, step_delay=a.step_delay, **cfg)
+                        residual_dtype=a.residual_dtype, quantization=a.quantization,
+                        step_delay=a.step_delay, **cfg)
 
 
 def cmd_serve(a) -> int:
@@ -402,6 +403,10 @@ def parser() -> argparse.ArgumentParser:
                       "counting (test models), or a checkpoint path")
   s.add_argument("--dtype", default=None, choices=("bfloat16", "float16", "float32"),
                  help="weights and activations (default: float32 on the CPU, bfloat16 on a GPU)")
+  s.add_argument("--quantization", default=None, choices=("fp8",),
+                 help="quantize the layers' linear weights at load: fp8 is W8A8 on fp8 tensor "
+                 "cores (float8_e4m3fn weights with per-channel scales, activations quantized "
+                 "per token at each call; the embedding and lm_head keep --dtype)")
   s.add_argument("--residual-dtype", default=None, choices=("bfloat16", "float16", "float32"),
                  help="the residual stream between layers (default: --dtype); float32 under "
                  "bfloat16 weights keeps the layers' sums in float32 (the norms then run as "

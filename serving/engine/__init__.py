@@ -127,7 +127,7 @@ def model_engine(spec: str | None = None, *, dtype: str | None = None,
                  decode_attention: str | None = None, matmul: str | None = None,
                  step_delay: float = 0.0, kv_cache_dtype: str | None = None,
                  decode_unroll: int | None = None, tp: int = 1, residual_dtype: str | None = None,
-                 **config) -> BatchingEngine:
+                 quantization: str | None = None, **config) -> BatchingEngine:
   """An engine over ``models.load(spec)``; "toy" and "counting" are the test models.
   ``tp`` > 1: the model's weights and KV cache split over that many devices
   (Megatron layout), each step running per shard. ``dtype`` None: float32 on
@@ -135,7 +135,8 @@ def model_engine(spec: str | None = None, *, dtype: str | None = None,
   KV pages as fit in ``gpu_memory_utilization`` (None: 0.8) of the device's
   memory once the weights are on it (``kv_pages``), or DEFAULT_NUM_PAGES where
   the device reports no memory; with a page count given, a fraction is refused
-  (it would size nothing). ``residual_dtype``: models.Model's (None: the model's dtype)."""
+  (it would size nothing). ``residual_dtype``: models.Model's (None: the model's dtype).
+  ``quantization``: models.Model's ("fp8": W8A8 linears)."""
   if page_size is not None and page_size < 1:
     raise ValueError(f"page_size={page_size} must be >= 1 (None: the kernel's)")
   if num_pages is not None and num_pages < 2:
@@ -151,6 +152,7 @@ def model_engine(spec: str | None = None, *, dtype: str | None = None,
                         ("GPU memory utilization", gpu_memory_utilization),
                         ("decode_unroll", decode_unroll),
                         ("residual dtype", residual_dtype),
+                        ("quantization", quantization),
                         ("tensor parallelism", None if tp == 1 else tp),
                         ("attention backend", attention),
                         ("decode attention backend", decode_attention),
@@ -172,7 +174,7 @@ def model_engine(spec: str | None = None, *, dtype: str | None = None,
   from serving.engine.runners import ModelRunner
 
   model = models.load(spec, dtype=dtype, decode_unroll=decode_unroll, tp=tp,
-                      residual_dtype=residual_dtype)
+                      residual_dtype=residual_dtype, quantization=quantization)
   page_size = page_size or default_page_size()
   if num_pages is None:
     num_pages = fit_num_pages(model, page_size, gpu_memory_utilization,

@@ -368,12 +368,19 @@ class ModelRunner:
             ("a projection", (sds((16, cfg.hidden_size), dt), sds((cfg.hidden_size, hq * hd), dt)),
              {}),),
     }
+    if getattr(self.model, "quantization", None) == "fp8":  # the layers' projections are fp8
+      f8, f32 = jnp.float8_e4m3fn, jnp.float32
+      calls["matmul_fp8"] = tuple(
+          (f"an fp8 projection ({n} x {k})", (sds((16, k), f8), sds((n, k), f8)),
+           dict(a_scale=sds((16,), f32), w_scale=sds((n,), f32)))
+          for n, k in ((hq * hd, cfg.hidden_size), (cfg.hidden_size, hq * hd)))
     for op, name in self.backends.items():
-      impl = registry.get_op(op).get(name)
-      for what, args, kw in calls.get(op, ()):
-        why = impl.why_not(*args, **kw)
-        if why is not None:
-          return f"{op} backend {name!r} cannot run {what}: {why}"
+      # --matmul-backend names the fp8 projections' backend too (models.llama.Linear).
+      for impl_op in (op, "matmul_fp8") if op == "matmul" else (op,):
+        for what, args, kw in calls.get(impl_op, ()):
+          why = registry.get_op(impl_op).get(name).why_not(*args, **kw)
+          if why is not None:
+            return f"{impl_op} backend {name!r} cannot run {what}: {why}"
     return None
 
   @property
