@@ -79,7 +79,8 @@ class IdTokenizer:
 
 
 def random_model(config: str, dtype: str, fold_norms: bool = True,
-                 decode_append: bool = True, decode_unroll: int | None = None, tp: int = 1):
+                 decode_append: bool = True, decode_unroll: int | None = None, tp: int = 1,
+                 quantization: str | None = None):
   """models.load's random weights of a named config (random_device_params),
   with the model's layout options, behind an IdTokenizer."""
   import models
@@ -90,13 +91,14 @@ def random_model(config: str, dtype: str, fold_norms: bool = True,
   params = model_lib.random_device_params(cfg, dtype)
   return models.Model(cfg, params, IdTokenizer(cfg.vocab_size), dtype=dtype,
                       fold_norms=fold_norms, decode_append=decode_append,
-                      decode_unroll=decode_unroll, mesh=model_lib.tp_mesh(cfg, tp))
+                      decode_unroll=decode_unroll, mesh=model_lib.tp_mesh(cfg, tp),
+                      quantization=quantization)
 
 
 def flags_model(a):
   """random_model with the model flags of ``model_flags``."""
   return random_model(a.config, a.dtype, a.fold_norms, a.decode_append, a.decode_unroll,
-                      a.tp)
+                      a.tp, a.quantization)
 
 
 def loadgen(target, out, name, **kw):
@@ -309,6 +311,8 @@ def serve_flags(a) -> list[str]:
       flags += [flag, str(value)]
   if a.kv_cache_dtype:
     flags += ["--kv-cache-dtype", "fp8"]
+  if a.quantization:
+    flags += ["--quantization", a.quantization]
   for flag, on in (("--mixed-steps", a.mixed_steps), ("--prefill-first", a.prefill_first),
                    ("--enable-prompt-logprobs", a.prompt_logprobs)):
     if on:
@@ -342,6 +346,8 @@ def model_flags(ap: argparse.ArgumentParser) -> None:
                   help="KV pages (default: as serve, what fits in --gpu-memory-utilization)")
   ap.add_argument("--gpu-memory-utilization", type=float, default=0.8,
                   help="as serve's flag: the device memory share for weights and KV cache")
+  ap.add_argument("--quantization", default=None, choices=(None, "fp8"),
+                  help="as serve's flag: fp8 makes the layers' linears W8A8")
   ap.add_argument("--kv-cache-dtype", default=None, choices=(None, "float8_e4m3fn"),
                   help="the KV cache's dtype (default the model's)")
   ap.add_argument("--stream-interval", type=int, default=1, help="EngineConfig.stream_interval")

@@ -558,3 +558,42 @@ def test_client_and_serve_flags_that_would_do_nothing_or_fail_late_are_refused_f
 
   monkeypatch.setattr(cli, "cmd_generate", interrupted)
   assert cli.main(["generate", *target, "hi"]) == 130
+
+
+def test_serve_quantization_flag():
+  # --quantization fp8 loads W8A8 linears and serves them: the engine's
+  # greedy tokens come from the quantized weights (checked against the
+  # model's own fp8 forward), and the flag is refused where it cannot apply.
+  import numpy as np
+
+  from serving import cli
+
+  a = cli.parser().parse_args(["serve", "--model", "tiny", "--no-warmup", "--num-pages", "16",
+                               "--page-size", "8", "--quantization", "fp8"])
+  engine = cli.build_engine(a)
+  model = engine.runner.model
+  assert model.quantization == "fp8"
+  wq = model.params["layers"]["mlp"]["w_down"]["w_q"][...]
+  assert wq.dtype.name == "float8_e4m3fn"
+  from serving.engine import api
+
+  prompt = [5, 17, 42, 99, 7]
+  handle = engine.submit(api.Request("q", prompt_ids=prompt, add_bos=False,
+                                     sampling=api.SamplingParams(max_tokens=3, ignore_eos=True)))
+  while engine.step():
+    pass
+  ids = []
+  while not handle.events.empty():
+    ev = handle.events.get_nowait()
+    assert not isinstance(ev, api.Failed), ev
+    if isinstance(ev, api.Delta):
+      ids.extend(ev.token_ids)
+  assert len(ids) == 3
+  cache = model.init_cache(4, 8)
+  logits, _ = model.prefill(cache, np.asarray([prompt]), [0], [len(prompt)], [[1, 2]])
+  assert ids[0] == int(np.argmax(np.asarray(logits)[0]))
+  for bad in (["--model", "toy", "--quantization", "fp8"],):
+    with pytest.raises(ValueError, match="no quantization option"):
+      cli.build_engine(cli.parser().parse_args(["serve", "--no-warmup", *bad]))
+  with pytest.raises(SystemExit):
+    cli.parser().parse_args(["serve", "--quantization", "int4"])
