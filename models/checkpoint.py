@@ -10,7 +10,13 @@ q/k/v and gate/up are stored fused (``fuse_qkv``, ``fuse_gate_up``; the
 - HF: config.json + model.safetensors or sharded model-0000x-of-0000y.safetensors
   (+ model.safetensors.index.json). torch Linear weights are [out, in]: they
   are transposed. safetensors are read with our own header parser into numpy
-  memory maps (bf16 through ml_dtypes), one tensor at a time.
+  memory maps (bf16 through ml_dtypes), one tensor at a time. An fp8
+  checkpoint in the ``compressed-tensors`` layout (``quantization_config``:
+  float8 weights with a scale per output channel, activations quantized
+  dynamically per token; vLLM's "FP8-dynamic") is dequantized here
+  (w * weight_scale) and loads as ``quantization="fp8"`` (``hf_quantization``),
+  which quantizes it back per channel: the same fp8 values (a value's
+  relative change, below 2^-8, is far under half an fp8 step).
 - GGUF: the ``gguf`` package reads and dequantizes; llama.cpp stores the Q and
   K rows of "llama" models permuted for interleaved RoPE, which is undone here
   since our RoPE rotates the two halves of a head.
@@ -34,7 +40,7 @@ from models.config import ModelConfig
 _ST_DTYPES = {
     "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "F64": np.float64,
     "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
-    "BOOL": np.bool_,
+    "BOOL": np.bool_, "F8_E4M3": ml_dtypes.float8_e4m3fn,
 }
 
 
@@ -293,6 +299,56 @@ def _hf_names(cfg: ModelConfig) -> dict[str, str]:
   return names
 
 
+_FP8_FORMAT = {"num_bits": 8, "type": "float", "symmetric": True}
+
+
+def _fp8_scheme(qc: dict, source: str) -> str:
+  """"fp8" for a ``quantization_config`` we compute as written (compressed-
+  tensors: fp8 weights per output channel, fp8 activations dynamic per token,
+  only lm_head left out, no KV-cache scheme), else a ValueError naming the
+  field that differs."""
+  bad = lambda why: ValueError(f"{source}: quantization_config {why}; supported: "
+                               "compressed-tensors FP8-dynamic (fp8 weights with a scale per "
+                               "output channel, activations dynamic per token)")
+  if not isinstance(qc, dict) or qc.get("quant_method") != "compressed-tensors":
+    raise bad(f"quant_method={qc.get('quant_method') if isinstance(qc, dict) else qc!r}")
+  if qc.get("format") not in (None, "float-quantized", "naive-quantized"):
+    raise bad(f"format={qc.get('format')!r}")
+  if qc.get("kv_cache_scheme") is not None:
+    raise bad(f"kv_cache_scheme={qc['kv_cache_scheme']!r} (use --kv-cache-dtype)")
+  if set(qc.get("ignore") or []) - {"lm_head"}:
+    raise bad(f"ignore={qc['ignore']!r} (only lm_head may stay unquantized)")
+  groups = qc.get("config_groups") or {}
+  if len(groups) != 1:
+    raise bad(f"has {len(groups)} config_groups (one is supported)")
+  (group,) = groups.values()
+  w, x = group.get("weights") or {}, group.get("input_activations") or {}
+  if set(group.get("targets") or []) != {"Linear"}:
+    raise bad(f"targets={group.get('targets')!r} (every Linear is)")
+  for what, d, want in (("weights", w, dict(_FP8_FORMAT, strategy="channel", dynamic=False)),
+                        ("input_activations", x, dict(_FP8_FORMAT, strategy="token",
+                                                      dynamic=True))):
+    for k, v in want.items():
+      if d.get(k) != v:
+        raise bad(f"{what}.{k}={d.get(k)!r} (supported: {v!r})")
+    if d.get("group_size") is not None or d.get("block_structure") is not None:
+      raise bad(f"{what} are grouped or blocked")
+  if group.get("output_activations") is not None:
+    raise bad("output_activations are quantized")
+  return "fp8"
+
+
+def hf_quantization(folder) -> str | None:
+  """The weight quantization an HF folder's config.json declares ("fp8"),
+  None for unquantized weights; a scheme not computed here is a ValueError."""
+  path = pathlib.Path(folder) / "config.json"
+  try:
+    qc = json.loads(path.read_text()).get("quantization_config")
+  except (OSError, json.JSONDecodeError, AttributeError):
+    return None  # read_hf says what is wrong with the folder
+  return None if qc is None else _fp8_scheme(qc, str(path))
+
+
 def read_hf(folder, dtype=np.float32, tokenizer: bool = True
             ) -> tuple[ModelConfig, dict, tok_lib.Tokenizer]:
   """``tokenizer``: read the folder's tokenizer (a NoTokenizer, token ids
@@ -307,6 +363,10 @@ def read_hf(folder, dtype=np.float32, tokenizer: bool = True
     hf = json.loads(cfg_path.read_text())
   except json.JSONDecodeError as e:
     raise ValueError(f"{cfg_path}: not valid JSON ({e})") from None
+  fp8 = isinstance(hf, dict) and hf.get("quantization_config") is not None
+  if fp8:  # what it declares is computed here (or refused by name)
+    _fp8_scheme(hf["quantization_config"], str(cfg_path))
+    hf = {k: v for k, v in hf.items() if k != "quantization_config"}
   try:
     cfg = ModelConfig.from_hf(hf, name=folder.name)
   except ValueError as e:
@@ -342,9 +402,22 @@ def read_hf(folder, dtype=np.float32, tokenizer: bool = True
     if name not in index:
       raise ValueError(f"{folder}: tensor {name!r} missing from {', '.join(f.name for f in files)}")
     a = index[name].get(name)
+    if a.dtype == ml_dtypes.float8_e4m3fn:
+      a = _dequantized(a, name)
     if a.ndim == 2 and not name.endswith("embed_tokens.weight"):
       a = a.T  # torch Linear [out, in] -> ours [in, out]
     return a
+
+  def _dequantized(a, name):
+    scale_name = name + "_scale"
+    if not fp8 or scale_name not in index:
+      raise ValueError(f"{folder}: tensor {name!r} is float8_e4m3fn without "
+                       f"{'a quantization_config' if not fp8 else repr(scale_name)}")
+    s = np.asarray(index[scale_name].get(scale_name), np.float32)
+    if s.size != a.shape[0] or a.ndim != 2:
+      raise ValueError(f"{folder}: {scale_name!r} has shape {s.shape}; a scale per output "
+                       f"channel of {name!r} {a.shape} is [{a.shape[0]}, 1]")
+    return a.astype(np.float32) * s.reshape(-1, 1)
 
   params = _fill(cfg, get, _hf_names(cfg), dtype, str(folder), "loading safetensors")
   return cfg, params, tok

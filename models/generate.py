@@ -35,6 +35,8 @@ def main(argv=None) -> int:
   p.add_argument("--matmul", default=None)
   p.add_argument("--norm", default=None, help="rms_norm backend")
   p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree ('tp' mesh axis)")
+  p.add_argument("--quantization", default=None, choices=["fp8"],
+                 help="fp8: the layers' linears W8A8 (quantized at load)")
   args = p.parse_args(argv)
 
   import models
@@ -48,7 +50,7 @@ def main(argv=None) -> int:
     p.error(str(e))
   t0 = time.perf_counter()
   try:
-    model = models.load(args.model, dtype=args.dtype, tp=args.tp)
+    model = models.load(args.model, dtype=args.dtype, tp=args.tp, quantization=args.quantization)
   except (OSError, ValueError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2

@@ -166,7 +166,9 @@ class Model:
                        f"got min {page_table.min()} max {page_table.max()}")
 
   def __repr__(self):
-    return f"Model({self.config.name}, {self.dtype}, {self.config.num_params() / 1e6:.1f}M params)"
+    q = f", {self.quantization} linears" if self.quantization else ""
+    return (f"Model({self.config.name}, {self.dtype}{q}, "
+            f"{self.config.num_params() / 1e6:.1f}M params)")
 
 
 def _rows(b, *, positions, lengths, page_table):
@@ -282,6 +284,7 @@ def load(spec: str | os.PathLike | None = None, *, dtype=None, tp: int = 1,
   tokenizer (token ids only); a folder, the tokenizer read from there; or a
   models.tokenizer.Tokenizer."""
   dtype = jnp.dtype(default_dtype() if dtype is None else dtype)
+  fold_norms = None  # Model's default
   if dtype.name not in ("bfloat16", "float16", "float32"):
     raise ValueError(f"{dtype=} is not supported; use bfloat16, float16 or float32")
   if spec is None or spec == "default":
@@ -313,6 +316,14 @@ def load(spec: str | os.PathLike | None = None, *, dtype=None, tp: int = 1,
     elif checkpoint.is_orbax_dir(path):
       cfg, params, tok = checkpoint.read_orbax(path, dtype)
     else:
+      declared = checkpoint.hf_quantization(path)
+      if declared is not None:
+        # An fp8 checkpoint runs as fp8, its weights as written: the norms
+        # stay separate (folding them in would change the fp8 values).
+        if quantization not in (None, declared):
+          raise ValueError(f"{path}: the checkpoint's weights are {declared}; "
+                           f"quantization={quantization!r} cannot apply to them")
+        quantization, fold_norms = declared, False
       cfg, params, tok = checkpoint.read_hf(path, _np_dtype(dtype), tokenizer=tokenizer is None)
   if tokenizer is False:
     tok = tok_lib.NoTokenizer(str(spec or "default"), bos_id=tok.bos_id, eos_ids=tok.eos_ids)
@@ -321,7 +332,7 @@ def load(spec: str | os.PathLike | None = None, *, dtype=None, tp: int = 1,
   elif tokenizer is not None:
     tok = tok_lib.from_folder(pathlib.Path(tokenizer))
   return Model(cfg, params, tok, dtype=dtype, mesh=tp_mesh(cfg, tp), decode_unroll=decode_unroll,
-               residual_dtype=residual_dtype, quantization=quantization)
+               residual_dtype=residual_dtype, quantization=quantization, fold_norms=fold_norms)
 
 
 def _np_dtype(dtype):
