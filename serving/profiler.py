@@ -1020,7 +1020,13 @@ def load_model(spec: str, *, layers: int | None = None, dtype: str = "bfloat16",
   if layers is not None:
     raise ValueError(f"--layers applies to named configs ({', '.join(config_lib.CONFIGS)}); "
                      f"{spec!r} is a checkpoint")
-  return models.load(spec, dtype=dtype, tp=tp)
+  model = models.load(spec, dtype=dtype, tp=tp)
+  if model.quantization is not None:
+    # op_costs counts bf16 operands against the bf16 peak: an fp8 model's
+    # utilization would come out wrong, so it is not profiled.
+    raise ValueError(f"{spec}: the checkpoint's linears are {model.quantization}; the profiler's "
+                     "cost model is for unquantized weights (fp8 models are not profiled yet)")
+  return model
 
 
 # Warpgroup roles of the FA3 prefill kernel (kernels/attention_prefill.py).

@@ -253,3 +253,14 @@ def test_fp8_schemes_not_computed_here_are_refused(hf_oracle, tmp_path, change, 
   _fp8_checkpoint(hf_oracle / "llama", tmp_path / "ckpt", config)
   with pytest.raises(ValueError, match=re.escape(field)):
     models.load(tmp_path / "ckpt", dtype="float32")
+
+
+def test_the_profiler_refuses_an_fp8_checkpoint(hf_oracle, tmp_path):
+  # Its cost model counts bf16 operands against the bf16 peak: an fp8 model's
+  # utilization would be wrong, so loading one to profile is refused.
+  from serving import profiler
+
+  _fp8_checkpoint(hf_oracle / "llama", tmp_path / "fp8")
+  with pytest.raises(ValueError, match="linears are fp8.*not profiled"):
+    profiler.load_model(str(tmp_path / "fp8"), dtype="float32")
+  assert profiler.load_model(str(hf_oracle / "llama"), dtype="float32").quantization is None
