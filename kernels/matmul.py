@@ -80,6 +80,12 @@ Hopper kernel (``mosaic`` backend), how data flows:
   for the registers; the unwritten rows only reach G's masked-off rows).
   The scale multiplies the accumulator's columns before the bias. Other
   configs normalize a in XLA first.
+- fp8 (the ``matmul_fp8`` op, kernels/matmul_fp8.py, through ``_run``'s
+  ``scales``): a and b are float8_e4m3fn and b is stored [N, K], since fp8
+  wgmma reads both operands K-major (bf16's [K, N] blocks are read
+  transposed, which 8-bit types cannot be). The same schedules run on it; the
+  epilogue first multiplies the float32 accumulator by a's row scales and
+  b's column scales (TMA-copied beside the bias while the K loop runs).
 """
 
 from __future__ import annotations
@@ -285,6 +291,8 @@ def _kernel(layer_gmem, a_gmem, b_gmem, bias_gmem, res_gmem, rs_gmem, cs_gmem, o
   epi_m, epi_n = cfg.epi_m, cfg.epi_n
   n_epi = (tm // epi_m) * (out_tn // epi_n)
   slots = min(2, n_epi)
+  # Barriers a warpgroup: a residual copy a staging slot, the bias, the two scales.
+  per_wg = 3 if scaled else 1
   a_tr = dsl.smem_transforms((cta_m, tk), dtype)
   b_block = (cta_n, tk) if scaled else (tk, cta_n)
   b_tr = dsl.smem_transforms(b_block, dtype)
@@ -316,15 +324,15 @@ def _kernel(layer_gmem, a_gmem, b_gmem, bias_gmem, res_gmem, rs_gmem, cs_gmem, o
       bias_smem=None if bias_gmem is None else plgpu.SMEM((2, tn), bias_gmem.dtype),
       rs_smem=plgpu.SMEM((2, tm), jnp.float32) if scaled else None,
       cs_smem=plgpu.SMEM((2, tn), jnp.float32) if scaled else None,
-      barriers=plgpu.Barrier(num_barriers=2 * (slots + 3)),
+      barriers=plgpu.Barrier(num_barriers=2 * (slots + per_wg)),
   )
 
   @functools.partial(pl.run_scoped, **scratch, collective_axes="wg")
   def _scope(pipeline_allocs, out_smem, bias_smem, rs_smem, cs_smem, barriers):
     wg = lax.axis_index("wg")
-    res_bar = lambda slot: barriers.at[wg * (slots + 3) + slot]
-    bias_bar = barriers.at[wg * (slots + 3) + slots]
-    rs_bar, cs_bar = (barriers.at[wg * (slots + 3) + slots + i] for i in (1, 2))
+    res_bar = lambda slot: barriers.at[wg * (slots + per_wg) + slot]
+    bias_bar = barriers.at[wg * (slots + per_wg) + slots]
+    rs_bar, cs_bar = (barriers.at[wg * (slots + per_wg) + slots + i] for i in (1, 2))
 
     @plgpu.nd_loop((walk_m * walk_n * splits,), collective_axes="sm")
     def _tiles(info: plgpu.NDLoopInfo):
@@ -664,7 +672,9 @@ def _run_swap(layer_arr, a, b, bias, residual, scales=None, *, cfg: Config, k_it
   # residual live throughout.
   scratch = [
       plgpu.SMEM((tn,), jnp.float32 if bias is None else bias.dtype),
-      (plgpu.Barrier(num_arrivals=2, num_barriers=cfg.stages), plgpu.Barrier(num_barriers=4)),
+      # The epilogue's copies: bias, residual (and the fp8 scales).
+      (plgpu.Barrier(num_arrivals=2, num_barriers=cfg.stages),
+       plgpu.Barrier(num_barriers=2 if scales is None else 4)),
   ]
   if residual is not None:
     scratch.append(plgpu.SMEM((tm, out_tn), out_dtype))
