@@ -307,9 +307,10 @@ def _fp8_scheme(qc: dict, source: str) -> str:
   tensors: fp8 weights per output channel, fp8 activations dynamic per token,
   only lm_head left out, no KV-cache scheme), else a ValueError naming the
   field that differs."""
-  bad = lambda why: ValueError(f"{source}: quantization_config {why}; supported: "
-                               "compressed-tensors FP8-dynamic (fp8 weights with a scale per "
-                               "output channel, activations dynamic per token)")
+  bad = lambda why: ValueError(
+      f"{source}: config field quantization_config={qc!r} is not supported; supported: "
+      "compressed-tensors FP8-dynamic (fp8 weights with a scale per output channel, "
+      f"activations dynamic per token); here {why}")
   if not isinstance(qc, dict) or qc.get("quant_method") != "compressed-tensors":
     raise bad(f"quant_method={qc.get('quant_method') if isinstance(qc, dict) else qc!r}")
   if qc.get("format") not in (None, "float-quantized", "naive-quantized"):
@@ -543,6 +544,11 @@ def save(directory, model) -> pathlib.Path:
   import orbax.checkpoint as ocp
   from flax import nnx
 
+  if getattr(model, "quantization", None) is not None:
+    # The directory holds our unquantized layout; quantization applies at load.
+    raise ValueError(f"cannot save a model with {model.quantization} linears: save the "
+                     "unquantized model and load it with quantization="
+                     f"{model.quantization!r}")
   directory = pathlib.Path(directory).absolute()
   directory.mkdir(parents=True, exist_ok=True)
   pure = nnx.to_pure_dict(model.params)

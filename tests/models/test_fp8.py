@@ -264,3 +264,13 @@ def test_the_profiler_refuses_an_fp8_checkpoint(hf_oracle, tmp_path):
   with pytest.raises(ValueError, match="linears are fp8.*not profiled"):
     profiler.load_model(str(tmp_path / "fp8"), dtype="float32")
   assert profiler.load_model(str(hf_oracle / "llama"), dtype="float32").quantization is None
+
+
+def test_save_refuses_a_quantized_model(pair, tmp_path):
+  # Our directory layout is the unquantized one: an fp8 model is not saved
+  # (it would not load back); quantization applies at load.
+  from models import checkpoint
+
+  with pytest.raises(ValueError, match="cannot save a model with fp8 linears"):
+    checkpoint.save(tmp_path / "x", pair[1])
+  assert not (tmp_path / "x").exists()
