@@ -3,7 +3,10 @@
 Bytes are the fewest a kernel must move: each input read once and each output
 written once. ``utilization(cost, seconds)`` turns a time into achieved
 TFLOP/s and GB/s, their fraction of the target's ceilings, and which bound
-(compute or memory) the roofline says applies.
+(compute or memory) the roofline says applies. FLOPs on fp8 operands
+(``Cost.fp8_flops``, part of ``flops``) run at FP8_SPEEDUP times the dense
+bf16 peak (Hopper's and Blackwell's fp8 tensor cores), so the compute floor
+of a cost is ``compute_seconds``, not its FLOPs over the bf16 peak.
 """
 
 from __future__ import annotations
@@ -14,17 +17,29 @@ import math
 from mosaic import target as target_lib
 
 
+# fp8 tensor-core throughput over bf16's (dense), on Hopper and Blackwell.
+FP8_SPEEDUP = 2.0
+
+
 @dataclasses.dataclass(frozen=True)
 class Cost:
   flops: float
   bytes: float
+  fp8_flops: float = 0.0  # the part of ``flops`` with fp8 operands
 
   def __add__(self, other: "Cost") -> "Cost":
-    return Cost(self.flops + other.flops, self.bytes + other.bytes)
+    return Cost(self.flops + other.flops, self.bytes + other.bytes,
+                self.fp8_flops + other.fp8_flops)
 
   @property
   def intensity(self) -> float:
     return self.flops / self.bytes if self.bytes else math.inf
+
+  def compute_seconds(self, ceilings) -> float:
+    """The least time of the FLOPs at the target's dense peaks (fp8 FLOPs at
+    FP8_SPEEDUP x the bf16 peak)."""
+    bf16 = ceilings.bf16_tflops * 1e12
+    return (self.flops - self.fp8_flops) / bf16 + self.fp8_flops / (FP8_SPEEDUP * bf16)
 
 
 def _isz(dtype) -> int:
@@ -35,8 +50,13 @@ def _isz(dtype) -> int:
 
 def matmul(m: int, n: int, k: int, in_dtype="bfloat16", out_dtype="bfloat16",
            weight_dtype=None) -> Cost:
+  """A [m, k] @ [k, n] product; 1-byte (fp8) operands on both sides run on
+  the fp8 tensor cores (``fp8_flops``)."""
   w = weight_dtype or in_dtype
-  return Cost(2.0 * m * n * k, m * k * _isz(in_dtype) + k * n * _isz(w) + m * n * _isz(out_dtype))
+  flops = 2.0 * m * n * k
+  fp8 = _isz(in_dtype) == 1 and _isz(w) == 1
+  return Cost(flops, m * k * _isz(in_dtype) + k * n * _isz(w) + m * n * _isz(out_dtype),
+              flops if fp8 else 0.0)
 
 
 def attention(batch: int, heads_q: int, heads_kv: int, q_len: int, kv_len: int, head_dim: int,
@@ -69,7 +89,7 @@ class Utilization:
   seconds: float
   tflops: float
   gbps: float
-  tc_fraction: float  # of the target's dense bf16 peak
+  tc_fraction: float  # of the dense peak for its operands (fp8's FP8_SPEEDUP x bf16's)
   hbm_fraction: float  # of the target's HBM bandwidth
   bound: str  # "compute" or "memory", by the roofline
   ceilings_source: str
@@ -85,10 +105,12 @@ def utilization(cost: Cost, seconds: float, target: target_lib.Target | None = N
   c = t.ceilings
   tflops = cost.flops / seconds / 1e12
   gbps = cost.bytes / seconds / 1e9
-  ridge = c.bf16_tflops * 1e12 / (c.hbm_gbps * 1e9)  # FLOP per byte
-  bound = "compute" if cost.intensity >= ridge else "memory"
+  compute = cost.compute_seconds(c)
+  # The roofline's bound: whichever floor, FLOPs at the peak or bytes at the
+  # bandwidth, is longer (the ridge point, for bf16 FLOPs alone).
+  bound = "compute" if compute > 0 and compute >= cost.bytes / (c.hbm_gbps * 1e9) else "memory"
   src = c.source if t.is_gpu else f"{c.source} (CPU: not a tensor-core figure)"
-  return Utilization(seconds, tflops, gbps, tflops / c.bf16_tflops, gbps / c.hbm_gbps, bound, src)
+  return Utilization(seconds, tflops, gbps, compute / seconds, gbps / c.hbm_gbps, bound, src)
 
 
 def serving_step(*, weight_bytes: float, matmul_params: float, kv_bytes_per_token: float,
@@ -121,6 +143,7 @@ def serving_step(*, weight_bytes: float, matmul_params: float, kv_bytes_per_toke
 
 def roofline_seconds(cost: Cost, target: target_lib.Target | None = None) -> float:
   """The least time ``cost`` can take on ``target``: its FLOPs at the dense
-  bf16 peak or its bytes at the HBM bandwidth, whichever is longer."""
+  peaks (``Cost.compute_seconds``) or its bytes at the HBM bandwidth,
+  whichever is longer."""
   c = (target or target_lib.current()).ceilings
-  return max(cost.flops / (c.bf16_tflops * 1e12), cost.bytes / (c.hbm_gbps * 1e9))
+  return max(cost.compute_seconds(c), cost.bytes / (c.hbm_gbps * 1e9))

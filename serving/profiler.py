@@ -88,8 +88,8 @@ _PNG_DPI = 100
 
 def op_costs(cfg, phase: str, batch: int, length: int, *, dtype="bfloat16",
              decode_tokens: int = 1, chunk: int = 0, kv_dtype=None,
-             folded_norms: bool = False, decode_append: bool = False, tp: int = 1
-             ) -> dict[str, cost_lib.Cost]:
+             folded_norms: bool = False, decode_append: bool = False, tp: int = 1,
+             quantization: str | None = None) -> dict[str, cost_lib.Cost]:
   """FLOPs and minimum bytes of each op of ONE layer (LAYER_OPS) and of the
   ops outside the layers (TOP_OPS), for a step of ``phase``.
 
@@ -112,6 +112,10 @@ def op_costs(cfg, phase: str, batch: int, length: int, *, dtype="bfloat16",
   heads, FFN features and (untied) vocabulary; norms and the embedding are
   replicated. The collectives have no cost model (their link is not in
   mosaic.target's ceilings): their rows carry time and share only.
+  ``quantization="fp8"``: the layers' four projections read fp8 weights and
+  fp8 rows (on the fp8 tensor cores, ``Cost.fp8_flops``), and each also
+  quantizes its input rows (read in ``dtype``, written in fp8: the XLA fusion
+  the model scopes inside the projection); embed and lm_head stay ``dtype``.
   """
   if phase not in PHASES:
     raise ValueError(f"{phase=} is not one of {PHASES}")
@@ -121,6 +125,8 @@ def op_costs(cfg, phase: str, batch: int, length: int, *, dtype="bfloat16",
     raise ValueError(f"{decode_tokens=} must be in [1, {length=}]")
   if phase == "mixed" and chunk < 1:
     raise ValueError(f"a mixed step needs a prompt chunk: {chunk=} must be >= 1")
+  if quantization not in (None, "fp8"):
+    raise ValueError(f"{quantization=} has no cost model (None or 'fp8')")
   import numpy as np
 
   isz = np.dtype(dtype).itemsize
@@ -133,7 +139,18 @@ def op_costs(cfg, phase: str, batch: int, length: int, *, dtype="bfloat16",
   hq, hkv, f = hq // tp, hkv // tp, f // tp
   if not cfg.tie_embeddings:
     v //= tp
-  mm = lambda rows, n, k, **kw: cost_lib.matmul(rows, n, k, dtype, dtype, **kw)
+  fp8 = quantization == "fp8"
+
+  def mm(rows, n, k, out_n=None):
+    """A projection [rows, k] @ [k, n] writing [rows, out_n] (default n)."""
+    if not fp8:
+      c = cost_lib.matmul(rows, n, k, dtype, dtype)
+      return c if out_n is None else cost_lib.Cost(c.flops, c.bytes + rows * (out_n - n) * isz)
+    c = cost_lib.matmul(rows, n, k, "float8_e4m3fn", dtype)
+    quantize = cost_lib.Cost(0.0, rows * k * (isz + 1) + rows * 4)  # rows in, fp8 + scale out
+    out = 0 if out_n is None else rows * (out_n - n) * isz
+    return cost_lib.Cost(c.flops, c.bytes + out, c.fp8_flops) + quantize
+
   attention = lambda b, tq, tkv, kv=None: cost_lib.attention(b, hq, hkv, tq, tkv, hd,
                                                              causal=True, dtype=dtype, kv_dtype=kv)
   cache = kv_dtype or dtype
@@ -150,13 +167,15 @@ def op_costs(cfg, phase: str, batch: int, length: int, *, dtype="bfloat16",
   costs = {
       "embed": bytes_only(2 * m * d * isz),
       "attn_norm": cost_lib.rms_norm(m, d, dtype),
-      "qkv": mm(m, hq * hd, d) + mm(m, hkv * hd, d) + mm(m, hkv * hd, d),
+      # (unquantized: counted as three products, each reading the rows)
+      "qkv": (mm(m, (hq + 2 * hkv) * hd, d) if fp8
+              else mm(m, hq * hd, d) + mm(m, hkv * hd, d) + mm(m, hkv * hd, d)),
       "rope": bytes_only(2 * m * (hq + hkv) * hd * isz),
       "kv_write": bytes_only(2 * m * hkv * hd * (isz + kv_isz)),  # read k, v; write them
       "attention": attn,
       "o_proj": mm(m, d, hq * hd) + bytes_only(m * d * isz),  # + residual read
       "mlp_norm": cost_lib.rms_norm(m, d, dtype),
-      "gate_up": cost_lib.Cost(2.0 * m * 2 * f * d, (m * d + d * 2 * f + m * f) * isz),
+      "gate_up": mm(m, 2 * f, d, out_n=f),  # the fused gate writes F features, not 2F
       "down": mm(m, d, f) + bytes_only(m * d * isz),
       "final_norm": cost_lib.rms_norm(m_out, d, dtype),
       "lm_head": cost_lib.matmul(m_out, v, d, dtype, "float32", weight_dtype=dtype),
@@ -927,7 +946,8 @@ def profile(model, *, batch: int = 1, prefill_len: int = 128, decode_context: in
       costs = op_costs(cfg, prof.phase, prof.batch, prof.length, dtype=model.dtype,
                        chunk=prof.chunk, kv_dtype=kv_cache_dtype,
                        folded_norms=getattr(model, "fold_norms", False),
-                       decode_append=appended, tp=tp)
+                       decode_append=appended, tp=tp,
+                       quantization=getattr(model, "quantization", None))
       summarize(prof, per_step, costs, cfg.num_layers, tgt)
       prof.step["trace_device"] = tr.device
       prof.step["trace_info"] = tr.info
@@ -935,7 +955,8 @@ def profile(model, *, batch: int = 1, prefill_len: int = 128, decode_context: in
       prof.error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:500]
       log(f"trace failed {prof.label}: {prof.error}")
   if tgt.is_gpu:
-    note = (f"{tgt.name}: utilization against {tgt.ceilings.bf16_tflops:g} TFLOP/s dense bf16 and "
+    note = (f"{tgt.name}: utilization against {tgt.ceilings.bf16_tflops:g} TFLOP/s dense bf16 "
+            f"(fp8 products: {cost_lib.FP8_SPEEDUP:g}x that) and "
             f"{tgt.ceilings.hbm_gbps:g} GB/s HBM ({tgt.ceilings.source}); device times from "
             "the GPU's own timers (jax.profiler trace, CUPTI)")
   else:
@@ -1000,7 +1021,7 @@ def _split_steps(tr: Trace, steps: int) -> list[list[Kernel]]:
 
 
 def load_model(spec: str, *, layers: int | None = None, dtype: str = "bfloat16", seed: int = 0,
-               tp: int = 1):
+               tp: int = 1, quantization: str | None = None):
   """A model to profile: 'tiny', a named config (random weights, e.g.
   'llama3.1-8b'), or anything models.load takes. ``layers`` cuts the layer
   count of a random-weight model; ``tp`` splits it over that many devices
@@ -1016,17 +1037,11 @@ def load_model(spec: str, *, layers: int | None = None, dtype: str = "bfloat16",
       cfg = cfg.replace(num_layers=layers, name=f"{cfg.name}-{layers}l")
     params = model_lib.random_params(cfg, seed, dtype=dtype)
     return model_lib.Model(cfg, params, tok_lib.ByteTokenizer(), dtype=dtype,
-                           mesh=model_lib.tp_mesh(cfg, tp))
+                           mesh=model_lib.tp_mesh(cfg, tp), quantization=quantization)
   if layers is not None:
     raise ValueError(f"--layers applies to named configs ({', '.join(config_lib.CONFIGS)}); "
                      f"{spec!r} is a checkpoint")
-  model = models.load(spec, dtype=dtype, tp=tp)
-  if model.quantization is not None:
-    # op_costs counts bf16 operands against the bf16 peak: an fp8 model's
-    # utilization would come out wrong, so it is not profiled.
-    raise ValueError(f"{spec}: the checkpoint's linears are {model.quantization}; the profiler's "
-                     "cost model is for unquantized weights (fp8 models are not profiled yet)")
-  return model
+  return models.load(spec, dtype=dtype, tp=tp, quantization=quantization)
 
 
 # Warpgroup roles of the FA3 prefill kernel (kernels/attention_prefill.py).
@@ -1120,6 +1135,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
   p.add_argument("--steps", type=int, default=3, help="steps traced per configuration")
   p.add_argument("--iters", type=int, default=10, help="steps timed per configuration")
   p.add_argument("--page-size", type=int, help="tokens per KV page (default: the kernel's)")
+  p.add_argument("--quantization", default=None, choices=("fp8",),
+                 help="as serve's: fp8 makes the layers' linears W8A8 (their rows are counted "
+                 "against the fp8 peak, twice bf16's)")
   p.add_argument("--kv-cache-dtype", default="auto", choices=tuple(KV_CACHE_DTYPES),
                  help="KV cache dtype: auto = the model's; fp8 = float8_e4m3fn")
   p.add_argument("--tensor-parallel-size", "--tp", type=int, default=1,
@@ -1160,7 +1178,8 @@ def _run_cli(a) -> int:
       raise ValueError(f"--{flag.replace('_', '-')} needs --out")
   if a.tensor_parallel_size < 1:
     raise ValueError(f"--tensor-parallel-size {a.tensor_parallel_size} must be >= 1")
-  model = load_model(a.model, layers=a.layers, dtype=a.dtype, tp=a.tensor_parallel_size)
+  model = load_model(a.model, layers=a.layers, dtype=a.dtype, tp=a.tensor_parallel_size,
+                     quantization=a.quantization)
   trace_dir = None
   if a.keep_trace:
     trace_dir = a.out / "raw"

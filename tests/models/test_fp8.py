@@ -255,15 +255,17 @@ def test_fp8_schemes_not_computed_here_are_refused(hf_oracle, tmp_path, change, 
     models.load(tmp_path / "ckpt", dtype="float32")
 
 
-def test_the_profiler_refuses_an_fp8_checkpoint(hf_oracle, tmp_path):
-  # Its cost model counts bf16 operands against the bf16 peak: an fp8 model's
-  # utilization would be wrong, so loading one to profile is refused.
+def test_the_profiler_profiles_an_fp8_checkpoint(hf_oracle, tmp_path):
+  # An fp8 checkpoint loads as fp8 in the profiler too, and its projections
+  # are costed as fp8 (their rows count against the fp8 peak).
   from serving import profiler
 
   _fp8_checkpoint(hf_oracle / "llama", tmp_path / "fp8")
-  with pytest.raises(ValueError, match="linears are fp8.*not profiled"):
-    profiler.load_model(str(tmp_path / "fp8"), dtype="float32")
-  assert profiler.load_model(str(hf_oracle / "llama"), dtype="float32").quantization is None
+  model = profiler.load_model(str(tmp_path / "fp8"), dtype="float32")
+  assert model.quantization == "fp8"
+  costs = profiler.op_costs(model.config, "decode", 2, 16, dtype="float32",
+                            quantization=model.quantization)
+  assert costs["qkv"].fp8_flops == costs["qkv"].flops > 0
 
 
 def test_save_refuses_a_quantized_model(pair, tmp_path):

@@ -109,3 +109,24 @@ def test_serving_step_roofline_matches_the_hand_arithmetic():
   with pytest.raises(ValueError, match="output_len=0"):
     cost.serving_step(weight_bytes=1, matmul_params=1, kv_bytes_per_token=1,
                       attn_flops_per_pair=1, concurrency=1, input_len=1, output_len=0)
+
+
+def test_fp8_products_count_against_the_fp8_peak():
+  # fp8 operands on both sides: the FLOPs run at FP8_SPEEDUP x the bf16 peak,
+  # so the same time is half the utilization, and the bound moves.
+  h200 = target.Target("hopper", "NVIDIA H200", "9.0", target.Ceilings(989.0, 4800.0, 132, 1))
+  bf, f8 = cost.matmul(8192, 8192, 8192), cost.matmul(8192, 8192, 8192, "float8_e4m3fn")
+  assert f8.flops == bf.flops == f8.fp8_flops and bf.fp8_flops == 0
+  assert f8.bytes == 8192 * 8192 * (1 + 1 + 2)  # fp8 a and w, bf16 out
+  secs = bf.flops / 700e12
+  assert abs(cost.utilization(bf, secs, h200).tc_fraction - 700 / 989) < 1e-9
+  assert abs(cost.utilization(f8, secs, h200).tc_fraction - 700 / (2 * 989)) < 1e-9
+  # Mixed: one bf16 and one fp8 product's floors add up.
+  both = bf + f8
+  assert both.fp8_flops == f8.flops
+  assert abs(both.compute_seconds(h200.ceilings) - bf.flops / 989e12 * 1.5) < 1e-12
+  assert abs(cost.roofline_seconds(both, h200) - bf.flops / 989e12 * 1.5) < 1e-12
+  # A decode-sized fp8 product stays memory-bound; one with a bf16 weight is not fp8.
+  assert cost.utilization(cost.matmul(16, 4096, 4096, "float8_e4m3fn"), 1e-5, h200).bound \
+      == "memory"
+  assert cost.matmul(16, 4096, 4096, "float8_e4m3fn", weight_dtype="bfloat16").fp8_flops == 0

@@ -73,6 +73,29 @@ def test_profile_an_fp8_cache_on_cpu():
   assert att and all(r["time_us"] > 0 for r in att)
 
 
+def test_profile_fp8_linears_on_cpu():
+  # --quantization fp8: the projections' rows carry the fp8 cost model (their
+  # bytes halve against the same model's bf16 profile; the quantize fusion is
+  # timed inside its projection).
+  rc_rows = {}
+  for q in (None, "fp8"):
+    model = P.load_model("tiny", dtype="float32", quantization=q)
+    assert model.quantization == q
+    rep = P.profile(model, batch=2, decode_context=40, phases=["decode"], attention="xla",
+                    steps=1, iters=1, page_size=16, log=lambda m: None)
+    (p,) = rep.profiles
+    assert p.error is None, p.error
+    rc_rows[q] = {(r["layer"], r["op"]): r for r in p.rows}
+  # (XLA:CPU fuses some of the first layer's ops into their neighbours: the
+  # last layer has a row for each.)
+  last = config_lib.get("tiny").num_layers - 1
+  for op in ("qkv", "o_proj", "gate_up", "down"):
+    bf, f8 = rc_rows[None][(last, op)], rc_rows["fp8"][(last, op)]
+    assert f8["time_us"] > 0 and f8["flops"] == bf["flops"] and f8["bytes"] < bf["bytes"], op
+  att = (last, "attention")
+  assert rc_rows["fp8"][att]["bytes"] == rc_rows[None][att]["bytes"]
+
+
 def test_op_costs_with_decode_append_book_rope_and_the_cache_write_to_attention():
   cfg = config_lib.get("llama3.1-8b")
   plain = P.op_costs(cfg, "decode", 4, 600, dtype="bfloat16")
@@ -497,3 +520,25 @@ def test_kernel_timeline_sets_the_profiler_params_and_needs_a_gpu(monkeypatch, t
   monkeypatch.undo()
   with pytest.raises(RuntimeError, match="needs a GPU"):
     P.kernel_timeline(P.load_model("tiny"), tmp_path)
+
+
+def test_op_costs_with_fp8_linears():
+  # The four projections read fp8 weights (half the bytes) and fp8 rows, run
+  # on the fp8 tensor cores, and each quantizes its rows first (read bf16,
+  # write fp8 + a float32 scale); embed, attention and lm_head are unchanged.
+  cfg = config_lib.get("llama3.1-8b")
+  b, l = 16, 2048
+  bf = P.op_costs(cfg, "decode", b, l, dtype="bfloat16")
+  f8 = P.op_costs(cfg, "decode", b, l, dtype="bfloat16", quantization="fp8")
+  n_qkv = (32 + 2 * 8) * 128
+  assert f8["qkv"].flops == bf["qkv"].flops == f8["qkv"].fp8_flops
+  assert f8["qkv"].bytes == (b * 4096 * 1 + 4096 * n_qkv * 1 + b * n_qkv * 2  # the product
+                             + b * 4096 * (2 + 1) + b * 4)  # the rows' quantization
+  assert f8["gate_up"].bytes == (b * 4096 + 4096 * 2 * 14336 + b * 14336 * 2
+                                 + b * 4096 * 3 + b * 4)
+  for op in ("o_proj", "down"):
+    assert f8[op].fp8_flops == f8[op].flops > 0 and f8[op].bytes < 0.6 * bf[op].bytes
+  for op in ("attention", "lm_head", "embed", "attn_norm"):
+    assert f8[op] == bf[op]
+  with pytest.raises(ValueError, match="no cost model"):
+    P.op_costs(cfg, "decode", b, l, quantization="int4")
