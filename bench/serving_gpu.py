@@ -252,18 +252,23 @@ def time_scored(target, vocab, n, requests=5) -> float:
 
 
 def roofline_tok_s(config, concurrency: int, input_len: int, output_len: int, *,
-                   weight_bytes: int = 2, kv_bytes: int = 2, tp: int = 1) -> float:
+                   weight_bytes: int = 2, kv_bytes: int = 2, tp: int = 1,
+                   quantization: str | None = None) -> float:
   """Output tokens/s no schedule can beat on this card: mosaic.cost's
   serving step (every request decodes a token a step while the prompts that
   keep the batch full share the pass over the weights) at the target's
-  ceilings, over ``tp`` cards."""
+  ceilings, over ``tp`` cards. ``quantization="fp8"``: the layers' linears
+  are one byte a weight and run at the fp8 peak (lm_head stays as is)."""
   from mosaic import cost
 
   # An untied embedding table is a gather, not a matmul: only lm_head is read whole.
   matmul_params = config.num_params() - (
       0 if config.tie_embeddings else config.vocab_size * config.hidden_size)
+  head = config.vocab_size * config.hidden_size  # lm_head (or the tied embedding's matmul)
+  fp8 = matmul_params - head if quantization == "fp8" else 0
   step = cost.serving_step(
-      weight_bytes=weight_bytes * matmul_params, matmul_params=matmul_params,
+      weight_bytes=weight_bytes * (matmul_params - fp8) + fp8, matmul_params=matmul_params,
+      fp8_params=fp8,
       kv_bytes_per_token=2 * config.num_layers * config.num_kv_heads * config.head_dim * kv_bytes,
       attn_flops_per_pair=4 * config.num_layers * config.num_heads * config.head_dim,
       concurrency=concurrency, input_len=input_len, output_len=output_len)
@@ -574,7 +579,7 @@ def main():
                  "ours": r["output_tok_s"],
                  "target": 10000.0, "anchor_hf": HF_ANCHOR["hf_tok_s_b64"], "unit": "tok/s"})
     bound = roofline_tok_s(cfg, cmax, n_in, a.output_len, tp=a.tp,
-                           kv_bytes=1 if a.kv_cache_dtype else 2)
+                           kv_bytes=1 if a.kv_cache_dtype else 2, quantization=a.quantization)
     summary[f"roofline_tok_s_c{cmax}"] = bound
     summary[f"roofline_fraction_c{cmax}"] = r["output_tok_s"] / bound
     print(f"c={cmax}: {r['output_tok_s']:.0f} output tok/s = "

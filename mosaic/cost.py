@@ -115,7 +115,7 @@ def utilization(cost: Cost, seconds: float, target: target_lib.Target | None = N
 
 def serving_step(*, weight_bytes: float, matmul_params: float, kv_bytes_per_token: float,
                  attn_flops_per_pair: float, concurrency: int, input_len: int,
-                 output_len: int) -> Cost:
+                 output_len: int, fp8_params: float = 0.0) -> Cost:
   """One steady-state step of a server under stall-free batching: each of
   ``concurrency`` running requests decodes one token, and the prompt tokens
   that must enter to keep it full (``input_len / output_len`` per request a
@@ -128,7 +128,8 @@ def serving_step(*, weight_bytes: float, matmul_params: float, kv_bytes_per_toke
   The weights are read once a step, so the step is memory-bound until the
   tokens per step pass the ridge point; ``roofline_seconds`` is the step's
   floor on a target, and ``concurrency / roofline_seconds`` the output
-  tokens/s no schedule can beat."""
+  tokens/s no schedule can beat. ``fp8_params``: those of ``matmul_params``
+  whose products run on fp8 operands (W8A8 linears)."""
   for name, v in (("concurrency", concurrency), ("input_len", input_len),
                   ("output_len", output_len)):
     if v < 1:
@@ -138,7 +139,7 @@ def serving_step(*, weight_bytes: float, matmul_params: float, kv_bytes_per_toke
   flops = (2.0 * matmul_params * (concurrency + prompt)
            + attn_flops_per_pair * (concurrency * context + prompt * input_len / 2))
   kv = kv_bytes_per_token * (concurrency * context + prompt)  # read by decodes, written by prompts
-  return Cost(flops, weight_bytes + kv)
+  return Cost(flops, weight_bytes + kv, 2.0 * fp8_params * (concurrency + prompt))
 
 
 def roofline_seconds(cost: Cost, target: target_lib.Target | None = None) -> float:

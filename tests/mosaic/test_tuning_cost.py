@@ -109,6 +109,19 @@ def test_serving_step_roofline_matches_the_hand_arithmetic():
   with pytest.raises(ValueError, match="output_len=0"):
     cost.serving_step(weight_bytes=1, matmul_params=1, kv_bytes_per_token=1,
                       attn_flops_per_pair=1, concurrency=1, input_len=1, output_len=0)
+  # W8A8 linears (all but the 0.5 B lm_head): a byte a weight and the fp8
+  # peak; the same load's floor is then the 8 GB of weights + 5.4 GB of KV.
+  head = vocab * d
+  fp8 = cost.serving_step(weight_bytes=2 * head + (matmul_params - head),
+                          matmul_params=matmul_params, fp8_params=matmul_params - head,
+                          kv_bytes_per_token=2 * layers * kv_heads * hd * 2,
+                          attn_flops_per_pair=4 * layers * heads * hd,
+                          concurrency=64, input_len=512, output_len=256)
+  assert fp8.flops == step.flops and fp8.fp8_flops == pytest.approx(
+      2 * (matmul_params - head) * (64 + 128))
+  assert 12.9e9 < fp8.bytes < 13.9e9
+  assert cost.roofline_seconds(fp8, card) == pytest.approx(fp8.bytes / 4.8e12)
+  assert 21_000 < 64 / cost.roofline_seconds(fp8, card) < 24_000
 
 
 def test_fp8_products_count_against_the_fp8_peak():
