@@ -112,13 +112,15 @@ OPS = ("rms_norm", "matmul", "attention_prefill", "attention_decode")  # chosen 
 QUANTIZATIONS = (None, "fp8")
 # Runs attention_decode's backend where it has it (``_append_backend``).
 APPEND_OP = "attention_decode_append"
+# The fp8 linears' op (Linear with quantization="fp8"); --matmul-backend names it too.
+FP8_OP = "matmul_fp8"
 
 
 def _load_ops():
   """Imports the op modules, which register their backends."""
   import importlib
 
-  names = OPS + (APPEND_OP, "matmul_fp8")
+  names = OPS + (APPEND_OP, FP8_OP)
   for name in names:
     importlib.import_module(f"kernels.{name}")
   return {name: registry.get_op(name) for name in names}
@@ -307,11 +309,9 @@ class Linear(nnx.Module):
                              **({} if rms_eps is None else dict(rms_eps=rms_eps)))
     with jax.named_scope("quantize"):
       a_q, a_scale = quantize_rows(a, rms_eps)
-    # --matmul-backend names the fp8 op's backend too (the same names).
-    name = registry.get_op("matmul").explicit_choice(None)
-    return ops()["matmul_fp8"](a_q, self.w_q[...], a_scale=a_scale, w_scale=self.w_scale[...],
-                               bias=b, residual=residual, out_dtype=out_dtype or a.dtype,
-                               activation=activation, layer=layer, backend=name)
+    return ops()[FP8_OP](a_q, self.w_q[...], a_scale=a_scale, w_scale=self.w_scale[...],
+                         bias=b, residual=residual, out_dtype=out_dtype or a.dtype,
+                         activation=activation, layer=layer, backend=fp8_backend())
 
   def __call__(self, x, *, residual=None, out_dtype=None, row_parallel=False, activation=None,
                rms_eps=None):
@@ -336,6 +336,18 @@ class Linear(nnx.Module):
     # The float32 reference backends may hand back float32: keep the model dtype.
     y = y.astype(out_dtype or x.dtype)
     return y.reshape(*lead, y.shape[-1])
+
+
+def fp8_backend() -> str | None:
+  """The fp8 op's backend: its own explicit choice (``registry.use``,
+  MOSAIC_BACKEND_MATMUL_FP8), else the matmul's (--matmul-backend), else
+  None (its default order). The jitted steps fix both in their key
+  (``backends``)."""
+  own = registry.get_op(FP8_OP).explicit_choice(None)
+  if own is not None:
+    return own
+  name = registry.get_op("matmul").explicit_choice(None)
+  return name if name is not None and _has(FP8_OP, name) else None
 
 
 def _layer_param(p, layer):
@@ -1021,13 +1033,21 @@ def backends(**names: str | None) -> tuple[tuple[str, str], ...]:
   so that it is part of the compilation key; else the op's default order.
   """
   ops()
-  out = []
-  for op in OPS:
+  out = {}
+  for op in OPS + (FP8_OP,):
     name = registry.get_op(op).explicit_choice(names.get(op))
     if name is not None:
       registry.get_op(op).get(name)  # fails now on a typo
-      out.append((op, name))
-  return tuple(out)
+      out[op] = name
+  # The matmul's name chooses the fp8 projections' backend too, unless the
+  # fp8 op has a choice of its own (fp8_backend).
+  if "matmul" in out and FP8_OP not in out and _has(FP8_OP, out["matmul"]):
+    out[FP8_OP] = out["matmul"]
+  return tuple(out.items())
+
+
+def _has(op: str, name: str) -> bool:
+  return name in registry.get_op(op).names
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "backends", "all_logits", "fresh", "mesh"),

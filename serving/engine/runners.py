@@ -364,23 +364,31 @@ class ModelRunner:
         "attention_decode": (
             ("a decode step", (sds((1, 1, hq, hd), dt), pages(self.cache.k), pages(self.cache.v),
                                sds((1,), jnp.int32), sds((1, 1), jnp.int32)), dict(layer=0)),),
-        "matmul": (
-            ("a projection", (sds((16, cfg.hidden_size), dt), sds((cfg.hidden_size, hq * hd), dt)),
-             {}),),
     }
-    if getattr(self.model, "quantization", None) == "fp8":  # the layers' projections are fp8
-      f8, f32 = jnp.float8_e4m3fn, jnp.float32
-      calls["matmul_fp8"] = tuple(
-          (f"an fp8 projection ({n} x {k})", (sds((16, k), f8), sds((n, k), f8)),
-           dict(a_scale=sds((16,), f32), w_scale=sds((n,), f32)))
-          for n, k in ((hq * hd, cfg.hidden_size), (cfg.hidden_size, hq * hd)))
-    for op, name in self.backends.items():
-      # --matmul-backend names the fp8 projections' backend too (models.llama.Linear).
-      for impl_op in (op, "matmul_fp8") if op == "matmul" else (op,):
-        for what, args, kw in calls.get(impl_op, ()):
-          why = registry.get_op(impl_op).get(name).why_not(*args, **kw)
-          if why is not None:
-            return f"{impl_op} backend {name!r} cannot run {what}: {why}"
+    # The layers' four projections at one device's shard (K and N as each
+    # kernel sees them under tensor parallelism), and the lm_head.
+    tp = self.tensor_parallel_size
+    d, f = cfg.hidden_size, cfg.ffn_size // tp
+    projections = (("qkv", (hq + 2 * hkv) * hd // tp, d, {}), ("o_proj", d, hq * hd // tp, {}),
+                   ("gate_up", 2 * f, d, dict(activation="swiglu")), ("down", d, f, {}))
+    fp8 = getattr(self.model, "quantization", None) == "fp8"
+    f8, f32 = jnp.float8_e4m3fn, jnp.float32
+    layer_op = "matmul_fp8" if fp8 else "matmul"
+    calls[layer_op] = tuple(
+        (f"the {name} projection ({k} -> {n})",
+         (sds((16, k), f8), sds((n, k), f8)) if fp8 else (sds((16, k), dt), sds((k, n), dt)),
+         dict(kw, a_scale=sds((16,), f32), w_scale=sds((n,), f32)) if fp8 else kw)
+        for name, n, k, kw in projections)
+    vocab = cfg.vocab_size if cfg.tie_embeddings else cfg.vocab_size // tp
+    calls["matmul"] = calls.get("matmul", ()) + (  # the lm_head (fp8 models: the only one)
+        ("the lm_head", (sds((16, d), dt), sds((d, vocab), dt)), dict(out_dtype=f32)),)
+    # --matmul-backend names the fp8 projections' backend too (llama.backends).
+    chosen = dict(llama.backends(**self.backends))
+    for op, name in chosen.items():
+      for what, args, kw in calls.get(op, ()):
+        why = registry.get_op(op).get(name).why_not(*args, **kw)
+        if why is not None:
+          return f"{op} backend {name!r} cannot run {what}: {why}"
     return None
 
   @property

@@ -276,3 +276,27 @@ def test_save_refuses_a_quantized_model(pair, tmp_path):
   with pytest.raises(ValueError, match="cannot save a model with fp8 linears"):
     checkpoint.save(tmp_path / "x", pair[1])
   assert not (tmp_path / "x").exists()
+
+
+def test_the_fp8_backend_choice_is_part_of_the_step(pair, monkeypatch):
+  # --matmul-backend names the fp8 op's backend too, and a choice of the fp8
+  # op's own (registry.use, MOSAIC_BACKEND_MATMUL_FP8) wins; both are in the
+  # jitted steps' key, so a later choice retraces instead of being ignored.
+  _, fp8 = pair
+  assert dict(llama.backends(matmul="xla"))["matmul_fp8"] == "xla"
+  with registry.use(matmul_fp8="reference"):
+    assert dict(llama.backends(matmul="xla"))["matmul_fp8"] == "reference"
+  monkeypatch.setenv("MOSAIC_BACKEND_MATMUL_FP8", "reference")
+  assert dict(llama.backends())["matmul_fp8"] == "reference"
+  monkeypatch.delenv("MOSAIC_BACKEND_MATMUL_FP8")
+  op = llama.ops()["matmul_fp8"]
+  seen = []
+  for name in ("xla", "reference"):
+    impl = op.impls[name]
+    monkeypatch.setitem(op.impls, name, dataclasses.replace(
+        impl, fn=lambda *a, _f=impl.fn, _n=name, **kw: seen.append(_n) or _f(*a, **kw)))
+  ids = [5, 9, 11, 13]
+  _all_logits(fp8, ids)
+  with registry.use(matmul_fp8="reference"):
+    _all_logits(fp8, ids)
+  assert seen and seen[-1] == "reference", seen  # retraced under the choice

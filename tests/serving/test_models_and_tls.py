@@ -195,6 +195,22 @@ def test_a_backend_chosen_by_name_that_cannot_serve_is_refused_at_start():
   with pytest.raises(SystemExit, match="serve: attention_prefill backend 'cudnn'"):
     cli.cmd_serve(cli.parser().parse_args(["serve", "--model", "tiny", "--no-warmup",
                                            "--attention-backend", "cudnn"]))
+  # The matmul named: every projection at its own shapes. mosaic's matmul
+  # takes 16-bit inputs (this float32 model), and its fp8 kernel K in whole
+  # 128-byte blocks (an MLP of 192 features: the down projection's K).
+  with pytest.raises(ValueError, match="matmul backend 'mosaic' cannot run the qkv projection"):
+    E.model_engine("tiny", matmul="mosaic", page_size=8, **kw)
+  import models
+  from models import model as model_lib
+  from serving.engine.runners import ModelRunner
+
+  cfg = models.config.get("tiny").replace(intermediate_size=192)
+  fp8 = models.Model(cfg, model_lib.random_params(cfg), models.tokenizer.ByteTokenizer(),
+                     dtype="bfloat16", quantization="fp8")
+  why = ModelRunner(fp8, num_pages=8, page_size=8, matmul="mosaic").backends_why_not
+  assert why.startswith("matmul_fp8 backend 'mosaic' cannot run the down projection (192 -> "
+                        "128): K=192 must be a multiple of 128"), why
+  assert ModelRunner(fp8, num_pages=8, page_size=8, matmul="xla").backends_why_not is None
   # The ones that can serve here still start, and a prompt over two chunks
   # (the second over the first's cached tokens) runs on the backend named.
   for name in ("xla", "reference"):
