@@ -50,10 +50,17 @@ OUT_DTYPES = mm.OUT_DTYPES
 # Quantization
 
 
+def _operand(x, what: str, ndim: tuple[int, ...]):
+  if getattr(x, "ndim", None) not in ndim or 0 in x.shape:
+    raise ValueError(f"{what} must be a non-empty {' or '.join(f'{n}-D' for n in ndim)} array; "
+                     f"got shape {jnp.shape(x)}")
+  return jnp.asarray(x, jnp.float32)
+
+
 def quantize_weight(w):
   """w [..., K, N] (the models' [in, out] layout, any float dtype) ->
   (w_q [..., N, K] float8_e4m3fn, w_scale [..., N] float32), per output channel."""
-  w = jnp.swapaxes(jnp.asarray(w, jnp.float32), -1, -2)  # [..., N, K]
+  w = jnp.swapaxes(_operand(w, "quantize_weight's w [..., K, N]", (2, 3, 4)), -1, -2)
   scale = jnp.maximum(jnp.max(jnp.abs(w), axis=-1) / FP8_MAX, MIN_SCALE)
   return (w / scale[..., None]).astype(FP8), scale
 
@@ -62,7 +69,7 @@ def quantize_rows(x, rms_eps: float | None = None):
   """x [M, K] -> (x_q [M, K] float8_e4m3fn, x_scale [M] float32), per row
   (dynamic, per token). ``rms_eps``: the scale also carries each row's
   RMSNorm factor rsqrt(mean(x**2) + eps), so x_q * x_scale is rms_rows(x)."""
-  x = jnp.asarray(x, jnp.float32)
+  x = _operand(x, "quantize_rows' x [M, K]", (2,))
   scale = jnp.maximum(jnp.max(jnp.abs(x), axis=-1) / FP8_MAX, MIN_SCALE)
   q = (x / scale[:, None]).astype(FP8)
   if rms_eps is not None:
@@ -111,6 +118,9 @@ def _check(a, w, a_scale, w_scale, bias, residual, out_dtype, activation, layer)
   if min(m, n, k) < 1:
     raise ValueError(f"empty matmul is not supported: {a.shape=} {w.shape=}")
   for name, x, size in (("a_scale", a_scale, m), ("w_scale", w_scale, n)):
+    if x is None:
+      raise ValueError(f"{name}= is required (float32 [{size}]; see quantize_rows / "
+                       "quantize_weight)")
     if getattr(x, "dtype", None) != jnp.float32 or tuple(x.shape) != (size,):
       raise ValueError(f"{name} must be float32 [{size}]; got "
                        f"{getattr(x, 'dtype', type(x).__name__)} {jnp.shape(x)}")
@@ -133,7 +143,7 @@ def _check(a, w, a_scale, w_scale, bias, residual, out_dtype, activation, layer)
   return out_dtype
 
 
-def _valid(a, w, *, a_scale, w_scale, bias=None, residual=None, out_dtype=None,
+def _valid(a, w, *, a_scale=None, w_scale=None, bias=None, residual=None, out_dtype=None,
            activation=None, layer=None, config=None) -> str | None:
   if config is not None:
     return f"config= applies to the mosaic backend only; got {config=}"
@@ -144,7 +154,7 @@ def _valid(a, w, *, a_scale, w_scale, bias=None, residual=None, out_dtype=None,
   return None
 
 
-def _mosaic_why_not(a, w, *, a_scale, w_scale, bias=None, residual=None, out_dtype=None,
+def _mosaic_why_not(a, w, *, a_scale=None, w_scale=None, bias=None, residual=None, out_dtype=None,
                     activation=None, layer=None, config=None) -> str | None:
   try:
     out_dtype = _check(a, w, a_scale, w_scale, bias, residual, out_dtype, activation, layer)

@@ -300,6 +300,13 @@ def _hf_names(cfg: ModelConfig) -> dict[str, str]:
 
 
 _FP8_FORMAT = {"num_bits": 8, "type": "float", "symmetric": True}
+# compressed-tensors keys that are read (or bookkeeping: status, ratios, the
+# version), and a scheme's keys; any other is refused unless null.
+_CT_KEYS = {"quant_method", "format", "ignore", "kv_cache_scheme", "config_groups",
+            "quantization_status", "global_compression_ratio", "version", "sparsity_config",
+            "transform_config"}
+_CT_SCHEME_KEYS = {"num_bits", "type", "symmetric", "strategy", "dynamic", "group_size",
+                   "block_structure", "observer", "observer_kwargs"}
 
 
 def _fp8_scheme(qc: dict, source: str) -> str:
@@ -313,6 +320,15 @@ def _fp8_scheme(qc: dict, source: str) -> str:
       f"activations dynamic per token); here {why}")
   if not isinstance(qc, dict) or qc.get("quant_method") != "compressed-tensors":
     raise bad(f"quant_method={qc.get('quant_method') if isinstance(qc, dict) else qc!r}")
+  # Every key is computed, or is bookkeeping that does not change the math;
+  # any other (transforms, sparsity, a key of a newer version) is refused.
+  for k in set(qc) - _CT_KEYS:
+    raise bad(f"{k}={qc[k]!r} (not read here)")
+  for k in ("sparsity_config", "transform_config"):
+    if qc.get(k):
+      raise bad(f"{k}={qc[k]!r}")
+  if "lm_head" not in (qc.get("ignore") or []):
+    raise bad(f"ignore={qc.get('ignore')!r} (lm_head must be left out: it runs in --dtype)")
   if qc.get("format") not in (None, "float-quantized", "naive-quantized"):
     raise bad(f"format={qc.get('format')!r}")
   if qc.get("kv_cache_scheme") is not None:
@@ -323,7 +339,14 @@ def _fp8_scheme(qc: dict, source: str) -> str:
   if len(groups) != 1:
     raise bad(f"has {len(groups)} config_groups (one is supported)")
   (group,) = groups.values()
+  for k in set(group) - {"targets", "weights", "input_activations", "output_activations",
+                         "format"}:
+    raise bad(f"config_groups.{k}={group[k]!r} (not read here)")
   w, x = group.get("weights") or {}, group.get("input_activations") or {}
+  for what, d in (("weights", w), ("input_activations", x)):
+    for k in set(d) - _CT_SCHEME_KEYS:
+      if d[k] not in (None, False):
+        raise bad(f"{what}.{k}={d[k]!r} (not read here)")
   if set(group.get("targets") or []) != {"Linear"}:
     raise bad(f"targets={group.get('targets')!r} (every Linear is)")
   for what, d, want in (("weights", w, dict(_FP8_FORMAT, strategy="channel", dynamic=False)),
@@ -418,6 +441,9 @@ def read_hf(folder, dtype=np.float32, tokenizer: bool = True
     if s.size != a.shape[0] or a.ndim != 2:
       raise ValueError(f"{folder}: {scale_name!r} has shape {s.shape}; a scale per output "
                        f"channel of {name!r} {a.shape} is [{a.shape[0]}, 1]")
+    if not (np.isfinite(s).all() and (s > 0).all()):
+      raise ValueError(f"{folder}: {scale_name!r} holds values that are not finite and "
+                       f"positive (e.g. {s[~(np.isfinite(s) & (s > 0))].ravel()[0]})")
     return a.astype(np.float32) * s.reshape(-1, 1)
 
   params = _fill(cfg, get, _hf_names(cfg), dtype, str(folder), "loading safetensors")

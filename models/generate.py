@@ -64,9 +64,12 @@ def main(argv=None) -> int:
   if not args.chat:  # chat templates spell their special tokens themselves
     ids = ([model.tokenizer.bos_id] * model.tokenizer.add_bos + ids
            + list(model.tokenizer.eos_ids[:1]) * model.tokenizer.add_eos)
-  out = generate(model, ids, args.max_new_tokens, attention=args.attention,
-                        decode_attention=args.decode_attention, matmul=args.matmul,
-                        norm=args.norm)
+  try:
+    out = generate(model, ids, args.max_new_tokens, attention=args.attention,
+                   decode_attention=args.decode_attention, matmul=args.matmul, norm=args.norm)
+  except ValueError as e:  # a backend named that cannot run this model's calls
+    print(f"error: {e}", file=sys.stderr)
+    return 2
   t2 = time.perf_counter()
   print(args.prompt + model.tokenizer.decode(out) if not args.chat else model.tokenizer.decode(out))
   print(f"[{model!r}: load {t1 - t0:.1f}s, {len(ids)} prompt + {len(out)} new tokens in "

@@ -283,6 +283,9 @@ def load(spec: str | os.PathLike | None = None, *, dtype=None, tp: int = 1,
   for token-id prompts only: models.tokenizer.NoTokenizer); False, no
   tokenizer (token ids only); a folder, the tokenizer read from there; or a
   models.tokenizer.Tokenizer."""
+  if quantization not in llama.QUANTIZATIONS:  # before any weight is read
+    raise ValueError(f"quantization={quantization!r} is not supported; use one of "
+                     f"{[q for q in llama.QUANTIZATIONS if q]} (or None)")
   dtype = jnp.dtype(default_dtype() if dtype is None else dtype)
   fold_norms = None  # Model's default
   if dtype.name not in ("bfloat16", "float16", "float32"):
@@ -320,9 +323,6 @@ def load(spec: str | os.PathLike | None = None, *, dtype=None, tp: int = 1,
       if declared is not None:
         # An fp8 checkpoint runs as fp8, its weights as written: the norms
         # stay separate (folding them in would change the fp8 values).
-        if quantization not in (None, declared):
-          raise ValueError(f"{path}: the checkpoint's weights are {declared}; "
-                           f"quantization={quantization!r} cannot apply to them")
         quantization, fold_norms = declared, False
       cfg, params, tok = checkpoint.read_hf(path, _np_dtype(dtype), tokenizer=tokenizer is None)
   if tokenizer is False:

@@ -185,4 +185,6 @@ def model_engine(spec: str | None = None, *, dtype: str | None = None,
   cache_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(runner.cache)) // tp
   log.info("KV cache: %d pages of %d tokens (%.2f GiB a device)", num_pages, page_size,
            cache_bytes / 2**30)
+  log.info("model: %r%s", model, " (the checkpoint's fp8 weights)" if model.quantization
+           and quantization is None else "")
   return BatchingEngine(runner, EngineConfig(**config))

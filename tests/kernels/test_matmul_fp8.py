@@ -165,6 +165,15 @@ def test_bad_inputs_are_refused_by_name():
        config=C(tile_m=8, tile_n=64, tile_k=64, swap_ab=True))
   with pytest.raises(ValueError, match="config= applies to the mosaic backend only"):
     op(a, w, a_scale=a_scale, w_scale=w_scale, backend="xla", config=C())
+  for backend in ("mosaic", "xla", "reference"):
+    with pytest.raises(ValueError, match="a_scale= is required"):
+      op(a, w, w_scale=w_scale, backend=backend)
+  # The quantizers name their operand's expected shape.
+  for bad_x in (jnp.ones((8,)), jnp.ones((2, 3, 4)), jnp.ones((4, 0))):
+    with pytest.raises(ValueError, match=r"quantize_rows' x \[M, K\] must be a non-empty 2-D"):
+      mf.quantize_rows(bad_x)
+  with pytest.raises(ValueError, match=r"quantize_weight's w \[\.\.\., K, N\]"):
+    mf.quantize_weight(jnp.ones((16,)))
 
 
 def test_fp8_heuristic_configs():

@@ -228,7 +228,7 @@ def test_an_fp8_checkpoint_loads_as_written(hf_oracle, tmp_path):
   ids = np.load(src / "prompt.npy").tolist() + np.load(src / "greedy.npy").tolist()
   rel, agree = _compare(_all_logits(plain, ids, page=8), _all_logits(model, ids, page=8))
   assert 1e-4 < rel < RANDOM_REL and agree >= RANDOM_AGREE, (rel, agree)
-  with pytest.raises(ValueError, match="weights are fp8"):
+  with pytest.raises(ValueError, match="quantization='int8' is not supported"):
     models.load(tmp_path / "fp8", dtype="float32", quantization="int8")
 
 
@@ -300,3 +300,41 @@ def test_the_fp8_backend_choice_is_part_of_the_step(pair, monkeypatch):
   with registry.use(matmul_fp8="reference"):
     _all_logits(fp8, ids)
   assert seen and seen[-1] == "reference", seen  # retraced under the choice
+
+
+@pytest.mark.parametrize("change,field", [
+    (lambda c: c.update(transform_config={"config_groups": {}}), "transform_config="),
+    (lambda c: c.update(sparsity_config={"format": "sparse-24-bitmask"}), "sparsity_config="),
+    (lambda c: c.update(foo_bar=1), "foo_bar=1"),
+    (lambda c: c["config_groups"]["group_0"]["weights"].update(scale_dtype="float16"),
+     "weights.scale_dtype='float16'"),
+    (lambda c: c.update(ignore=[]), "ignore=[]"),
+])
+def test_fields_not_read_are_refused(hf_oracle, tmp_path, change, field):
+  import copy
+  import re
+
+  config = copy.deepcopy(CT_CONFIG)
+  change(config)
+  config["quantization_status"] = "compressed"  # bookkeeping: read past
+  _fp8_checkpoint(hf_oracle / "llama", tmp_path / "ckpt", config)
+  with pytest.raises(ValueError, match=re.escape(field)):
+    models.load(tmp_path / "ckpt", dtype="float32")
+
+
+def test_bad_weight_scales_are_refused(hf_oracle, tmp_path):
+  import json
+
+  from models import checkpoint
+
+  d = tmp_path / "ckpt"
+  _fp8_checkpoint(hf_oracle / "llama", d)
+  st = checkpoint._SafetensorsFile(d / "model.safetensors")
+  tensors = {n: np.array(st.get(n)) for n in st.header}
+  name = "model.layers.0.mlp.down_proj.weight_scale"
+  tensors[name][3] = np.nan
+  _write_safetensors(d / "model.safetensors", tensors)
+  with pytest.raises(ValueError, match="down_proj.weight_scale' holds values that are not "
+                                       "finite and positive"):
+    models.load(d, dtype="float32")
+  json.loads((d / "config.json").read_text())  # the folder is otherwise intact
