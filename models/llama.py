@@ -110,6 +110,12 @@ OPS = ("rms_norm", "matmul", "attention_prefill", "attention_decode")  # chosen 
 # Weight quantizations of the layers' linears (None: the model's dtype). fp8:
 # W8A8, per-channel weight and per-token activation scales (kernels/matmul_fp8.py).
 QUANTIZATIONS = (None, "fp8")
+
+
+def check_quantization(quantization) -> None:
+  if quantization not in QUANTIZATIONS:
+    raise ValueError(f"quantization={quantization!r} is not supported; use one of "
+                     f"{[q for q in QUANTIZATIONS if q]} (or None)")
 # Runs attention_decode's backend where it has it (``_append_backend``).
 APPEND_OP = "attention_decode_append"
 # The fp8 linears' op (Linear with quantization="fp8"); --matmul-backend names it too.
@@ -289,8 +295,7 @@ class Linear(nnx.Module):
 
   def __init__(self, din: int, dout: int, *, bias: bool = False, dtype, rngs: nnx.Rngs,
                quantization: str | None = None):
-    if quantization not in QUANTIZATIONS:
-      raise ValueError(f"{quantization=} must be one of {QUANTIZATIONS}")
+    check_quantization(quantization)
     self.quantized = quantization == "fp8"
     if self.quantized:
       w_q, w_scale = quantize_weight(_init(rngs, (din, dout), dtype, din))
@@ -1003,8 +1008,7 @@ def quantize_params(params, quantization: str | None):
   ``Llama(quantization=...)``: each layer linear's w [L, in, out] becomes
   w_q [L, out, in] float8_e4m3fn and w_scale [L, out] (per output channel).
   The embedding, the norms, the biases and lm_head are kept."""
-  if quantization not in QUANTIZATIONS:
-    raise ValueError(f"{quantization=} must be one of {QUANTIZATIONS}")
+  check_quantization(quantization)
   if quantization is None:
     return params
   layers = dict(params["layers"])

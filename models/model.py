@@ -53,9 +53,7 @@ class Model:
     iteration of a one-token decode step's layer loop (None: all, no loop).
     ``quantization``: "fp8" quantizes the layers' linear weights here, after
     the norms are folded into them (W8A8; models.llama.quantize_params)."""
-    if quantization not in llama.QUANTIZATIONS:
-      raise ValueError(f"quantization={quantization!r} is not supported; use one of "
-                       f"{[q for q in llama.QUANTIZATIONS if q]} (or None)")
+    llama.check_quantization(quantization)
     self.config = config
     self.dtype = jnp.dtype(dtype)
     self.residual_dtype = self.dtype if residual_dtype is None else jnp.dtype(residual_dtype)
@@ -283,9 +281,7 @@ def load(spec: str | os.PathLike | None = None, *, dtype=None, tp: int = 1,
   for token-id prompts only: models.tokenizer.NoTokenizer); False, no
   tokenizer (token ids only); a folder, the tokenizer read from there; or a
   models.tokenizer.Tokenizer."""
-  if quantization not in llama.QUANTIZATIONS:  # before any weight is read
-    raise ValueError(f"quantization={quantization!r} is not supported; use one of "
-                     f"{[q for q in llama.QUANTIZATIONS if q]} (or None)")
+  llama.check_quantization(quantization)  # before any weight is read
   dtype = jnp.dtype(default_dtype() if dtype is None else dtype)
   fold_norms = None  # Model's default
   if dtype.name not in ("bfloat16", "float16", "float32"):
