@@ -907,19 +907,9 @@ def _layer_view(b, bias, layer):
   return one(b), one(bias)
 
 
-def _check(a, b, bias, residual, out_dtype, activation=None, layer=None, rms_eps=None):
-  """Shapes and dtypes every backend accepts; returns the output dtype."""
-  if rms_eps is not None and not (isinstance(rms_eps, (int, float)) and 0 <= rms_eps < math.inf):
-    raise ValueError(f"{rms_eps=} must be None or a finite float >= 0")
-  b, bias = _layer_view(b, bias, layer)
-  if getattr(a, "ndim", None) != 2 or getattr(b, "ndim", None) != 2:
-    raise ValueError(f"matmul needs 2D a[M, K] and b[K, N]; got {jnp.shape(a)=}, {jnp.shape(b)=}")
-  m, k = a.shape
-  k2, n = b.shape
-  if k != k2:
-    raise ValueError(f"contracting dims differ: {a.shape=} {b.shape=}")
-  if min(m, n, k) < 1:
-    raise ValueError(f"empty matmul is not supported: {a.shape=} {b.shape=}")
+def check_epilogue(m: int, n: int, bias, residual, activation) -> None:
+  """The epilogue operands of an [M, N] product (also matmul_fp8's): the
+  activation, bias [N] and residual [M, N] ([M, N / 2] with swiglu)."""
   if activation not in ACTIVATIONS:
     raise ValueError(f"{activation=} must be one of {ACTIVATIONS}")
   out_n = n
@@ -933,6 +923,22 @@ def _check(a, b, bias, residual, out_dtype, activation=None, layer=None, rms_eps
   if residual is not None and tuple(residual.shape) != (m, out_n):
     raise ValueError(f"residual must be [M, N{' / 2' if activation else ''}]={(m, out_n)}; "
                      f"got {residual.shape=}")
+
+
+def _check(a, b, bias, residual, out_dtype, activation=None, layer=None, rms_eps=None):
+  """Shapes and dtypes every backend accepts; returns the output dtype."""
+  if rms_eps is not None and not (isinstance(rms_eps, (int, float)) and 0 <= rms_eps < math.inf):
+    raise ValueError(f"{rms_eps=} must be None or a finite float >= 0")
+  b, bias = _layer_view(b, bias, layer)
+  if getattr(a, "ndim", None) != 2 or getattr(b, "ndim", None) != 2:
+    raise ValueError(f"matmul needs 2D a[M, K] and b[K, N]; got {jnp.shape(a)=}, {jnp.shape(b)=}")
+  m, k = a.shape
+  k2, n = b.shape
+  if k != k2:
+    raise ValueError(f"contracting dims differ: {a.shape=} {b.shape=}")
+  if min(m, n, k) < 1:
+    raise ValueError(f"empty matmul is not supported: {a.shape=} {b.shape=}")
+  check_epilogue(m, n, bias, residual, activation)
   out_dtype = jnp.dtype(a.dtype if out_dtype is None else out_dtype)
   if not jnp.issubdtype(out_dtype, jnp.floating):
     raise ValueError(f"{out_dtype=} must be a floating dtype")

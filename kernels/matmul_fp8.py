@@ -124,19 +124,7 @@ def _check(a, w, a_scale, w_scale, bias, residual, out_dtype, activation, layer)
     if getattr(x, "dtype", None) != jnp.float32 or tuple(x.shape) != (size,):
       raise ValueError(f"{name} must be float32 [{size}]; got "
                        f"{getattr(x, 'dtype', type(x).__name__)} {jnp.shape(x)}")
-  if activation not in mm.ACTIVATIONS:
-    raise ValueError(f"{activation=} must be one of {mm.ACTIVATIONS}")
-  out_n = n
-  if activation == "swiglu":
-    if n % (2 * mm.SWIGLU_BLOCK):
-      raise ValueError(f"swiglu needs N={n} to be whole [gate | up] blocks of "
-                       f"2 x {mm.SWIGLU_BLOCK} columns (see matmul.swiglu_columns)")
-    out_n = n // 2
-  if bias is not None and tuple(bias.shape) != (n,):
-    raise ValueError(f"bias must be [N]={n}; got {bias.shape=}")
-  if residual is not None and tuple(residual.shape) != (m, out_n):
-    raise ValueError(f"residual must be [M, N{' / 2' if activation else ''}]={(m, out_n)}; "
-                     f"got {residual.shape=}")
+  mm.check_epilogue(m, n, bias, residual, activation)
   out_dtype = jnp.dtype(jnp.bfloat16 if out_dtype is None else out_dtype)
   if out_dtype.name not in OUT_DTYPES:
     raise ValueError(f"{out_dtype=} must be one of {OUT_DTYPES}")

@@ -15,8 +15,9 @@ q/k/v and gate/up are stored fused (``fuse_qkv``, ``fuse_gate_up``; the
   float8 weights with a scale per output channel, activations quantized
   dynamically per token; vLLM's "FP8-dynamic") is dequantized here
   (w * weight_scale) and loads as ``quantization="fp8"`` (``hf_quantization``),
-  which quantizes it back per channel: the same fp8 values (a value's
-  relative change, below 2^-8, is far under half an fp8 step).
+  which quantizes it back per channel: the same fp8 values where a channel's
+  largest value is 448 (as llm-compressor writes them; the dequantized
+  value's rounding is far under half an fp8 step), re-rounded elsewhere.
 - GGUF: the ``gguf`` package reads and dequantizes; llama.cpp stores the Q and
   K rows of "llama" models permuted for interleaved RoPE, which is undone here
   since our RoPE rotates the two halves of a head.
