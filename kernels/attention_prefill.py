@@ -104,9 +104,11 @@ def unmasked(causal: bool, sliding_window, q_segment_ids) -> bool:
 
 
 def smem_bytes(cfg: Config, head_dim: int, itemsize: int = 2, *, dense: bool = False,
-               has_lse: bool = False) -> int:
+               has_lse: bool = False, out_itemsize: int | None = None) -> int:
   """SMEM a mosaic call with ``cfg`` needs: two Q tiles, the K/V ring and,
-  unless ``dense`` (no mask), the position and segment vectors."""
+  unless ``dense`` (no mask), the position and segment vectors. An output
+  of another width than the operands (fp8 in, bf16 out) gets tiles of its
+  own; otherwise it goes out through the Q tiles."""
   n = (2 * cfg.block_q + 2 * cfg.stages * cfg.block_kv) * head_dim * itemsize
   if not dense:
     n += 4 * 2 * (2 * cfg.block_q + cfg.stages * cfg.block_kv)
@@ -114,6 +116,8 @@ def smem_bytes(cfg: Config, head_dim: int, itemsize: int = 2, *, dense: bool = F
     n += 4 * 2 * cfg.block_q
   if cfg.p_smem:
     n += 2 * cfg.block_q * cfg.block_kv * itemsize
+  if out_itemsize is not None and out_itemsize != itemsize:
+    n += 2 * cfg.block_q * head_dim * out_itemsize
   return n + _SMEM_RESERVE
 
 
@@ -275,19 +279,33 @@ def _block_ranges(qp, qs, kp, ks, block_q, block_kv, causal, window):
 # Mosaic GPU kernel (FA3)
 
 
-def _mosaic_kernel(meta_ref, q_ref, k_ref, v_ref, qp_ref, qs_ref, kp_ref, ks_ref,
+# fp8 P is exp2(s - m + P_SHIFT), i.e. 2^P_SHIFT times the probabilities:
+# e4m3's range reaches 448, and values below its smallest subnormal (2^-9)
+# would round to 0. The row sum carries the same factor, so o = acc / l is
+# unchanged and only the lse subtracts it.
+P_SHIFT = 8.0
+
+
+def _mosaic_kernel(meta_ref, q_ref, k_ref, v_ref, qp_ref, qs_ref, kp_ref, ks_ref, scales_ref,
                    o_ref, lse_ref, *, cfg: Config, groups: int, scale: float,
                    causal: bool, window: int | None, has_lse: bool, dense_kv: int | None):
   """``dense_kv``: no mask but the keys' count (non-causal, no window, no
   segments): the kernel then masks padding keys by index and never reads the
-  position and segment vectors, which also frees their SMEM."""
+  position and segment vectors, which also frees their SMEM.
+
+  ``scales_ref`` (fp8 operands, kernels/attention_prefill_fp8.py): float32
+  [2, Hq], per query head the score factor q_scale * k_scale * sm_scale *
+  log2(e) and v_scale. v_ref is then V^T [B, Hkv, D, Skv] (fp8 wgmma reads
+  both operands K-major), P goes through SMEM in fp8 and the output, wider
+  than the operands, gets SMEM tiles of its own."""
   block_q, block_kv, stages = cfg.block_q, cfg.block_kv, cfg.stages
   dense = dense_kv is not None
+  fp8 = scales_ref is not None
   D = q_ref.shape[-1]
   dtype = q_ref.dtype
-  c = scale * LOG2E  # exp(s * scale) == exp2(s * c)
+  shift = P_SHIFT if fp8 else 0.0
 
-  def body(q_smem, k_smem, v_smem, qvec_smem, kvec_smem, lse_smem, p_smem,
+  def body(q_smem, k_smem, v_smem, qvec_smem, kvec_smem, lse_smem, p_smem, o_smem,
            q_bar, k_bar, v_bar, k_free, v_free, sched):
     b = lax.axis_index("batch")
     h = lax.axis_index("heads")
@@ -308,6 +326,8 @@ def _mosaic_kernel(meta_ref, q_ref, k_ref, v_ref, qp_ref, qs_ref, kp_ref, ks_ref
     @pl.when(wg < 2)
     def _consumer():
       plgpu.set_max_registers(232, action="increase")
+      # exp(s * scale) == exp2(s * c)
+      c = scales_ref[0, h] if fp8 else scale * LOG2E
       lo = meta_ref[b, i, wg, 0]
       hi = meta_ref[b, i, wg, 1]
       flo = meta_ref[b, i, wg, 2]
@@ -367,7 +387,8 @@ def _mosaic_kernel(meta_ref, q_ref, k_ref, v_ref, qp_ref, qs_ref, kp_ref, ks_ref
           # A row with nothing visible yet keeps m = -inf; subtract 0 there.
           m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
           alpha = jnp.exp2(m_i - m_use)
-          p = jnp.exp2(sc * c - lax.broadcast_in_dim(m_use, s_shape, [0]))
+          p = jnp.exp2(sc * c - lax.broadcast_in_dim(m_use - shift if fp8 else m_use, s_shape,
+                                                     [0]))
           l_new = l_i * alpha + p.sum(axis=1)
           return p.astype(dtype) if cast else p, m_new, l_new, alpha
 
@@ -381,16 +402,19 @@ def _mosaic_kernel(meta_ref, q_ref, k_ref, v_ref, qp_ref, qs_ref, kp_ref, ks_ref
         plgpu.commit_smem()
         return p_smem.at[wg]
 
+      def v_operand(slot):
+        return v_smem.at[slot].T if fp8 else v_smem.at[slot]  # fp8: V^T in SMEM
+
       def pv(acc, p16, slot):
         """acc + P V[slot]; releases the V slot."""
         with jax.named_scope("pv"):
           p_op = p_operand(p16)
           if cfg.acc_in_place:
-            acc = pl.run_state(lambda acc_ref: plgpu.wgmma(acc_ref, p_op, v_smem.at[slot]))(
+            acc = pl.run_state(lambda acc_ref: plgpu.wgmma(acc_ref, p_op, v_operand(slot)))(
                 plgpu.ACC.init(acc))
           else:
             def pv_(acc_ref):
-              plgpu.wgmma(acc_ref, p_op, v_smem.at[slot])
+              plgpu.wgmma(acc_ref, p_op, v_operand(slot))
               return acc_ref[...]
 
             acc = acc + pl.run_scoped(pv_, plgpu.ACC((block_q, D), jnp.float32))
@@ -434,11 +458,13 @@ def _mosaic_kernel(meta_ref, q_ref, k_ref, v_ref, qp_ref, qs_ref, kp_ref, ks_ref
         with jax.named_scope("wait_k"):
           plgpu.barrier_wait(k_bar.at[slot])
         sc = qk(slot, sync_sched)
-        p16, m_new, l_i, alpha = softmax(sc, s, m_i, l_i, masked)
+        # fp8 P is cast after the barrier (it takes no 8-bit vectors).
+        p16, m_new, l_i, alpha = softmax(sc, s, m_i, l_i, masked, cast=not fp8)
         acc = rescale(acc, alpha)
         if not dsl.interpreting():
           # Keeps the softmax from being scheduled past the barriers below.
           acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
+        p16 = p16.astype(dtype)
         with jax.named_scope("wait_v"):
           if cfg.pingpong:
             plgpu.barrier_arrive(sched)
@@ -482,7 +508,7 @@ def _mosaic_kernel(meta_ref, q_ref, k_ref, v_ref, qp_ref, qs_ref, kp_ref, ks_ref
 
         def issue(s_ref, o_ref):
           plgpu.wgmma(s_ref, qo, k_smem.at[slot].T)
-          plgpu.wgmma(o_ref, p_op, v_smem.at[prev])
+          plgpu.wgmma(o_ref, p_op, v_operand(prev))
           if cfg.pingpong:
             pass_turn()
           # Waits for QK only; PV of the previous block stays in flight.
@@ -549,12 +575,15 @@ def _mosaic_kernel(meta_ref, q_ref, k_ref, v_ref, qp_ref, qs_ref, kp_ref, ks_ref
         pl.when(wg == 0)(take_turn if cfg.overlap else sync_sched)
 
       l_safe = jnp.where(l_i == 0.0, 1.0, l_i)
-      acc = acc * lax.broadcast_in_dim(1.0 / l_safe, acc.shape, [0])
-      qo[...] = acc.astype(dtype)
+      inv_l = (scales_ref[1, h] if fp8 else 1.0) / l_safe
+      acc = acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])
+      ot = qo if o_smem is None else o_smem.at[wg]
+      ot[...] = acc.astype(o_ref.dtype)
       if has_lse:
-        lse_smem.at[wg][...] = jnp.where(l_i == 0.0, -jnp.inf, (m_i + jnp.log2(l_safe)) * LN2)
+        lse_smem.at[wg][...] = jnp.where(l_i == 0.0, -jnp.inf,
+                                         (m_i + jnp.log2(l_safe) - shift) * LN2)
       plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(qo, o_ref.at[b, pl.ds(q0, block_q), h])
+      plgpu.copy_smem_to_gmem(ot, o_ref.at[b, pl.ds(q0, block_q), h])
       if has_lse:
         plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b, h, pl.ds(q0, block_q)])
       plgpu.wait_smem_to_gmem(0)
@@ -581,7 +610,8 @@ def _mosaic_kernel(meta_ref, q_ref, k_ref, v_ref, qp_ref, qs_ref, kp_ref, ks_ref
         with jax.named_scope("wait_free"):
           pl.when(refill)(lambda: plgpu.barrier_wait(v_free.at[slot]))
         with jax.named_scope("load_kv"):
-          plgpu.copy_gmem_to_smem(v_ref.at[b, rows, hk], v_smem.at[slot], v_bar.at[slot])
+          v_src = v_ref.at[b, hk, :, rows] if fp8 else v_ref.at[b, rows, hk]
+          plgpu.copy_gmem_to_smem(v_src, v_smem.at[slot], v_bar.at[slot])
 
       # Wait for the last releases so that no arrival is left unobserved.
       @pl.loop(jnp.maximum(hi_cta - stages, lo_cta), hi_cta)
@@ -592,15 +622,19 @@ def _mosaic_kernel(meta_ref, q_ref, k_ref, v_ref, qp_ref, qs_ref, kp_ref, ks_ref
 
   tf_q = dsl.smem_transforms((block_q, D), dtype)
   tf_kv = dsl.smem_transforms((block_kv, D), dtype)
+  v_tile = (D, block_kv) if fp8 else (block_kv, D)
+  out_dtype = o_ref.dtype
   scratch = [
       plgpu.SMEM((2, block_q, D), dtype, transforms=tf_q),
       plgpu.SMEM((stages, block_kv, D), dtype, transforms=tf_kv),
-      plgpu.SMEM((stages, block_kv, D), dtype, transforms=tf_kv),
+      plgpu.SMEM((stages, *v_tile), dtype, transforms=dsl.smem_transforms(v_tile, dtype)),
       None if dense else plgpu.SMEM((2, 2, block_q), jnp.int32),
       None if dense else plgpu.SMEM((stages, 2, block_kv), jnp.int32),
       plgpu.SMEM((2, block_q), jnp.float32) if has_lse else None,
       plgpu.SMEM((2, block_q, block_kv), dtype, transforms=dsl.smem_transforms(
           (block_q, block_kv), dtype)) if cfg.p_smem else None,
+      None if out_dtype == dtype else plgpu.SMEM(
+          (2, block_q, D), out_dtype, transforms=dsl.smem_transforms((block_q, D), out_dtype)),
   ]
   barriers = [
       # Q (K) and, unless dense, its position and segment vectors.
@@ -672,9 +706,11 @@ def _mosaic_plan(qp, qs, kp, ks, *, cfg: Config, causal: bool, window: int | Non
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "causal", "scale", "window", "has_lse",
-                                             "dense"))
-def _attention_mosaic(q, k, v, plan: MosaicPlan, *, cfg: Config, causal: bool, scale: float,
-                      window: int | None, has_lse: bool, dense: bool = False):
+                                             "dense", "out_dtype"))
+def _attention_mosaic(q, k, v, plan: MosaicPlan, scales=None, *, cfg: Config, causal: bool,
+                      scale: float, window: int | None, has_lse: bool, dense: bool = False,
+                      out_dtype=None):
+  """``scales`` (fp8 q, k, v): float32 [2, Hq], see ``_mosaic_kernel``."""
   B, Sq, Hq, D = q.shape
   _, Skv, Hkv, _ = k.shape
   bq2 = 2 * cfg.block_q
@@ -684,15 +720,21 @@ def _attention_mosaic(q, k, v, plan: MosaicPlan, *, cfg: Config, causal: bool, s
   q = _pad_to(q, 1, Sq_p)
   k = _pad_to(k, 1, Skv_p)
   v = _pad_to(v, 1, Skv_p)
+  if scales is not None:
+    v = v.transpose(0, 2, 3, 1)  # V^T [B, Hkv, D, Skv_p]: K-major for the fp8 P V
   meta, qp, qs, kp, ks = plan
-  out_type = [jax.ShapeDtypeStruct((B, Sq_p, Hq, D), q.dtype)]
+  out_dtype = q.dtype if out_dtype is None else out_dtype
+  out_type = [jax.ShapeDtypeStruct((B, Sq_p, Hq, D), out_dtype)]
   out_type.append(jax.ShapeDtypeStruct((B, Hq, Sq_p), jnp.float32) if has_lse else None)
 
-  def entry(meta_ref, q_ref, k_ref, v_ref, qp_ref, qs_ref, kp_ref, ks_ref, o_ref, lse_ref):
-    _mosaic_kernel(meta_ref, q_ref, k_ref, v_ref, qp_ref, qs_ref, kp_ref, ks_ref, o_ref,
-                   lse_ref, cfg=cfg, groups=Hq // Hkv, scale=scale, causal=causal,
+  def entry(meta_ref, q_ref, k_ref, v_ref, qp_ref, qs_ref, kp_ref, ks_ref, *refs):
+    scales_ref = refs[0] if scales is not None else None
+    o_ref, lse_ref = refs[-2:]
+    _mosaic_kernel(meta_ref, q_ref, k_ref, v_ref, qp_ref, qs_ref, kp_ref, ks_ref, scales_ref,
+                   o_ref, lse_ref, cfg=cfg, groups=Hq // Hkv, scale=scale, causal=causal,
                    window=window, has_lse=has_lse, dense_kv=Skv if dense else None)
 
+  extra = () if scales is None else (scales,)
   o, lse = dsl.kernel(
       entry,
       out_type=out_type,
@@ -701,7 +743,7 @@ def _attention_mosaic(q, k, v, plan: MosaicPlan, *, cfg: Config, causal: bool, s
       num_threads=3,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
-  )(meta, q, k, v, qp, qs, kp, ks)
+  )(meta, q, k, v, qp, qs, kp, ks, *extra)
   o = o[:, :Sq]
   return (o, lse[:, :, :Sq]) if has_lse else o
 

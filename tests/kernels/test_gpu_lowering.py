@@ -631,3 +631,45 @@ def test_fp8_matmul_llama_shapes_lower(m):
 ])
 def test_fp8_matmul_schedules_lower(m, n, k, cfg):
   _lower_fp8(m, n, k, config=cfg, bias=True, residual=not cfg.split_k > 1)
+
+
+# fp8 prefill attention: the Llama-3-8B heads (GQA 32:8, D = 128) through the
+# public wrapper, each schedule, with and without a mask, the lse and packed
+# segments; SMEM estimate either side of the limit (256-key blocks fit two
+# stages with the bf16 output tiles, not three).
+FP8_PREFILL = {
+    "heuristic_causal": (None, dict(causal=True)),
+    "heuristic_dense_lse": (None, dict(causal=False, return_lse=True)),
+    "overlap_segments": (ap.Config(p_smem=True, overlap=True), dict(causal=True, segments=True)),
+    "overlap_nopp_window": (ap.Config(p_smem=True, overlap=True, pingpong=False, stages=3),
+                            dict(causal=True, sliding_window=512)),
+    "acc_add": (ap.Config(p_smem=True, acc_in_place=False), dict(causal=True)),
+    "kv256_lse": (ap.Config(p_smem=True, block_kv=256), dict(causal=False, return_lse=True)),
+    "kv256_3_stages": (ap.Config(p_smem=True, block_kv=256, stages=3), dict(causal=True)),
+}
+
+
+@pytest.mark.parametrize("name", FP8_PREFILL)
+def test_fp8_attention_prefill_lowers_for_h200(name):
+  from kernels import attention_prefill_fp8 as af
+
+  cfg, kw = FP8_PREFILL[name]
+  kw = dict(kw)
+  segments = kw.pop("segments", False)
+
+  def f(q, k, v, qs, ks, vs, seg):
+    masks = dict(q_segment_ids=seg, kv_segment_ids=seg) if segments else {}
+    return af.attention_prefill_fp8_mosaic(q, k, v, q_scale=qs, k_scale=ks, v_scale=vs,
+                                           config=cfg, **masks, **kw)
+
+  args = (S((1, 2048, 32, 128), F8), S((1, 2048, 8, 128), F8), S((1, 2048, 8, 128), F8),
+          S((32,), F32), S((8,), F32), S((), F32), S((1, 2048), I32))
+  need = ap.smem_bytes(cfg or af._pick_config(128, True), 128, 1, dense=not kw["causal"],
+                       has_lse=kw.get("return_lse", False), out_itemsize=2)
+  fits = need <= target_lib.make("gpu", "NVIDIA H200", "9.0", 132).ceilings.smem_per_block
+  assert fits == (name != "kv256_3_stages")  # the edge is what it says
+  if fits:
+    _lower(f, *args)
+  else:
+    with pytest.raises(ValueError, match="bytes of SMEM"):
+      _lower(f, *args)

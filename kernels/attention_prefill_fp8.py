@@ -1,0 +1,248 @@
+"""attention_prefill_fp8: prefill attention with fp8 Q, K, V (FA3's fp8 path).
+
+``o = softmax((q * q_scale) (k * k_scale)^T * sm_scale + mask) (v * v_scale)``
+
+q [B, Sq, Hq, D], k/v [B, Skv, Hkv, D] are float8_e4m3fn; q_scale [Hq] and
+k_scale, v_scale [Hkv] are float32 per-head scales, or shape () per-tensor
+ones. Masks (causal, cached prefix, positions, packed segments, sliding
+window), GQA and the lse mean what they mean in kernels/attention_prefill.py;
+the output is bfloat16 (``out_dtype``: float16 or float32 too).
+
+How data flows:
+
+- ``quantize_heads`` turns a bf16 [B, S, H, D] tensor into fp8 and its
+  per-head scales (each head's amax maps to 448) in one XLA fusion; a model
+  quantizes q, k, v after RoPE.
+- The mosaic backend is kernels/attention_prefill.py's FA3 kernel (producer
+  warpgroup, TMA ring, two consumers with ping-pong, optional overlap) with
+  fp8 operands: QK^T runs on the fp8 tensor cores; q_scale * k_scale *
+  sm_scale folds into the softmax's exp2 factor; P = exp2(s - m + 8) is cast
+  to fp8 (256 times the probabilities: e4m3's subnormals would flush small
+  ones) and goes through SMEM as the fp8 P V's A operand; v_scale and 1/l
+  scale the output once. fp8 wgmma reads both operands K-major, so V enters
+  the kernel transposed, V^T [B, Hkv, D, Skv]: the wrapper's transpose fuses
+  with the quantization that writes V.
+- The ``xla`` backend dequantizes to the output dtype and runs the bf16 op's
+  xla backend (fp8 storage, 16-bit math): the portable fallback.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+
+from kernels import attention_prefill as ap
+from mosaic import dsl, registry, target as target_lib, tuning
+
+OP = "attention_prefill_fp8"
+FP8 = jnp.dtype(jnp.float8_e4m3fn)
+FP8_MAX = float(jnp.finfo(FP8).max)  # 448
+MIN_SCALE = 1e-12  # a head of zeros gets this scale, not 0
+OUT_DTYPES = ("bfloat16", "float16", "float32")
+# Head dims the fp8 kernel runs: Q K^T contracts D, which fp8 wgmma reads in
+# 128-byte swizzled blocks; at D = 256 the bf16 output tiles leave no SMEM
+# for a K/V ring of 128-key blocks.
+MOSAIC_HEAD_DIMS = (128,)
+# P V contracts a kv block, also in 128-byte blocks.
+MOSAIC_BLOCK_KV = (128, 256)
+
+
+# --------------------------------------------------------------------------
+# Quantization
+
+
+def quantize_heads(x):
+  """x [B, S, H, D] (any float dtype) -> (x_q float8_e4m3fn, scale float32 [H]):
+  per head, over its tokens and dims (dynamic: a prefill's own amax)."""
+  if getattr(x, "ndim", None) != 4 or 0 in x.shape:
+    raise ValueError(f"quantize_heads' x must be a non-empty [B, S, H, D] array; got "
+                     f"{jnp.shape(x)}")
+  x = jnp.asarray(x, jnp.float32)
+  scale = jnp.maximum(jnp.max(jnp.abs(x), axis=(0, 1, 3)) / FP8_MAX, MIN_SCALE)
+  return (x / scale[:, None]).astype(FP8), scale
+
+
+def _per_head(scale, heads: int):
+  """A () or [heads] scale as float32 [heads]."""
+  return jnp.broadcast_to(jnp.asarray(scale, jnp.float32), (heads,))
+
+
+# --------------------------------------------------------------------------
+# Checks
+
+
+def _check(q, k, v, q_scale, k_scale, v_scale, out_dtype, causal, sm_scale, q_positions,
+           kv_positions, q_segment_ids, kv_segment_ids, sliding_window):
+  """What every backend accepts; returns (shapes, output dtype)."""
+  dims = ap._check(q, k, v, causal, sm_scale, q_positions, kv_positions, q_segment_ids,
+                   kv_segment_ids, sliding_window, dtypes=(FP8.name,))
+  _, _, Hq, _, _, Hkv = dims
+  for name, x, heads in (("q_scale", q_scale, Hq), ("k_scale", k_scale, Hkv),
+                         ("v_scale", v_scale, Hkv)):
+    if x is None:
+      raise ValueError(f"{name}= is required (float32 [{heads}] per head or () per tensor; "
+                       "see quantize_heads)")
+    if getattr(x, "dtype", None) != jnp.float32 or tuple(x.shape) not in ((), (heads,)):
+      raise ValueError(f"{name} must be float32 of shape () or ({heads},); got "
+                       f"{getattr(x, 'dtype', type(x).__name__)} {jnp.shape(x)}")
+  out_dtype = jnp.dtype(jnp.bfloat16 if out_dtype is None else out_dtype)
+  if out_dtype.name not in OUT_DTYPES:
+    raise ValueError(f"{out_dtype=} must be one of {OUT_DTYPES}")
+  return dims, out_dtype
+
+
+def _valid(q, k, v, *, q_scale=None, k_scale=None, v_scale=None, out_dtype=None, causal=True,
+           sm_scale=None, q_positions=None, kv_positions=None, q_segment_ids=None,
+           kv_segment_ids=None, sliding_window=None, return_lse=False, config=None) -> str | None:
+  if config is not None:
+    return f"config= applies to the mosaic backend only; got {config=}"
+  try:
+    _check(q, k, v, q_scale, k_scale, v_scale, out_dtype, causal, sm_scale, q_positions,
+           kv_positions, q_segment_ids, kv_segment_ids, sliding_window)
+  except ValueError as e:
+    return str(e)
+  return None
+
+
+def _mosaic_why_not(q, k, v, *, q_scale=None, k_scale=None, v_scale=None, out_dtype=None,
+                    causal=True, sm_scale=None, q_positions=None, kv_positions=None,
+                    q_segment_ids=None, kv_segment_ids=None, sliding_window=None,
+                    return_lse=False, config=None) -> str | None:
+  try:
+    (_, _, _, D, _, _), _ = _check(q, k, v, q_scale, k_scale, v_scale, out_dtype, causal,
+                                   sm_scale, q_positions, kv_positions, q_segment_ids,
+                                   kv_segment_ids, sliding_window)
+  except ValueError as e:
+    return str(e)
+  kind = target_lib.current().kind
+  if kind not in ("hopper", "cpu"):
+    return f"the fp8 kernel runs Hopper's fp8 wgmma; this device is {kind}"
+  if D not in MOSAIC_HEAD_DIMS:
+    return (f"head dim {D} is not supported (supported: {MOSAIC_HEAD_DIMS}: fp8 wgmma "
+            "contracts 128-byte blocks, and D = 256 leaves no SMEM for the K/V ring)")
+  if config is not None:
+    if not isinstance(config, ap.Config):
+      return f"config must be an attention_prefill.Config; got {config=}"
+    if config.block_kv not in MOSAIC_BLOCK_KV:
+      return f"{config.block_kv=} must be one of {MOSAIC_BLOCK_KV} for fp8 (P V contracts it)"
+  return None
+
+
+# --------------------------------------------------------------------------
+# Public wrapper
+
+
+def _pick_config(D: int, causal: bool) -> ap.Config:
+  key = tuning.shape_key(head_dim=D, dtype=FP8.name, causal=int(causal))
+  # P always goes through SMEM (Hopper's wgmma takes 16-bit A operands only
+  # from registers).
+  return tuning.lookup("attention_prefill", key, ap.Config,
+                       lambda: ap.Config(block_q=64, block_kv=128, stages=2, p_smem=True))
+
+
+def attention_prefill_fp8_mosaic(q, k, v, *, q_scale, k_scale, v_scale, out_dtype=None,
+                                 causal=True, sm_scale=None, q_positions=None, kv_positions=None,
+                                 q_segment_ids=None, kv_segment_ids=None, sliding_window=None,
+                                 return_lse=False, config: ap.Config | None = None):
+  """The FA3 kernel on fp8 operands; ``config`` overrides the tuning table
+  (op ``attention_prefill``, dtype float8_e4m3fn) / heuristic."""
+  kw = dict(q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, out_dtype=out_dtype,
+            causal=causal, sm_scale=sm_scale, q_positions=q_positions,
+            kv_positions=kv_positions, q_segment_ids=q_segment_ids,
+            kv_segment_ids=kv_segment_ids, sliding_window=sliding_window, config=config)
+  why = _mosaic_why_not(q, k, v, **kw)
+  if why is not None:
+    raise ValueError(f"attention_prefill_fp8 mosaic: {why}")
+  (B, Sq, Hq, D, Skv, Hkv), out_dtype = _check(
+      q, k, v, q_scale, k_scale, v_scale, out_dtype, causal, sm_scale, q_positions,
+      kv_positions, q_segment_ids, kv_segment_ids, sliding_window)
+  dense = ap.unmasked(causal, sliding_window, q_segment_ids)
+  cfg = config or _pick_config(D, causal)
+  if not cfg.p_smem:
+    raise ValueError(f"attention_prefill_fp8 mosaic: {cfg=} needs p_smem=True (fp8 P is a "
+                     "wgmma operand only from SMEM)")
+  need = ap.smem_bytes(cfg, D, 1, dense=dense, has_lse=bool(return_lse),
+                       out_itemsize=out_dtype.itemsize)
+  limit = target_lib.current().ceilings.smem_per_block
+  if not dsl.interpreting() and need > limit:
+    raise ValueError(f"attention_prefill_fp8 mosaic: {cfg} needs about {need} bytes of SMEM "
+                     f"for this call; the limit is {limit}")
+  if dsl.interpreting():
+    # What ap._mosaic_setup does: the interpreter has no run_state, and its
+    # thread pool can stall the overlap's turn-passing under load.
+    cfg = dataclasses.replace(cfg, acc_in_place=False,
+                              pingpong=cfg.pingpong and not cfg.overlap)
+  vecs = ap._vectors(B, Sq, Skv, q_positions, kv_positions, q_segment_ids, kv_segment_ids)
+  sm = float(D ** -0.5 if sm_scale is None else sm_scale)
+  G = Hq // Hkv
+  kv_head = lambda s: jnp.repeat(_per_head(s, Hkv), G)
+  scales = jnp.stack([_per_head(q_scale, Hq) * kv_head(k_scale) * (sm * math.log2(math.e)),
+                      kv_head(v_scale)])
+  plan = ap._mosaic_plan(*vecs, cfg=cfg, causal=bool(causal), window=sliding_window)
+  return ap._attention_mosaic(q, k, v, plan, scales, cfg=cfg, causal=bool(causal), scale=sm,
+                              window=sliding_window, has_lse=bool(return_lse), dense=dense,
+                              out_dtype=out_dtype)
+
+
+def _dequantize(q, k, v, q_scale, k_scale, v_scale, dtype):
+  f = lambda x, s: (x.astype(jnp.float32) * _per_head(s, x.shape[2])[:, None]).astype(dtype)
+  return f(q, q_scale), f(k, k_scale), f(v, v_scale)
+
+
+def attention_prefill_fp8_xla(q, k, v, *, q_scale, k_scale, v_scale, out_dtype=None,
+                              return_lse=False, **masks):
+  """Dequantizes to the output dtype, then the bf16 op's xla backend."""
+  _, out_dtype = _check(q, k, v, q_scale, k_scale, v_scale, out_dtype, **_mask_args(masks))
+  q, k, v = _dequantize(q, k, v, q_scale, k_scale, v_scale, out_dtype)
+  return ap.attention_prefill_xla(q, k, v, return_lse=return_lse, **masks)
+
+
+def _mask_args(masks):
+  names = ("causal", "sm_scale", "q_positions", "kv_positions", "q_segment_ids",
+           "kv_segment_ids", "sliding_window")
+  unknown = set(masks) - set(names)
+  if unknown:
+    raise TypeError(f"unknown arguments {sorted(unknown)}")
+  defaults = dict(causal=True, sm_scale=None, q_positions=None, kv_positions=None,
+                  q_segment_ids=None, kv_segment_ids=None, sliding_window=None)
+  return {**defaults, **masks}
+
+
+# --------------------------------------------------------------------------
+# Reference
+
+
+def attention_prefill_fp8_reference(q, k, v, *, q_scale, k_scale, v_scale, out_dtype=None,
+                                    return_lse=False, **masks):
+  """The meaning of the op: attention of the dequantized operands in float32
+  (returned in float32)."""
+  _check(q, k, v, q_scale, k_scale, v_scale, out_dtype, **_mask_args(masks))
+  q, k, v = _dequantize(q, k, v, q_scale, k_scale, v_scale, jnp.float32)
+  return ap.attention_prefill_reference(q, k, v, return_lse=return_lse, **masks)
+
+
+def _reference_backend(q, k, v, *, out_dtype=None, return_lse=False, **kw):
+  out = attention_prefill_fp8_reference(q, k, v, return_lse=return_lse, **kw)
+  out_dtype = jnp.dtype(jnp.bfloat16 if out_dtype is None else out_dtype)
+  return (out[0].astype(out_dtype), out[1]) if return_lse else out.astype(out_dtype)
+
+
+# --------------------------------------------------------------------------
+# Registration
+
+_op = registry.op(OP, "softmax((q q_scale)(k k_scale)^T * scale + mask)(v v_scale), q/k/v "
+                      "float8_e4m3fn with per-head or per-tensor scales; GQA, causal, "
+                      "segments, positions, sliding window")
+_op.register("mosaic", attention_prefill_fp8_mosaic, supports=_mosaic_why_not,
+             doc="Mosaic GPU FA3 on fp8 wgmma: scales in the exp2 factor, fp8 P via SMEM")
+_op.register("xla", attention_prefill_fp8_xla, supports=_valid,
+             doc="dequantize, then the bf16 op's xla backend (fp8 storage, 16-bit math)")
+_op.register("reference", _reference_backend, supports=_valid, doc="float32 jnp")
+_op.set_defaults(hopper=("mosaic", "xla"), default=("xla", "reference"))
+
+
+def attention_prefill_fp8(q, k, v, *, backend: str | None = None, **kwargs):
+  return _op(q, k, v, backend=backend, **kwargs)
