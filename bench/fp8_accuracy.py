@@ -12,7 +12,7 @@ float32 (what bf16 itself costs), fp8 vs float32. The figures are numerics,
 not speed: they are the same on any device (the xla backend runs the fp8
 products; the mosaic kernel matches it to rounding, tests/models/test_fp8.py).
 
-  PYTHONPATH=. python3 bench/fp8_accuracy.py --out DIR [--tokens 256] [--greedy 64]
+  PYTHONPATH=. python3 bench/fp8_accuracy.py --out DIR [--tokens 256] [--greedy 256]
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--out", required=True)
   p.add_argument("--tokens", type=int, default=256)
-  p.add_argument("--greedy", type=int, default=64)
+  p.add_argument("--greedy", type=int, default=256)
   p.add_argument("--models", default="default,tiny")
   a = p.parse_args(argv)
   text = (REPO / "README.md").read_text()
