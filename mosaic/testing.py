@@ -80,6 +80,20 @@ def fresh_key(seed: int | None = None) -> jax.Array:
   return jax.random.key(seed)
 
 
+def packed_segments(lengths, total: int):
+  """Segment ids and restarting positions, int32 [1, total], of sequences of
+  ``lengths`` packed into one row; the rest is padding (segment 0)."""
+  seg, pos = [], []
+  for i, n in enumerate(lengths):
+    seg += [i + 1] * n
+    pos += list(range(n))
+  if len(seg) > total:
+    raise ValueError(f"{sum(lengths)=} tokens do not fit in {total=}")
+  seg += [0] * (total - len(seg))
+  pos += [0] * (total - len(pos))
+  return jnp.array([seg], jnp.int32), jnp.array([pos], jnp.int32)
+
+
 def random_inputs(shapes, dtype, seed: int | None = None, scale: float = 1.0):
   """Normal(0, scale) arrays of the given shapes; a fresh draw by default."""
   keys = jax.random.split(fresh_key(seed), len(shapes))

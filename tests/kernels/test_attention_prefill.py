@@ -19,17 +19,6 @@ def _qkv(B, Sq, Skv, Hq, Hkv, D, dtype=jnp.bfloat16):
   return testing.random_inputs([(B, Sq, Hq, D), (B, Skv, Hkv, D), (B, Skv, Hkv, D)], dtype)
 
 
-def _packed(lengths, total):
-  """Segment ids and restarting positions of sequences packed into one row."""
-  seg, pos = [], []
-  for i, n in enumerate(lengths):
-    seg += [i + 1] * n
-    pos += list(range(n))
-  seg += [0] * (total - len(seg))
-  pos += [0] * (total - len(pos))
-  return jnp.array([seg], jnp.int32), jnp.array([pos], jnp.int32)
-
-
 def _naive(q, k, v, causal, scale, qp, qs, kp, ks, window):
   q, k, v = (np.asarray(jnp.asarray(x, jnp.float32), np.float64) for x in (q, k, v))
   B, Sq, Hq, D = q.shape
@@ -56,7 +45,7 @@ def test_reference_matches_naive_loop(causal, window, packed):
   B, Sq, Skv = (1, 24, 24) if packed else (2, 7, 19)
   q, k, v = _qkv(B, Sq, Skv, 4, 2, 16, jnp.float32)
   if packed:
-    qs, qp = _packed([9, 4, 8], Sq)
+    qs, qp = testing.packed_segments([9, 4, 8], Sq)
     ks, kp = qs, qp
     kw = dict(q_segment_ids=qs, kv_segment_ids=ks, q_positions=qp, kv_positions=kp)
   else:
@@ -119,9 +108,9 @@ def test_block_ranges_hold_every_visible_block_and_only_those_of_its_sequences(
 
 def _case(name):
   """(shape kwargs, op kwargs, mosaic config) for the named case."""
-  seg, pos = _packed([40, 100, 70, 30], 256)
+  seg, pos = testing.packed_segments([40, 100, 70, 30], 256)
   # Rows 0..63 (the first consumer) and 114.. (the whole second CTA) are padding.
-  s2, p2 = _packed([30, 20], 192)
+  s2, p2 = testing.packed_segments([30, 20], 192)
   seg2 = jnp.concatenate([jnp.zeros((1, 64), jnp.int32), s2], 1)
   pos2 = jnp.concatenate([jnp.zeros((1, 64), jnp.int32), p2], 1)
   # The model's chunk on cached pages: rows start at 101, 39 and 1 (the last
@@ -222,7 +211,7 @@ def test_the_plan_launches_each_rows_longest_tiles_first():
     shapes = [jax.ShapeDtypeStruct((B, S, 2, 64), jnp.bfloat16)] * 3
     return np.asarray(ap.attention_prefill_mosaic_plan(*shapes, config=cfg, **kw).meta)
 
-  seg, pos = _packed([300, 900, 120, 700], 2048)
+  seg, pos = testing.packed_segments([300, 900, 120, 700], 2048)
   packed = dict(causal=True, q_segment_ids=seg, kv_segment_ids=seg, q_positions=pos,
                 kv_positions=pos)
   cfg = ap.Config(block_kv=64)

@@ -35,19 +35,9 @@ def _quantized(B, Sq, Skv, Hq, Hkv, D=128, per_tensor=False):
   return (q8, k8, v8), dict(q_scale=qs, k_scale=ks, v_scale=vs)
 
 
-def _packed(lengths, total):
-  seg, pos = [], []
-  for i, n in enumerate(lengths):
-    seg += [i + 1] * n
-    pos += list(range(n))
-  seg += [0] * (total - len(seg))
-  pos += [0] * (total - len(pos))
-  return jnp.array([seg], jnp.int32), jnp.array([pos], jnp.int32)
-
-
 def _case(name):
   """(shape, mask kwargs, config, per-tensor scales)."""
-  seg, pos = _packed([90, 100, 40], 256)
+  seg, pos = testing.packed_segments([90, 100, 40], 256)
   base = ap.Config(p_smem=True)
   return {
       # GQA 4:1 over a cached prefix; padding queries and a partial kv block.
