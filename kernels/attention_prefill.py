@@ -575,13 +575,14 @@ def _mosaic_kernel(meta_ref, q_ref, k_ref, v_ref, qp_ref, qs_ref, kp_ref, ks_ref
         pl.when(wg == 0)(take_turn if cfg.overlap else sync_sched)
 
       l_safe = jnp.where(l_i == 0.0, 1.0, l_i)
-      inv_l = (scales_ref[1, h] if fp8 else 1.0) / l_safe
+      inv_l = scales_ref[1, h] / l_safe if fp8 else 1.0 / l_safe
       acc = acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])
       ot = qo if o_smem is None else o_smem.at[wg]
       ot[...] = acc.astype(o_ref.dtype)
       if has_lse:
-        lse_smem.at[wg][...] = jnp.where(l_i == 0.0, -jnp.inf,
-                                         (m_i + jnp.log2(l_safe) - shift) * LN2)
+        lse_smem.at[wg][...] = jnp.where(
+            l_i == 0.0, -jnp.inf,
+            (m_i + jnp.log2(l_safe) - shift) * LN2 if fp8 else (m_i + jnp.log2(l_safe)) * LN2)
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(ot, o_ref.at[b, pl.ds(q0, block_q), h])
       if has_lse:
