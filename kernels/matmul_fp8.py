@@ -65,15 +65,28 @@ def quantize_weight(w):
   return (w / scale[..., None]).astype(FP8), scale
 
 
-def quantize_rows(x, rms_eps: float | None = None):
+def quantize_rows(x, rms_eps: float | None = None, scale_ub: float | None = None):
   """x [M, K] -> (x_q [M, K] float8_e4m3fn, x_scale [M] float32), per row
   (dynamic, per token). ``rms_eps``: the scale also carries each row's
-  RMSNorm factor rsqrt(mean(x**2) + eps), so x_q * x_scale is rms_rows(x)."""
+  RMSNorm factor rsqrt(mean(x**2) + eps), so x_q * x_scale is rms_rows(x).
+  ``scale_ub``: an upper bound on a row's amax (fbgemm's and vLLM's
+  ``input_scale_ub``; of the normalized row with ``rms_eps``): a row with
+  larger values saturates at fp8's 448 rather than widen its scale."""
   x = _operand(x, "quantize_rows' x [M, K]", (2,))
-  scale = jnp.maximum(jnp.max(jnp.abs(x), axis=-1) / FP8_MAX, MIN_SCALE)
-  q = (x / scale[:, None]).astype(FP8)
+  amax = jnp.max(jnp.abs(x), axis=-1)
   if rms_eps is not None:
-    scale = scale * lax.rsqrt(jnp.mean(x * x, axis=-1) + rms_eps)
+    r = lax.rsqrt(jnp.mean(x * x, axis=-1) + rms_eps)
+  if scale_ub is not None:
+    if not (isinstance(scale_ub, (int, float)) and 0 < scale_ub < float("inf")):
+      raise ValueError(f"{scale_ub=} must be a positive finite number")
+    amax = jnp.minimum(amax, scale_ub if rms_eps is None else scale_ub / r)
+  scale = jnp.maximum(amax / FP8_MAX, MIN_SCALE)
+  q = x / scale[:, None]
+  if scale_ub is not None:
+    q = jnp.clip(q, -FP8_MAX, FP8_MAX)  # (fp8 has no inf: a larger value would cast to NaN)
+  q = q.astype(FP8)
+  if rms_eps is not None:
+    scale = scale * r
   return q, scale
 
 

@@ -18,6 +18,9 @@ q/k/v and gate/up are stored fused (``fuse_qkv``, ``fuse_gate_up``; the
   which quantizes it back per channel: the same fp8 values where a channel's
   largest value is 448 (as llm-compressor writes them; the dequantized
   value's rounding is far under half an fp8 step), re-rounded elsewhere.
+  The ``fbgemm_fp8`` layout (transformers' FbgemmFp8Config: the same
+  weights and scales, activations per token with their amax bounded by
+  ``activation_scale_ub``) loads the same way, the bound kept.
 - GGUF: the ``gguf`` package reads and dequantizes; llama.cpp stores the Q and
   K rows of "llama" models permuted for interleaved RoPE, which is undone here
   since our RoPE rotates the two halves of a head.
@@ -29,7 +32,7 @@ from __future__ import annotations
 
 import json
 import pathlib
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import ml_dtypes
 import numpy as np
@@ -310,15 +313,28 @@ _CT_SCHEME_KEYS = {"num_bits", "type", "symmetric", "strategy", "dynamic", "grou
                    "block_structure", "observer", "observer_kwargs"}
 
 
-def _fp8_scheme(qc: dict, source: str) -> str:
-  """"fp8" for a ``quantization_config`` we compute as written (compressed-
-  tensors: fp8 weights per output channel, fp8 activations dynamic per token,
-  only lm_head left out, no KV-cache scheme), else a ValueError naming the
-  field that differs."""
+class HFQuantization(NamedTuple):
+  """What an HF checkpoint's ``quantization_config`` computes, in our terms."""
+  method: str  # a models.llama.QUANTIZATIONS value
+  activation_scale_ub: float | None = None  # fbgemm_fp8's bound on a row's amax
+
+
+# transformers' FbgemmFp8Config default, which it applies when the key is absent.
+FBGEMM_DEFAULT_UB = 1200.0
+
+
+def _fp8_scheme(qc: dict, source: str) -> HFQuantization:
+  """The quantization of a ``quantization_config`` we compute as written
+  (compressed-tensors: fp8 weights per output channel, fp8 activations
+  dynamic per token, only lm_head left out, no KV-cache scheme; fbgemm_fp8:
+  the same with a bound on the activations' amax), else a ValueError naming
+  the field that differs."""
   bad = lambda why: ValueError(
       f"{source}: config field quantization_config={qc!r} is not supported; supported: "
-      "compressed-tensors FP8-dynamic (fp8 weights with a scale per output channel, "
-      f"activations dynamic per token); here {why}")
+      "compressed-tensors FP8-dynamic or fbgemm_fp8 (fp8 weights with a scale per output "
+      f"channel, activations dynamic per token); here {why}")
+  if isinstance(qc, dict) and qc.get("quant_method") == "fbgemm_fp8":
+    return _fbgemm_scheme(qc, bad)
   if not isinstance(qc, dict) or qc.get("quant_method") != "compressed-tensors":
     raise bad(f"quant_method={qc.get('quant_method') if isinstance(qc, dict) else qc!r}")
   # Every key is computed, or is bookkeeping that does not change the math;
@@ -360,12 +376,28 @@ def _fp8_scheme(qc: dict, source: str) -> str:
       raise bad(f"{what} are grouped or blocked")
   if group.get("output_activations") is not None:
     raise bad("output_activations are quantized")
-  return "fp8"
+  return HFQuantization("fp8")
 
 
-def hf_quantization(folder) -> str | None:
-  """The weight quantization an HF folder's config.json declares ("fp8"),
-  None for unquantized weights; a scheme not computed here is a ValueError."""
+def _fbgemm_scheme(qc: dict, bad) -> HFQuantization:
+  for k in set(qc) - {"quant_method", "activation_scale_ub", "modules_to_not_convert"}:
+    raise bad(f"{k}={qc[k]!r} (not read here)")
+  # lm_head is never converted (transformers adds it, vLLM's head is not a
+  # Linear); a layer's projection left in 16 bits is not supported: every
+  # layer's four projections are fp8 here.
+  skipped = set(qc.get("modules_to_not_convert") or []) - {"lm_head"}
+  if skipped:
+    raise bad(f"modules_to_not_convert={sorted(skipped)!r} (only lm_head may stay "
+              "unquantized)")
+  ub = qc.get("activation_scale_ub", FBGEMM_DEFAULT_UB)
+  if isinstance(ub, bool) or not isinstance(ub, (int, float)) or not 0 < ub < float("inf"):
+    raise bad(f"activation_scale_ub={ub!r} (a positive finite number)")
+  return HFQuantization("fp8", float(ub))
+
+
+def hf_quantization(folder) -> HFQuantization | None:
+  """The weight quantization an HF folder's config.json declares, None for
+  unquantized weights; a scheme not computed here is a ValueError."""
   path = pathlib.Path(folder) / "config.json"
   try:
     qc = json.loads(path.read_text()).get("quantization_config")
@@ -390,7 +422,7 @@ def read_hf(folder, dtype=np.float32, tokenizer: bool = True
     raise ValueError(f"{cfg_path}: not valid JSON ({e})") from None
   fp8 = isinstance(hf, dict) and hf.get("quantization_config") is not None
   if fp8:  # what it declares is computed here (or refused by name)
-    _fp8_scheme(hf["quantization_config"], str(cfg_path))
+    scheme = _fp8_scheme(hf["quantization_config"], str(cfg_path))
     hf = {k: v for k, v in hf.items() if k != "quantization_config"}
   try:
     cfg = ModelConfig.from_hf(hf, name=folder.name)
@@ -429,9 +461,23 @@ def read_hf(folder, dtype=np.float32, tokenizer: bool = True
     a = index[name].get(name)
     if a.dtype == ml_dtypes.float8_e4m3fn:
       a = _dequantized(a, name)
+      _check_input_scale_ub(name)
     if a.ndim == 2 and not name.endswith("embed_tokens.weight"):
       a = a.T  # torch Linear [out, in] -> ours [in, out]
     return a
+
+  def _check_input_scale_ub(name):
+    # fbgemm_fp8 stores the config's bound beside each weight too; one that
+    # differs would be a bound this model does not apply.
+    ub_name = name.removesuffix("weight") + "input_scale_ub"
+    if ub_name not in index:
+      return
+    ub = np.asarray(index[ub_name].get(ub_name), np.float32).ravel()
+    want = scheme.activation_scale_ub
+    if want is None or ub.size != 1 or not np.isclose(ub[0], want, rtol=1e-6):
+      raise ValueError(f"{folder}: {ub_name!r} is {ub.tolist()}, but config.json's "
+                       f"quantization_config has activation_scale_ub={want!r}; the bound is "
+                       "one value for every layer here")
 
   def _dequantized(a, name):
     scale_name = name + "_scale"

@@ -112,10 +112,20 @@ OPS = ("rms_norm", "matmul", "attention_prefill", "attention_decode")  # chosen 
 QUANTIZATIONS = (None, "fp8")
 
 
-def check_quantization(quantization) -> None:
+def check_quantization(quantization, activation_scale_ub=None) -> None:
   if quantization not in QUANTIZATIONS:
     raise ValueError(f"quantization={quantization!r} is not supported; use one of "
                      f"{[q for q in QUANTIZATIONS if q]} (or None)")
+  if activation_scale_ub is None:
+    return
+  if quantization != "fp8":
+    raise ValueError(f"activation_scale_ub={activation_scale_ub!r} applies to fp8 linears only; "
+                     f"quantization={quantization!r}")
+  if (isinstance(activation_scale_ub, bool) or not isinstance(activation_scale_ub, (int, float))
+      or not 0 < activation_scale_ub < float("inf")):
+    raise ValueError(f"activation_scale_ub={activation_scale_ub!r} must be a positive finite "
+                     "number")
+
 # Runs attention_decode's backend where it has it (``_append_backend``).
 APPEND_OP = "attention_decode_append"
 # The fp8 linears' op (Linear with quantization="fp8"); --matmul-backend names it too.
@@ -286,7 +296,9 @@ class Linear(nnx.Module):
   With ``quantization="fp8"`` the weight is w_q [out, in] float8_e4m3fn and
   w_scale [out] (``quantize_params``), and each call quantizes its input rows
   (one XLA fusion, which also applies a folded norm's row scale) and runs the
-  ``matmul_fp8`` op (W8A8 on fp8 tensor cores).
+  ``matmul_fp8`` op (W8A8 on fp8 tensor cores). ``activation_scale_ub``:
+  an upper bound on an input row's amax (an fbgemm_fp8 checkpoint's;
+  ``quantize_rows``).
 
   Under tensor parallelism a ``row_parallel`` layer (wo, w_down: input
   features split) yields partial sums: they are summed over 'tp' before the
@@ -294,9 +306,10 @@ class Linear(nnx.Module):
   """
 
   def __init__(self, din: int, dout: int, *, bias: bool = False, dtype, rngs: nnx.Rngs,
-               quantization: str | None = None):
-    check_quantization(quantization)
+               quantization: str | None = None, activation_scale_ub: float | None = None):
+    check_quantization(quantization, activation_scale_ub)
     self.quantized = quantization == "fp8"
+    self.activation_scale_ub = activation_scale_ub
     if self.quantized:
       w_q, w_scale = quantize_weight(_init(rngs, (din, dout), dtype, din))
       self.w_q, self.w_scale = nnx.Param(w_q), nnx.Param(w_scale)
@@ -313,7 +326,7 @@ class Linear(nnx.Module):
                              activation=activation, layer=layer,
                              **({} if rms_eps is None else dict(rms_eps=rms_eps)))
     with jax.named_scope("quantize"):
-      a_q, a_scale = quantize_rows(a, rms_eps)
+      a_q, a_scale = quantize_rows(a, rms_eps, self.activation_scale_ub)
     return ops()[FP8_OP](a_q, self.w_q[...], a_scale=a_scale, w_scale=self.w_scale[...],
                          bias=b, residual=residual, out_dtype=out_dtype or a.dtype,
                          activation=activation, layer=layer, backend=fp8_backend())
@@ -395,16 +408,17 @@ class RMSNorm(nnx.Module):
 
 class Attention(nnx.Module):
 
-  def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs, quantization=None):
+  def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs, quantization=None,
+               activation_scale_ub=None):
     d, hd = cfg.hidden_size, cfg.head_dim
+    q = dict(quantization=quantization, activation_scale_ub=activation_scale_ub)
     self.cfg = cfg
     # One matmul for q, k and v. Columns are grouped by kv head: [Hkv, G + 2, hd]
     # holds each kv head's G query heads, then its k, then its v, so an even
     # split of the columns over 'tp' gives each device whole groups.
     self.wqkv = Linear(d, (cfg.num_heads + 2 * cfg.num_kv_heads) * hd, bias=cfg.qkv_bias,
-                       dtype=dtype, rngs=rngs, quantization=quantization)
-    self.wo = Linear(cfg.num_heads * hd, d, bias=cfg.o_bias, dtype=dtype, rngs=rngs,
-                     quantization=quantization)
+                       dtype=dtype, rngs=rngs, **q)
+    self.wo = Linear(cfg.num_heads * hd, d, bias=cfg.o_bias, dtype=dtype, rngs=rngs, **q)
     # Qwen3: RMSNorm weights over head_dim for q and k (applied before RoPE).
     self.q_norm = nnx.Param(jnp.ones((hd,), dtype)) if cfg.qk_norm else None
     self.k_norm = nnx.Param(jnp.ones((hd,), dtype)) if cfg.qk_norm else None
@@ -447,13 +461,13 @@ class MLP(nnx.Module):
   split keeps blocks whole. F is ``cfg.ffn_size``: intermediate_size padded
   with zero features up to whole blocks."""
 
-  def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs, quantization=None):
+  def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs, quantization=None,
+               activation_scale_ub=None):
     d, f = cfg.hidden_size, cfg.ffn_size
+    q = dict(quantization=quantization, activation_scale_ub=activation_scale_ub)
     self.act = cfg.hidden_act
-    self.w_gate_up = Linear(d, 2 * f, bias=cfg.mlp_bias, dtype=dtype, rngs=rngs,
-                            quantization=quantization)
-    self.w_down = Linear(f, d, bias=cfg.mlp_bias, dtype=dtype, rngs=rngs,
-                         quantization=quantization)
+    self.w_gate_up = Linear(d, 2 * f, bias=cfg.mlp_bias, dtype=dtype, rngs=rngs, **q)
+    self.w_down = Linear(f, d, bias=cfg.mlp_bias, dtype=dtype, rngs=rngs, **q)
 
   def __call__(self, h, residual, rms_eps=None):
     with jax.named_scope("gate_up"):
@@ -470,18 +484,21 @@ class MLP(nnx.Module):
 
 class Block(nnx.Module):
 
-  def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs, quantization=None):
+  def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs, quantization=None,
+               activation_scale_ub=None):
+    q = dict(quantization=quantization, activation_scale_ub=activation_scale_ub)
     self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
-    self.attn = Attention(cfg, dtype=dtype, rngs=rngs, quantization=quantization)
+    self.attn = Attention(cfg, dtype=dtype, rngs=rngs, **q)
     self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
-    self.mlp = MLP(cfg, dtype=dtype, rngs=rngs, quantization=quantization)
+    self.mlp = MLP(cfg, dtype=dtype, rngs=rngs, **q)
 
 
 class Llama(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, *, dtype="bfloat16", rngs: nnx.Rngs,
                norms_folded: bool = False, decode_append: bool = True,
-               decode_unroll: int | None = None, residual_dtype=None, quantization=None):
+               decode_unroll: int | None = None, residual_dtype=None, quantization=None,
+               activation_scale_ub: float | None = None):
     """``norms_folded``: the layers' norm weights are folded into wqkv and
     w_gate_up (``fold_norm_weights`` on the params), which then normalize.
     ``decode_append``: a one-token decode step rotates, writes the cache and
@@ -495,7 +512,9 @@ class Llama(nnx.Module):
     matmul's own a operand, which is ``dtype``, so the two exclude each other.
     ``quantization``: "fp8" makes the layers' linears W8A8 (``Linear``; the
     embedding and lm_head stay in ``dtype``); their params come from
-    ``quantize_params``."""
+    ``quantize_params``. ``activation_scale_ub``: with fp8, an upper bound on
+    the amax of a linear's input row (an fbgemm_fp8 checkpoint's
+    ``activation_scale_ub``; None: unbounded)."""
     if decode_unroll is not None and (isinstance(decode_unroll, bool)
                                       or not isinstance(decode_unroll, int)
                                       or decode_unroll < 1):
@@ -516,12 +535,14 @@ class Llama(nnx.Module):
     self.decode_append = decode_append
     self.decode_unroll = decode_unroll
     self.quantization = quantization
+    self.activation_scale_ub = activation_scale_ub
     self.embed = nnx.Param(_init(rngs, (cfg.vocab_size, cfg.hidden_size), dtype, 1.0))
 
     @nnx.split_rngs(splits=cfg.num_layers)
     @nnx.vmap(in_axes=(0,), out_axes=0)
     def make_layers(rngs):
-      return Block(cfg, dtype=dtype, rngs=rngs, quantization=quantization)
+      return Block(cfg, dtype=dtype, rngs=rngs, quantization=quantization,
+                   activation_scale_ub=activation_scale_ub)
 
     self.layers = make_layers(rngs)  # every parameter has a leading [num_layers] axis
     self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)

@@ -42,7 +42,8 @@ class Model:
   def __init__(self, config: config_lib.ModelConfig, params, tokenizer: tok_lib.Tokenizer,
                *, dtype="bfloat16", mesh=None, fold_norms: bool | None = None,
                decode_append: bool = True, decode_unroll: int | None = None,
-               residual_dtype=None, quantization: str | None = None):
+               residual_dtype=None, quantization: str | None = None,
+               activation_scale_ub: float | None = None):
     """``fold_norms``: fold the layers' norm weights into wqkv / w_gate_up,
     whose matmuls then normalize their input (models.llama, "Folded norms");
     None: fold unless the residual stream's dtype differs from ``dtype``.
@@ -52,8 +53,10 @@ class Model:
     attention as one op (models.llama.Llama). ``decode_unroll``: layers per
     iteration of a one-token decode step's layer loop (None: all, no loop).
     ``quantization``: "fp8" quantizes the layers' linear weights here, after
-    the norms are folded into them (W8A8; models.llama.quantize_params)."""
-    llama.check_quantization(quantization)
+    the norms are folded into them (W8A8; models.llama.quantize_params).
+    ``activation_scale_ub``: with fp8, the bound on a linear's input row
+    amax that an fbgemm_fp8 checkpoint declares (models.llama.Llama)."""
+    llama.check_quantization(quantization, activation_scale_ub)
     self.config = config
     self.dtype = jnp.dtype(dtype)
     self.residual_dtype = self.dtype if residual_dtype is None else jnp.dtype(residual_dtype)
@@ -65,12 +68,14 @@ class Model:
     self.tensor_parallel_size = 1 if mesh is None else int(mesh.size)
     self.fold_norms = fold_norms
     self.quantization = quantization
+    self.activation_scale_ub = activation_scale_ub
     abstract = nnx.eval_shape(lambda: llama.Llama(config, dtype=self.dtype, rngs=nnx.Rngs(0),
                                                   norms_folded=fold_norms,
                                                   decode_append=decode_append,
                                                   decode_unroll=decode_unroll,
                                                   residual_dtype=self.residual_dtype,
-                                                  quantization=quantization))
+                                                  quantization=quantization,
+                                                  activation_scale_ub=activation_scale_ub))
     self.graphdef, state = nnx.split(abstract)
     if isinstance(params, nnx.State):
       params = nnx.to_pure_dict(params)
@@ -165,6 +170,8 @@ class Model:
 
   def __repr__(self):
     q = f", {self.quantization} linears" if self.quantization else ""
+    if self.activation_scale_ub is not None:
+      q += f" (activation scale ub {self.activation_scale_ub:g})"
     return (f"Model({self.config.name}, {self.dtype}{q}, "
             f"{self.config.num_params() / 1e6:.1f}M params)")
 
@@ -284,6 +291,7 @@ def load(spec: str | os.PathLike | None = None, *, dtype=None, tp: int = 1,
   llama.check_quantization(quantization)  # before any weight is read
   dtype = jnp.dtype(default_dtype() if dtype is None else dtype)
   fold_norms = None  # Model's default
+  activation_scale_ub = None
   if dtype.name not in ("bfloat16", "float16", "float32"):
     raise ValueError(f"{dtype=} is not supported; use bfloat16, float16 or float32")
   if spec is None or spec == "default":
@@ -319,7 +327,8 @@ def load(spec: str | os.PathLike | None = None, *, dtype=None, tp: int = 1,
       if declared is not None:
         # An fp8 checkpoint runs as fp8, its weights as written: the norms
         # stay separate (folding them in would change the fp8 values).
-        quantization, fold_norms = declared, False
+        quantization, fold_norms = declared.method, False
+        activation_scale_ub = declared.activation_scale_ub
       cfg, params, tok = checkpoint.read_hf(path, _np_dtype(dtype), tokenizer=tokenizer is None)
   if tokenizer is False:
     tok = tok_lib.NoTokenizer(str(spec or "default"), bos_id=tok.bos_id, eos_ids=tok.eos_ids)
@@ -328,7 +337,8 @@ def load(spec: str | os.PathLike | None = None, *, dtype=None, tp: int = 1,
   elif tokenizer is not None:
     tok = tok_lib.from_folder(pathlib.Path(tokenizer))
   return Model(cfg, params, tok, dtype=dtype, mesh=tp_mesh(cfg, tp), decode_unroll=decode_unroll,
-               residual_dtype=residual_dtype, quantization=quantization, fold_norms=fold_norms)
+               residual_dtype=residual_dtype, quantization=quantization, fold_norms=fold_norms,
+               activation_scale_ub=activation_scale_ub)
 
 
 def _np_dtype(dtype):

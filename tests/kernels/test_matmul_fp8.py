@@ -62,6 +62,36 @@ def test_quantizers():
   testing.assert_close(mf.dequantize_weight(wq, ws), w, tol=4e-2)
 
 
+def test_an_activation_scale_bound_saturates_the_rows_above_it():
+  # fbgemm's input_scale_ub: a row whose amax exceeds the bound gets scale
+  # ub / 448 and its larger values saturate at 448; rows under it are as
+  # without a bound. With rms_eps the bound is on the normalized row.
+  x = testing.random_inputs([(4, 256)], jnp.float32)[0]
+  x = x * jnp.array([0.5, 3.0, 40.0, 1.0])[:, None]
+  amax = np.abs(np.asarray(x)).max(axis=1)
+  ub = float(np.sort(amax)[1]) * 1.01  # rows 0 and 3 under it, 1 and 2 over
+  q, s = mf.quantize_rows(x, scale_ub=ub)
+  q0, s0 = mf.quantize_rows(x)
+  over = amax > ub
+  assert over.sum() == 2
+  np.testing.assert_allclose(np.asarray(s)[over], ub / mf.FP8_MAX, rtol=1e-6)
+  np.testing.assert_array_equal(np.asarray(s)[~over], np.asarray(s0)[~over])
+  np.testing.assert_array_equal(np.asarray(q, np.float32)[~over],
+                                np.asarray(q0, np.float32)[~over])
+  deq = np.asarray(q, np.float32) * np.asarray(s)[:, None]
+  want = np.clip(np.asarray(x), -ub, ub)  # what the bound means: values clip at ub
+  assert np.isfinite(deq).all()
+  np.testing.assert_allclose(deq, want, rtol=0.07, atol=ub * 2 ** -9)
+  # With rms_eps: the normalized rows, bounded.
+  rms = np.asarray(mm.rms_rows(x, 1e-5))
+  q2, s2 = mf.quantize_rows(x, rms_eps=1e-5, scale_ub=1.5)
+  np.testing.assert_allclose(np.asarray(q2, np.float32) * np.asarray(s2)[:, None],
+                             np.clip(rms, -1.5, 1.5), rtol=0.07, atol=1.5 * 2 ** -9)
+  for bad in (0.0, -1.0, float("inf"), float("nan")):
+    with pytest.raises(ValueError, match="scale_ub"):
+      mf.quantize_rows(x, scale_ub=bad)
+
+
 CASES = [
     # m, n, k, config, activation, bias, residual
     pytest.param(72, 256, 256, C(tile_m=64, tile_n=64, tile_k=128, stages=2), None, True, True,

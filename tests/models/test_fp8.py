@@ -242,7 +242,7 @@ def test_an_fp8_checkpoint_loads_as_written(hf_oracle, tmp_path):
      "weights.num_bits=4"),
     (lambda c: c.update(ignore=["lm_head", "re:.*down_proj"]), "ignore="),
     (lambda c: c.update(kv_cache_scheme={"num_bits": 8}), "kv_cache_scheme="),
-    (lambda c: c.update(quant_method="fbgemm_fp8"), "quant_method='fbgemm_fp8'"),
+    (lambda c: c.update(quant_method="fp8"), "quant_method='fp8'"),
 ])
 def test_fp8_schemes_not_computed_here_are_refused(hf_oracle, tmp_path, change, field):
   import copy
@@ -335,3 +335,82 @@ def test_bad_weight_scales_are_refused(hf_oracle, tmp_path):
   with pytest.raises(ValueError, match="down_proj.weight_scale' holds values that are not "
                                        "finite and positive"):
     models.load(d, dtype="float32")
+
+
+# ---------------------------------------------------------------- fbgemm_fp8
+
+FBGEMM_CONFIG = {"quant_method": "fbgemm_fp8", "activation_scale_ub": 1200.0,
+                 "modules_to_not_convert": ["lm_head"]}
+
+
+def _add_input_scale_ub(d, value):
+  """fbgemm_fp8 checkpoints also hold each projection's bound, [1] float32."""
+  from models import checkpoint
+
+  st = checkpoint._SafetensorsFile(d / "model.safetensors")
+  tensors = {n: np.array(st.get(n)) for n in st.header}
+  for n in list(tensors):
+    if n.endswith("proj.weight_scale"):
+      tensors[n.removesuffix("weight_scale") + "input_scale_ub"] = np.array([value], np.float32)
+  _write_safetensors(d / "model.safetensors", tensors)
+
+
+def test_an_fbgemm_fp8_checkpoint_loads_with_its_activation_bound(hf_oracle, tmp_path):
+  src = hf_oracle / "llama"
+  d = tmp_path / "fbgemm"
+  written = _fp8_checkpoint(src, d, FBGEMM_CONFIG)
+  _add_input_scale_ub(d, 1200.0)
+  model = models.load(d, dtype="float32")
+  assert model.quantization == "fp8" and model.activation_scale_ub == 1200.0
+  assert not model.fold_norms and "activation scale ub 1200" in repr(model)
+  want = written["model.layers.1.mlp.down_proj.weight"].astype(np.float32)
+  got = np.asarray(model.params["layers"]["mlp"]["w_down"]["w_q"][...][1], np.float32)
+  np.testing.assert_array_equal(got[:, :want.shape[1]], want)
+  # The parity model's activations stay far under 1200: the compressed-tensors
+  # load of the same weights gives the same logits.
+  ct = tmp_path / "ct"
+  _fp8_checkpoint(src, ct)
+  ids = np.load(src / "prompt.npy").tolist() + np.load(src / "greedy.npy").tolist()
+  plain = _all_logits(models.load(ct, dtype="float32"), ids, page=8)
+  np.testing.assert_array_equal(_all_logits(model, ids, page=8), plain)
+  # The bound is applied: one the activations exceed gives other (finite:
+  # _all_logits checks) logits.
+  low = tmp_path / "low"
+  _fp8_checkpoint(src, low, dict(FBGEMM_CONFIG, activation_scale_ub=0.5))
+  rel, _ = _compare(plain, _all_logits(models.load(low, dtype="float32"), ids, page=8))
+  assert rel > 1e-2, rel
+  # Without the key, transformers' default bound.
+  dflt = tmp_path / "default"
+  _fp8_checkpoint(src, dflt, {"quant_method": "fbgemm_fp8"})
+  assert models.load(dflt, dtype="float32").activation_scale_ub == 1200.0
+
+
+@pytest.mark.parametrize("config,tensor_ub,field", [
+    (dict(FBGEMM_CONFIG, modules_to_not_convert=["lm_head", "model.layers.0.mlp.down_proj"]),
+     None, "modules_to_not_convert=['model.layers.0.mlp.down_proj']"),
+    (dict(FBGEMM_CONFIG, activation_scale_ub=-1.0), None, "activation_scale_ub=-1.0"),
+    (dict(FBGEMM_CONFIG, activation_scale_ub="1200"), None, "activation_scale_ub='1200'"),
+    (dict(FBGEMM_CONFIG, weight_dtype="int8"), None, "weight_dtype='int8' (not read here)"),
+    (FBGEMM_CONFIG, 600.0, "input_scale_ub' is [600.0]"),
+])
+def test_fbgemm_fields_not_computed_here_are_refused(hf_oracle, tmp_path, config, tensor_ub,
+                                                     field):
+  import re
+
+  d = tmp_path / "ckpt"
+  _fp8_checkpoint(hf_oracle / "llama", d, config)
+  if tensor_ub is not None:
+    _add_input_scale_ub(d, tensor_ub)
+  with pytest.raises(ValueError, match=re.escape(field)):
+    models.load(d, dtype="float32")
+
+
+def test_an_activation_bound_needs_fp8_and_a_positive_number(pair):
+  cfg, params = pair[0].config, model_lib.random_params(models.config.get("tiny"))
+  tok = models.tokenizer.ByteTokenizer()
+  with pytest.raises(ValueError, match="applies to fp8 linears only"):
+    models.Model(cfg, params, tok, dtype="float32", activation_scale_ub=10.0)
+  for bad in (0, -3.0, float("inf"), True, "10"):
+    with pytest.raises(ValueError, match="must be a positive finite number"):
+      models.Model(cfg, params, tok, dtype="float32", quantization="fp8",
+                   activation_scale_ub=bad)
