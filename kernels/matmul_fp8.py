@@ -14,7 +14,8 @@ How data flows:
   out] layout) into (w [N, K] fp8, w_scale [N]): each output channel's amax
   maps to fp8's largest value, 448.
 - At each call, ``quantize_rows`` turns the activations [M, K] into (a fp8,
-  a_scale [M]) in one XLA fusion (a row's amax, divide, cast). With
+  a_scale [M]) in one XLA fusion (a row's amax, divide, cast);
+  ``quantize_rows_static`` does it with a checkpoint's fixed input scale. With
   ``rms_eps`` it also folds the RMSNorm into a_scale: rows differing by a
   factor quantize to the same fp8 values, so quantize(rms_rows(x)) has x's
   fp8 values and x's scale times rsqrt(mean(x**2) + eps). The norm costs no
@@ -88,6 +89,18 @@ def quantize_rows(x, rms_eps: float | None = None, scale_ub: float | None = None
   if rms_eps is not None:
     scale = scale * r
   return q, scale
+
+
+def quantize_rows_static(x, scale):
+  """x [M, K] -> (x_q float8_e4m3fn, x_scale [M] float32) with one given
+  scale for every row (a checkpoint's static per-tensor input scale):
+  values past 448 * scale saturate."""
+  x = _operand(x, "quantize_rows_static's x [M, K]", (2,))
+  scale = jnp.asarray(scale, jnp.float32)
+  if scale.shape != ():
+    raise ValueError(f"quantize_rows_static's scale must be a scalar; got shape {scale.shape}")
+  q = jnp.clip(x / scale, -FP8_MAX, FP8_MAX).astype(FP8)
+  return q, jnp.broadcast_to(scale, x.shape[:1])
 
 
 def dequantize_weight(w_q, w_scale):

@@ -20,7 +20,9 @@ q/k/v and gate/up are stored fused (``fuse_qkv``, ``fuse_gate_up``; the
   value's rounding is far under half an fp8 step), re-rounded elsewhere.
   The ``fbgemm_fp8`` layout (transformers' FbgemmFp8Config: the same
   weights and scales, activations per token with their amax bounded by
-  ``activation_scale_ub``) loads the same way, the bound kept.
+  ``activation_scale_ub``) loads the same way, the bound kept; so does
+  compressed-tensors' static scheme (weights per tensor, each linear's
+  activations at its static ``input_scale``: the params' ``in_scale``).
 - GGUF: the ``gguf`` package reads and dequantizes; llama.cpp stores the Q and
   K rows of "llama" models permuted for interleaved RoPE, which is undone here
   since our RoPE rotates the two halves of a head.
@@ -136,6 +138,12 @@ _FUSED = {
                                lambda a, cfg: fuse_gate_up(*(_pad_ffn(x, -1, cfg) for x in a))),
     "layers.mlp.w_gate_up.b": (("w_gate.b", "w_up.b"),
                                lambda a, cfg: fuse_gate_up(*(_pad_ffn(x, -1, cfg) for x in a))),
+    # Static fp8 input scales: the fused matmul quantizes its one input once,
+    # with the largest of its parts' scales (as vLLM does).
+    "layers.attn.wqkv.in_scale": (("wq.in_scale", "wk.in_scale", "wv.in_scale"),
+                                  lambda a, cfg: np.max(a)),
+    "layers.mlp.w_gate_up.in_scale": (("w_gate.in_scale", "w_up.in_scale"),
+                                      lambda a, cfg: np.max(a)),
 }
 # Leaves whose FFN axis is padded to ffn_size as they are read: (leaf, axis).
 _FFN_ROWS = {"layers.mlp.w_down.w": 0}
@@ -147,11 +155,13 @@ def _fused_parts(key: str) -> list[str]:
   return [f"{base}.{p}" for p in _FUSED[key][0]]
 
 
-def _target(cfg: ModelConfig, fused: bool = True) -> dict[str, Any]:
+def _target(cfg: ModelConfig, fused: bool = True, in_scales: bool = False) -> dict[str, Any]:
   """Shapes of our params tree, nested like nnx.state(Llama); ``fused=False``:
-  the layout before q/k/v and gate/up were fused (older orbax directories)."""
+  the layout before q/k/v and gate/up were fused (older orbax directories);
+  ``in_scales``: the layer linears' static fp8 input scales (one a layer)."""
   d, hd, f, n = cfg.hidden_size, cfg.head_dim, cfg.ffn_size, cfg.num_layers
-  lin = lambda i, o, bias=False: {"w": (n, i, o), **({"b": (n, o)} if bias else {})}
+  lin = lambda i, o, bias=False: {"w": (n, i, o), **({"b": (n, o)} if bias else {}),
+                                  **({"in_scale": (n,)} if in_scales else {})}
   if fused:
     attn = {"wqkv": lin(d, (cfg.num_heads + 2 * cfg.num_kv_heads) * hd, cfg.qkv_bias)}
     if cfg.qk_norm:
@@ -178,11 +188,11 @@ def _target(cfg: ModelConfig, fused: bool = True) -> dict[str, Any]:
 
 
 def _fill(cfg: ModelConfig, get: Callable[[str, int | None], np.ndarray], names: dict,
-          dtype, source: str, desc: str) -> dict[str, Any]:
+          dtype, source: str, desc: str, in_scales: bool = False) -> dict[str, Any]:
   """Builds the params tree; ``names`` maps our leaf path to a source name
   (with "{i}" for the layer), ``get(name, layer)`` returns the tensor already
   in our orientation. A fused leaf reads its parts (``_FUSED``) and combines them."""
-  target = _target(cfg)
+  target = _target(cfg, in_scales=in_scales)
   out: dict[str, Any] = {}
   leaves = []
 
@@ -202,7 +212,8 @@ def _fill(cfg: ModelConfig, get: Callable[[str, int | None], np.ndarray], names:
     key = ".".join(path)
     name = names.get(key) or " + ".join(names[k] for k in _fused_parts(key))
     if path[0] == "layers":
-      arr = np.empty(shape, dtype)
+      # (Static input scales stay float32: they are the fp8 matmul's.)
+      arr = np.empty(shape, np.float32 if path[-1] == "in_scale" else dtype)
       for i in range(cfg.num_layers):
         if key in _FUSED:
           part = [get(names[k].format(i=i), i) for k in _fused_parts(key)]
@@ -232,6 +243,8 @@ def _check_parts(key: str, arrays, names: list[str], cfg: ModelConfig, source: s
   the config before they are combined: a wrong width would otherwise be
   reshaped into the wrong heads, or zero-padded up to the MLP's width."""
   d, hd = cfg.hidden_size, cfg.head_dim
+  if key.endswith(".in_scale"):
+    return  # scalars (checked as they are read)
   if key.startswith("layers.attn.wqkv"):
     widths = [(cfg.num_heads * hd,), (cfg.num_kv_heads * hd,), (cfg.num_kv_heads * hd,)]
   else:  # gate, up: the checkpoint's intermediate_size (or already padded to ffn_size)
@@ -298,6 +311,11 @@ def _hf_names(cfg: ModelConfig) -> dict[str, str]:
   for ours, theirs in (("w_gate", "gate_proj"), ("w_up", "up_proj"), ("w_down", "down_proj")):
     names[f"layers.mlp.{ours}.w"] = p + f"mlp.{theirs}.weight"
     names[f"layers.mlp.{ours}.b"] = p + f"mlp.{theirs}.bias"
+  for ours, theirs in (("attn.wq", "self_attn.q_proj"), ("attn.wk", "self_attn.k_proj"),
+                       ("attn.wv", "self_attn.v_proj"), ("attn.wo", "self_attn.o_proj"),
+                       ("mlp.w_gate", "mlp.gate_proj"), ("mlp.w_up", "mlp.up_proj"),
+                       ("mlp.w_down", "mlp.down_proj")):
+    names[f"layers.{ours}.in_scale"] = p + f"{theirs}.input_scale"  # static fp8
   names["layers.attn.q_norm"] = p + "self_attn.q_norm.weight"  # Qwen3
   names["layers.attn.k_norm"] = p + "self_attn.k_norm.weight"
   return names
@@ -316,7 +334,10 @@ _CT_SCHEME_KEYS = {"num_bits", "type", "symmetric", "strategy", "dynamic", "grou
 class HFQuantization(NamedTuple):
   """What an HF checkpoint's ``quantization_config`` computes, in our terms."""
   method: str  # a models.llama.QUANTIZATIONS value
-  activation_scale_ub: float | None = None  # fbgemm_fp8's bound on a row's amax
+  # Activation scales: static per-tensor (each linear's input_scale), or
+  # dynamic per token with fbgemm_fp8's bound on a row's amax (or none).
+  static_activations: bool = False
+  activation_scale_ub: float | None = None
 
 
 # transformers' FbgemmFp8Config default, which it applies when the key is absent.
@@ -325,14 +346,15 @@ FBGEMM_DEFAULT_UB = 1200.0
 
 def _fp8_scheme(qc: dict, source: str) -> HFQuantization:
   """The quantization of a ``quantization_config`` we compute as written
-  (compressed-tensors: fp8 weights per output channel, fp8 activations
-  dynamic per token, only lm_head left out, no KV-cache scheme; fbgemm_fp8:
-  the same with a bound on the activations' amax), else a ValueError naming
-  the field that differs."""
+  (compressed-tensors: fp8 weights per output channel or per tensor, fp8
+  activations dynamic per token or static per tensor, only lm_head left out,
+  no KV-cache scheme; fbgemm_fp8: weights per channel, activations per token
+  with a bound on their amax), else a ValueError naming the field that
+  differs."""
   bad = lambda why: ValueError(
       f"{source}: config field quantization_config={qc!r} is not supported; supported: "
-      "compressed-tensors FP8-dynamic or fbgemm_fp8 (fp8 weights with a scale per output "
-      f"channel, activations dynamic per token); here {why}")
+      "compressed-tensors FP8 (fp8 weights with a scale per output channel or per tensor, "
+      "activations dynamic per token or static per tensor) or fbgemm_fp8; here " + why)
   if isinstance(qc, dict) and qc.get("quant_method") == "fbgemm_fp8":
     return _fbgemm_scheme(qc, bad)
   if not isinstance(qc, dict) or qc.get("quant_method") != "compressed-tensors":
@@ -366,17 +388,20 @@ def _fp8_scheme(qc: dict, source: str) -> HFQuantization:
         raise bad(f"{what}.{k}={d[k]!r} (not read here)")
   if set(group.get("targets") or []) != {"Linear"}:
     raise bad(f"targets={group.get('targets')!r} (every Linear is)")
-  for what, d, want in (("weights", w, dict(_FP8_FORMAT, strategy="channel", dynamic=False)),
-                        ("input_activations", x, dict(_FP8_FORMAT, strategy="token",
-                                                      dynamic=True))):
+  # Static activations are per tensor, dynamic ones per token.
+  static = x.get("dynamic") is False
+  for what, d, want in (
+      ("weights", w, dict(_FP8_FORMAT, strategy=("channel", "tensor"), dynamic=False)),
+      ("input_activations", x, dict(_FP8_FORMAT, strategy="tensor" if static else "token",
+                                    dynamic=not static))):
     for k, v in want.items():
-      if d.get(k) != v:
+      if d.get(k) not in (v if isinstance(v, tuple) else (v,)):
         raise bad(f"{what}.{k}={d.get(k)!r} (supported: {v!r})")
     if d.get("group_size") is not None or d.get("block_structure") is not None:
       raise bad(f"{what} are grouped or blocked")
   if group.get("output_activations") is not None:
     raise bad("output_activations are quantized")
-  return HFQuantization("fp8")
+  return HFQuantization("fp8", static_activations=static)
 
 
 def _fbgemm_scheme(qc: dict, bad) -> HFQuantization:
@@ -392,7 +417,7 @@ def _fbgemm_scheme(qc: dict, bad) -> HFQuantization:
   ub = qc.get("activation_scale_ub", FBGEMM_DEFAULT_UB)
   if isinstance(ub, bool) or not isinstance(ub, (int, float)) or not 0 < ub < float("inf"):
     raise bad(f"activation_scale_ub={ub!r} (a positive finite number)")
-  return HFQuantization("fp8", float(ub))
+  return HFQuantization("fp8", activation_scale_ub=float(ub))
 
 
 def hf_quantization(folder) -> HFQuantization | None:
@@ -459,6 +484,9 @@ def read_hf(folder, dtype=np.float32, tokenizer: bool = True
     if name not in index:
       raise ValueError(f"{folder}: tensor {name!r} missing from {', '.join(f.name for f in files)}")
     a = index[name].get(name)
+    if name.endswith(".input_scale"):
+      return _positive(np.asarray(a, np.float32), name, "a static input scale is one value"
+                       ).reshape(())
     if a.dtype == ml_dtypes.float8_e4m3fn:
       a = _dequantized(a, name)
       _check_input_scale_ub(name)
@@ -485,15 +513,22 @@ def read_hf(folder, dtype=np.float32, tokenizer: bool = True
       raise ValueError(f"{folder}: tensor {name!r} is float8_e4m3fn without "
                        f"{'a quantization_config' if not fp8 else repr(scale_name)}")
     s = np.asarray(index[scale_name].get(scale_name), np.float32)
-    if s.size != a.shape[0] or a.ndim != 2:
+    if s.size not in (1, a.shape[0]) or a.ndim != 2:
       raise ValueError(f"{folder}: {scale_name!r} has shape {s.shape}; a scale per output "
-                       f"channel of {name!r} {a.shape} is [{a.shape[0]}, 1]")
-    if not (np.isfinite(s).all() and (s > 0).all()):
-      raise ValueError(f"{folder}: {scale_name!r} holds values that are not finite and "
-                       f"positive (e.g. {s[~(np.isfinite(s) & (s > 0))].ravel()[0]})")
+                       f"channel of {name!r} {a.shape} is [{a.shape[0]}, 1], one per tensor [1]")
+    s = _positive(s, scale_name)
     return a.astype(np.float32) * s.reshape(-1, 1)
 
-  params = _fill(cfg, get, _hf_names(cfg), dtype, str(folder), "loading safetensors")
+  def _positive(s, name, one=None):
+    if one is not None and s.size != 1:
+      raise ValueError(f"{folder}: {name!r} has shape {s.shape}; {one}")
+    if not (np.isfinite(s).all() and (s > 0).all()):
+      raise ValueError(f"{folder}: {name!r} holds values that are not finite and "
+                       f"positive (e.g. {s[~(np.isfinite(s) & (s > 0))].ravel()[0]})")
+    return s
+
+  params = _fill(cfg, get, _hf_names(cfg), dtype, str(folder), "loading safetensors",
+                 in_scales=fp8 and scheme.static_activations)
   return cfg, params, tok
 
 

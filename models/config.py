@@ -236,9 +236,9 @@ INERT_FIELDS = frozenset({
 # Fields known to change the computation in ways not computed here, with the
 # values that compute the same as their absence (and say what is supported).
 REFUSED_FIELDS: dict[str, tuple[Any, str]] = {
-    # compressed-tensors FP8-dynamic and fbgemm_fp8 are read by models.checkpoint.read_hf.
-    "quantization_config": (None, "unquantized weights, compressed-tensors FP8-dynamic or "
-                                  "fbgemm_fp8"),
+    # compressed-tensors FP8 and fbgemm_fp8 are read by models.checkpoint.read_hf.
+    "quantization_config": (None, "unquantized weights, compressed-tensors FP8 (dynamic or "
+                                  "static) or fbgemm_fp8"),
     "partial_rotary_factor": (1.0, "1.0 (RoPE over the whole head)"),
     "pruned_heads": ({}, "no pruned heads"),
     "auto_map": (None, "no custom modeling code"),

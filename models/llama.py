@@ -75,6 +75,7 @@ leading [num_layers] axis.
 from __future__ import annotations
 
 import contextvars
+import dataclasses
 import functools
 import math
 from typing import NamedTuple
@@ -86,7 +87,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from kernels.matmul import SWIGLU_BLOCK, fold_rms_weight
-from kernels.matmul_fp8 import quantize_rows, quantize_weight
+from kernels.matmul_fp8 import quantize_rows, quantize_rows_static, quantize_weight
 from models.config import FFN_BLOCK, ModelConfig
 from mosaic import registry
 
@@ -112,19 +113,41 @@ OPS = ("rms_norm", "matmul", "attention_prefill", "attention_decode")  # chosen 
 QUANTIZATIONS = (None, "fp8")
 
 
-def check_quantization(quantization, activation_scale_ub=None) -> None:
+@dataclasses.dataclass(frozen=True)
+class ActivationScales:
+  """How an fp8 linear scales its input rows. Dynamic (the default): each
+  row's amax maps to 448, the amax bounded by ``ub`` when set (an
+  fbgemm_fp8 checkpoint's activation_scale_ub). ``static``: one scale per
+  linear and layer, the param ``in_scale`` (a compressed-tensors
+  checkpoint's static per-tensor ``input_scale``)."""
+  static: bool = False
+  ub: float | None = None
+
+  def __post_init__(self):
+    if not isinstance(self.static, bool):
+      raise ValueError(f"ActivationScales.static={self.static!r} must be a bool")
+    if self.ub is None:
+      return
+    if self.static:
+      raise ValueError(f"ActivationScales: ub={self.ub!r} bounds dynamic scales; static ones "
+                       "have none")
+    if (isinstance(self.ub, bool) or not isinstance(self.ub, (int, float))
+        or not 0 < self.ub < float("inf")):
+      raise ValueError(f"ActivationScales.ub={self.ub!r} must be a positive finite number")
+
+
+def check_quantization(quantization, activation_scales=None) -> None:
   if quantization not in QUANTIZATIONS:
     raise ValueError(f"quantization={quantization!r} is not supported; use one of "
                      f"{[q for q in QUANTIZATIONS if q]} (or None)")
-  if activation_scale_ub is None:
+  if activation_scales is None:
     return
+  if not isinstance(activation_scales, ActivationScales):
+    raise ValueError(f"activation_scales={activation_scales!r} must be a "
+                     "models.llama.ActivationScales or None")
   if quantization != "fp8":
-    raise ValueError(f"activation_scale_ub={activation_scale_ub!r} applies to fp8 linears only; "
+    raise ValueError(f"activation_scales={activation_scales!r} applies to fp8 linears only; "
                      f"quantization={quantization!r}")
-  if (isinstance(activation_scale_ub, bool) or not isinstance(activation_scale_ub, (int, float))
-      or not 0 < activation_scale_ub < float("inf")):
-    raise ValueError(f"activation_scale_ub={activation_scale_ub!r} must be a positive finite "
-                     "number")
 
 # Runs attention_decode's backend where it has it (``_append_backend``).
 APPEND_OP = "attention_decode_append"
@@ -296,9 +319,9 @@ class Linear(nnx.Module):
   With ``quantization="fp8"`` the weight is w_q [out, in] float8_e4m3fn and
   w_scale [out] (``quantize_params``), and each call quantizes its input rows
   (one XLA fusion, which also applies a folded norm's row scale) and runs the
-  ``matmul_fp8`` op (W8A8 on fp8 tensor cores). ``activation_scale_ub``:
-  an upper bound on an input row's amax (an fbgemm_fp8 checkpoint's;
-  ``quantize_rows``).
+  ``matmul_fp8`` op (W8A8 on fp8 tensor cores). ``activation_scales``: how
+  the input rows are scaled (``ActivationScales``; static ones add the param
+  in_scale).
 
   Under tensor parallelism a ``row_parallel`` layer (wo, w_down: input
   features split) yields partial sums: they are summed over 'tp' before the
@@ -306,10 +329,13 @@ class Linear(nnx.Module):
   """
 
   def __init__(self, din: int, dout: int, *, bias: bool = False, dtype, rngs: nnx.Rngs,
-               quantization: str | None = None, activation_scale_ub: float | None = None):
-    check_quantization(quantization, activation_scale_ub)
+               quantization: str | None = None,
+               activation_scales: ActivationScales | None = None):
+    check_quantization(quantization, activation_scales)
     self.quantized = quantization == "fp8"
-    self.activation_scale_ub = activation_scale_ub
+    self.activation_ub = activation_scales.ub if activation_scales else None
+    static = activation_scales is not None and activation_scales.static
+    self.in_scale = nnx.Param(jnp.ones((), jnp.float32)) if static else None
     if self.quantized:
       w_q, w_scale = quantize_weight(_init(rngs, (din, dout), dtype, din))
       self.w_q, self.w_scale = nnx.Param(w_q), nnx.Param(w_scale)
@@ -326,7 +352,14 @@ class Linear(nnx.Module):
                              activation=activation, layer=layer,
                              **({} if rms_eps is None else dict(rms_eps=rms_eps)))
     with jax.named_scope("quantize"):
-      a_q, a_scale = quantize_rows(a, rms_eps, self.activation_scale_ub)
+      if self.in_scale is None:
+        a_q, a_scale = quantize_rows(a, rms_eps, self.activation_ub)
+      elif rms_eps is not None:
+        # (Static scales come from checkpoints, which keep their norms apart.)
+        raise ValueError("a static input scale applies to the norm's output; build the "
+                         "model with fold_norms=False")
+      else:
+        a_q, a_scale = quantize_rows_static(a, _layer_param(self.in_scale[...], layer))
     return ops()[FP8_OP](a_q, self.w_q[...], a_scale=a_scale, w_scale=self.w_scale[...],
                          bias=b, residual=residual, out_dtype=out_dtype or a.dtype,
                          activation=activation, layer=layer, backend=fp8_backend())
@@ -409,9 +442,9 @@ class RMSNorm(nnx.Module):
 class Attention(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs, quantization=None,
-               activation_scale_ub=None):
+               activation_scales=None):
     d, hd = cfg.hidden_size, cfg.head_dim
-    q = dict(quantization=quantization, activation_scale_ub=activation_scale_ub)
+    q = dict(quantization=quantization, activation_scales=activation_scales)
     self.cfg = cfg
     # One matmul for q, k and v. Columns are grouped by kv head: [Hkv, G + 2, hd]
     # holds each kv head's G query heads, then its k, then its v, so an even
@@ -462,9 +495,9 @@ class MLP(nnx.Module):
   with zero features up to whole blocks."""
 
   def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs, quantization=None,
-               activation_scale_ub=None):
+               activation_scales=None):
     d, f = cfg.hidden_size, cfg.ffn_size
-    q = dict(quantization=quantization, activation_scale_ub=activation_scale_ub)
+    q = dict(quantization=quantization, activation_scales=activation_scales)
     self.act = cfg.hidden_act
     self.w_gate_up = Linear(d, 2 * f, bias=cfg.mlp_bias, dtype=dtype, rngs=rngs, **q)
     self.w_down = Linear(f, d, bias=cfg.mlp_bias, dtype=dtype, rngs=rngs, **q)
@@ -485,8 +518,8 @@ class MLP(nnx.Module):
 class Block(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs, quantization=None,
-               activation_scale_ub=None):
-    q = dict(quantization=quantization, activation_scale_ub=activation_scale_ub)
+               activation_scales=None):
+    q = dict(quantization=quantization, activation_scales=activation_scales)
     self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
     self.attn = Attention(cfg, dtype=dtype, rngs=rngs, **q)
     self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
@@ -498,7 +531,7 @@ class Llama(nnx.Module):
   def __init__(self, cfg: ModelConfig, *, dtype="bfloat16", rngs: nnx.Rngs,
                norms_folded: bool = False, decode_append: bool = True,
                decode_unroll: int | None = None, residual_dtype=None, quantization=None,
-               activation_scale_ub: float | None = None):
+               activation_scales: ActivationScales | None = None):
     """``norms_folded``: the layers' norm weights are folded into wqkv and
     w_gate_up (``fold_norm_weights`` on the params), which then normalize.
     ``decode_append``: a one-token decode step rotates, writes the cache and
@@ -512,9 +545,8 @@ class Llama(nnx.Module):
     matmul's own a operand, which is ``dtype``, so the two exclude each other.
     ``quantization``: "fp8" makes the layers' linears W8A8 (``Linear``; the
     embedding and lm_head stay in ``dtype``); their params come from
-    ``quantize_params``. ``activation_scale_ub``: with fp8, an upper bound on
-    the amax of a linear's input row (an fbgemm_fp8 checkpoint's
-    ``activation_scale_ub``; None: unbounded)."""
+    ``quantize_params``. ``activation_scales``: with fp8, how a linear's
+    input rows are scaled (``ActivationScales``; None: dynamic, unbounded)."""
     if decode_unroll is not None and (isinstance(decode_unroll, bool)
                                       or not isinstance(decode_unroll, int)
                                       or decode_unroll < 1):
@@ -535,14 +567,14 @@ class Llama(nnx.Module):
     self.decode_append = decode_append
     self.decode_unroll = decode_unroll
     self.quantization = quantization
-    self.activation_scale_ub = activation_scale_ub
+    self.activation_scales = activation_scales
     self.embed = nnx.Param(_init(rngs, (cfg.vocab_size, cfg.hidden_size), dtype, 1.0))
 
     @nnx.split_rngs(splits=cfg.num_layers)
     @nnx.vmap(in_axes=(0,), out_axes=0)
     def make_layers(rngs):
       return Block(cfg, dtype=dtype, rngs=rngs, quantization=quantization,
-                   activation_scale_ub=activation_scale_ub)
+                   activation_scales=activation_scales)
 
     self.layers = make_layers(rngs)  # every parameter has a leading [num_layers] axis
     self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
@@ -1170,6 +1202,8 @@ def param_spec(path: tuple[str, ...], ndim: int) -> P:
   input features; norms and the embedding table are replicated."""
   names = [str(p) for p in path]
   leaf, owner = names[-1], names[-2] if len(names) > 1 else ""
+  if leaf == "in_scale":  # [L]: one static input scale per layer
+    return P()
   lead = (None,) * (ndim - (2 if leaf in ("w", "w_q") else 1))
   # fp8 weights are [.., out, in] (quantize_params): their out features lead.
   if owner in ("wqkv", "w_gate_up", "lm_head"):

@@ -43,7 +43,7 @@ class Model:
                *, dtype="bfloat16", mesh=None, fold_norms: bool | None = None,
                decode_append: bool = True, decode_unroll: int | None = None,
                residual_dtype=None, quantization: str | None = None,
-               activation_scale_ub: float | None = None):
+               activation_scales: llama.ActivationScales | None = None):
     """``fold_norms``: fold the layers' norm weights into wqkv / w_gate_up,
     whose matmuls then normalize their input (models.llama, "Folded norms");
     None: fold unless the residual stream's dtype differs from ``dtype``.
@@ -54,9 +54,10 @@ class Model:
     iteration of a one-token decode step's layer loop (None: all, no loop).
     ``quantization``: "fp8" quantizes the layers' linear weights here, after
     the norms are folded into them (W8A8; models.llama.quantize_params).
-    ``activation_scale_ub``: with fp8, the bound on a linear's input row
-    amax that an fbgemm_fp8 checkpoint declares (models.llama.Llama)."""
-    llama.check_quantization(quantization, activation_scale_ub)
+    ``activation_scales``: with fp8, how a linear's input rows are scaled
+    (models.llama.ActivationScales: an fp8 checkpoint's static scales or
+    amax bound; None: per row, unbounded)."""
+    llama.check_quantization(quantization, activation_scales)
     self.config = config
     self.dtype = jnp.dtype(dtype)
     self.residual_dtype = self.dtype if residual_dtype is None else jnp.dtype(residual_dtype)
@@ -68,18 +69,30 @@ class Model:
     self.tensor_parallel_size = 1 if mesh is None else int(mesh.size)
     self.fold_norms = fold_norms
     self.quantization = quantization
-    self.activation_scale_ub = activation_scale_ub
+    self.activation_scales = activation_scales
     abstract = nnx.eval_shape(lambda: llama.Llama(config, dtype=self.dtype, rngs=nnx.Rngs(0),
                                                   norms_folded=fold_norms,
                                                   decode_append=decode_append,
                                                   decode_unroll=decode_unroll,
                                                   residual_dtype=self.residual_dtype,
                                                   quantization=quantization,
-                                                  activation_scale_ub=activation_scale_ub))
+                                                  activation_scales=activation_scales))
     self.graphdef, state = nnx.split(abstract)
     if isinstance(params, nnx.State):
       params = nnx.to_pure_dict(params)
-    params = jax.tree.map(lambda a: jnp.asarray(a, self.dtype), params)
+    # (Static fp8 input scales stay float32: they scale the fp8 matmul.)
+    params = jax.tree_util.tree_map_with_path(
+        lambda path, a: jnp.asarray(a, jnp.float32 if _key(path[-1]) == "in_scale"
+                                    else self.dtype), params)
+    static = activation_scales is not None and activation_scales.static
+    if static and fold_norms:
+      raise ValueError("static activation scales apply to the norms' outputs: build the model "
+                       "with fold_norms=False")
+    if static != _has_in_scales(params):
+      raise ValueError("static activation scales need each layer linear's in_scale in params "
+                       "(an fp8 checkpoint's input_scale), and only they have one" if static else
+                       "params hold static input scales (in_scale): build the model with "
+                       "activation_scales=ActivationScales(static=True)")
     if fold_norms:
       params = llama.fold_norm_weights(params)
     params = llama.quantize_params(params, quantization)
@@ -170,8 +183,11 @@ class Model:
 
   def __repr__(self):
     q = f", {self.quantization} linears" if self.quantization else ""
-    if self.activation_scale_ub is not None:
-      q += f" (activation scale ub {self.activation_scale_ub:g})"
+    a = self.activation_scales
+    if a is not None and a.static:
+      q += " (static input scales)"
+    elif a is not None and a.ub is not None:
+      q += f" (activation scale ub {a.ub:g})"
     return (f"Model({self.config.name}, {self.dtype}{q}, "
             f"{self.config.num_params() / 1e6:.1f}M params)")
 
@@ -291,7 +307,7 @@ def load(spec: str | os.PathLike | None = None, *, dtype=None, tp: int = 1,
   llama.check_quantization(quantization)  # before any weight is read
   dtype = jnp.dtype(default_dtype() if dtype is None else dtype)
   fold_norms = None  # Model's default
-  activation_scale_ub = None
+  activation_scales = None
   if dtype.name not in ("bfloat16", "float16", "float32"):
     raise ValueError(f"{dtype=} is not supported; use bfloat16, float16 or float32")
   if spec is None or spec == "default":
@@ -328,7 +344,8 @@ def load(spec: str | os.PathLike | None = None, *, dtype=None, tp: int = 1,
         # An fp8 checkpoint runs as fp8, its weights as written: the norms
         # stay separate (folding them in would change the fp8 values).
         quantization, fold_norms = declared.method, False
-        activation_scale_ub = declared.activation_scale_ub
+        activation_scales = llama.ActivationScales(declared.static_activations,
+                                                   declared.activation_scale_ub)
       cfg, params, tok = checkpoint.read_hf(path, _np_dtype(dtype), tokenizer=tokenizer is None)
   if tokenizer is False:
     tok = tok_lib.NoTokenizer(str(spec or "default"), bos_id=tok.bos_id, eos_ids=tok.eos_ids)
@@ -338,7 +355,16 @@ def load(spec: str | os.PathLike | None = None, *, dtype=None, tp: int = 1,
     tok = tok_lib.from_folder(pathlib.Path(tokenizer))
   return Model(cfg, params, tok, dtype=dtype, mesh=tp_mesh(cfg, tp), decode_unroll=decode_unroll,
                residual_dtype=residual_dtype, quantization=quantization, fold_norms=fold_norms,
-               activation_scale_ub=activation_scale_ub)
+               activation_scales=activation_scales)
+
+
+def _key(entry) -> str:
+  return str(getattr(entry, "key", entry))
+
+
+def _has_in_scales(params) -> bool:
+  return any(_key(path[-1]) == "in_scale"
+             for path, _ in jax.tree_util.tree_flatten_with_path(params)[0])
 
 
 def _np_dtype(dtype):

@@ -11,6 +11,7 @@ them. bench/results/fp8_accuracy/ reports the same figures against bf16.
 import dataclasses
 import pathlib
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -180,9 +181,11 @@ def _write_safetensors(path, tensors):
   path.write_bytes(len(raw).to_bytes(8, "little") + raw + b"".join(blobs))
 
 
-def _fp8_checkpoint(src, dst, config=CT_CONFIG):
+def _fp8_checkpoint(src, dst, config=CT_CONFIG, per_tensor=False, input_scales=None):
   """``src``'s HF folder with every layer Linear quantized per output channel
-  (compressed-tensors); returns {name: fp8 [out, in]} of what was written."""
+  (or ``per_tensor``; compressed-tensors); returns {name: fp8 [out, in]} of
+  what was written. ``input_scales(name) -> float``: a static input scale
+  written beside each weight."""
   import json
   import shutil
 
@@ -201,9 +204,14 @@ def _fp8_checkpoint(src, dst, config=CT_CONFIG):
     if ".layers." in name and name.endswith("proj.weight"):
       w = np.asarray(tensors[name], np.float32)
       scale = np.maximum(np.abs(w).max(axis=1, keepdims=True) / 448.0, 1e-12)
-      q = (w / scale).astype(ml_dtypes.float8_e4m3fn)
+      if per_tensor:
+        scale = scale.max().reshape(1)
+      q = (w / scale.reshape(-1, 1)).astype(ml_dtypes.float8_e4m3fn)
       tensors[name], tensors[name + "_scale"] = q, scale.astype(np.float32)
-      written[name] = q
+      if input_scales is not None:
+        tensors[name.removesuffix("weight") + "input_scale"] = np.array(
+            [input_scales(name)], np.float32)
+      written[name], written[name + "_scale"] = q, float(scale.max()) if per_tensor else scale
   _write_safetensors(dst / "model.safetensors", tensors)
   cfg = json.loads((dst / "config.json").read_text())
   cfg["quantization_config"] = config
@@ -233,11 +241,12 @@ def test_an_fp8_checkpoint_loads_as_written(hf_oracle, tmp_path):
 
 
 @pytest.mark.parametrize("change,field", [
-    (lambda c: c["config_groups"]["group_0"]["input_activations"].update(dynamic=False,
-                                                                         strategy="tensor"),
-     "input_activations.strategy='tensor'"),
-    (lambda c: c["config_groups"]["group_0"]["weights"].update(strategy="tensor"),
-     "weights.strategy='tensor'"),
+    (lambda c: c["config_groups"]["group_0"]["input_activations"].update(strategy="tensor"),
+     "input_activations.strategy='tensor'"),  # dynamic per tensor
+    (lambda c: c["config_groups"]["group_0"]["input_activations"].update(dynamic=False),
+     "input_activations.strategy='token'"),  # static per token
+    (lambda c: c["config_groups"]["group_0"]["weights"].update(strategy="group"),
+     "weights.strategy='group'"),
     (lambda c: c["config_groups"]["group_0"]["weights"].update(num_bits=4, type="int"),
      "weights.num_bits=4"),
     (lambda c: c.update(ignore=["lm_head", "re:.*down_proj"]), "ignore="),
@@ -361,7 +370,7 @@ def test_an_fbgemm_fp8_checkpoint_loads_with_its_activation_bound(hf_oracle, tmp
   written = _fp8_checkpoint(src, d, FBGEMM_CONFIG)
   _add_input_scale_ub(d, 1200.0)
   model = models.load(d, dtype="float32")
-  assert model.quantization == "fp8" and model.activation_scale_ub == 1200.0
+  assert model.quantization == "fp8" and model.activation_scales.ub == 1200.0
   assert not model.fold_norms and "activation scale ub 1200" in repr(model)
   want = written["model.layers.1.mlp.down_proj.weight"].astype(np.float32)
   got = np.asarray(model.params["layers"]["mlp"]["w_down"]["w_q"][...][1], np.float32)
@@ -382,7 +391,7 @@ def test_an_fbgemm_fp8_checkpoint_loads_with_its_activation_bound(hf_oracle, tmp
   # Without the key, transformers' default bound.
   dflt = tmp_path / "default"
   _fp8_checkpoint(src, dflt, {"quant_method": "fbgemm_fp8"})
-  assert models.load(dflt, dtype="float32").activation_scale_ub == 1200.0
+  assert models.load(dflt, dtype="float32").activation_scales.ub == 1200.0
 
 
 @pytest.mark.parametrize("config,tensor_ub,field", [
@@ -409,8 +418,93 @@ def test_an_activation_bound_needs_fp8_and_a_positive_number(pair):
   cfg, params = pair[0].config, model_lib.random_params(models.config.get("tiny"))
   tok = models.tokenizer.ByteTokenizer()
   with pytest.raises(ValueError, match="applies to fp8 linears only"):
-    models.Model(cfg, params, tok, dtype="float32", activation_scale_ub=10.0)
+    models.Model(cfg, params, tok, dtype="float32",
+                 activation_scales=llama.ActivationScales(ub=10.0))
+  with pytest.raises(ValueError, match="must be a models.llama.ActivationScales"):
+    models.Model(cfg, params, tok, dtype="float32", quantization="fp8", activation_scales=10.0)
   for bad in (0, -3.0, float("inf"), True, "10"):
     with pytest.raises(ValueError, match="must be a positive finite number"):
-      models.Model(cfg, params, tok, dtype="float32", quantization="fp8",
-                   activation_scale_ub=bad)
+      llama.ActivationScales(ub=bad)
+
+
+# ---------------------------------------------------------------- static scales
+
+STATIC_CONFIG = {  # compressed-tensors "FP8" (static per-tensor), as llm-compressor writes it
+    **CT_CONFIG, "format": "naive-quantized",
+    "config_groups": {"group_0": {
+        "targets": ["Linear"], "output_activations": None,
+        "weights": {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "tensor",
+                    "dynamic": False},
+        "input_activations": {"num_bits": 8, "type": "float", "symmetric": True,
+                              "strategy": "tensor", "dynamic": False}}},
+}
+
+
+def _input_scale(name):
+  """A different static input scale per projection and layer (calibrated-looking)."""
+  return 0.004 + 0.001 * (sum(map(ord, name)) % 7)
+
+
+def test_a_static_fp8_checkpoint_loads_with_its_input_scales(hf_oracle, tmp_path):
+  src = hf_oracle / "llama"
+  d = tmp_path / "static"
+  written = _fp8_checkpoint(src, d, STATIC_CONFIG, per_tensor=True, input_scales=_input_scale)
+  model = models.load(d, dtype="bfloat16")
+  assert model.activation_scales == llama.ActivationScales(static=True)
+  assert "static input scales" in repr(model)
+  layers = model.params["layers"]
+  for i in range(model.config.num_layers):
+    p = lambda part: _input_scale(f"model.layers.{i}.{part}.weight")
+    fused = {"wqkv": max(p(f"self_attn.{x}_proj") for x in "qkv"),
+             "wo": p("self_attn.o_proj")}
+    for lin, want in fused.items():  # float32, not --dtype's rounding
+      assert float(layers["attn"][lin]["in_scale"][...][i]) == np.float32(want)
+    assert float(layers["mlp"]["w_gate_up"]["in_scale"][...][i]) == np.float32(
+        max(p("mlp.gate_proj"), p("mlp.up_proj")))
+  # The checkpoint's per-tensor weights, dequantized and requantized per
+  # channel: the same values up to that rounding.
+  name = "model.layers.0.self_attn.o_proj.weight"
+  ckpt = np.asarray(written[name], np.float32) * written[name + "_scale"]
+  wo = layers["attn"]["wo"]
+  ours = np.asarray(wo["w_q"][...][0], np.float32) * np.asarray(wo["w_scale"][...][0])[:, None]
+  testing.assert_close(ours[:, :ckpt.shape[1]], ckpt, tol=0.04)
+  ids = np.load(src / "prompt.npy").tolist() + np.load(src / "greedy.npy").tolist()
+  plain = _all_logits(models.load(src, dtype="float32"), ids, page=8)
+  ours = _all_logits(model, ids, page=8)
+  rel, agree = _compare(plain, ours)
+  assert rel < 0.3, rel
+  # The scales are honoured: other input scales give other logits.
+  other = tmp_path / "other"
+  _fp8_checkpoint(src, other, STATIC_CONFIG, per_tensor=True,
+                  input_scales=lambda n: 4 * _input_scale(n))
+  rel2, _ = _compare(ours, _all_logits(models.load(other, dtype="bfloat16"), ids, page=8))
+  assert rel2 > 1e-3, rel2
+
+
+def test_static_input_scales_are_checked(hf_oracle, tmp_path):
+  d = tmp_path / "missing"
+  _fp8_checkpoint(hf_oracle / "llama", d, STATIC_CONFIG, per_tensor=True)
+  with pytest.raises(ValueError, match="self_attn.q_proj.input_scale' missing"):
+    models.load(d, dtype="float32")
+  d = tmp_path / "negative"
+  _fp8_checkpoint(hf_oracle / "llama", d, STATIC_CONFIG, per_tensor=True,
+                  input_scales=lambda n: -1.0 if "layers.1.mlp.up_proj" in n else 0.01)
+  with pytest.raises(ValueError, match="layers.1.mlp.up_proj.input_scale' holds values that "
+                                       "are not finite and positive"):
+    models.load(d, dtype="float32")
+
+
+def test_static_scales_and_models_that_cannot_hold_them_are_refused(pair):
+  cfg = pair[0].config
+  params = model_lib.random_params(models.config.get("tiny"))
+  tok = models.tokenizer.ByteTokenizer()
+  static = llama.ActivationScales(static=True)
+  with pytest.raises(ValueError, match="need each layer linear's in_scale"):
+    models.Model(cfg, params, tok, dtype="float32", quantization="fp8",
+                 activation_scales=static, fold_norms=False)
+  with pytest.raises(ValueError, match="fold_norms=False"):
+    models.Model(cfg, params, tok, dtype="float32", quantization="fp8",
+                 activation_scales=static, fold_norms=True)
+  with pytest.raises(ValueError, match="static ones have none"):
+    llama.ActivationScales(static=True, ub=10.0)
+  assert llama.param_spec(("layers", "attn", "wqkv", "in_scale"), 1) == jax.sharding.PartitionSpec()
