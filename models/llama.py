@@ -1060,7 +1060,8 @@ def quantize_params(params, quantization: str | None):
   """A copy of the pure-dict ``params`` (after ``fold_norm_weights``) for
   ``Llama(quantization=...)``: each layer linear's w [L, in, out] becomes
   w_q [L, out, in] float8_e4m3fn and w_scale [L, out] (per output channel).
-  The embedding, the norms, the biases and lm_head are kept."""
+  The embedding, the norms, the biases, static input scales (in_scale) and
+  lm_head are kept."""
   check_quantization(quantization)
   if quantization is None:
     return params
