@@ -770,7 +770,7 @@ def _mosaic_setup(q, k, v, causal, sm_scale, q_positions, kv_positions, q_segmen
   """(config, position/segment vectors, scale, dense) of a mosaic call."""
   B, Sq, Hq, D, Skv, Hkv = _check(q, k, v, causal, sm_scale, q_positions, kv_positions,
                                   q_segment_ids, kv_segment_ids, sliding_window, DTYPES)
-  why = _mosaic_why_not(q, k, v)
+  why = _mosaic_why_not(q, k, v) or scale_why_not(sm_scale)
   if why:
     raise ValueError(why)
   dense = unmasked(causal, sliding_window, q_segment_ids)
@@ -845,9 +845,17 @@ def _mosaic_why_not(q, k, v) -> str | None:
   return None
 
 
-def _mosaic_supports(q, k, v, **kwargs) -> str | None:
+def _mosaic_supports(q, k, v, *, sm_scale=None, **kwargs) -> str | None:
   del kwargs  # positions, segments, windows and a cached prefix are all supported
-  return _mosaic_why_not(q, k, v)
+  return _mosaic_why_not(q, k, v) or scale_why_not(sm_scale)
+
+
+def scale_why_not(sm_scale) -> str | None:
+  """The mosaic kernels take the row max of the unscaled scores, then scale:
+  that is the max of the scaled ones only for a positive scale."""
+  if isinstance(sm_scale, (int, float)) and not sm_scale > 0:
+    return f"{sm_scale=} must be > 0 (the kernel scales scores after their row max)"
+  return None
 
 
 # --------------------------------------------------------------------------

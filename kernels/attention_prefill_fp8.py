@@ -22,8 +22,9 @@ How data flows:
   scale the output once. fp8 wgmma reads both operands K-major, so V enters
   the kernel transposed, V^T [B, Hkv, D, Skv]: the wrapper's transpose fuses
   with the quantization that writes V.
-- The ``xla`` backend dequantizes to the output dtype and runs the bf16 op's
-  xla backend (fp8 storage, 16-bit math): the portable fallback.
+- The ``xla`` backend dequantizes to float32 and runs the bf16 op's xla
+  backend in float32 (fp8 storage, 32-bit math; 16 bits would round the
+  dequantized operands again, or overflow float16): the portable fallback.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from kernels import attention_prefill as ap
 from mosaic import dsl, registry, target as target_lib, tuning
@@ -59,7 +61,7 @@ def quantize_heads(x):
   per head, over its tokens and dims (dynamic: a prefill's own amax)."""
   if getattr(x, "ndim", None) != 4 or 0 in x.shape:
     raise ValueError(f"quantize_heads' x must be a non-empty [B, S, H, D] array; got "
-                     f"{jnp.shape(x)}")
+                     f"{getattr(x, 'shape', type(x).__name__)}")
   x = jnp.asarray(x, jnp.float32)
   scale = jnp.maximum(jnp.max(jnp.abs(x), axis=(0, 1, 3)) / FP8_MAX, MIN_SCALE)
   return (x / scale[:, None]).astype(FP8), scale
@@ -88,6 +90,11 @@ def _check(q, k, v, q_scale, k_scale, v_scale, out_dtype, causal, sm_scale, q_po
     if getattr(x, "dtype", None) != jnp.float32 or tuple(x.shape) not in ((), (heads,)):
       raise ValueError(f"{name} must be float32 of shape () or ({heads},); got "
                        f"{getattr(x, 'dtype', type(x).__name__)} {jnp.shape(x)}")
+    if not isinstance(x, jax.core.Tracer):  # (a traced scale's values are not known here)
+      values = np.asarray(x)
+      if not (np.isfinite(values) & (values > 0)).all():
+        raise ValueError(f"{name} must be finite and > 0 (as quantize_heads makes them); got "
+                         f"{values.ravel()[~(np.isfinite(values.ravel()) & (values.ravel() > 0))][0]}")
   out_dtype = jnp.dtype(jnp.bfloat16 if out_dtype is None else out_dtype)
   if out_dtype.name not in OUT_DTYPES:
     raise ValueError(f"{out_dtype=} must be one of {OUT_DTYPES}")
@@ -120,6 +127,8 @@ def _mosaic_why_not(q, k, v, *, q_scale=None, k_scale=None, v_scale=None, out_dt
   kind = target_lib.current().kind
   if kind not in ("hopper", "cpu"):
     return f"the fp8 kernel runs Hopper's fp8 wgmma; this device is {kind}"
+  if why := ap.scale_why_not(sm_scale):
+    return why
   if D not in MOSAIC_HEAD_DIMS:
     return (f"head dim {D} is not supported (supported: {MOSAIC_HEAD_DIMS}: fp8 wgmma "
             "contracts 128-byte blocks, and D = 256 leaves no SMEM for the K/V ring)")
@@ -194,10 +203,11 @@ def _dequantize(q, k, v, q_scale, k_scale, v_scale, dtype):
 
 def attention_prefill_fp8_xla(q, k, v, *, q_scale, k_scale, v_scale, out_dtype=None,
                               return_lse=False, **masks):
-  """Dequantizes to the output dtype, then the bf16 op's xla backend."""
+  """Dequantizes to float32, then the bf16 op's xla backend (in float32)."""
   _, out_dtype = _check(q, k, v, q_scale, k_scale, v_scale, out_dtype, **_mask_args(masks))
-  q, k, v = _dequantize(q, k, v, q_scale, k_scale, v_scale, out_dtype)
-  return ap.attention_prefill_xla(q, k, v, return_lse=return_lse, **masks)
+  q, k, v = _dequantize(q, k, v, q_scale, k_scale, v_scale, jnp.float32)
+  out = ap.attention_prefill_xla(q, k, v, return_lse=return_lse, **masks)
+  return (out[0].astype(out_dtype), out[1]) if return_lse else out.astype(out_dtype)
 
 
 def _mask_args(masks):
@@ -239,7 +249,7 @@ _op = registry.op(OP, "softmax((q q_scale)(k k_scale)^T * scale + mask)(v v_scal
 _op.register("mosaic", attention_prefill_fp8_mosaic, supports=_mosaic_why_not,
              doc="Mosaic GPU FA3 on fp8 wgmma: scales in the exp2 factor, fp8 P via SMEM")
 _op.register("xla", attention_prefill_fp8_xla, supports=_valid,
-             doc="dequantize, then the bf16 op's xla backend (fp8 storage, 16-bit math)")
+             doc="dequantize, then the bf16 op's xla backend in float32")
 _op.register("reference", _reference_backend, supports=_valid, doc="float32 jnp")
 _op.set_defaults(hopper=("mosaic", "xla"), default=("xla", "reference"))
 

@@ -302,6 +302,13 @@ def test_mosaic_rejects_what_it_cannot_run():
     ap.attention_prefill_mosaic(q, q, q, q_segment_ids=seg, kv_segment_ids=seg)
   with pytest.raises(ValueError, match="block_q"):
     ap.Config(block_q=128)
+  # The kernel takes the row max before scaling: a scale <= 0 is refused
+  # (it gave NaN), and the default order takes another backend.
+  for sm in (0.0, -0.5):
+    with pytest.raises(registry.BackendError, match="must be > 0"):
+      registry.get_op("attention_prefill")(q, q, q, backend="mosaic", sm_scale=sm)
+    with pytest.raises(ValueError, match="must be > 0"):
+      ap.attention_prefill_mosaic(q, q, q, sm_scale=sm)
 
 
 def test_cudnn_says_why_not():

@@ -111,6 +111,20 @@ def test_xla_backend_matches_reference():
   testing.assert_close(out32, ref, jnp.float32, tol=1e-5)
 
 
+def test_xla_backend_computes_in_float32_whatever_the_output_dtype():
+  # Dequantized operands in 16 bits would round again (and K past 65504
+  # overflows float16); the backend's math is float32, only its output rounds.
+  (q, k, v), s = _quantized(1, 64, 64, 2, 1)
+  s = dict(s, q_scale=jnp.full((2,), 1e-4, jnp.float32), k_scale=jnp.full((1,), 300.0,
+                                                                             jnp.float32))
+  ref, lse_ref = af.attention_prefill_fp8_reference(q, k, v, return_lse=True, **s)
+  for dt in (jnp.float16, jnp.bfloat16):
+    out, lse = af.attention_prefill_fp8_xla(q, k, v, out_dtype=dt, return_lse=True, **s)
+    assert out.dtype == dt
+    testing.assert_close(out, ref, dt)
+    testing.assert_close(lse, lse_ref, tol=1e-5, what="lse")
+
+
 def test_quantize_heads_is_per_head_and_round_trips():
   x = testing.random_inputs([(2, 33, 3, 128)], jnp.float32)[0]
   x = x * jnp.array([1.0, 100.0, 1e-3])[None, None, :, None]  # heads of very different ranges
@@ -143,6 +157,9 @@ def test_bad_inputs_are_refused_by_name():
       call(backend, v_scale=jnp.ones((1,), jnp.bfloat16))
     with pytest.raises(ValueError, match="out_dtype"):
       call(backend, out_dtype=jnp.int8)
+    for bad in (-s["q_scale"], jnp.zeros_like(s["q_scale"]), s["q_scale"].at[0].set(jnp.nan)):
+      with pytest.raises(ValueError, match="q_scale must be finite and > 0"):
+        call(backend, q_scale=bad)
   with pytest.raises(ValueError, match="config= applies to the mosaic backend only"):
     call("xla", config=ap.Config(p_smem=True))
   with pytest.raises(TypeError, match="window"):
@@ -160,6 +177,11 @@ def test_mosaic_says_what_it_cannot_run():
   assert "block_kv=192" in af._mosaic_why_not(q, k, v, **s, config=ap.Config(block_kv=192))
   with pytest.raises(ValueError, match="p_smem=True"):
     af.attention_prefill_fp8_mosaic(q, k, v, **s, config=ap.Config(p_smem=False))
+  # The kernel scales scores after their row max: only a positive sm_scale.
+  for sm in (0.0, -0.1):
+    assert "must be > 0" in af._mosaic_why_not(q, k, v, **s, sm_scale=sm)
+    out = af.attention_prefill_fp8(q, k, v, **s, sm_scale=sm)  # (the default order: xla)
+    testing.assert_close(out, af.attention_prefill_fp8_reference(q, k, v, **s, sm_scale=sm))
   # The registry names the mosaic backend's reason and falls back on CPU.
   op = registry.get_op(af.OP)
   assert op.select(q, k, v, **s).name == "xla"
