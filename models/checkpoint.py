@@ -14,10 +14,10 @@ q/k/v and gate/up are stored fused (``fuse_qkv``, ``fuse_gate_up``; the
   checkpoint in the ``compressed-tensors`` layout (``quantization_config``:
   float8 weights with a scale per output channel, activations quantized
   dynamically per token; vLLM's "FP8-dynamic") is dequantized here
-  (w * weight_scale) and loads as ``quantization="fp8"`` (``hf_quantization``),
-  which quantizes it back per channel: the same fp8 values where a channel's
-  largest value is 448 (as llm-compressor writes them; the dequantized
-  value's rounding is far under half an fp8 step), re-rounded elsewhere.
+  (w * weight_scale) and loads as ``quantization="fp8"`` (``hf_quantization``)
+  with its scales as the params' ``w_scale`` (float32), which quantizes it
+  back with them: the fp8 values as written (the dequantized value's
+  rounding in --dtype is far under half an fp8 step).
   The ``fbgemm_fp8`` layout (transformers' FbgemmFp8Config: the same
   weights and scales, activations per token with their amax bounded by
   ``activation_scale_ub``) loads the same way, the bound kept; so does
@@ -130,6 +130,9 @@ def _pad_ffn(a, axis: int, cfg: ModelConfig):
   return np.pad(a, widths)
 
 
+# Leaves of an fp8 checkpoint's scales, kept float32 whatever --dtype is.
+FP8_SCALES = ("w_scale", "in_scale")
+
 # Fused leaves: (source leaves, combine(arrays, cfg)).
 _FUSED = {
     "layers.attn.wqkv.w": (("wq.w", "wk.w", "wv.w"), lambda a, cfg: fuse_qkv(*a, cfg)),
@@ -138,6 +141,13 @@ _FUSED = {
                                lambda a, cfg: fuse_gate_up(*(_pad_ffn(x, -1, cfg) for x in a))),
     "layers.mlp.w_gate_up.b": (("w_gate.b", "w_up.b"),
                                lambda a, cfg: fuse_gate_up(*(_pad_ffn(x, -1, cfg) for x in a))),
+    # An fp8 checkpoint's weight scales, per output feature: fused as biases
+    # are (padded FFN features get 0, which quantize_params reads as 1).
+    "layers.attn.wqkv.w_scale": (("wq.w_scale", "wk.w_scale", "wv.w_scale"),
+                                 lambda a, cfg: fuse_qkv(*a, cfg)),
+    "layers.mlp.w_gate_up.w_scale": (("w_gate.w_scale", "w_up.w_scale"),
+                                     lambda a, cfg: fuse_gate_up(
+                                         *(_pad_ffn(x, -1, cfg) for x in a))),
     # Static fp8 input scales: the fused matmul quantizes its one input once,
     # with the largest of its parts' scales (as vLLM does).
     "layers.attn.wqkv.in_scale": (("wq.in_scale", "wk.in_scale", "wv.in_scale"),
@@ -155,12 +165,15 @@ def _fused_parts(key: str) -> list[str]:
   return [f"{base}.{p}" for p in _FUSED[key][0]]
 
 
-def _target(cfg: ModelConfig, fused: bool = True, in_scales: bool = False) -> dict[str, Any]:
+def _target(cfg: ModelConfig, fused: bool = True, w_scales: bool = False,
+            in_scales: bool = False) -> dict[str, Any]:
   """Shapes of our params tree, nested like nnx.state(Llama); ``fused=False``:
   the layout before q/k/v and gate/up were fused (older orbax directories);
-  ``in_scales``: the layer linears' static fp8 input scales (one a layer)."""
+  ``w_scales``: an fp8 checkpoint's weight scales per output feature of the
+  layer linears; ``in_scales``: their static input scales (one a layer)."""
   d, hd, f, n = cfg.hidden_size, cfg.head_dim, cfg.ffn_size, cfg.num_layers
   lin = lambda i, o, bias=False: {"w": (n, i, o), **({"b": (n, o)} if bias else {}),
+                                  **({"w_scale": (n, o)} if w_scales else {}),
                                   **({"in_scale": (n,)} if in_scales else {})}
   if fused:
     attn = {"wqkv": lin(d, (cfg.num_heads + 2 * cfg.num_kv_heads) * hd, cfg.qkv_bias)}
@@ -188,11 +201,12 @@ def _target(cfg: ModelConfig, fused: bool = True, in_scales: bool = False) -> di
 
 
 def _fill(cfg: ModelConfig, get: Callable[[str, int | None], np.ndarray], names: dict,
-          dtype, source: str, desc: str, in_scales: bool = False) -> dict[str, Any]:
+          dtype, source: str, desc: str, w_scales: bool = False,
+          in_scales: bool = False) -> dict[str, Any]:
   """Builds the params tree; ``names`` maps our leaf path to a source name
   (with "{i}" for the layer), ``get(name, layer)`` returns the tensor already
   in our orientation. A fused leaf reads its parts (``_FUSED``) and combines them."""
-  target = _target(cfg, in_scales=in_scales)
+  target = _target(cfg, w_scales=w_scales, in_scales=in_scales)
   out: dict[str, Any] = {}
   leaves = []
 
@@ -212,8 +226,8 @@ def _fill(cfg: ModelConfig, get: Callable[[str, int | None], np.ndarray], names:
     key = ".".join(path)
     name = names.get(key) or " + ".join(names[k] for k in _fused_parts(key))
     if path[0] == "layers":
-      # (Static input scales stay float32: they are the fp8 matmul's.)
-      arr = np.empty(shape, np.float32 if path[-1] == "in_scale" else dtype)
+      # (fp8 scales stay float32: they are the fp8 matmul's.)
+      arr = np.empty(shape, np.float32 if path[-1] in FP8_SCALES else dtype)
       for i in range(cfg.num_layers):
         if key in _FUSED:
           part = [get(names[k].format(i=i), i) for k in _fused_parts(key)]
@@ -244,7 +258,7 @@ def _check_parts(key: str, arrays, names: list[str], cfg: ModelConfig, source: s
   reshaped into the wrong heads, or zero-padded up to the MLP's width."""
   d, hd = cfg.hidden_size, cfg.head_dim
   if key.endswith(".in_scale"):
-    return  # scalars (checked as they are read)
+    return  # scalars (checked as they are read; w_scale: as a bias)
   if key.startswith("layers.attn.wqkv"):
     widths = [(cfg.num_heads * hd,), (cfg.num_kv_heads * hd,), (cfg.num_kv_heads * hd,)]
   else:  # gate, up: the checkpoint's intermediate_size (or already padded to ffn_size)
@@ -316,6 +330,7 @@ def _hf_names(cfg: ModelConfig) -> dict[str, str]:
                        ("mlp.w_gate", "mlp.gate_proj"), ("mlp.w_up", "mlp.up_proj"),
                        ("mlp.w_down", "mlp.down_proj")):
     names[f"layers.{ours}.in_scale"] = p + f"{theirs}.input_scale"  # static fp8
+    names[f"layers.{ours}.w_scale"] = p + f"{theirs}.weight_scale"  # fp8
   names["layers.attn.q_norm"] = p + "self_attn.q_norm.weight"  # Qwen3
   names["layers.attn.k_norm"] = p + "self_attn.k_norm.weight"
   return names
@@ -375,13 +390,20 @@ def _fp8_scheme(qc: dict, source: str) -> HFQuantization:
   if set(qc.get("ignore") or []) - {"lm_head"}:
     raise bad(f"ignore={qc['ignore']!r} (only lm_head may stay unquantized)")
   groups = qc.get("config_groups") or {}
-  if len(groups) != 1:
-    raise bad(f"has {len(groups)} config_groups (one is supported)")
+  if not isinstance(groups, dict) or len(groups) != 1:
+    raise bad(f"config_groups={groups!r} (one group, a mapping, is supported)")
   (group,) = groups.values()
+  if not isinstance(group, dict):
+    raise bad(f"config_groups' group is {group!r} (a mapping of its schemes)")
   for k in set(group) - {"targets", "weights", "input_activations", "output_activations",
                          "format"}:
     raise bad(f"config_groups.{k}={group[k]!r} (not read here)")
+  if group.get("format") not in (None, "float-quantized", "naive-quantized"):
+    raise bad(f"config_groups.format={group.get('format')!r}")
   w, x = group.get("weights") or {}, group.get("input_activations") or {}
+  for what, d in (("weights", w), ("input_activations", x)):
+    if not isinstance(d, dict):
+      raise bad(f"{what}={d!r} (a mapping)")
   for what, d in (("weights", w), ("input_activations", x)):
     for k in set(d) - _CT_SCHEME_KEYS:
       if d[k] not in (None, False):
@@ -407,10 +429,13 @@ def _fp8_scheme(qc: dict, source: str) -> HFQuantization:
 def _fbgemm_scheme(qc: dict, bad) -> HFQuantization:
   for k in set(qc) - {"quant_method", "activation_scale_ub", "modules_to_not_convert"}:
     raise bad(f"{k}={qc[k]!r} (not read here)")
+  names = qc.get("modules_to_not_convert") or []
+  if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+    raise bad(f"modules_to_not_convert={names!r} (a list of module names)")
   # lm_head is never converted (transformers adds it, vLLM's head is not a
   # Linear); a layer's projection left in 16 bits is not supported: every
   # layer's four projections are fp8 here.
-  skipped = set(qc.get("modules_to_not_convert") or []) - {"lm_head"}
+  skipped = set(names) - {"lm_head"}
   if skipped:
     raise bad(f"modules_to_not_convert={sorted(skipped)!r} (only lm_head may stay "
               "unquantized)")
@@ -484,12 +509,24 @@ def read_hf(folder, dtype=np.float32, tokenizer: bool = True
     if name not in index:
       raise ValueError(f"{folder}: tensor {name!r} missing from {', '.join(f.name for f in files)}")
     a = index[name].get(name)
+    if name.endswith(".weight_scale"):  # per output feature (one per tensor: broadcast)
+      weight = name.removesuffix("_scale")
+      out = index[weight].header[weight]["shape"][0] if weight in index else -1
+      s = np.asarray(a, np.float32)
+      if s.size not in (1, out):
+        raise ValueError(f"{folder}: {name!r} has shape {s.shape}; a scale per output "
+                         f"channel of {weight!r} is [{out}, 1], one per tensor [1]")
+      return np.broadcast_to(_positive(s, name).reshape(-1), (out,))
     if name.endswith(".input_scale"):
       return _positive(np.asarray(a, np.float32), name, "a static input scale is one value"
                        ).reshape(())
     if a.dtype == ml_dtypes.float8_e4m3fn:
       a = _dequantized(a, name)
       _check_input_scale_ub(name)
+    elif fp8 and ".layers." in name and name.endswith("_proj.weight"):
+      raise ValueError(f"{folder}: tensor {name!r} is {a.dtype}, but config.json's "
+                       "quantization_config makes every layer linear fp8 (a projection left "
+                       "in 16 bits is not supported)")
     if a.ndim == 2 and not name.endswith("embed_tokens.weight"):
       a = a.T  # torch Linear [out, in] -> ours [in, out]
     return a
@@ -528,7 +565,7 @@ def read_hf(folder, dtype=np.float32, tokenizer: bool = True
     return s
 
   params = _fill(cfg, get, _hf_names(cfg), dtype, str(folder), "loading safetensors",
-                 in_scales=fp8 and scheme.static_activations)
+                 w_scales=fp8, in_scales=fp8 and scheme.static_activations)
   return cfg, params, tok
 
 

@@ -87,7 +87,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from kernels.matmul import SWIGLU_BLOCK, fold_rms_weight
-from kernels.matmul_fp8 import quantize_rows, quantize_rows_static, quantize_weight
+from kernels.matmul_fp8 import FP8_MAX, quantize_rows, quantize_rows_static, quantize_weight
 from models.config import FFN_BLOCK, ModelConfig
 from mosaic import registry
 
@@ -1061,7 +1061,9 @@ def quantize_params(params, quantization: str | None):
   ``Llama(quantization=...)``: each layer linear's w [L, in, out] becomes
   w_q [L, out, in] float8_e4m3fn and w_scale [L, out] (per output channel).
   The embedding, the norms, the biases, static input scales (in_scale) and
-  lm_head are kept."""
+  lm_head are kept. A linear that already has a w_scale [L, out] (an fp8
+  checkpoint's, its w the dequantized fp8 values) is quantized with it, so
+  the checkpoint's fp8 values come back as written."""
   check_quantization(quantization)
   if quantization is None:
     return params
@@ -1069,10 +1071,21 @@ def quantize_params(params, quantization: str | None):
   for owner, lin in QUANTIZED_LINEARS:
     sub = dict(layers[owner])
     p = dict(sub[lin])
-    p["w_q"], p["w_scale"] = _quantize(p.pop("w"))
+    if "w_scale" in p:
+      p["w_q"], p["w_scale"] = _quantize_with(p.pop("w"), p["w_scale"])
+    else:
+      p["w_q"], p["w_scale"] = _quantize(p.pop("w"))
     sub[lin] = p
     layers[owner] = sub
   return dict(params, layers=layers)
+
+
+@jax.jit
+def _quantize_with(w, scale):
+  # A zero scale is a padded FFN feature (its weights are zero).
+  scale = jnp.where(scale > 0, scale.astype(jnp.float32), 1.0)
+  q = jnp.clip(w.astype(jnp.float32) / scale[..., None, :], -FP8_MAX, FP8_MAX)
+  return jnp.swapaxes(q, -1, -2).astype(jnp.float8_e4m3fn), scale
 
 
 @jax.jit

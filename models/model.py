@@ -80,15 +80,18 @@ class Model:
     self.graphdef, state = nnx.split(abstract)
     if isinstance(params, nnx.State):
       params = nnx.to_pure_dict(params)
-    # (Static fp8 input scales stay float32: they scale the fp8 matmul.)
+    # (An fp8 checkpoint's scales stay float32: they scale the fp8 matmul.)
     params = jax.tree_util.tree_map_with_path(
-        lambda path, a: jnp.asarray(a, jnp.float32 if _key(path[-1]) == "in_scale"
+        lambda path, a: jnp.asarray(a, jnp.float32 if _key(path[-1]) in checkpoint.FP8_SCALES
                                     else self.dtype), params)
+    if _has(params, "w_scale") and (quantization != "fp8" or fold_norms):
+      raise ValueError("params hold fp8 weight scales (w_scale, an fp8 checkpoint's): build "
+                       "the model with quantization='fp8' and fold_norms=False")
     static = activation_scales is not None and activation_scales.static
     if static and fold_norms:
       raise ValueError("static activation scales apply to the norms' outputs: build the model "
                        "with fold_norms=False")
-    if static != _has_in_scales(params):
+    if static != _has(params, "in_scale"):
       raise ValueError("static activation scales need each layer linear's in_scale in params "
                        "(an fp8 checkpoint's input_scale), and only they have one" if static else
                        "params hold static input scales (in_scale): build the model with "
@@ -362,8 +365,8 @@ def _key(entry) -> str:
   return str(getattr(entry, "key", entry))
 
 
-def _has_in_scales(params) -> bool:
-  return any(_key(path[-1]) == "in_scale"
+def _has(params, leaf: str) -> bool:
+  return any(_key(path[-1]) == leaf
              for path, _ in jax.tree_util.tree_flatten_with_path(params)[0])
 
 

@@ -181,11 +181,12 @@ def _write_safetensors(path, tensors):
   path.write_bytes(len(raw).to_bytes(8, "little") + raw + b"".join(blobs))
 
 
-def _fp8_checkpoint(src, dst, config=CT_CONFIG, per_tensor=False, input_scales=None):
+def _fp8_checkpoint(src, dst, config=CT_CONFIG, per_tensor=False, input_scales=None,
+                    top=448.0):
   """``src``'s HF folder with every layer Linear quantized per output channel
   (or ``per_tensor``; compressed-tensors); returns {name: fp8 [out, in]} of
   what was written. ``input_scales(name) -> float``: a static input scale
-  written beside each weight."""
+  written beside each weight. ``top``: what a channel's largest value maps to."""
   import json
   import shutil
 
@@ -203,7 +204,7 @@ def _fp8_checkpoint(src, dst, config=CT_CONFIG, per_tensor=False, input_scales=N
   for name in list(tensors):
     if ".layers." in name and name.endswith("proj.weight"):
       w = np.asarray(tensors[name], np.float32)
-      scale = np.maximum(np.abs(w).max(axis=1, keepdims=True) / 448.0, 1e-12)
+      scale = np.maximum(np.abs(w).max(axis=1, keepdims=True) / top, 1e-12)
       if per_tensor:
         scale = scale.max().reshape(1)
       q = (w / scale.reshape(-1, 1)).astype(ml_dtypes.float8_e4m3fn)
@@ -461,13 +462,16 @@ def test_a_static_fp8_checkpoint_loads_with_its_input_scales(hf_oracle, tmp_path
       assert float(layers["attn"][lin]["in_scale"][...][i]) == np.float32(want)
     assert float(layers["mlp"]["w_gate_up"]["in_scale"][...][i]) == np.float32(
         max(p("mlp.gate_proj"), p("mlp.up_proj")))
-  # The checkpoint's per-tensor weights, dequantized and requantized per
-  # channel: the same values up to that rounding.
-  name = "model.layers.0.self_attn.o_proj.weight"
-  ckpt = np.asarray(written[name], np.float32) * written[name + "_scale"]
-  wo = layers["attn"]["wo"]
-  ours = np.asarray(wo["w_q"][...][0], np.float32) * np.asarray(wo["w_scale"][...][0])[:, None]
-  testing.assert_close(ours[:, :ckpt.shape[1]], ckpt, tol=0.04)
+  # The checkpoint's per-tensor weights and scale, as written (the scale
+  # broadcast to every output channel; float32, whatever --dtype is).
+  for lin, part in (("attn.wo", "self_attn.o_proj"), ("mlp.w_down", "mlp.down_proj")):
+    name = f"model.layers.1.{part}.weight"
+    p = layers[lin.split(".")[0]][lin.split(".")[1]]
+    got = np.asarray(p["w_q"][...][1], np.float32)[:, :written[name].shape[1]]
+    np.testing.assert_array_equal(got, np.asarray(written[name], np.float32))
+    assert p["w_scale"][...].dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(p["w_scale"][...][1])[:got.shape[0]],
+                                  np.float32(written[name + "_scale"]))
   ids = np.load(src / "prompt.npy").tolist() + np.load(src / "greedy.npy").tolist()
   plain = _all_logits(models.load(src, dtype="float32"), ids, page=8)
   ours = _all_logits(model, ids, page=8)
@@ -508,3 +512,55 @@ def test_static_scales_and_models_that_cannot_hold_them_are_refused(pair):
   with pytest.raises(ValueError, match="static ones have none"):
     llama.ActivationScales(static=True, ub=10.0)
   assert llama.param_spec(("layers", "attn", "wqkv", "in_scale"), 1) == jax.sharding.PartitionSpec()
+
+
+def test_fp8_values_come_back_as_written_when_channels_stop_short_of_448(hf_oracle, tmp_path):
+  # A scale that maps a channel's largest value to 200 (not 448): the loader
+  # quantizes with the checkpoint's scales, so the fp8 values are the file's.
+  d = tmp_path / "short"
+  written = _fp8_checkpoint(hf_oracle / "llama", d, top=200.0)
+  model = models.load(d, dtype="bfloat16")
+  name = "model.layers.0.mlp.down_proj.weight"
+  got = np.asarray(model.params["layers"]["mlp"]["w_down"]["w_q"][...][0], np.float32)
+  np.testing.assert_array_equal(got[:, :written[name].shape[1]],
+                                np.asarray(written[name], np.float32))
+
+
+def test_a_projection_in_16_bits_and_malformed_configs_are_refused(hf_oracle, tmp_path):
+  import copy
+  import re
+  import shutil
+
+  import ml_dtypes
+
+  from models import checkpoint
+
+  d = tmp_path / "bf16_proj"
+  _fp8_checkpoint(hf_oracle / "llama", d)
+  st = checkpoint._SafetensorsFile(d / "model.safetensors")
+  tensors = {n: np.array(st.get(n)) for n in st.header}
+  n = "model.layers.1.mlp.down_proj.weight"
+  tensors[n] = (tensors[n].astype(np.float32) * tensors.pop(n + "_scale")).astype(
+      ml_dtypes.bfloat16)
+  _write_safetensors(d / "model.safetensors", tensors)
+  with pytest.raises(ValueError, match="down_proj.weight' is bfloat16, but config.json's "
+                                       "quantization_config makes every layer linear fp8"):
+    models.load(d, dtype="float32")
+  for change, field in (
+      (lambda c: c.update(config_groups=[c["config_groups"]["group_0"]]), "config_groups=["),
+      (lambda c: c["config_groups"].update(group_0="FP8_DYNAMIC"), "group is 'FP8_DYNAMIC'"),
+      (lambda c: c["config_groups"]["group_0"].update(weights=[8]), "weights=[8]"),
+      (lambda c: c["config_groups"]["group_0"].update(format="int-quantized"),
+       "config_groups.format='int-quantized'")):
+    config = copy.deepcopy(CT_CONFIG)
+    change(config)
+    _fp8_checkpoint(hf_oracle / "llama", tmp_path / "bad", config)
+    with pytest.raises(ValueError, match=re.escape(field)):
+      models.load(tmp_path / "bad", dtype="float32")
+    shutil.rmtree(tmp_path / "bad")
+  for names in (5, "lm_head"):
+    _fp8_checkpoint(hf_oracle / "llama", tmp_path / "bad",
+                    dict(FBGEMM_CONFIG, modules_to_not_convert=names))
+    with pytest.raises(ValueError, match=re.escape(f"modules_to_not_convert={names!r}")):
+      models.load(tmp_path / "bad", dtype="float32")
+    shutil.rmtree(tmp_path / "bad")
