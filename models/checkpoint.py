@@ -130,6 +130,10 @@ def _pad_ffn(a, axis: int, cfg: ModelConfig):
   return np.pad(a, widths)
 
 
+# Names of quantization tensors (scales, zero points, bounds, group indices):
+# a checkpoint holding one that its scheme does not read is refused.
+_QUANT_SUFFIXES = ("_scale", "_zero_point", "_scale_ub", "g_idx", "_global_scale")
+
 # Leaves of an fp8 checkpoint's scales, kept float32 whatever --dtype is.
 FP8_SCALES = ("w_scale", "in_scale")
 
@@ -504,10 +508,13 @@ def read_hf(folder, dtype=np.float32, tokenizer: bool = True
                      f"lm_head.weight is in {', '.join(f.name for f in files)}; if the output "
                      "head is the embedding, set tie_word_embeddings true")
 
+  read = set()
+
   def get(name, layer):
     del layer
     if name not in index:
       raise ValueError(f"{folder}: tensor {name!r} missing from {', '.join(f.name for f in files)}")
+    read.add(name)
     a = index[name].get(name)
     if name.endswith(".weight_scale"):  # per output feature (one per tensor: broadcast)
       weight = name.removesuffix("_scale")
@@ -537,6 +544,7 @@ def read_hf(folder, dtype=np.float32, tokenizer: bool = True
     ub_name = name.removesuffix("weight") + "input_scale_ub"
     if ub_name not in index:
       return
+    read.add(ub_name)
     ub = np.asarray(index[ub_name].get(ub_name), np.float32).ravel()
     want = scheme.activation_scale_ub
     if want is None or ub.size != 1 or not np.isclose(ub[0], want, rtol=1e-6):
@@ -554,7 +562,11 @@ def read_hf(folder, dtype=np.float32, tokenizer: bool = True
       raise ValueError(f"{folder}: {scale_name!r} has shape {s.shape}; a scale per output "
                        f"channel of {name!r} {a.shape} is [{a.shape[0]}, 1], one per tensor [1]")
     s = _positive(s, scale_name)
-    return a.astype(np.float32) * s.reshape(-1, 1)
+    read.add(scale_name)
+    out = a.astype(np.float32) * s.reshape(-1, 1)
+    if not np.isfinite(out).all():
+      raise ValueError(f"{folder}: {name!r} holds NaN (fp8 has no inf)")
+    return out
 
   def _positive(s, name, one=None):
     if one is not None and s.size != 1:
@@ -566,6 +578,13 @@ def read_hf(folder, dtype=np.float32, tokenizer: bool = True
 
   params = _fill(cfg, get, _hf_names(cfg), dtype, str(folder), "loading safetensors",
                  w_scales=fp8, in_scales=fp8 and scheme.static_activations)
+  # A quantization tensor nothing read (a KV-cache scale, a zero point, a
+  # dynamic checkpoint's input_scale) would be part of the math ignored.
+  unread = sorted(n for n in index if n not in read and n.endswith(_QUANT_SUFFIXES))
+  if unread:
+    raise ValueError(f"{folder}: quantization tensors not read here: {', '.join(unread[:4])}"
+                     f"{' ...' if len(unread) > 4 else ''} (its quantization_config computes "
+                     "without them; see models.checkpoint.hf_quantization)")
   return cfg, params, tok
 
 

@@ -564,3 +564,32 @@ def test_a_projection_in_16_bits_and_malformed_configs_are_refused(hf_oracle, tm
     with pytest.raises(ValueError, match=re.escape(f"modules_to_not_convert={names!r}")):
       models.load(tmp_path / "bad", dtype="float32")
     shutil.rmtree(tmp_path / "bad")
+
+
+@pytest.mark.parametrize("extra,match", [
+    ({"model.layers.0.self_attn.k_scale": np.array([0.1], np.float32)},
+     "quantization tensors not read here: model.layers.0.self_attn.k_scale"),
+    ({"model.layers.1.mlp.up_proj.input_scale": np.array([0.01], np.float32)},
+     "not read here: model.layers.1.mlp.up_proj.input_scale"),  # a dynamic checkpoint's
+    ({"model.layers.0.mlp.up_proj.weight_zero_point": np.array([3], np.float32)},
+     "up_proj.weight_zero_point"),
+    ("nan", "down_proj.weight' holds NaN"),
+])
+def test_tensors_the_scheme_does_not_read_and_nan_weights_are_refused(hf_oracle, tmp_path,
+                                                                      extra, match):
+  import ml_dtypes
+
+  from models import checkpoint
+
+  d = tmp_path / "ckpt"
+  _fp8_checkpoint(hf_oracle / "llama", d)
+  st = checkpoint._SafetensorsFile(d / "model.safetensors")
+  tensors = {n: np.array(st.get(n)) for n in st.header}
+  if extra == "nan":
+    w = tensors["model.layers.0.mlp.down_proj.weight"]
+    w[2, 3] = np.array(np.nan, np.float32).astype(ml_dtypes.float8_e4m3fn)
+  else:
+    tensors.update(extra)
+  _write_safetensors(d / "model.safetensors", tensors)
+  with pytest.raises(ValueError, match=match):
+    models.load(d, dtype="float32")
