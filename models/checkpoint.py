@@ -408,7 +408,6 @@ def _fp8_scheme(qc: dict, source: str) -> HFQuantization:
   for what, d in (("weights", w), ("input_activations", x)):
     if not isinstance(d, dict):
       raise bad(f"{what}={d!r} (a mapping)")
-  for what, d in (("weights", w), ("input_activations", x)):
     for k in set(d) - _CT_SCHEME_KEYS:
       if d[k] not in (None, False):
         raise bad(f"{what}.{k}={d[k]!r} (not read here)")
