@@ -181,6 +181,16 @@ def _write_safetensors(path, tensors):
   path.write_bytes(len(raw).to_bytes(8, "little") + raw + b"".join(blobs))
 
 
+def _edit_tensors(d, edit):
+  """Rewrites d/model.safetensors with ``edit(tensors)`` applied to its {name: array}."""
+  from models import checkpoint
+
+  st = checkpoint._SafetensorsFile(d / "model.safetensors")
+  tensors = {n: np.array(st.get(n)) for n in st.header}
+  edit(tensors)
+  _write_safetensors(d / "model.safetensors", tensors)
+
+
 def _fp8_checkpoint(src, dst, config=CT_CONFIG, per_tensor=False, input_scales=None,
                     top=448.0):
   """``src``'s HF folder with every layer Linear quantized per output channel
@@ -333,15 +343,12 @@ def test_fields_not_read_are_refused(hf_oracle, tmp_path, change, field):
 
 
 def test_bad_weight_scales_are_refused(hf_oracle, tmp_path):
-  from models import checkpoint
+  def nan_scale(tensors):
+    tensors["model.layers.0.mlp.down_proj.weight_scale"][3] = np.nan
 
   d = tmp_path / "ckpt"
   _fp8_checkpoint(hf_oracle / "llama", d)
-  st = checkpoint._SafetensorsFile(d / "model.safetensors")
-  tensors = {n: np.array(st.get(n)) for n in st.header}
-  name = "model.layers.0.mlp.down_proj.weight_scale"
-  tensors[name][3] = np.nan
-  _write_safetensors(d / "model.safetensors", tensors)
+  _edit_tensors(d, nan_scale)
   with pytest.raises(ValueError, match="down_proj.weight_scale' holds values that are not "
                                        "finite and positive"):
     models.load(d, dtype="float32")
@@ -355,14 +362,12 @@ FBGEMM_CONFIG = {"quant_method": "fbgemm_fp8", "activation_scale_ub": 1200.0,
 
 def _add_input_scale_ub(d, value):
   """fbgemm_fp8 checkpoints also hold each projection's bound, [1] float32."""
-  from models import checkpoint
-
-  st = checkpoint._SafetensorsFile(d / "model.safetensors")
-  tensors = {n: np.array(st.get(n)) for n in st.header}
-  for n in list(tensors):
-    if n.endswith("proj.weight_scale"):
-      tensors[n.removesuffix("weight_scale") + "input_scale_ub"] = np.array([value], np.float32)
-  _write_safetensors(d / "model.safetensors", tensors)
+  def edit(tensors):
+    for n in list(tensors):
+      if n.endswith("proj.weight_scale"):
+        tensors[n.removesuffix("weight_scale") + "input_scale_ub"] = np.array([value],
+                                                                              np.float32)
+  _edit_tensors(d, edit)
 
 
 def test_an_fbgemm_fp8_checkpoint_loads_with_its_activation_bound(hf_oracle, tmp_path):
@@ -533,16 +538,13 @@ def test_a_projection_in_16_bits_and_malformed_configs_are_refused(hf_oracle, tm
 
   import ml_dtypes
 
-  from models import checkpoint
+  def to_bf16(tensors, n="model.layers.1.mlp.down_proj.weight"):
+    tensors[n] = (tensors[n].astype(np.float32) * tensors.pop(n + "_scale")).astype(
+        ml_dtypes.bfloat16)
 
   d = tmp_path / "bf16_proj"
   _fp8_checkpoint(hf_oracle / "llama", d)
-  st = checkpoint._SafetensorsFile(d / "model.safetensors")
-  tensors = {n: np.array(st.get(n)) for n in st.header}
-  n = "model.layers.1.mlp.down_proj.weight"
-  tensors[n] = (tensors[n].astype(np.float32) * tensors.pop(n + "_scale")).astype(
-      ml_dtypes.bfloat16)
-  _write_safetensors(d / "model.safetensors", tensors)
+  _edit_tensors(d, to_bf16)
   with pytest.raises(ValueError, match="down_proj.weight' is bfloat16, but config.json's "
                                        "quantization_config makes every layer linear fp8"):
     models.load(d, dtype="float32")
@@ -579,17 +581,15 @@ def test_tensors_the_scheme_does_not_read_and_nan_weights_are_refused(hf_oracle,
                                                                       extra, match):
   import ml_dtypes
 
-  from models import checkpoint
+  def edit(tensors):
+    if extra == "nan":
+      w = tensors["model.layers.0.mlp.down_proj.weight"]
+      w[2, 3] = np.array(np.nan, np.float32).astype(ml_dtypes.float8_e4m3fn)
+    else:
+      tensors.update(extra)
 
   d = tmp_path / "ckpt"
   _fp8_checkpoint(hf_oracle / "llama", d)
-  st = checkpoint._SafetensorsFile(d / "model.safetensors")
-  tensors = {n: np.array(st.get(n)) for n in st.header}
-  if extra == "nan":
-    w = tensors["model.layers.0.mlp.down_proj.weight"]
-    w[2, 3] = np.array(np.nan, np.float32).astype(ml_dtypes.float8_e4m3fn)
-  else:
-    tensors.update(extra)
-  _write_safetensors(d / "model.safetensors", tensors)
+  _edit_tensors(d, edit)
   with pytest.raises(ValueError, match=match):
     models.load(d, dtype="float32")
