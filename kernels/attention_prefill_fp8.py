@@ -124,6 +124,11 @@ def _mosaic_why_not(q, k, v, *, q_scale=None, k_scale=None, v_scale=None, out_dt
                                    kv_segment_ids, sliding_window)
   except ValueError as e:
     return str(e)
+  return _mosaic_limits(D, sm_scale, config)
+
+
+def _mosaic_limits(D, sm_scale, config) -> str | None:
+  """What the kernel cannot run among calls that pass ``_check``."""
   kind = target_lib.current().kind
   if kind not in ("hopper", "cpu"):
     return f"the fp8 kernel runs Hopper's fp8 wgmma; this device is {kind}"
@@ -158,16 +163,16 @@ def attention_prefill_fp8_mosaic(q, k, v, *, q_scale, k_scale, v_scale, out_dtyp
                                  return_lse=False, config: ap.Config | None = None):
   """The FA3 kernel on fp8 operands; ``config`` overrides the tuning table
   (op ``attention_prefill``, dtype float8_e4m3fn) / heuristic."""
-  kw = dict(q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, out_dtype=out_dtype,
-            causal=causal, sm_scale=sm_scale, q_positions=q_positions,
-            kv_positions=kv_positions, q_segment_ids=q_segment_ids,
-            kv_segment_ids=kv_segment_ids, sliding_window=sliding_window, config=config)
-  why = _mosaic_why_not(q, k, v, **kw)
+  # (One _check: it reads the scales' values, a wait for the device.)
+  try:
+    (B, Sq, Hq, D, Skv, Hkv), out_dtype = _check(
+        q, k, v, q_scale, k_scale, v_scale, out_dtype, causal, sm_scale, q_positions,
+        kv_positions, q_segment_ids, kv_segment_ids, sliding_window)
+    why = _mosaic_limits(D, sm_scale, config)
+  except ValueError as e:
+    why = str(e)
   if why is not None:
     raise ValueError(f"attention_prefill_fp8 mosaic: {why}")
-  (B, Sq, Hq, D, Skv, Hkv), out_dtype = _check(
-      q, k, v, q_scale, k_scale, v_scale, out_dtype, causal, sm_scale, q_positions,
-      kv_positions, q_segment_ids, kv_segment_ids, sliding_window)
   dense = ap.unmasked(causal, sliding_window, q_segment_ids)
   cfg = config or _pick_config(D, causal)
   if not cfg.p_smem:
