@@ -5,8 +5,9 @@ causal and not. Rows per case:
 
 - ``mosaic_fp8``: kernels/attention_prefill_fp8.py on pre-quantized q, k, v
   (the tabled / heuristic config), then the sweep's configs by name;
-- ``mosaic_fp8+q``: the same behind ``quantize_heads`` of bf16 q, k, v (what
-  a model pays: the amax passes and the V^T write);
+- ``mosaic_fp8+q``: attention_prefill's ``mosaic_fp8`` backend on the bf16
+  q, k, v (``--attention-backend mosaic_fp8``): the same kernel behind
+  ``quantize_heads`` (what a model pays: the amax passes and the V^T write);
 - ``mosaic_bf16``: kernels/attention_prefill.py on the bf16 inputs;
 - ``cudnn_bf16``: jax.nn.dot_product_attention's cuDNN kernel.
 
@@ -73,14 +74,10 @@ def _fns(causal):
   fp8 = lambda cfg: jax.jit(lambda q, k, v, qs, ks, vs: af.attention_prefill_fp8_mosaic(
       q, k, v, q_scale=qs, k_scale=ks, v_scale=vs, causal=causal, config=cfg))
 
-  def quantized(q, k, v):
-    (q8, qs), (k8, ks), (v8, vs) = (af.quantize_heads(x) for x in (q, k, v))
-    return af.attention_prefill_fp8_mosaic(q8, k8, v8, q_scale=qs, k_scale=ks, v_scale=vs,
-                                           causal=causal)
-
   return {
       "mosaic_fp8": ("fp8", fp8(None)),
-      "mosaic_fp8+q": ("bf16", jax.jit(quantized)),
+      "mosaic_fp8+q": ("bf16", jax.jit(lambda q, k, v: ap.attention_prefill(
+          q, k, v, backend="mosaic_fp8", causal=causal))),
       "mosaic_bf16": ("bf16", jax.jit(lambda q, k, v: ap.attention_prefill_mosaic(
           q, k, v, causal=causal))),
       "cudnn_bf16": ("bf16", jax.jit(lambda q, k, v: ap.attention_prefill_cudnn(

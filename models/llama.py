@@ -160,7 +160,8 @@ def _load_ops():
   import importlib
 
   names = OPS + (APPEND_OP, FP8_OP)
-  for name in names:
+  # attention_prefill_fp8 adds attention_prefill's "mosaic_fp8" backend.
+  for name in names + ("attention_prefill_fp8",):
     importlib.import_module(f"kernels.{name}")
   return {name: registry.get_op(name) for name in names}
 

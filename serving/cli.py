@@ -412,8 +412,9 @@ def parser() -> argparse.ArgumentParser:
                  "bfloat16 weights keeps the layers' sums in float32 (the norms then run as "
                  "kernels of their own instead of inside the next matmul)")
   s.add_argument("--attention-backend",
-                 help="attention implementation (mosaic, cudnn, triton, xla, ...); "
-                 "also used for decode unless --decode-attention-backend is given")
+                 help="attention implementation (mosaic, mosaic_fp8, cudnn, triton, xla, ...); "
+                 "also used for decode where attention_decode has that name, unless "
+                 "--decode-attention-backend is given")
   s.add_argument("--decode-attention-backend", help="attention_decode implementation")
   s.add_argument("--matmul-backend", help="matmul implementation (mosaic, xla, ...)")
   s.add_argument("--tensor-parallel-size", "--tp", type=int, default=1,

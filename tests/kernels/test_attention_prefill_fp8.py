@@ -1,8 +1,10 @@
 """attention_prefill_fp8: each backend against the float32 reference of the
 dequantized operands; the Mosaic kernel's fp8 paths (GQA, cached prefix,
 padding, no mask, causal, window, packed segments, 256-key blocks, overlap,
-lse, per-tensor scales) in interpret mode on CPU, its H200 lowering in
-test_gpu_lowering.py and its full-size runs on the GPU (marked gpu)."""
+lse, per-tensor scales) in interpret mode on CPU, and attention_prefill's
+"mosaic_fp8" backend (16-bit q/k/v quantized per head into the same kernel);
+its H200 lowering in test_gpu_lowering.py and its full-size runs on the GPU
+(marked gpu)."""
 
 import dataclasses
 
@@ -187,6 +189,47 @@ def test_mosaic_says_what_it_cannot_run():
   assert op.select(q, k, v, **s).name == "xla"
 
 
+# attention_prefill's "mosaic_fp8" backend quantizes 16-bit q, k, v per head:
+# the inputs' e4m3 rounding adds to fp8 P's (random scores: about 0.05).
+QUANTIZED_TOL = 0.08
+
+
+def test_mosaic_fp8_backend_of_the_bf16_op_is_the_fp8_kernel_on_quantized_heads():
+  q, k, v = testing.random_inputs([(2, 100, 4, 128), (2, 200, 1, 128), (2, 200, 1, 128)],
+                                  jnp.bfloat16)
+  kw = dict(causal=True)  # 100 queries at the end of 200 keys: a cached prefix, GQA 4:1
+  out = ap.attention_prefill(q, k, v, backend="mosaic_fp8", **kw)
+  assert out.dtype == jnp.bfloat16 and out.shape == q.shape
+  (q8, qs), (k8, ks), (v8, vs) = (af.quantize_heads(x) for x in (q, k, v))
+  direct = af.attention_prefill_fp8_mosaic(q8, k8, v8, q_scale=qs, k_scale=ks, v_scale=vs, **kw)
+  np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(direct, np.float32))
+  testing.assert_close(out, ap.attention_prefill_reference(q, k, v, **kw), tol=QUANTIZED_TOL)
+  # A plan (the block ranges, once per step in the model) gives the same output.
+  plan = ap.op.plan(q, k, v, backend="mosaic_fp8", **kw)
+  planned = ap.op(q, k, v, backend="mosaic_fp8", plan=plan, **kw)
+  np.testing.assert_array_equal(np.asarray(planned, np.float32), np.asarray(out, np.float32))
+  with pytest.raises(registry.BackendError, match="made for backend 'mosaic_fp8'"):
+    ap.op(q, k, v, backend="mosaic", plan=plan, **kw)
+  with pytest.raises(ValueError, match="other shapes"):
+    af.attention_prefill_quantized(q[:1], k[:1], v[:1], plan=plan.data, **kw)
+
+
+def test_mosaic_fp8_backend_runs_by_name_only_and_says_what_it_cannot_run():
+  # fp8 rounding changes the output: no default order picks it.
+  for kind in ("hopper", "blackwell", "cuda", "cpu"):
+    assert "mosaic_fp8" not in ap.op.default_order(kind)
+  q, k, v = testing.random_inputs([(1, 64, 2, 128)] * 3, jnp.bfloat16)
+  impl = ap.op.get("mosaic_fp8")
+  assert impl.why_not(q, k, v) is None
+  assert "head dim 64" in impl.why_not(q[..., :64], k[..., :64], v[..., :64])
+  assert "float32" in impl.why_not(*(x.astype(jnp.float32) for x in (q, k, v)))
+  assert "must be > 0" in impl.why_not(q, k, v, sm_scale=0.0)
+  with pytest.raises(registry.BackendError, match="head dim 64"):
+    ap.attention_prefill(q[..., :64], k[..., :64], v[..., :64], backend="mosaic_fp8")
+  with pytest.raises(TypeError, match="window"):
+    af.attention_prefill_quantized(q, k, v, window=3)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("hq,hkv", [(32, 8), (32, 32)])
@@ -196,3 +239,14 @@ def test_mosaic_full_size_on_gpu(causal, hq, hkv):
   for cfg in (None, ap.Config(p_smem=True, overlap=True), ap.Config(p_smem=True, block_kv=256)):
     out = af.attention_prefill_fp8_mosaic(q, k, v, causal=causal, config=cfg, **s)
     testing.assert_close(out, ref, tol=P_FP8_TOL, what=f"{cfg}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [True, False])
+def test_mosaic_fp8_backend_full_size_on_gpu(causal):
+  q, k, v = testing.random_inputs([(1, 4096, 32, 128), (1, 4096, 8, 128), (1, 4096, 8, 128)],
+                                  jnp.bfloat16)
+  ref = ap.attention_prefill_xla(*(x.astype(jnp.float32) for x in (q, k, v)), causal=causal)
+  out = ap.attention_prefill(q, k, v, backend="mosaic_fp8", causal=causal)
+  assert out.dtype == jnp.bfloat16
+  testing.assert_close(out, ref, tol=QUANTIZED_TOL)

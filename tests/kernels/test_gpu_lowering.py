@@ -673,3 +673,18 @@ def test_fp8_attention_prefill_lowers_for_h200(name):
   else:
     with pytest.raises(ValueError, match="bytes of SMEM"):
       _lower(f, *args)
+
+
+def test_mosaic_fp8_backend_of_attention_prefill_lowers_for_h200():
+  # bf16 q/k/v quantized per head, then the fp8 kernel: the model's packed
+  # prefill (segments, positions) through the registry with a plan.
+  from kernels import attention_prefill_fp8  # noqa: F401 (registers the backend)
+
+  def f(q, k, v, seg, pos):
+    kw = dict(causal=True, q_segment_ids=seg, kv_segment_ids=seg, q_positions=pos,
+              kv_positions=pos)
+    plan = ap.op.plan(q, k, v, backend="mosaic_fp8", **kw)
+    return ap.op(q, k, v, backend="mosaic_fp8", plan=plan, **kw)
+
+  _lower(f, S((1, 2048, 32, 128), BF16), S((1, 2048, 8, 128), BF16), S((1, 2048, 8, 128), BF16),
+         S((1, 2048), I32), S((1, 2048), I32))

@@ -96,6 +96,25 @@ def test_fp8_kv_cache(tiny_bf16, tiny_reference, prompts):
   assert 1e-3 < err < 0.1, err
 
 
+def test_fp8_prefill_attention_by_name():
+  # attention_prefill's "mosaic_fp8" backend (q/k/v quantized per head, the
+  # fp8 FA3 kernel interpreted) in prefill, fresh and over a cached prefix;
+  # xla elsewhere. Head dim 128, which the fp8 kernel needs. Against the bf16
+  # run the difference is fp8's rounding: visible and bounded.
+  cfg = config_lib.ModelConfig("hd128", vocab_size=320, hidden_size=256, num_layers=2,
+                               num_heads=4, num_kv_heads=2, head_dim=128,
+                               intermediate_size=256, rope_theta=10000.0)
+  params = model_lib.random_params(cfg, seed=int(np.random.default_rng().integers(1 << 30)))
+  m = models.Model(cfg, params, tok_lib.ByteTokenizer(), dtype="bfloat16")
+  rng = np.random.default_rng()
+  prompts = [rng.integers(3, 259, 13).tolist(), rng.integers(3, 259, 6).tolist()]
+  xla = dict(attention="xla", matmul="xla", norm="xla")
+  ref = _run(m, prompts, 16, prefill=xla, decode=xla)
+  out = _run(m, prompts, 16, prefill=dict(xla, attention="mosaic_fp8"), decode=xla)
+  err = testing.rel_error(out, ref)
+  assert 1e-4 < err < 0.06, err
+
+
 def test_fp8_cache_writes_saturate():
   from models import llama
 
