@@ -87,13 +87,13 @@ def main():
   ap.add_argument("--anchors", default="/work/shared/anchors/h200-2026-11-30-hf-transformers-e2e.json")
   args = ap.parse_args()
 
-  from models import config as config_lib, llama, model as model_lib, tokenizer as tok_lib
+  from models import config as config_lib, kv_cache, model as model_lib, tokenizer as tok_lib
   from mosaic import bench, testing
 
   cfg = config_lib.get(args.model)
   if args.layers:
     cfg = cfg.replace(num_layers=args.layers, name=f"{cfg.name}-{args.layers}l")
-  ps = args.page_size or llama.DEFAULT_PAGE_SIZE
+  ps = args.page_size or kv_cache.DEFAULT_PAGE_SIZE
   t0 = time.perf_counter()
   params = model_lib.random_params(cfg, seed=0, dtype="bfloat16")
   model = model_lib.Model(cfg, params, tok_lib.ByteTokenizer(), dtype="bfloat16")

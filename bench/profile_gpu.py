@@ -90,7 +90,7 @@ def isolated(model, phase, batch, length, attn_names, page_size):
   -> {(op, backend-or-None): {"alone": t, "in_order": t, "flops": f}}; the
   o row is keyed by the attention backend that precedes it."""
   from mosaic import bench, cost
-  from models import llama
+  from models import kv_cache, llama
 
   ops = llama.ops()
   cfg, dt = model.config, model.dtype
@@ -172,7 +172,7 @@ def isolated(model, phase, batch, length, attn_names, page_size):
         alone_sets = [(rnd(batch, s, hq, hd),) + kvs for kvs in kv]
         c = cost.attention(batch, hq, hkv, s, s, hd, causal=True)
       else:
-        ps = page_size or llama.DEFAULT_PAGE_SIZE
+        ps = page_size or kv_cache.DEFAULT_PAGE_SIZE
         per = -(-length // ps)
         pages = batch * per + 1
         lengths = jnp.full((batch,), length, jnp.int32)

@@ -95,10 +95,10 @@ def kl_rows(tokens: int):
 def _forced_logits(model, prompt, answer):
   """Logits [len(answer), vocab] predicting each answer token from the prompt
   and the answer's tokens before it (one prefill, all positions)."""
-  from models import llama
+  from models import kv_cache
 
   seq = list(prompt) + list(answer)
-  ps = llama.DEFAULT_PAGE_SIZE
+  ps = kv_cache.DEFAULT_PAGE_SIZE
   n_pages = -(-len(seq) // ps)
   cache = model.init_cache(n_pages + 1, ps)
   table = np.arange(1, n_pages + 1, dtype=np.int32)[None]
@@ -111,12 +111,12 @@ def decode_rows(config: str, iters: int, tol: float, batches=(1, 16, 64), contex
   import jax
 
   from bench.model import _steps
-  from models import config as config_lib, llama, model as model_lib, tokenizer as tok_lib
+  from models import config as config_lib, kv_cache, model as model_lib, tokenizer as tok_lib
   from mosaic import testing
 
   cfg = config_lib.get(config)
   params = model_lib.random_device_params(cfg, "bfloat16", seed=0)
-  ps = llama.DEFAULT_PAGE_SIZE
+  ps = kv_cache.DEFAULT_PAGE_SIZE
   backends = {"xla": dict(attention="xla", matmul="xla", norm="xla"),
               "mosaic": dict(attention="mosaic", matmul="mosaic", norm="mosaic")}
   rows = []

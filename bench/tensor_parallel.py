@@ -109,10 +109,10 @@ def main(argv=None) -> int:
   import jax
 
   import models
-  from models import llama
+  from models import kv_cache, steps
   from mosaic import bench
 
-  backends, batches, ps = BACKENDS, BATCHES, llama.DEFAULT_PAGE_SIZE
+  backends, batches, ps = BACKENDS, BATCHES, kv_cache.DEFAULT_PAGE_SIZE
   if a.quick:
     backends = dict(attention="xla", matmul="xla", norm="xla")
     a.prompts, a.tokens, a.iters, a.context, batches, ps = 2, 4, 2, 40, (1, 4), 16

@@ -435,7 +435,7 @@ def _attend_step(carry, ids, slot, start, length, q_smem, k_smem, v_smem, p_smem
 
 def _rope_tile(q_smem, rope_smem):
   """Rotates every row of the Q tile [64, D] in place by the RoPE table
-  [2, D] (cos | cos, -sin | sin), in float32 as ``models.llama.rotate``. Rows
+  [2, D] (cos | cos, -sin | sin), in float32 as ``models.rope.rotate``. Rows
   past the q heads (k, v, the zero fill) are rotated too, and never stored."""
   layout = plgpu.Layout.WGMMA
   half = q_smem.shape[-1] // 2

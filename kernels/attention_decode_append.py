@@ -30,7 +30,7 @@ from mosaic import dsl, registry
 
 def rope_table(cos, sin):
   """(cos, sin) of the tokens' angles, each [B, ..., D/2] (one token a row,
-  as ``models.llama.rope_angles`` gives them) -> the append op's float32
+  as ``models.rope.rope_angles`` gives them) -> the append op's float32
   table [B, 2, D]: (cos | cos, -sin | sin), the rotation as a product with
   x and with x's halves swapped."""
   b = cos.shape[0]

@@ -51,22 +51,19 @@ gain is 0.02-0.05 ms: that call's launch takes ~3x longer
 against 130); prefill and mixed steps keep the loop.
 
 RMSNorm, every matmul and the attention go through the ``mosaic.registry`` ops
-(``rms_norm``, ``matmul``, ``attention_prefill``, ``attention_decode``,
-``attention_decode_append``), so the
-backend of each is a name chosen by the caller. ``prefill_step``,
-``decode_step`` and ``mixed_step`` (decode rows and prefill chunks sharing one
-pass over the weights) are jitted with the backend names as static arguments
-and the cache donated. With a mesh they run under shard_map over axis 'tp' (Megatron
-layout: heads and FFN features split, one all-reduce after wo and one after
-w_down, the vocabulary all-gathered), so every kernel sees local shapes.
+(``rms_norm``, ``matmul``, ``matmul_fp8``, ``attention_prefill``,
+``attention_decode``, ``attention_decode_append``), so the backend of each is
+a name chosen by the caller. models/steps.py jits each step of this module
+(prefill, decode, mixed: decode rows and prefill chunks sharing one pass over
+the weights) with the backend names as static arguments and the cache
+donated; with a mesh, under shard_map over axis 'tp' (models/sharding.py:
+heads and FFN features split, one all-reduce after wo and one after w_down,
+the vocabulary all-gathered), so every kernel sees local shapes.
 
-The KV cache: ``KVCache(k, v)``, each ``[num_layers, Hkv, num_pages, page_size,
-hd]``; token t of a sequence lives in page ``page_table[t // page_size]``, slot
-``t % page_size``. Page 0 is scratch: padding tokens write there. The cache is
-in the model's dtype or in fp8 (``float8_e4m3fn``: half the bytes, values
-stored as they are, saturating at +-448, i.e. kv scales of 1): decode attention
-reads fp8 pages itself; chunks that attend a cached prefix gather the pages
-and widen them to the model's dtype first.
+The paged KV cache is models/kv_cache.py's ``KVCache``: decode attention
+reads its pages (bf16 or fp8) in place; chunks that attend a cached prefix
+gather the pages and widen them to the model's dtype first. RoPE is
+models/rope.py.
 
 Weights are stored [in_features, out_features]; stacked layer weights carry a
 leading [num_layers] axis.
@@ -78,34 +75,20 @@ import contextvars
 import dataclasses
 import functools
 import math
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
 
 from kernels.matmul import SWIGLU_BLOCK, fold_rms_weight
 from kernels.matmul_fp8 import FP8_MAX, quantize_rows, quantize_rows_static, quantize_weight
+from models import kv_cache, sharding
 from models.config import FFN_BLOCK, ModelConfig
+from models.kv_cache import KVCache
+from models.rope import model_rope, rotate
 from mosaic import registry
 
-try:
-  from kernels.attention_decode import DEFAULT_PAGE_SIZE
-except Exception:  # the decode kernel module may not import on every install
-  DEFAULT_PAGE_SIZE = 128
-
 assert SWIGLU_BLOCK == FFN_BLOCK, "models.config.FFN_BLOCK must be kernels.matmul.SWIGLU_BLOCK"
-
-# Bucket ladders: a call is padded up to the next entry so the jitted functions
-# see few distinct shapes. Beyond the last entry, the next power of two is used.
-BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
-# At least 2 pages per row: with one, XLA:CPU fails to run the bf16 batched dot
-# of attention_decode's xla backend for B >= 2 ("Unsupported element type for
-# DotThunk::Execute: BF16 x BF16 = F32"); a second (scratch) page costs nothing.
-PAGE_BUCKETS = (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 
 OPS = ("rms_norm", "matmul", "attention_prefill", "attention_decode")  # chosen by backend flags
 # Weight quantizations of the layers' linears (None: the model's dtype). fp8:
@@ -171,131 +154,6 @@ def ops():
   return _load_ops()
 
 
-def bucket(n: int, ladder) -> int:
-  for b in ladder:
-    if n <= b:
-      return b
-  return 1 << max(0, int(n - 1).bit_length())
-
-
-class KVCache(NamedTuple):
-  k: jax.Array  # [num_layers, Hkv, num_pages, page_size, hd]
-  v: jax.Array
-
-  @property
-  def page_size(self) -> int:
-    return self.k.shape[3]
-
-  @property
-  def num_pages(self) -> int:
-    return self.k.shape[2]
-
-
-KV_DTYPES = ("bfloat16", "float16", "float32", "float8_e4m3fn")
-
-
-def init_cache(cfg: ModelConfig, num_pages: int, page_size: int = DEFAULT_PAGE_SIZE,
-               dtype="bfloat16", sharding=None) -> KVCache:
-  if jnp.dtype(dtype).name not in KV_DTYPES:
-    raise ValueError(f"KV cache dtype {jnp.dtype(dtype).name} is not supported; "
-                     f"supported: {KV_DTYPES}")
-  if num_pages < 2:
-    raise ValueError(f"{num_pages=} must be >= 2 (page 0 is the scratch page)")
-  if page_size <= 0:
-    raise ValueError(f"{page_size=} must be positive")
-  shape = (cfg.num_layers, cfg.num_kv_heads, num_pages, page_size, cfg.head_dim)
-  z = functools.partial(jnp.zeros, shape, jnp.dtype(dtype))
-  if sharding is not None:
-    z = jax.jit(z, out_shardings=sharding)
-  return KVCache(z(), z())
-
-
-# ---------------------------------------------------------------- RoPE
-
-
-def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
-  """[hd/2] inverse frequencies, with the configured scaling (models.config.RopeScaling)."""
-  hd = cfg.head_dim
-  inv = 1.0 / (cfg.rope_theta ** (np.arange(0, hd, 2, dtype=np.float64) / hd))
-  if cfg.rope_freq_factors is not None:
-    return (inv / np.asarray(cfg.rope_freq_factors, np.float64)).astype(np.float32)
-  s = cfg.rope_scaling
-  if s is None or s.rope_type == "dynamic":
-    # dynamic (NTK): transformers scales only past max_position_embeddings,
-    # where the context is capped; below it, the plain frequencies.
-    return inv.astype(np.float32)
-  if s.rope_type == "linear":
-    return (inv / s.factor).astype(np.float32)
-  if s.rope_type == "yarn":
-    return _yarn_inv_freq(inv, s, cfg.rope_theta, hd)
-  low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
-  high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
-  wavelen = 2 * math.pi / inv
-  # Long wavelengths are slowed down by `factor`, short ones kept, and the
-  # band in between interpolated smoothly.
-  scaled = np.where(wavelen > low_wavelen, inv / s.factor, inv)
-  smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
-      s.high_freq_factor - s.low_freq_factor)
-  smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
-  medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-  return np.where(medium, smoothed, scaled).astype(np.float32)
-
-
-def _yarn_inv_freq(inv, s, base, dim) -> np.ndarray:
-  """YaRN's blend of interpolated and extrapolated frequencies, as
-  transformers' _compute_yarn_parameters computes it."""
-  def correction_dim(rotations):
-    return dim * math.log(s.original_max_position_embeddings / (rotations * 2 * math.pi)) / (
-        2 * math.log(base))
-
-  low, high = correction_dim(s.beta_fast), correction_dim(s.beta_slow)
-  if s.truncate:
-    low, high = math.floor(low), math.ceil(high)
-  low, high = max(low, 0), min(high, dim - 1)
-  if low == high:
-    high += 0.001
-  ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - low) / (high - low), 0, 1)
-  extrapolation = 1 - ramp  # 1: keep the frequency, 0: interpolate it
-  inv = inv.astype(np.float32)
-  return ((inv / s.factor) * (1 - extrapolation) + inv * extrapolation).astype(np.float32)
-
-
-def rope_scale(cfg: ModelConfig) -> float:
-  """The factor on cos and sin (YaRN's attention_factor; 1 otherwise)."""
-  s = cfg.rope_scaling
-  return s.attention_factor if s is not None and s.rope_type == "yarn" else 1.0
-
-
-def rope_angles(positions, inv_freq, scale: float = 1.0):
-  """positions [B, T] -> (cos, sin), each [B, T, 1, hd/2] float32, times
-  ``scale`` (rope_scale).
-
-  A step computes them once, outside the layer loop: inside it XLA would
-  evaluate them again in every layer (one more kernel per layer)."""
-  ang = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, hd/2]
-  cos, sin = jnp.cos(ang)[:, :, None, :], jnp.sin(ang)[:, :, None, :]
-  if scale != 1.0:
-    cos, sin = cos * scale, sin * scale
-  return cos, sin
-
-
-def model_rope(cfg: ModelConfig, positions):
-  """rope_angles of ``cfg``'s RoPE at positions [B, T]."""
-  return rope_angles(positions, jnp.asarray(rope_inv_freq(cfg)), rope_scale(cfg))
-
-
-def rotate(x, cos, sin):
-  """x [B, T, H, hd]: rotates the two halves of hd (HF layout) by the angles."""
-  x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-  return out.astype(x.dtype)
-
-
-def apply_rope(x, positions, inv_freq):
-  """x [B, T, H, hd], positions [B, T]: RoPE at those positions."""
-  return rotate(x, *rope_angles(positions, inv_freq))
-
-
 # ---------------------------------------------------------------- modules
 
 
@@ -303,9 +161,6 @@ def _init(rngs, shape, dtype, fan_in):
   return (jax.random.normal(rngs.params(), shape, jnp.float32) * fan_in**-0.5).astype(dtype)
 
 
-# Set while tracing a step under tensor parallelism (shard_map over the 'tp'
-# mesh axis): the layers then see their local shard of heads / features.
-_TP_AXIS: contextvars.ContextVar[str | None] = contextvars.ContextVar("tp_axis", default=None)
 # Set while tracing the layer loop's body: the layer index (an int32 scalar).
 # The blocks' parameters are then their whole [num_layers, ...] stacks, which
 # the matmul and rms_norm ops index in place (``layer=``): every iteration of
@@ -371,7 +226,7 @@ class Linear(nnx.Module):
     lead = x.shape[:-1]
     a = x.reshape(-1, x.shape[-1])  # matmul is 2-D: [M = B*T, K]
     r = None if residual is None else residual.reshape(a.shape[0], -1)
-    axis = _TP_AXIS.get() if row_parallel else None
+    axis = sharding.tp_axis() if row_parallel else None
     layer = _LAYER.get()
     if axis is not None:
       y = self._matmul(a, out_dtype=jnp.float32, layer=layer, bias=False)
@@ -399,7 +254,7 @@ def fp8_backend() -> str | None:
   if own is not None:
     return own
   name = registry.get_op("matmul").explicit_choice(None)
-  return name if name is not None and _has(FP8_OP, name) else None
+  return name if name is not None and name in registry.get_op(FP8_OP).names else None
 
 
 def _layer_param(p, layer):
@@ -600,7 +455,7 @@ class Llama(nnx.Module):
     with jax.named_scope("lm_head"):
       if self.lm_head is not None:
         y = self.lm_head(h, out_dtype=jnp.float32)
-        axis = _TP_AXIS.get()
+        axis = sharding.tp_axis()
         # Column-parallel: each device has a slice of the vocabulary.
         if axis is None:
           return y
@@ -681,7 +536,7 @@ class Llama(nnx.Module):
     cfg = self.cfg
     b, t = tokens.shape
     ps = cache.page_size
-    tpos, valid, page, slot = _chunk_slots(positions, lengths, t, page_table, ps)  # [B, T]
+    tpos, valid, page, slot = kv_cache.chunk_slots(positions, lengths, t, page_table, ps)  # [B, T]
     with jax.named_scope("rope"):  # once per step: the profiler books it as rope
       rope = model_rope(cfg, tpos)
     chunk_attention = {w: self._chunk_attention(tpos, valid, positions + lengths, page_table,
@@ -689,7 +544,7 @@ class Llama(nnx.Module):
 
     def attend(block, h, kc, vc, layer, rms_eps, window):
       q, k, v = block.attn.qkv(h, rope, rms_eps)
-      kc, vc = _write_kv(kc, vc, layer, page, slot, valid, k, v)
+      kc, vc = kv_cache.write_kv(kc, vc, layer, page, slot, valid, k, v)
       with jax.named_scope("attention"):
         o = chunk_attention[window](q, k, v, kc, vc, layer)
       return o.reshape(b, t, -1).astype(h.dtype), kc, vc
@@ -729,7 +584,7 @@ class Llama(nnx.Module):
 
     def attend(block, h, kc, vc, layer, rms_eps, window):
       q, k, v = block.attn.qkv(h, rope, rms_eps)  # [1, N, H, hd]
-      kc, vc = _write_kv(kc, vc, layer, page[None], slot[None], valid[None], k, v)
+      kc, vc = kv_cache.write_kv(kc, vc, layer, page[None], slot[None], valid[None], k, v)
       with jax.named_scope("attention"):
         o = parts[window][3](q, k, v, kc, vc, layer)
       return o.reshape(1, n, -1).astype(h.dtype), kc, vc
@@ -747,7 +602,7 @@ class Llama(nnx.Module):
     r, w = page_table.shape
     valid = seg > 0
     rows = page_table[jnp.maximum(seg - 1, 0)]  # each token's row's table [N, W]
-    page, slot = (a.reshape(n) for a in _page_slot(tpos[:, None], valid[:, None], rows, ps))
+    page, slot = (a.reshape(n) for a in kv_cache.page_slot(tpos[:, None], valid[:, None], rows, ps))
     q_masks = dict(q_positions=tpos[None], q_segment_ids=seg[None])
     if fresh:
       attention = self._prefill_attention(1, n, n, window, kv_positions=tpos[None],
@@ -763,7 +618,7 @@ class Llama(nnx.Module):
                                         kv_segment_ids=kv_seg.reshape(1, -1), **q_masks)
 
     def attend_kv(q, k, v, kc, vc, layer):
-      kg, vg = _gather_pages(kc, vc, layer, page_table, q.dtype)  # [R, W * ps, Hkv, hd]
+      kg, vg = kv_cache.gather_pages(kc, vc, layer, page_table, q.dtype)  # [R, W * ps, Hkv, hd]
       return attention(q, kg.reshape(1, r * skv, *kg.shape[2:]),
                        vg.reshape(1, r * skv, *vg.shape[2:]))
 
@@ -803,7 +658,7 @@ class Llama(nnx.Module):
         kv_segment_ids=(kv_pos < total[:, None]).astype(jnp.int32))
 
     def attend(q, k, v, kc, vc, layer):
-      kg, vg = _gather_pages(kc, vc, layer, page_table, q.dtype)  # [B, Skv, Hkv, hd]
+      kg, vg = kv_cache.gather_pages(kc, vc, layer, page_table, q.dtype)  # [B, Skv, Hkv, hd]
       return attention(q, kg, vg)
 
     return attend
@@ -829,8 +684,8 @@ class Llama(nnx.Module):
     b, t = tokens.shape
     ps = cache.page_size
     dpos = dec_lengths - 1  # [Bd]
-    tpos, valid, page, slot = _chunk_slots(positions, lengths, t, page_table, ps)  # [B, T]
-    dpage, dslot = _page_slot(dpos[:, None], (dpos >= 0)[:, None], dec_table, ps)  # [Bd, 1]
+    tpos, valid, page, slot = kv_cache.chunk_slots(positions, lengths, t, page_table, ps)  # [B, T]
+    dpage, dslot = kv_cache.page_slot(dpos[:, None], (dpos >= 0)[:, None], dec_table, ps)  # [Bd, 1]
     flat = lambda d, p: jnp.concatenate([d.reshape(bd), p.reshape(b * t)])[None]  # [1, N]
     page, slot, valid_kv = flat(dpage, page), flat(dslot, slot), flat(dpos >= 0, valid)
     with jax.named_scope("rope"):
@@ -841,7 +696,7 @@ class Llama(nnx.Module):
     def attend(block, h, kc, vc, layer, rms_eps, window):
       del window  # None: sliding-window models are refused above
       q, k, v = block.attn.qkv(h, rope, rms_eps)  # [1, N, H, hd]
-      kc, vc = _write_kv(kc, vc, layer, page, slot, valid_kv, k, v)
+      kc, vc = kv_cache.write_kv(kc, vc, layer, page, slot, valid_kv, k, v)
       with jax.named_scope("attention"):
         od = ops()["attention_decode"](q[0, :bd, None], kc, vc, dec_lengths, dec_table,
                                        layer=layer)  # [Bd, 1, Hq, hd]
@@ -870,7 +725,7 @@ class Llama(nnx.Module):
     ps = cache.page_size
     dpos = dec_lengths - 1  # [Bd]
     page, slot, valid, attend_kv = self._packed_parts(tpos, seg, page_table, ps, fresh)
-    dpage, dslot = _page_slot(dpos[:, None], (dpos >= 0)[:, None], dec_table, ps)  # [Bd, 1]
+    dpage, dslot = kv_cache.page_slot(dpos[:, None], (dpos >= 0)[:, None], dec_table, ps)  # [Bd, 1]
     flat = lambda d, p: jnp.concatenate([d.reshape(bd), p])[None]  # [1, Bd + N]
     page, slot, valid_kv = flat(dpage, page), flat(dslot, slot), flat(dpos >= 0, valid)
     with jax.named_scope("rope"):
@@ -879,7 +734,7 @@ class Llama(nnx.Module):
     def attend(block, h, kc, vc, layer, rms_eps, window):
       del window  # None: sliding-window models are refused above
       q, k, v = block.attn.qkv(h, rope, rms_eps)  # [1, Bd + N, H, hd]
-      kc, vc = _write_kv(kc, vc, layer, page, slot, valid_kv, k, v)
+      kc, vc = kv_cache.write_kv(kc, vc, layer, page, slot, valid_kv, k, v)
       with jax.named_scope("attention"):
         od = ops()["attention_decode"](q[0, :bd, None], kc, vc, dec_lengths, dec_table,
                                        layer=layer)  # [Bd, 1, Hq, hd]
@@ -901,7 +756,7 @@ class Llama(nnx.Module):
     valid = tpos >= 0
     with jax.named_scope("rope"):
       rope = model_rope(cfg, jnp.maximum(tpos, 0))
-    page, slot = _page_slot(tpos, valid, page_table, ps)
+    page, slot = kv_cache.page_slot(tpos, valid, page_table, ps)
     windowed = {}
     for w in self._windows():
       if w is None:
@@ -933,14 +788,14 @@ class Llama(nnx.Module):
                 qkv, kc, vc, lengths, page_table, rope_tab, layer=layer, backend=backend)
           return o.reshape(b, tq, -1).astype(h.dtype), kc, vc
       q, k, v = block.attn.qkv(h, rope, rms_eps)
-      kc, vc = _write_kv(kc, vc, layer, page, slot, valid, k, v)
+      kc, vc = kv_cache.write_kv(kc, vc, layer, page, slot, valid, k, v)
       if window is None:
         with jax.named_scope("attention"):
           # layer=: the kernel reads this layer's pages from the stack in place
           # (slicing kc[layer] would copy the layer's whole cache every step).
           o = ops()["attention_decode"](q, kc, vc, lengths, page_table, layer=layer)
       else:
-        o = windowed[window](q, *_gather_pages(kc, vc, layer, page_table, q.dtype))
+        o = windowed[window](q, *kv_cache.gather_pages(kc, vc, layer, page_table, q.dtype))
       return o.reshape(b, tq, -1).astype(h.dtype), kc, vc
 
     with jax.named_scope("embed"):
@@ -962,71 +817,6 @@ def _append_backend(qkv, kc, vc, lengths, page_table, rope_tab, layer) -> str | 
     return None
   why = append.get(name).why_not(qkv, kc, vc, lengths, page_table, rope_tab, layer=layer)
   return name if why is None else None
-
-
-def _chunk_slots(positions, lengths, t, page_table, page_size):
-  """Of chunks of T tokens at ``positions`` with ``lengths`` valid: each token's
-  position, validity, page and slot, each [B, T]."""
-  tpos = positions[:, None] + jnp.arange(t, dtype=jnp.int32)
-  valid = jnp.arange(t)[None, :] < lengths[:, None]
-  return (tpos, valid) + _page_slot(tpos, valid, page_table, page_size)
-
-
-def to_cache_dtype(x, dtype):
-  """x in the cache's dtype; into fp8 at scale 1, saturating (a plain cast
-  would make NaN)."""
-  from kernels.attention_decode import FP8_DTYPES, quantize_pages
-
-  if jnp.dtype(dtype).name in FP8_DTYPES:
-    return quantize_pages(x, 1.0, dtype)
-  return x.astype(dtype)
-
-
-def _write_kv(kc, vc, layer, page, slot, valid, k, v):
-  """k/v [B, T, Hkv, hd] into the layer's cache at each token's (page, slot)
-  [B, T]; invalid tokens (padding rows, a short chunk's tail) write nothing."""
-  with jax.named_scope("kv_write"):
-    if page.size == 1:
-      # One token (decode at batch 1): a dynamic update slice. XLA makes the
-      # one-row scatter one too, but keeps a scatter's out-of-bounds rule by
-      # reading the old row first and selecting: two more kernels per layer.
-      # An invalid token (a warm-up row) lands in scratch page 0.
-      start = (layer, 0, page.reshape(()), slot.reshape(()), 0)
-      put = lambda c, x: jax.lax.dynamic_update_slice(
-          c, to_cache_dtype(x, c.dtype).reshape(1, -1, 1, 1, x.shape[-1]), start)
-    else:
-      # Each invalid token gets a page of its own past the cache's end, which
-      # the scatter drops, so every index is unique. Sent to one scratch slot,
-      # the colliding updates ran one after another on the GPU: a prefill of
-      # 2 prompts padded to 4 rows took ~300 ms instead of ~40
-      # (bench/results/serving_h200/padding_writes/).
-      spare = kc.shape[2] + jnp.arange(page.size, dtype=page.dtype).reshape(page.shape)
-      page = jnp.where(valid, page, spare)
-      put = lambda c, x: c.at[layer, :, page, slot].set(
-          to_cache_dtype(x, c.dtype), mode="drop", unique_indices=True)
-    return put(kc, k), put(vc, v)
-
-
-def _page_slot(tpos, valid, page_table, page_size):
-  """Page and slot of each token [B, T]; invalid tokens get scratch page 0
-  (``_write_kv`` drops them instead)."""
-  idx = jnp.clip(tpos // page_size, 0, page_table.shape[1] - 1)
-  page = jnp.take_along_axis(page_table, idx, axis=1)
-  page = jnp.where(valid, page, 0)
-  slot = jnp.where(valid, tpos % page_size, 0)
-  return page, slot
-
-
-def _gather_pages(kc, vc, layer, page_table, dtype):
-  """cache[layer] pages of each row -> [B, max_pages * page_size, Hkv, hd] in ``dtype``."""
-  b, mp = page_table.shape
-
-  def one(c):
-    g = c[layer][:, page_table]  # [Hkv, B, max_pages, page_size, hd]
-    g = jnp.moveaxis(g, 0, 3)  # [B, max_pages, page_size, Hkv, hd]
-    return g.reshape(b, mp * g.shape[2], g.shape[3], g.shape[4]).astype(dtype)
-
-  return one(kc), one(vc)
 
 
 # ---------------------------------------------------------------- folded norms
@@ -1096,164 +886,3 @@ def _quantize(w):
   return quantize_weight(w)
 
 
-# ---------------------------------------------------------------- jitted entry points
-
-
-def backends(**names: str | None) -> tuple[tuple[str, str], ...]:
-  """Static, hashable backend choice for the jitted steps: ``op=name`` pairs.
-
-  A name not given falls back to the registry's explicit choice at call time
-  (``registry.use`` context, MOSAIC_BACKEND_<OP>), resolved here, outside jit,
-  so that it is part of the compilation key; else the op's default order.
-  """
-  ops()
-  out = {}
-  for op in OPS + (FP8_OP,):
-    name = registry.get_op(op).explicit_choice(names.get(op))
-    if name is not None:
-      registry.get_op(op).get(name)  # fails now on a typo
-      out[op] = name
-  # The matmul's name chooses the fp8 projections' backend too, unless the
-  # fp8 op has a choice of its own (fp8_backend).
-  if "matmul" in out and FP8_OP not in out and _has(FP8_OP, out["matmul"]):
-    out[FP8_OP] = out["matmul"]
-  return tuple(out.items())
-
-
-def _has(op: str, name: str) -> bool:
-  return name in registry.get_op(op).names
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef", "backends", "all_logits", "fresh", "mesh"),
-                   donate_argnames=("cache",))
-def prefill_step(graphdef, params, cache, tokens, positions, lengths, page_table, *,
-                 backends=(), all_logits=False, fresh=False, mesh=None):
-  def step(params, cache, *rest):
-    model = nnx.merge(graphdef, params)
-    with registry.use(**dict(backends)):
-      return model.prefill(cache, *rest, all_logits=all_logits, fresh=fresh)
-
-  return _maybe_sharded(step, mesh, params, cache, tokens, positions, lengths, page_table)
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef", "backends", "fresh", "mesh"),
-                   donate_argnames=("cache",))
-def prefill_packed_step(graphdef, params, cache, tokens, tpos, seg, last, page_table, *,
-                        backends=(), fresh=True, mesh=None):
-  """Llama.prefill_packed: prompt chunks in one row -> (logits [R, vocab], cache)."""
-  def step(params, cache, *rest):
-    model = nnx.merge(graphdef, params)
-    with registry.use(**dict(backends)):
-      return model.prefill_packed(cache, *rest, fresh=fresh)
-
-  return _maybe_sharded(step, mesh, params, cache, tokens, tpos, seg, last, page_table)
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef", "backends", "mesh"),
-                   donate_argnames=("cache",))
-def decode_step(graphdef, params, cache, tokens, lengths, page_table, *, backends=(), mesh=None):
-  def step(params, cache, *rest):
-    model = nnx.merge(graphdef, params)
-    with registry.use(**dict(backends)):
-      return model.decode(cache, *rest)
-
-  return _maybe_sharded(step, mesh, params, cache, tokens, lengths, page_table)
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef", "backends", "fresh", "mesh"),
-                   donate_argnames=("cache",))
-def mixed_step(graphdef, params, cache, dec_tokens, dec_lengths, dec_table, tokens, positions,
-               lengths, page_table, *, backends=(), fresh=False, mesh=None):
-  """Llama.mixed: decode rows and prefill chunks in one call -> (logits [Bd + B, vocab], cache)."""
-  def step(params, cache, *rest):
-    model = nnx.merge(graphdef, params)
-    with registry.use(**dict(backends)):
-      return model.mixed(cache, *rest, fresh=fresh)
-
-  return _maybe_sharded(step, mesh, params, cache, dec_tokens, dec_lengths, dec_table, tokens,
-                        positions, lengths, page_table)
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef", "backends", "fresh", "mesh"),
-                   donate_argnames=("cache",))
-def mixed_packed_step(graphdef, params, cache, dec_tokens, dec_lengths, dec_table, tokens, tpos,
-                      seg, last, page_table, *, backends=(), fresh=False, mesh=None):
-  """Llama.mixed_packed: decode rows and packed chunks -> (logits [Bd + R, vocab], cache)."""
-  def step(params, cache, *rest):
-    model = nnx.merge(graphdef, params)
-    with registry.use(**dict(backends)):
-      return model.mixed_packed(cache, *rest, fresh=fresh)
-
-  return _maybe_sharded(step, mesh, params, cache, dec_tokens, dec_lengths, dec_table, tokens,
-                        tpos, seg, last, page_table)
-
-
-def _maybe_sharded(step, mesh, params, cache, *rest):
-  """``step`` as is, or under shard_map over mesh axis 'tp': every op then runs
-  on local shards (so our kernels run per device, not behind a gather) with
-  the two all-reduces per layer of the Megatron layout."""
-  if mesh is None:
-    return step(params, cache, *rest)
-  specs = param_specs(params)
-  cache_spec = KVCache(P(None, "tp"), P(None, "tp"))
-
-  def local(params, cache, *rest):
-    token = _TP_AXIS.set("tp")
-    try:
-      return step(params, cache, *rest)
-    finally:
-      _TP_AXIS.reset(token)
-
-  return jax.shard_map(local, mesh=mesh, in_specs=(specs, cache_spec) + (P(),) * len(rest),
-                       out_specs=(P(), cache_spec), check_vma=False)(params, cache, *rest)
-
-
-# ---------------------------------------------------------------- tensor parallelism
-
-
-def param_spec(path: tuple[str, ...], ndim: int) -> P:
-  """PartitionSpec of one parameter over the 'tp' mesh axis (Megatron layout):
-  qkv, gate_up and lm_head split their output features, wo and w_down their
-  input features; norms and the embedding table are replicated."""
-  names = [str(p) for p in path]
-  leaf, owner = names[-1], names[-2] if len(names) > 1 else ""
-  if leaf == "in_scale":  # [L]: one static input scale per layer
-    return P()
-  lead = (None,) * (ndim - (2 if leaf in ("w", "w_q") else 1))
-  # fp8 weights are [.., out, in] (quantize_params): their out features lead.
-  if owner in ("wqkv", "w_gate_up", "lm_head"):
-    return {"w": P(*lead, None, "tp"), "w_q": P(*lead, "tp", None)}.get(leaf, P(*lead, "tp"))
-  if owner in ("wo", "w_down"):
-    return {"w": P(*lead, "tp", None), "w_q": P(*lead, None, "tp")}.get(leaf, P())
-  return P()
-
-
-def check_tp(cfg: ModelConfig, tp: int) -> None:
-  for what, n in (("num_kv_heads", cfg.num_kv_heads), ("num_heads", cfg.num_heads),
-                  ("intermediate_size (padded)", cfg.ffn_size),
-                  ("vocab_size", cfg.vocab_size)):
-    if n % tp:
-      raise ValueError(f"tensor parallelism {tp=} must divide {what}={n}")
-  if (cfg.ffn_size // tp) % SWIGLU_BLOCK:
-    raise ValueError(f"with {tp=} each device holds {cfg.ffn_size // tp} FFN features, "
-                     f"not whole fused gate/up blocks of {SWIGLU_BLOCK}")
-
-
-def param_specs(params):
-  """The PartitionSpec of every leaf of ``params`` (same tree), by its path."""
-  paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
-  specs = []
-  for path, leaf in paths_leaves:
-    keys = tuple(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))) for k in path)
-    specs.append(param_spec(tuple(k for k in keys if k != "value"), leaf.ndim))
-  return jax.tree.unflatten(treedef, specs)
-
-
-def shard_params(params, mesh):
-  """Places params on ``mesh`` (axis 'tp') with the layout of ``param_spec``."""
-  return jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(mesh, s)), params,
-                      param_specs(params))
-
-
-def cache_sharding(mesh) -> NamedSharding:
-  return NamedSharding(mesh, P(None, "tp"))  # split the kv heads

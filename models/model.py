@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from models import checkpoint, llama
+from models import checkpoint, kv_cache, llama, sharding, steps
 from models import config as config_lib
 from models import tokenizer as tok_lib
 
@@ -101,18 +101,18 @@ class Model:
     params = llama.quantize_params(params, quantization)
     nnx.replace_by_pure_dict(state, params)
     if mesh is not None:
-      state = llama.shard_params(state, mesh)
+      state = sharding.shard_params(state, mesh)
     self.params = state
 
   @property
   def module(self) -> llama.Llama:
     return nnx.merge(self.graphdef, self.params)
 
-  def init_cache(self, num_pages: int, page_size: int = llama.DEFAULT_PAGE_SIZE,
-                 dtype: str | None = None) -> llama.KVCache:
+  def init_cache(self, num_pages: int, page_size: int = kv_cache.DEFAULT_PAGE_SIZE,
+                 dtype: str | None = None) -> kv_cache.KVCache:
     """``dtype``: the cache's (default the model's; "float8_e4m3fn" halves it)."""
-    sharding = llama.cache_sharding(self.mesh) if self.mesh is not None else None
-    return llama.init_cache(self.config, num_pages, page_size, dtype or self.dtype, sharding)
+    placed = sharding.cache_sharding(self.mesh) if self.mesh is not None else None
+    return kv_cache.init_cache(self.config, num_pages, page_size, dtype or self.dtype, placed)
 
   def prefill(self, cache, tokens, positions, lengths, page_table, *, attention=None,
               matmul=None, norm=None, all_logits=False):
@@ -126,13 +126,13 @@ class Model:
     if np.any(lengths > t) or np.any(lengths < 0):
       raise ValueError(f"prefill lengths must be in [0, T={t}]; got {lengths.tolist()=}")
     self._check_pages(positions + lengths, page_table, cache)
-    bb = llama.bucket(b, llama.BATCH_BUCKETS)
-    tb = llama.bucket(t, llama.TOKEN_BUCKETS)
-    pb = llama.bucket(page_table.shape[1], llama.PAGE_BUCKETS)
-    logits, cache = llama.prefill_step(
+    bb = steps.bucket(b, steps.BATCH_BUCKETS)
+    tb = steps.bucket(t, steps.TOKEN_BUCKETS)
+    pb = steps.bucket(page_table.shape[1], steps.PAGE_BUCKETS)
+    logits, cache = steps.prefill_step(
         self.graphdef, self.params, cache, _pad(tokens, (bb, tb)), _pad(positions, (bb,)),
         _pad(lengths, (bb,)), _pad(page_table, (bb, pb)),
-        backends=llama.backends(attention_prefill=attention, matmul=matmul, rms_norm=norm),
+        backends=steps.backends(attention_prefill=attention, matmul=matmul, rms_norm=norm),
         all_logits=all_logits, fresh=not np.any(positions), mesh=self.mesh)
     return (logits[:b, :t] if all_logits else logits[:b]), cache
 
@@ -152,12 +152,12 @@ class Model:
       raise ValueError(f"decode lengths include the {tq} new tokens: each must be 0 or >= {tq}; "
                        f"got {lengths.tolist()=}")
     self._check_pages(lengths, page_table, cache)
-    bb = llama.bucket(b, llama.BATCH_BUCKETS)
-    pb = llama.bucket(page_table.shape[1], llama.PAGE_BUCKETS)
-    logits, cache = llama.decode_step(
+    bb = steps.bucket(b, steps.BATCH_BUCKETS)
+    pb = steps.bucket(page_table.shape[1], steps.PAGE_BUCKETS)
+    logits, cache = steps.decode_step(
         self.graphdef, self.params, cache, _pad(tokens, (bb, tq)), _pad(lengths, (bb,)),
         _pad(page_table, (bb, pb)),
-        backends=llama.backends(attention_decode=attention, attention_prefill=prefill_attention,
+        backends=steps.backends(attention_decode=attention, attention_prefill=prefill_attention,
                                 matmul=matmul, rms_norm=norm), mesh=self.mesh)
     logits = logits[:b]
     return (logits[:, 0] if squeeze else logits), cache
@@ -248,7 +248,7 @@ def random_device_params(cfg: config_lib.ModelConfig, dtype="bfloat16", seed: in
   if mesh is None:
     places = [None] * len(leaves)
   else:
-    specs = jax.tree.leaves(llama.param_specs(pure),
+    specs = jax.tree.leaves(sharding.param_specs(pure),
                             is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
     places = [jax.sharding.NamedSharding(mesh, spec) for spec in specs]
 
@@ -283,7 +283,7 @@ def tp_mesh(cfg: config_lib.ModelConfig, tp: int):
   (None for 1), once its heads and features divide by ``tp``."""
   if tp == 1:
     return None
-  llama.check_tp(cfg, tp)
+  sharding.check_tp(cfg, tp)
   return make_mesh(tp)
 
 
@@ -393,7 +393,7 @@ def generate(model: Model, prompt_ids: Sequence[int], max_new_tokens: int, *,
     raise ValueError("prompt_ids is empty: give at least one token (e.g. the BOS id)")
   if max_new_tokens < 1:
     raise ValueError(f"{max_new_tokens=} must be >= 1")
-  ps = page_size or llama.DEFAULT_PAGE_SIZE
+  ps = page_size or kv_cache.DEFAULT_PAGE_SIZE
   total = len(prompt_ids) + max_new_tokens
   scaling = model.config.rope_scaling
   if scaling is not None and scaling.rope_type == "dynamic" and \

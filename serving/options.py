@@ -3,5 +3,5 @@ serve`` in serving.cli, ``python -m serving.profiler``), with what each means.
 Only the standard library: the CLI imports this before anything heavy."""
 
 # --kv-cache-dtype: flag -> the KV cache's dtype (None = the model's own;
-# models.llama.KV_DTYPES lists what a cache can hold).
+# models.kv_cache.KV_DTYPES lists what a cache can hold).
 KV_CACHE_DTYPES = {"auto": None, "fp8": "float8_e4m3fn"}

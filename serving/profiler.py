@@ -6,7 +6,7 @@ Data flow, for each configuration (phase x attention backend x matmul backend):
    decode: B sequences with L tokens in a paged KV cache; mixed: that decode
    batch and one fresh prompt chunk of T tokens in one call, as the engine's
    ``--mixed-steps`` runs them) and compiles the model's jitted step
-   (``models.llama.prefill_step`` / ``decode_step`` / ``mixed_step``) once.
+   (``models.steps.prefill_step`` / ``decode_step`` / ``mixed_step``) once.
    The compiled HLO text maps every HLO instruction to its ``op_name``
    metadata, which carries the ``jax.named_scope`` path the model emits
    (``.../while/body/.../qkv/...``, or ``.../layers/qkv/...`` with no loop;
@@ -135,7 +135,7 @@ def op_costs(cfg, phase: str, batch: int, length: int, *, dtype="bfloat16",
     raise ValueError(f"{tp=} must be >= 1")
   d, hd, f, v = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size, cfg.vocab_size
   hq, hkv = cfg.num_heads, cfg.num_kv_heads
-  # Megatron layout (models.llama.param_spec): one device's heads and features.
+  # Megatron layout (models.sharding.param_spec): one device's heads and features.
   hq, hkv, f = hq // tp, hkv // tp, f // tp
   if not cfg.tie_embeddings:
     v //= tp
@@ -486,7 +486,7 @@ class _Step:
     import jax
     import jax.numpy as jnp
     import numpy as np
-    from models import llama
+    from models import kv_cache, sharding, steps
 
     if phase not in PHASES:
       raise ValueError(f"{phase=} is not one of {PHASES}")
@@ -496,7 +496,7 @@ class _Step:
       raise ValueError(f"a mixed step needs a prompt chunk: {chunk=} must be >= 1")
     cfg = model.config
     self.model, self.phase, self.batch, self.length = model, phase, batch, length
-    ps = page_size or llama.DEFAULT_PAGE_SIZE
+    ps = page_size or kv_cache.DEFAULT_PAGE_SIZE
     per_row = _pages(length, ps)
     chunk_pages = _pages(chunk, ps) if phase == "mixed" else 0
     num_pages = batch * per_row + chunk_pages + 1  # page 0 is the scratch page
@@ -506,32 +506,32 @@ class _Step:
     shape = (cfg.num_layers, cfg.num_kv_heads, num_pages, ps, cfg.head_dim)
     kk, kv = jax.random.split(key)
     # Random cache contents so that decode attention reads real numbers.
-    mk = jax.jit(lambda k: llama.to_cache_dtype(jax.random.normal(k, shape, jnp.float32),
+    mk = jax.jit(lambda k: kv_cache.to_cache_dtype(jax.random.normal(k, shape, jnp.float32),
                                            jnp.dtype(kv_dtype or model.dtype)))
-    self.cache = llama.KVCache(mk(kk), mk(kv))
+    self.cache = kv_cache.KVCache(mk(kk), mk(kv))
     mesh = getattr(model, "mesh", None)  # tensor parallelism: kv heads split over 'tp'
     self.devices = model.tensor_parallel_size
     if mesh is not None:
-      self.cache = jax.device_put(self.cache, llama.cache_sharding(mesh))
-    self.backends = llama.backends(**backends)
+      self.cache = jax.device_put(self.cache, sharding.cache_sharding(mesh))
+    self.backends = steps.backends(**backends)
     if phase == "prefill":
       tokens = rng.integers(0, cfg.vocab_size, (batch, length), dtype=np.int32)
       self.rest = (jnp.asarray(tokens), jnp.zeros((batch,), jnp.int32),
                    jnp.full((batch,), length, jnp.int32), jnp.asarray(page_table))
-      fn, kw = llama.prefill_step, dict(backends=self.backends, all_logits=False)
+      fn, kw = steps.prefill_step, dict(backends=self.backends, all_logits=False)
       if "fresh" in inspect.signature(fn).parameters:
         kw["fresh"] = True  # as Model.prefill says for prompts with no cached prefix
     else:
       tokens = rng.integers(0, cfg.vocab_size, (batch, 1), dtype=np.int32)
       self.rest = (jnp.asarray(tokens), jnp.full((batch,), length, jnp.int32),
                    jnp.asarray(page_table))
-      fn, kw = llama.decode_step, dict(backends=self.backends)
+      fn, kw = steps.decode_step, dict(backends=self.backends)
     if phase == "mixed":  # the decode batch above, then one fresh chunk on its own pages
       chunk_tokens = rng.integers(0, cfg.vocab_size, (1, chunk), dtype=np.int32)
       chunk_table = (1 + batch * per_row + np.arange(chunk_pages, dtype=np.int32))[None]
       self.rest += (jnp.asarray(chunk_tokens), jnp.zeros((1,), jnp.int32),
                     jnp.full((1,), chunk, jnp.int32), jnp.asarray(chunk_table))
-      fn, kw = llama.mixed_step, dict(backends=self.backends, fresh=True)
+      fn, kw = steps.mixed_step, dict(backends=self.backends, fresh=True)
     lowered = fn.lower(model.graphdef, model.params, self.cache, *self.rest, mesh=mesh, **kw)
     self.compiled = lowered.compile()
     self.hlo_text = self.compiled.as_text()

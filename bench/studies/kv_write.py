@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models import llama
+from models import kv_cache
 from mosaic import bench
 
 LAYERS, HKV, PAGES, PAGE, HD = 32, 8, 1400, 128, 128
@@ -34,14 +34,14 @@ def scratch_write(kc, vc, layer, page, slot, valid, k, v):
   return put(kc, k), put(vc, v)
 
 
-IMPLS = {"drop (ours)": llama._write_kv, "scratch slot (before)": scratch_write}
+IMPLS = {"drop (ours)": kv_cache.write_kv, "scratch slot (before)": scratch_write}
 
 
 def inputs(lengths, rng):
   table = rng.permutation(np.arange(1, PAGES))[:ROWS * T // PAGE].reshape(ROWS, -1)
   tpos = np.broadcast_to(np.arange(T), (ROWS, T))
   valid = tpos < np.asarray(lengths)[:, None]
-  page, slot = llama._page_slot(jnp.asarray(tpos), jnp.asarray(valid), jnp.asarray(table), PAGE)
+  page, slot = kv_cache.page_slot(jnp.asarray(tpos), jnp.asarray(valid), jnp.asarray(table), PAGE)
   k, v = (jnp.asarray(rng.standard_normal((ROWS, T, HKV, HD)), jnp.bfloat16) for _ in range(2))
   return page, slot, jnp.asarray(valid), k, v, table
 

@@ -116,13 +116,13 @@ def test_fp8_prefill_attention_by_name():
 
 
 def test_fp8_cache_writes_saturate():
-  from models import llama
+  from models import kv_cache
 
   x = jnp.array([1e6, -1e6, 3.0, 0.0], jnp.bfloat16)
-  np.testing.assert_array_equal(np.asarray(llama.to_cache_dtype(x, jnp.float8_e4m3fn), np.float32),
+  np.testing.assert_array_equal(np.asarray(kv_cache.to_cache_dtype(x, jnp.float8_e4m3fn), np.float32),
                                 [448.0, -448.0, 3.0, 0.0])
   with pytest.raises(ValueError, match="KV cache dtype int8"):
-    llama.init_cache(config_lib.get("tiny"), 4, 16, dtype="int8")
+    kv_cache.init_cache(config_lib.get("tiny"), 4, 16, dtype="int8")
 
 
 # ---------------------------------------------------------------- GPU

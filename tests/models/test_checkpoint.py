@@ -177,13 +177,13 @@ def _write_gguf(path, cfg, params, rope_factors=None):
 def test_gguf_import_undoes_rope_permutation(tmp_path, scaled):
   """With ``scaled``, Llama-3 RoPE scaling stored the llama.cpp way: as
   per-frequency divisors (rope_freqs.weight)."""
-  from models import llama
+  from models import rope
 
   cfg = models.config.get("tiny")
   factors = None
   if scaled:
     cfg = cfg.replace(rope_scaling=models.config.RopeScaling(8.0, 1.0, 4.0, 64))
-    factors = llama.rope_inv_freq(cfg.replace(rope_scaling=None)) / llama.rope_inv_freq(cfg)
+    factors = rope.rope_inv_freq(cfg.replace(rope_scaling=None)) / rope.rope_inv_freq(cfg)
     assert factors.min() < 1.01 and factors.max() > 7.9  # every band is exercised
   params = model_lib.random_params(cfg, seed=int(np.random.default_rng().integers(1 << 30)))
   _write_gguf(tmp_path / "t.gguf", cfg, params, factors)

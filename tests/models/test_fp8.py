@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import models
-from models import llama, model as model_lib
+from models import llama, model as model_lib, sharding, steps
 from mosaic import registry, testing
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -303,11 +303,11 @@ def test_the_fp8_backend_choice_is_part_of_the_step(pair, monkeypatch):
   # op's own (registry.use, MOSAIC_BACKEND_MATMUL_FP8) wins; both are in the
   # jitted steps' key, so a later choice retraces instead of being ignored.
   _, fp8 = pair
-  assert dict(llama.backends(matmul="xla"))["matmul_fp8"] == "xla"
+  assert dict(steps.backends(matmul="xla"))["matmul_fp8"] == "xla"
   with registry.use(matmul_fp8="reference"):
-    assert dict(llama.backends(matmul="xla"))["matmul_fp8"] == "reference"
+    assert dict(steps.backends(matmul="xla"))["matmul_fp8"] == "reference"
   monkeypatch.setenv("MOSAIC_BACKEND_MATMUL_FP8", "reference")
-  assert dict(llama.backends())["matmul_fp8"] == "reference"
+  assert dict(steps.backends())["matmul_fp8"] == "reference"
   monkeypatch.delenv("MOSAIC_BACKEND_MATMUL_FP8")
   op = llama.ops()["matmul_fp8"]
   seen = []
@@ -516,7 +516,7 @@ def test_static_scales_and_models_that_cannot_hold_them_are_refused(pair):
                  activation_scales=static, fold_norms=True)
   with pytest.raises(ValueError, match="static ones have none"):
     llama.ActivationScales(static=True, ub=10.0)
-  assert llama.param_spec(("layers", "attn", "wqkv", "in_scale"), 1) == jax.sharding.PartitionSpec()
+  assert sharding.param_spec(("layers", "attn", "wqkv", "in_scale"), 1) == jax.sharding.PartitionSpec()
 
 
 def test_fp8_values_come_back_as_written_when_channels_stop_short_of_448(hf_oracle, tmp_path):
