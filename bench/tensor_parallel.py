@@ -109,7 +109,7 @@ def main(argv=None) -> int:
   import jax
 
   import models
-  from models import kv_cache, steps
+  from models import jitted, kv_cache
   from mosaic import bench
 
   backends, batches, ps = BACKENDS, BATCHES, kv_cache.DEFAULT_PAGE_SIZE

@@ -52,7 +52,7 @@ API used by serving::
     # lengths [B] int32: kv tokens of b INCLUDING the new ones (0 = padding row)
     # -> logits [B, vocab] (or [B, Tq, vocab]) float32; the cache (donated).
 
-  Both pad B, T and max_pages up to buckets (models.steps.BATCH_BUCKETS, ...)
+  Both pad B, T and max_pages up to buckets (models.jitted.BATCH_BUCKETS, ...)
   so that steady-state serving does not recompile, and slice the result back.
   A prefill whose positions are all 0 runs the "fresh" variant (static): each
   row attends within its own chunk, no page gather, and cuDNN can run it; a
@@ -60,7 +60,7 @@ API used by serving::
   position/segment (backends: xla, reference, mosaic, triton). Decode reads
   each layer's pages in place (attention_decode(..., layer=)); sliding-window
   models decode through the masked attention_prefill instead.
-  Lower level: models.steps.prefill_step / decode_step (jitted; graphdef and
+  Lower level: models.jitted.prefill_step / decode_step (jitted; graphdef and
   backends static, cache donated).
   Tensor parallelism: models.load(spec, tp=N) shards weights (Megatron layout)
   and the cache (kv heads) over a 'tp' mesh; XLA's partitioner does the rest.

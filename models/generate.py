@@ -40,11 +40,11 @@ def main(argv=None) -> int:
   args = p.parse_args(argv)
 
   import models
-  from models import llama, steps
+  from models import jitted, llama
 
   llama.ops()  # registers backends, so that bad names fail before loading weights
   try:
-    steps.backends(attention_prefill=args.attention, attention_decode=args.decode_attention,
+    jitted.backends(attention_prefill=args.attention, attention_decode=args.decode_attention,
                    matmul=args.matmul, rms_norm=args.norm)
   except ValueError as e:
     p.error(str(e))

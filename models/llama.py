@@ -53,7 +53,7 @@ against 130); prefill and mixed steps keep the loop.
 RMSNorm, every matmul and the attention go through the ``mosaic.registry`` ops
 (``rms_norm``, ``matmul``, ``matmul_fp8``, ``attention_prefill``,
 ``attention_decode``, ``attention_decode_append``), so the backend of each is
-a name chosen by the caller. models/steps.py jits each step of this module
+a name chosen by the caller. models/jitted.py jits each step of this module
 (prefill, decode, mixed: decode rows and prefill chunks sharing one pass over
 the weights) with the backend names as static arguments and the cache
 donated; with a mesh, under shard_map over axis 'tp' (models/sharding.py:

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from models import checkpoint, kv_cache, llama, sharding, steps
+from models import checkpoint, jitted, kv_cache, llama, sharding
 from models import config as config_lib
 from models import tokenizer as tok_lib
 
@@ -126,13 +126,13 @@ class Model:
     if np.any(lengths > t) or np.any(lengths < 0):
       raise ValueError(f"prefill lengths must be in [0, T={t}]; got {lengths.tolist()=}")
     self._check_pages(positions + lengths, page_table, cache)
-    bb = steps.bucket(b, steps.BATCH_BUCKETS)
-    tb = steps.bucket(t, steps.TOKEN_BUCKETS)
-    pb = steps.bucket(page_table.shape[1], steps.PAGE_BUCKETS)
-    logits, cache = steps.prefill_step(
+    bb = jitted.bucket(b, jitted.BATCH_BUCKETS)
+    tb = jitted.bucket(t, jitted.TOKEN_BUCKETS)
+    pb = jitted.bucket(page_table.shape[1], jitted.PAGE_BUCKETS)
+    logits, cache = jitted.prefill_step(
         self.graphdef, self.params, cache, _pad(tokens, (bb, tb)), _pad(positions, (bb,)),
         _pad(lengths, (bb,)), _pad(page_table, (bb, pb)),
-        backends=steps.backends(attention_prefill=attention, matmul=matmul, rms_norm=norm),
+        backends=jitted.backends(attention_prefill=attention, matmul=matmul, rms_norm=norm),
         all_logits=all_logits, fresh=not np.any(positions), mesh=self.mesh)
     return (logits[:b, :t] if all_logits else logits[:b]), cache
 
@@ -152,12 +152,12 @@ class Model:
       raise ValueError(f"decode lengths include the {tq} new tokens: each must be 0 or >= {tq}; "
                        f"got {lengths.tolist()=}")
     self._check_pages(lengths, page_table, cache)
-    bb = steps.bucket(b, steps.BATCH_BUCKETS)
-    pb = steps.bucket(page_table.shape[1], steps.PAGE_BUCKETS)
-    logits, cache = steps.decode_step(
+    bb = jitted.bucket(b, jitted.BATCH_BUCKETS)
+    pb = jitted.bucket(page_table.shape[1], jitted.PAGE_BUCKETS)
+    logits, cache = jitted.decode_step(
         self.graphdef, self.params, cache, _pad(tokens, (bb, tq)), _pad(lengths, (bb,)),
         _pad(page_table, (bb, pb)),
-        backends=steps.backends(attention_decode=attention, attention_prefill=prefill_attention,
+        backends=jitted.backends(attention_decode=attention, attention_prefill=prefill_attention,
                                 matmul=matmul, rms_norm=norm), mesh=self.mesh)
     logits = logits[:b]
     return (logits[:, 0] if squeeze else logits), cache

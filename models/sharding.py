@@ -5,7 +5,7 @@ w_down their input features, the rest is replicated (``param_spec``); the KV
 cache splits its kv heads (``cache_sharding``). A step traced under
 ``jax.shard_map`` sets ``tensor_parallel()``, so the layers see their local
 shard of heads and features and end wo and w_down with an all-reduce over
-``tp_axis()`` (models/steps.py runs the steps that way).
+``tp_axis()`` (models/jitted.py runs the steps that way).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ Data flow, for each configuration (phase x attention backend x matmul backend):
    decode: B sequences with L tokens in a paged KV cache; mixed: that decode
    batch and one fresh prompt chunk of T tokens in one call, as the engine's
    ``--mixed-steps`` runs them) and compiles the model's jitted step
-   (``models.steps.prefill_step`` / ``decode_step`` / ``mixed_step``) once.
+   (``models.jitted.prefill_step`` / ``decode_step`` / ``mixed_step``) once.
    The compiled HLO text maps every HLO instruction to its ``op_name``
    metadata, which carries the ``jax.named_scope`` path the model emits
    (``.../while/body/.../qkv/...``, or ``.../layers/qkv/...`` with no loop;
@@ -486,7 +486,7 @@ class _Step:
     import jax
     import jax.numpy as jnp
     import numpy as np
-    from models import kv_cache, sharding, steps
+    from models import jitted, kv_cache, sharding
 
     if phase not in PHASES:
       raise ValueError(f"{phase=} is not one of {PHASES}")
@@ -513,25 +513,25 @@ class _Step:
     self.devices = model.tensor_parallel_size
     if mesh is not None:
       self.cache = jax.device_put(self.cache, sharding.cache_sharding(mesh))
-    self.backends = steps.backends(**backends)
+    self.backends = jitted.backends(**backends)
     if phase == "prefill":
       tokens = rng.integers(0, cfg.vocab_size, (batch, length), dtype=np.int32)
       self.rest = (jnp.asarray(tokens), jnp.zeros((batch,), jnp.int32),
                    jnp.full((batch,), length, jnp.int32), jnp.asarray(page_table))
-      fn, kw = steps.prefill_step, dict(backends=self.backends, all_logits=False)
+      fn, kw = jitted.prefill_step, dict(backends=self.backends, all_logits=False)
       if "fresh" in inspect.signature(fn).parameters:
         kw["fresh"] = True  # as Model.prefill says for prompts with no cached prefix
     else:
       tokens = rng.integers(0, cfg.vocab_size, (batch, 1), dtype=np.int32)
       self.rest = (jnp.asarray(tokens), jnp.full((batch,), length, jnp.int32),
                    jnp.asarray(page_table))
-      fn, kw = steps.decode_step, dict(backends=self.backends)
+      fn, kw = jitted.decode_step, dict(backends=self.backends)
     if phase == "mixed":  # the decode batch above, then one fresh chunk on its own pages
       chunk_tokens = rng.integers(0, cfg.vocab_size, (1, chunk), dtype=np.int32)
       chunk_table = (1 + batch * per_row + np.arange(chunk_pages, dtype=np.int32))[None]
       self.rest += (jnp.asarray(chunk_tokens), jnp.zeros((1,), jnp.int32),
                     jnp.full((1,), chunk, jnp.int32), jnp.asarray(chunk_table))
-      fn, kw = steps.mixed_step, dict(backends=self.backends, fresh=True)
+      fn, kw = jitted.mixed_step, dict(backends=self.backends, fresh=True)
     lowered = fn.lower(model.graphdef, model.params, self.cache, *self.rest, mesh=mesh, **kw)
     self.compiled = lowered.compile()
     self.hlo_text = self.compiled.as_text()

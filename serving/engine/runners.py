@@ -155,7 +155,7 @@ class ModelRunner:
     its jitted steps directly. Anything else goes through the documented API.
     """
     try:
-      from models import steps
+      from models import jitted
       from models.model import Model
     except ImportError:
       return None
@@ -163,9 +163,9 @@ class ModelRunner:
       return None
     graphdef = self.model.graphdef
     mesh = self.model.mesh  # tensor parallelism: each step runs per shard (shard_map)
-    pb = steps.backends(attention_prefill=attention, matmul=matmul)
-    db = steps.backends(attention_decode=decode_attention, matmul=matmul)
-    has_fresh = "fresh" in inspect.signature(steps.prefill_step).parameters
+    pb = jitted.backends(attention_prefill=attention, matmul=matmul)
+    db = jitted.backends(attention_decode=decode_attention, matmul=matmul)
+    has_fresh = "fresh" in inspect.signature(jitted.prefill_step).parameters
 
     # Each step's host ints come side by side in as few arrays as their
     # leading dims allow (_side_by_side), split again here: a chunk row is
@@ -176,13 +176,13 @@ class ModelRunner:
     @functools.partial(jax.jit, static_argnames=("chunk", "fresh"), donate_argnums=(1,))
     def prefill(params, cache, host, chunk, fresh=False):
       kw = {"fresh": fresh} if has_fresh else {}
-      return steps.prefill_step(graphdef, params, cache, *chunk_rows(host, chunk), backends=pb,
+      return jitted.prefill_step(graphdef, params, cache, *chunk_rows(host, chunk), backends=pb,
                                 mesh=mesh, **kw)
 
     @functools.partial(jax.jit, static_argnames=("n", "fresh"), donate_argnums=(1,))
     def prefill_packed(params, cache, tokens_pos_seg, last_table, n, fresh=True):
       tokens, tpos, seg = tokens_pos_seg[:, :n]
-      return steps.prefill_packed_step(graphdef, params, cache, tokens, tpos, seg,
+      return jitted.prefill_packed_step(graphdef, params, cache, tokens, tpos, seg,
                                        *_fields(last_table, 1), backends=pb, fresh=fresh,
                                        mesh=mesh)
 
@@ -191,7 +191,7 @@ class ModelRunner:
       # host: [slot | length | page table]; row r's input is its slot's last token.
       slots, lengths, table = _fields(host, 1, 1)
       tokens = sampling.take(last, slots)
-      logits, cache = steps.decode_step(graphdef, params, cache, tokens[:, None], lengths,
+      logits, cache = jitted.decode_step(graphdef, params, cache, tokens[:, None], lengths,
                                         table, backends=db, mesh=mesh)
       return logits[:, 0], cache
 
@@ -205,7 +205,7 @@ class ModelRunner:
       def one(carry, i):
         cache, tok, counts, last = carry
         # Padding rows (length 0) stay at 0: they write nothing.
-        logits, cache = steps.decode_step(graphdef, params, cache, tok[:, None],
+        logits, cache = jitted.decode_step(graphdef, params, cache, tok[:, None],
                                           jnp.where(lengths > 0, lengths + i, 0), page_table,
                                           backends=db, mesh=mesh)
         out = sampling.step(logits[:, 0], arrays, i, counts, slot_tokens, last,
@@ -216,13 +216,13 @@ class ModelRunner:
           one, (cache, tokens, counts, last), jnp.arange(steps, dtype=jnp.int32))
       return outs + (counts, last), cache
 
-    mb = steps.backends(attention_prefill=attention, attention_decode=decode_attention,
+    mb = jitted.backends(attention_prefill=attention, attention_decode=decode_attention,
                         matmul=matmul)
 
     @functools.partial(jax.jit, static_argnames=("chunk", "fresh"), donate_argnums=(1,))
     def mixed(params, cache, last, dec_host, host, chunk, fresh=False):
       slots, dec_lengths, dec_table = _fields(dec_host, 1, 1)
-      return steps.mixed_step(graphdef, params, cache, sampling.take(last, slots), dec_lengths,
+      return jitted.mixed_step(graphdef, params, cache, sampling.take(last, slots), dec_lengths,
                               dec_table, *chunk_rows(host, chunk), backends=mb, fresh=fresh,
                               mesh=mesh)
 
@@ -230,7 +230,7 @@ class ModelRunner:
     def mixed_packed(params, cache, last, dec_host, tokens_pos_seg, last_table, n, fresh=False):
       tokens, tpos, seg = tokens_pos_seg[:, :n]
       slots, dec_lengths, dec_table = _fields(dec_host, 1, 1)
-      return steps.mixed_packed_step(graphdef, params, cache, sampling.take(last, slots),
+      return jitted.mixed_packed_step(graphdef, params, cache, sampling.take(last, slots),
                                      dec_lengths, dec_table, tokens, tpos, seg,
                                      *_fields(last_table, 1), backends=mb, fresh=fresh,
                                      mesh=mesh)
@@ -239,7 +239,7 @@ class ModelRunner:
     def prefill_scores(params, cache, host, targets, chunk, fresh=False):
       kw = {"fresh": fresh} if has_fresh else {}
       tokens, positions, lengths, table = chunk_rows(host, chunk)
-      logits, cache = steps.prefill_step(graphdef, params, cache, tokens, positions, lengths,
+      logits, cache = jitted.prefill_step(graphdef, params, cache, tokens, positions, lengths,
                                          table, backends=pb, mesh=mesh, all_logits=True, **kw)
       last = jnp.take_along_axis(logits, jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)
       return (last[:, 0],) + sampling.prompt_scores(logits, targets), cache
@@ -248,7 +248,7 @@ class ModelRunner:
     # [last token, drafts]; the engine's sampling.verify reads them.
     @functools.partial(jax.jit, static_argnames=("chunk", "width"), donate_argnums=(1,))
     def check_prefill(params, cache, host, chunk, width):
-      logits, cache = steps.prefill_step(graphdef, params, cache, *chunk_rows(host, chunk),
+      logits, cache = jitted.prefill_step(graphdef, params, cache, *chunk_rows(host, chunk),
                                          backends=pb, mesh=mesh, all_logits=True)
       return logits[:, :width], cache  # the chunk bucket's padding is never a row's
 
@@ -256,7 +256,7 @@ class ModelRunner:
     def check_decode(params, cache, host, tq):
       # host: [tokens (tq) | length | page table]; the tokens sit at positions
       # length - tq ... length - 1.
-      return steps.decode_step(graphdef, params, cache, *_fields(host, tq, 1), backends=db,
+      return jitted.decode_step(graphdef, params, cache, *_fields(host, tq, 1), backends=db,
                                mesh=mesh)
 
     return (prefill, decode, decode_multi, mixed, prefill_packed, prefill_scores, check_prefill,
@@ -340,7 +340,7 @@ class ModelRunner:
     (cuDNN's), would fail the first request that needs it, not the start."""
     if not self.backends or self._fast is None:
       return None  # off the direct path the model's own API checks its calls
-    from models import llama, steps
+    from models import jitted, llama
     from mosaic import registry
 
     llama.ops()
@@ -382,8 +382,8 @@ class ModelRunner:
     vocab = cfg.vocab_size if cfg.tie_embeddings else cfg.vocab_size // tp
     calls["matmul"] = calls.get("matmul", ()) + (  # the lm_head (fp8 models: the only one)
         ("the lm_head", (sds((16, d), dt), sds((d, vocab), dt)), dict(out_dtype=f32)),)
-    # --matmul-backend names the fp8 projections' backend too (steps.backends).
-    chosen = dict(steps.backends(**self.backends))
+    # --matmul-backend names the fp8 projections' backend too (jitted.backends).
+    chosen = dict(jitted.backends(**self.backends))
     for op, name in chosen.items():
       for what, args, kw in calls.get(op, ()):
         why = registry.get_op(op).get(name).why_not(*args, **kw)

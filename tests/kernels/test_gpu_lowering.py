@@ -448,7 +448,7 @@ def _llama_8b(cache_dtype="bfloat16", folded=False, decode_append=True):
   from flax import nnx
 
   from models import config as config_lib
-  from models import kv_cache, llama, steps
+  from models import jitted, kv_cache, llama
 
   cfg = config_lib.get("llama3.1-8b")
   abstract = nnx.eval_shape(lambda: llama.Llama(cfg, dtype=BF16, rngs=nnx.Rngs(0),
@@ -458,7 +458,7 @@ def _llama_8b(cache_dtype="bfloat16", folded=False, decode_append=True):
   params = jax.tree.map(lambda x: S(x.shape, x.dtype), params)
   cache = jax.eval_shape(lambda: kv_cache.init_cache(cfg, 1400, ad.DEFAULT_PAGE_SIZE,
                                                   dtype=cache_dtype))
-  return steps, graphdef, params, cache  # (models.steps: the jitted steps)
+  return jitted, graphdef, params, cache
 
 
 @pytest.mark.parametrize("step, cache_dtype, folded, b", [
@@ -468,8 +468,8 @@ def _llama_8b(cache_dtype="bfloat16", folded=False, decode_append=True):
     ("prefill_packed", "bfloat16", True, 4), ("prefill_packed_continued", "bfloat16", True, 4),
     ("mixed_packed", "bfloat16", True, 4)])
 def test_llama_8b_steps_lower_for_h200_on_mosaic_kernels(step, cache_dtype, folded, b):
-  steps, graphdef, params, cache = _llama_8b(cache_dtype, folded)
-  names = steps.backends(attention_prefill="mosaic", attention_decode="mosaic",
+  jitted, graphdef, params, cache = _llama_8b(cache_dtype, folded)
+  names = jitted.backends(attention_prefill="mosaic", attention_decode="mosaic",
                          matmul="mosaic", rms_norm="mosaic")
   # Packed: b prompts' 2048 tokens in one row (attention by segment ids);
   # continued, over their 16 pages each laid end to end.
@@ -477,21 +477,21 @@ def test_llama_8b_steps_lower_for_h200_on_mosaic_kernels(step, cache_dtype, fold
   logit_rows = b
   if step == "mixed_packed":  # 64 decode rows and 4 continued chunks of 32 tokens, packed
     t, logit_rows = 32, 72  # 64 + 4 rows, padded to 8 for lm_head
-    fn = lambda p, c, dt, dl, dtab, tok, tpos, seg, last, tab: steps.mixed_packed_step(
+    fn = lambda p, c, dt, dl, dtab, tok, tpos, seg, last, tab: jitted.mixed_packed_step(
         graphdef, p, c, dt, dl, dtab, tok, tpos, seg, last, tab, backends=names, fresh=False)
     args = ((S((64,), I32), S((64,), I32), S((64, 64), I32)) + (S((b * t,), I32),) * 3
             + (S((b,), I32), S((b, 16), I32)))
   elif step == "decode":
-    fn = lambda p, c, tok, n, tab: steps.decode_step(graphdef, p, c, tok, n, tab, backends=names)
+    fn = lambda p, c, tok, n, tab: jitted.decode_step(graphdef, p, c, tok, n, tab, backends=names)
     args = (S((b, 1), I32), S((b,), I32), S((b, width), I32))
   elif step.startswith("prefill_packed"):
     fresh = step == "prefill_packed"
     width = width if fresh else 16
-    fn = lambda p, c, tok, tpos, seg, last, tab: steps.prefill_packed_step(
+    fn = lambda p, c, tok, tpos, seg, last, tab: jitted.prefill_packed_step(
         graphdef, p, c, tok, tpos, seg, last, tab, backends=names, fresh=fresh)
     args = (S((b * t,), I32),) * 3 + (S((b,), I32), S((b, width), I32))
   else:
-    fn = lambda p, c, tok, pos, n, tab: steps.prefill_step(graphdef, p, c, tok, pos, n, tab,
+    fn = lambda p, c, tok, pos, n, tab: jitted.prefill_step(graphdef, p, c, tok, pos, n, tab,
                                                           backends=names)
     args = (S((b, t), I32), S((b,), I32), S((b,), I32), S((b, width), I32))
   # In the layer scan: the norm (both norms call one kernel), qkv, attention,
@@ -514,9 +514,9 @@ def test_llama_8b_decode_writes_the_cache_in_the_attention_kernel(b):
   # kernel's call aliases the cache (written in place, not copied).
   texts = {}
   for append in (True, False):
-    steps, graphdef, params, cache = _llama_8b("bfloat16", True, decode_append=append)
-    names = steps.backends(attention_decode="mosaic", matmul="mosaic", rms_norm="mosaic")
-    fn = lambda p, c, tok, n, tab: steps.decode_step(graphdef, p, c, tok, n, tab, backends=names)
+    jitted, graphdef, params, cache = _llama_8b("bfloat16", True, decode_append=append)
+    names = jitted.backends(attention_decode="mosaic", matmul="mosaic", rms_norm="mosaic")
+    fn = lambda p, c, tok, n, tab: jitted.decode_step(graphdef, p, c, tok, n, tab, backends=names)
     texts[append] = _lower(fn, params, cache, S((b, 1), I32), S((b,), I32), S((b, 64), I32),
                            kernels=7).text
   writes = lambda text: text.count("stablehlo.scatter") + text.count("dynamic_update_slice")
@@ -550,27 +550,27 @@ def test_fa3_block_ranges_are_planned_once_per_step_not_per_layer(step):
   # The FA3 kernel's kv block ranges depend on positions only. Built inside
   # the layer scan, XLA's GPU pipeline left them there (5 small kernels a
   # layer, profile run 11); the model plans them once, outside it.
-  steps, graphdef, params, cache = _llama_8b()
-  names = steps.backends(attention_prefill="mosaic", attention_decode="mosaic",
+  jitted, graphdef, params, cache = _llama_8b()
+  names = jitted.backends(attention_prefill="mosaic", attention_decode="mosaic",
                          matmul="mosaic", rms_norm="mosaic")
   if step == "mixed":
-    fn = lambda p, c, dt, dl, dtab, tok, pos, n, tab: steps.mixed_step(
+    fn = lambda p, c, dt, dl, dtab, tok, pos, n, tab: jitted.mixed_step(
         graphdef, p, c, dt, dl, dtab, tok, pos, n, tab, backends=names)
     args = (S((64,), I32), S((64,), I32), S((64, 64), I32), S((1, 128), I32), S((1,), I32),
             S((1,), I32), S((1, 16), I32))
   elif step == "mixed_packed":  # 64 decode rows and 128 continued prompt tokens
-    fn = lambda p, c, dt, dl, dtab, tok, tpos, seg, last, tab: steps.mixed_packed_step(
+    fn = lambda p, c, dt, dl, dtab, tok, tpos, seg, last, tab: jitted.mixed_packed_step(
         graphdef, p, c, dt, dl, dtab, tok, tpos, seg, last, tab, backends=names)
     args = ((S((64,), I32), S((64,), I32), S((64, 64), I32)) + (S((128,), I32),) * 3
             + (S((4,), I32), S((4, 16), I32)))
   elif step.startswith("prefill_packed"):  # 2048 prompt tokens in one row, segment ids
     fresh = step == "prefill_packed"
-    fn = lambda p, c, tok, tpos, seg, last, tab: steps.prefill_packed_step(
+    fn = lambda p, c, tok, tpos, seg, last, tab: jitted.prefill_packed_step(
         graphdef, p, c, tok, tpos, seg, last, tab, backends=names, fresh=fresh)
     args = (S((2048,), I32), S((2048,), I32), S((2048,), I32), S((4,), I32),
             S((4, 32 if fresh else 16), I32))
   else:
-    fn = lambda p, c, tok, pos, n, tab: steps.prefill_step(graphdef, p, c, tok, pos, n, tab,
+    fn = lambda p, c, tok, pos, n, tab: jitted.prefill_step(graphdef, p, c, tok, pos, n, tab,
                                                           backends=names)
     args = (S((1, 512), I32), S((1,), I32), S((1,), I32), S((1, 32), I32))
   h200 = target_lib.make("gpu", "NVIDIA H200", "9.0", 132)

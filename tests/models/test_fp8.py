@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import models
-from models import llama, model as model_lib, sharding, steps
+from models import jitted, llama, model as model_lib, sharding
 from mosaic import registry, testing
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -303,11 +303,11 @@ def test_the_fp8_backend_choice_is_part_of_the_step(pair, monkeypatch):
   # op's own (registry.use, MOSAIC_BACKEND_MATMUL_FP8) wins; both are in the
   # jitted steps' key, so a later choice retraces instead of being ignored.
   _, fp8 = pair
-  assert dict(steps.backends(matmul="xla"))["matmul_fp8"] == "xla"
+  assert dict(jitted.backends(matmul="xla"))["matmul_fp8"] == "xla"
   with registry.use(matmul_fp8="reference"):
-    assert dict(steps.backends(matmul="xla"))["matmul_fp8"] == "reference"
+    assert dict(jitted.backends(matmul="xla"))["matmul_fp8"] == "reference"
   monkeypatch.setenv("MOSAIC_BACKEND_MATMUL_FP8", "reference")
-  assert dict(steps.backends())["matmul_fp8"] == "reference"
+  assert dict(jitted.backends())["matmul_fp8"] == "reference"
   monkeypatch.delenv("MOSAIC_BACKEND_MATMUL_FP8")
   op = llama.ops()["matmul_fp8"]
   seen = []

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import models
-from models import checkpoint, kv_cache, llama, model as model_lib, rope, sharding, steps
+from models import checkpoint, jitted, kv_cache, llama, model as model_lib, rope, sharding
 from mosaic import testing
 
 
@@ -146,11 +146,11 @@ def test_single_row_decode_matches_dense_forward(tiny):
 def test_buckets_do_not_recompile(tiny):
   table = np.arange(1, 7)[None]
   tiny.prefill(tiny.init_cache(8, 4), [[5, 6, 7]], [0], [3], table)
-  before = steps.prefill_step._cache_size()
+  before = jitted.prefill_step._cache_size()
   for n in (2, 9, 16):
     cache = tiny.init_cache(8, 4)
     _, cache = tiny.prefill(cache, [list(range(3, 3 + n))], [0], [n], table)
-  assert steps.prefill_step._cache_size() == before, "a length within one bucket recompiled"
+  assert jitted.prefill_step._cache_size() == before, "a length within one bucket recompiled"
 
 
 @pytest.mark.parametrize("bad, match", [
@@ -266,11 +266,11 @@ def test_mixed_step_equals_decode_then_prefill(tiny, fresh, pad_rows):
   ch_table = pages[[2, 3]]
 
   ref_cache = jax.tree.map(jnp.copy, cache)
-  dec_ref, ref_cache = steps.decode_step(tiny.graphdef, tiny.params, ref_cache,
+  dec_ref, ref_cache = jitted.decode_step(tiny.graphdef, tiny.params, ref_cache,
                                          jnp.asarray(dec_tokens)[:, None], dec_lengths, dec_table)
-  pre_ref, ref_cache = steps.prefill_step(tiny.graphdef, tiny.params, ref_cache, ch_tokens,
+  pre_ref, ref_cache = jitted.prefill_step(tiny.graphdef, tiny.params, ref_cache, ch_tokens,
                                           ch_pos, ch_lengths, ch_table, fresh=fresh)
-  got, cache = steps.mixed_step(tiny.graphdef, tiny.params, cache, dec_tokens, dec_lengths,
+  got, cache = jitted.mixed_step(tiny.graphdef, tiny.params, cache, dec_tokens, dec_lengths,
                                 dec_table, ch_tokens, ch_pos, ch_lengths, ch_table, fresh=fresh)
   bd = 2 + pad_rows
   assert got.shape == (bd + 2, tiny.config.vocab_size)
@@ -306,21 +306,21 @@ def test_padding_tokens_write_nothing(tiny, step):
   if step in ("prefill", "continued"):
     pos = np.asarray([0, 0, 0, 0] if step == "prefill" else [0, 5, 2, 0], np.int32)
     lens = np.asarray([7, 3, 9, 0], np.int32)  # rows 0 and 1 end before the chunk's 9 tokens
-    _, cache = steps.prefill_step(tiny.graphdef, tiny.params, cache, toks(4, 9), pos, lens,
+    _, cache = jitted.prefill_step(tiny.graphdef, tiny.params, cache, toks(4, 9), pos, lens,
                                   table, fresh=step == "prefill")
     for r in range(3):
       live |= {(pages[r, p // ps], p % ps) for p in range(pos[r], pos[r] + lens[r])}
   elif step == "packed":  # 6 and 3 tokens in a row of 16; rows 1 and 3: padding
-    _, cache = steps.prefill_packed_step(tiny.graphdef, tiny.params, cache,
+    _, cache = jitted.prefill_packed_step(tiny.graphdef, tiny.params, cache,
                                          *_packed([toks(1, 6)[0], [], toks(1, 3)[0]], 16), table)
     live = {(pages[0, p // ps], p % ps) for p in range(6)} | {(pages[2, 0], p) for p in range(3)}
   elif step == "decode":
     lens = np.asarray([6, 1, 0, 0], np.int32)  # rows 2 and 3: padding
-    _, cache = steps.decode_step(tiny.graphdef, tiny.params, cache, toks(4, 1), lens, table)
+    _, cache = jitted.decode_step(tiny.graphdef, tiny.params, cache, toks(4, 1), lens, table)
     live = {(pages[0, 5 // ps], 5 % ps), (pages[1, 0], 0)}
   else:
     dec_lens = np.asarray([3, 0, 0], np.int32)
-    _, cache = steps.mixed_step(tiny.graphdef, tiny.params, cache, toks(1, 3)[0], dec_lens,
+    _, cache = jitted.mixed_step(tiny.graphdef, tiny.params, cache, toks(1, 3)[0], dec_lens,
                                 table[[0, 3, 3]], toks(2, 8), np.asarray([0, 4], np.int32),
                                 np.asarray([5, 2], np.int32), table[[1, 2]])
     live = {(pages[0, 0], 2)} | {(pages[1, p // ps], p % ps) for p in range(5)} | {
@@ -361,10 +361,10 @@ def test_packed_prefill_equals_row_prefill(tiny):
   rows = np.zeros((4, 17), np.int32)
   for i, p in enumerate(prompts):
     rows[i, :len(p)] = p
-  want, want_cache = steps.prefill_step(
+  want, want_cache = jitted.prefill_step(
       tiny.graphdef, tiny.params, tiny.init_cache(1 + per_seq * 3, ps), rows,
       np.zeros(4, np.int32), np.asarray(lens + [0], np.int32), table, fresh=True)
-  got, cache = steps.prefill_packed_step(tiny.graphdef, tiny.params,
+  got, cache = jitted.prefill_packed_step(tiny.graphdef, tiny.params,
                                          tiny.init_cache(1 + per_seq * 3, ps),
                                          *_packed(prompts, 32), table)
   assert got.shape == (4, tiny.config.vocab_size)
@@ -394,16 +394,16 @@ def test_packed_continued_chunks_equal_row_prefill(tiny):
     return rows
 
   cache = tiny.init_cache(1 + per_seq * 3, ps)
-  _, cache = steps.prefill_step(tiny.graphdef, tiny.params, cache,
+  _, cache = jitted.prefill_step(tiny.graphdef, tiny.params, cache,
                                 rows_of([p[:a] for p, a in zip(prompts, pre)], 8),
                                 np.zeros(4, np.int32), np.asarray(pre + [0], np.int32), table)
   # The row layout reads the cache it is given (donated): each run gets a copy.
   copy = lambda c: jax.tree.map(jnp.array, c)
   chunks = [p[a:] for p, a in zip(prompts, pre)]
-  want, want_cache = steps.prefill_step(
+  want, want_cache = jitted.prefill_step(
       tiny.graphdef, tiny.params, copy(cache), rows_of(chunks, 16), np.asarray(pre + [0], np.int32),
       np.asarray(rest + [0], np.int32), table)
-  got, got_cache = steps.prefill_packed_step(tiny.graphdef, tiny.params, copy(cache),
+  got, got_cache = jitted.prefill_packed_step(tiny.graphdef, tiny.params, copy(cache),
                                              *_packed(chunks, 24, pre), table, fresh=False)
   testing.assert_close(np.asarray(got)[:3], np.asarray(want)[:3], dtype=jnp.float32,
                        what="packed continued logits")
@@ -435,11 +435,11 @@ def test_mixed_packed_step_equals_decode_then_packed_prefill(tiny, fresh, pad_ro
   table = np.concatenate([pages[[2, 3]], np.zeros((1, per_seq), np.int32)])
 
   ref_cache = jax.tree.map(jnp.copy, cache)
-  dec_ref, ref_cache = steps.decode_step(tiny.graphdef, tiny.params, ref_cache,
+  dec_ref, ref_cache = jitted.decode_step(tiny.graphdef, tiny.params, ref_cache,
                                          jnp.asarray(dec_tokens)[:, None], dec_lengths, dec_table)
-  pre_ref, ref_cache = steps.prefill_packed_step(tiny.graphdef, tiny.params, ref_cache, *packed,
+  pre_ref, ref_cache = jitted.prefill_packed_step(tiny.graphdef, tiny.params, ref_cache, *packed,
                                                  table, fresh=fresh)
-  got, cache = steps.mixed_packed_step(tiny.graphdef, tiny.params, cache, dec_tokens,
+  got, cache = jitted.mixed_packed_step(tiny.graphdef, tiny.params, cache, dec_tokens,
                                        dec_lengths, dec_table, *packed, table, fresh=fresh)
   bd = 2 + pad_rows
   assert got.shape == (bd + 3, tiny.config.vocab_size)

@@ -61,12 +61,12 @@ def main():
   for cfg in (models.config.get("tiny"), variant):
     one, two, err = _compare(cfg, seed)
   # The step ran per shard (shard_map) with all-reduces, not as a replicated program.
-  from models import steps
+  from models import jitted
   import jax.numpy as jnp
-  hlo = steps.decode_step.lower(
+  hlo = jitted.decode_step.lower(
       two.graphdef, two.params, two.init_cache(9, 4), jnp.zeros((2, 1), jnp.int32),
       jnp.full((2,), 5, jnp.int32), jnp.ones((2, 4), jnp.int32),
-      backends=steps.backends(), mesh=two.mesh).as_text()
+      backends=jitted.backends(), mesh=two.mesh).as_text()
   assert "all_reduce" in hlo or "all-reduce" in hlo, "no all-reduce in the TP decode step"
   _random_params_are_drawn_split(seed)
   _llama_8b_tp2_lowers_for_h200()
@@ -96,7 +96,7 @@ def _llama_8b_tp2_lowers_for_h200():
   from jax.sharding import NamedSharding
 
   from kernels import attention_decode as ad
-  from models import kv_cache, llama, sharding, steps
+  from models import jitted, kv_cache, llama, sharding
 
   S, BF16, I32 = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.int32
   cfg = models.config.get("llama3.1-8b")
@@ -109,11 +109,11 @@ def _llama_8b_tp2_lowers_for_h200():
                         pure, sharding.param_specs(pure))
   cache = jax.tree.map(lambda x: S(x.shape, x.dtype, sharding=sharding.cache_sharding(mesh)),
                        jax.eval_shape(lambda: kv_cache.init_cache(cfg, 64, ad.DEFAULT_PAGE_SIZE)))
-  names = steps.backends(attention_prefill="mosaic", attention_decode="mosaic", matmul="mosaic",
+  names = jitted.backends(attention_prefill="mosaic", attention_decode="mosaic", matmul="mosaic",
                          rms_norm="mosaic")
-  decode = lambda p, c, tok, n, tab: steps.decode_step(graphdef, p, c, tok, n, tab,
+  decode = lambda p, c, tok, n, tab: jitted.decode_step(graphdef, p, c, tok, n, tab,
                                                         backends=names, mesh=mesh)
-  prefill = lambda p, c, tok, pos, n, tab: steps.prefill_step(graphdef, p, c, tok, pos, n, tab,
+  prefill = lambda p, c, tok, pos, n, tab: jitted.prefill_step(graphdef, p, c, tok, pos, n, tab,
                                                               backends=names, mesh=mesh)
   for fn, args, rows in ((decode, (S((64, 1), I32), S((64,), I32), S((64, 32), I32)), 64),
                          (prefill, (S((1, 2048), I32), S((1,), I32), S((1,), I32),
