@@ -89,7 +89,8 @@ _PNG_DPI = 100
 def op_costs(cfg, phase: str, batch: int, length: int, *, dtype="bfloat16",
              decode_tokens: int = 1, chunk: int = 0, kv_dtype=None,
              folded_norms: bool = False, decode_append: bool = False, tp: int = 1,
-             quantization: str | None = None) -> dict[str, cost_lib.Cost]:
+             quantization: str | None = None,
+             fp8_prefill_attention: bool = False) -> dict[str, cost_lib.Cost]:
   """FLOPs and minimum bytes of each op of ONE layer (LAYER_OPS) and of the
   ops outside the layers (TOP_OPS), for a step of ``phase``.
 
@@ -116,6 +117,10 @@ def op_costs(cfg, phase: str, batch: int, length: int, *, dtype="bfloat16",
   fp8 rows (on the fp8 tensor cores, ``Cost.fp8_flops``), and each also
   quantizes its input rows (read in ``dtype``, written in fp8: the XLA fusion
   the model scopes inside the projection); embed and lm_head stay ``dtype``.
+  ``fp8_prefill_attention``: prompt attention runs attention_prefill's
+  ``mosaic_fp8`` backend: its products on the fp8 tensor cores, and q, k, v
+  quantized per head on the way in (an amax pass and a quantizing pass each
+  read them in ``dtype``, which writes them in fp8 for the kernel to read).
   """
   if phase not in PHASES:
     raise ValueError(f"{phase=} is not one of {PHASES}")
@@ -153,16 +158,26 @@ def op_costs(cfg, phase: str, batch: int, length: int, *, dtype="bfloat16",
 
   attention = lambda b, tq, tkv, kv=None: cost_lib.attention(b, hq, hkv, tq, tkv, hd,
                                                              causal=True, dtype=dtype, kv_dtype=kv)
+
+  def prompt_attention(b, t):
+    """A fresh chunk's attention over its own K/V (bf16, or through the fp8 kernel)."""
+    c = attention(b, t, t)
+    if not fp8_prefill_attention:
+      return c
+    qkv = b * t * (hq + 2 * hkv) * hd  # elements of q, k, v
+    out = b * t * hq * hd * isz
+    return cost_lib.Cost(c.flops, out + qkv * (2 * isz + 1) + qkv, c.flops)
+
   cache = kv_dtype or dtype
   if phase == "prefill":  # fresh prompts attend their own K/V, not the cache
     m, m_out = batch * length, batch  # rows through the matmuls / final norm and lm_head
-    attn = attention(batch, length, length)
+    attn = prompt_attention(batch, length)
   elif phase == "decode":
     m = m_out = batch * decode_tokens
     attn = attention(batch, decode_tokens, length, cache)
   else:
     m, m_out = batch + chunk, batch + 1
-    attn = attention(batch, 1, length, cache) + attention(1, chunk, chunk)
+    attn = attention(batch, 1, length, cache) + prompt_attention(1, chunk)
   bytes_only = lambda n: cost_lib.Cost(0.0, float(n))
   costs = {
       "embed": bytes_only(2 * m * d * isz),
@@ -947,7 +962,9 @@ def profile(model, *, batch: int = 1, prefill_len: int = 128, decode_context: in
                        chunk=prof.chunk, kv_dtype=kv_cache_dtype,
                        folded_norms=getattr(model, "fold_norms", False),
                        decode_append=appended, tp=tp,
-                       quantization=getattr(model, "quantization", None))
+                       quantization=getattr(model, "quantization", None),
+                       fp8_prefill_attention=prof.phase != "decode" and prof.backends.get(
+                           "attention_prefill") == "mosaic_fp8")
       summarize(prof, per_step, costs, cfg.num_layers, tgt)
       prof.step["trace_device"] = tr.device
       prof.step["trace_info"] = tr.info

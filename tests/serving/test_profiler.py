@@ -60,6 +60,26 @@ def test_op_costs_with_an_fp8_cache():
   assert f8["attention"].bytes == bf["attention"].bytes
 
 
+def test_op_costs_of_fp8_prefill_attention():
+  # attention_prefill's mosaic_fp8: the same FLOPs, all on the fp8 tensor
+  # cores; bytes: q, k, v read twice in bf16 (amax, quantize) and written and
+  # read once in fp8, the output written in bf16. Decode attention is unchanged.
+  cfg = config_lib.get("llama3.1-8b")
+  t = 4096
+  bf = P.op_costs(cfg, "prefill", 1, t, dtype="bfloat16")
+  f8 = P.op_costs(cfg, "prefill", 1, t, dtype="bfloat16", fp8_prefill_attention=True)
+  a = f8["attention"]
+  assert a.flops == bf["attention"].flops == a.fp8_flops > 0
+  qkv = t * (32 + 2 * 8) * 128
+  assert a.bytes == t * 32 * 128 * 2 + qkv * (2 * 2 + 1) + qkv
+  assert all(f8[k] == bf[k] for k in bf if k != "attention")
+  mixed = dict(batch=8, length=1024, chunk=256, dtype="bfloat16")
+  m_bf, m_f8 = (P.op_costs(cfg, "mixed", fp8_prefill_attention=f, **mixed)
+                for f in (False, True))
+  decode_part = P.op_costs(cfg, "decode", 8, 1024, dtype="bfloat16")["attention"]
+  assert m_f8["attention"].fp8_flops == m_bf["attention"].flops - decode_part.flops
+
+
 def test_profile_an_fp8_cache_on_cpu():
   from models import load
 
