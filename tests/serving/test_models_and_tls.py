@@ -192,6 +192,10 @@ def test_a_backend_chosen_by_name_that_cannot_serve_is_refused_at_start():
   with pytest.raises(ValueError, match="attention_decode backend 'triton' cannot run a decode "
                                        "step: page size"):
     E.model_engine("tiny", decode_attention="triton", page_size=8, **kw)
+  # The fp8 prefill attention takes head dim 128 only (tiny's is 64).
+  with pytest.raises(ValueError, match="attention_prefill backend 'mosaic_fp8' cannot run a "
+                                       "fresh prompt chunk: head dim 64"):
+    E.model_engine("tiny", attention="mosaic_fp8", page_size=8, **dict(kw, dtype="bfloat16"))
   with pytest.raises(SystemExit, match="serve: attention_prefill backend 'cudnn'"):
     cli.cmd_serve(cli.parser().parse_args(["serve", "--model", "tiny", "--no-warmup",
                                            "--attention-backend", "cudnn"]))
