@@ -120,6 +120,9 @@ class Outputs:
         # A token of this request may be in flight already: it is dropped on return.
         reason = api.FinishReason.STOP
         e.scheduler.release(seq)
+        # Tokens after the one that completed the stop string (the rest of a
+        # multi-step or speculative call) are not output: nor are they counted.
+        del seq.generated[first + cut:]
         break
     seq.out_ids.extend(ids[:done])
     if lps is not None and (p.logprobs or p.top_logprobs):

@@ -236,6 +236,7 @@ def test_multi_step_decode_keeps_outputs_stops_and_pages(toy):
     stop = want[4][5]
     r = c.generate(prompts[4], max_tokens=9, ignore_eos=True, stop_token_ids=[stop])
     assert list(r.token_ids) == want[4][:want[4].index(stop)]  # the stop token is not sent
+    assert r.usage.completion_tokens == len(r.token_ids) + 1  # but counted, as an EOS
     assert r.finish_reason == E.FinishReason.STOP
     calls.clear()
     sampled = c.generate(prompts[1], **kw)
@@ -248,6 +249,28 @@ def test_multi_step_decode_keeps_outputs_stops_and_pages(toy):
       assert [t.token_id for t in a.top] == [t.token_id for t in b.top]
     wait_for(lambda: engine.stats().pages_in_use == 0, what="pages freed")
     engine.alloc.check()
+
+
+def test_a_stop_string_inside_a_multi_step_call_ends_the_output_and_its_count():
+  """decode_steps=4: a stop string completed by the 3rd token of a call ends
+  the output there; the call's later tokens are neither sent nor counted."""
+  engine = E.toy_engine(max_batch=8, num_pages=200, page_size=8,
+                        **{**_SMALL, "batch_buckets": (1, 8), "decode_steps": 4})
+  with running(engine) as (server, c):
+    for seed in range(40):
+      prompt = _prompts(1, seed=100 + seed)[0]
+      ids = list(c.generate(prompt, max_tokens=12, ignore_eos=True).token_ids)
+      # Token 2 (the first token comes from the prefill, then calls of 4:
+      # token 2 is mid-call) as a printable byte not seen before it.
+      if 32 < ids[2] < 127 and chr(ids[2]) not in bytes(i for i in ids[:2] if i < 256).decode(
+          "latin-1"):
+        break
+    else:
+      pytest.skip("no prompt gave a printable, new third token")
+    r = c.generate(prompt, max_tokens=12, ignore_eos=True, stop=[chr(ids[2])])
+    assert r.finish_reason == E.FinishReason.STOP and r.stop_string == chr(ids[2])
+    assert list(r.token_ids) == ids[:3]
+    assert r.usage.completion_tokens == 3
 
 
 def test_multi_step_decode_ends_requests_in_one_step_calls():

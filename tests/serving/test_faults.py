@@ -33,7 +33,7 @@ import time
 import grpc
 from grpc_health.v1 import health_pb2
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, example, given, settings, strategies as st
 
 from serving import engine as E
 from serving.client import Client
@@ -185,7 +185,11 @@ def _check_response(req: pb.GenerateRequest, completions) -> None:
   assert len(completions) == n
   for c in completions:
     assert c.finish_reason in _ENDS, c
-    assert c.usage.completion_tokens == len(c.token_ids)
+    # The EOS or stop token id that ended a completion is counted but not
+    # listed (a stop token id is, with include_stop_str_in_output).
+    ended_on_token = c.finish_reason == pb.FINISH_REASON_EOS or (
+        c.WhichOneof("stop_reason") == "stop_token_id" and not s.include_stop_str_in_output)
+    assert c.usage.completion_tokens == len(c.token_ids) + ended_on_token
     if s.HasField("max_tokens"):
       assert len(c.token_ids) <= s.max_tokens
     if s.structured_outputs.WhichOneof("kind") == "choice" and (
@@ -195,6 +199,9 @@ def _check_response(req: pb.GenerateRequest, completions) -> None:
 
 @settings(max_examples=80, deadline=None, suppress_health_check=list(HealthCheck))
 @given(req=_requests(), stream=st.booleans(), timeout=st.sampled_from([10.0, 10.0, 0.02]))
+# A completion that only its stop token id can end, at once (found by the fuzzer).
+@example(req=pb.GenerateRequest(text="", sampling=pb.SamplingParams(
+    stop_token_ids=[0], allowed_token_ids=[0])), stream=False, timeout=10.0)
 def test_fuzzed_requests_get_a_status_or_a_consistent_answer(fuzzed, req, stream, timeout):
   server, c, _ = fuzzed
   try:
