@@ -202,8 +202,36 @@ def _check_response(req: pb.GenerateRequest, completions) -> None:
 # A completion that only its stop token id can end, at once (found by the fuzzer).
 @example(req=pb.GenerateRequest(text="", sampling=pb.SamplingParams(
     stop_token_ids=[0], allowed_token_ids=[0])), stream=False, timeout=10.0)
+@example(req=pb.GenerateRequest(text="", sampling=pb.SamplingParams(
+    stop_token_ids=[0], allowed_token_ids=[0])), stream=True, timeout=10.0)
 def test_fuzzed_requests_get_a_status_or_a_consistent_answer(fuzzed, req, stream, timeout):
-  server, c, _ = fuzzed
+  _fuzz_one(*fuzzed[:2], req, stream, timeout)
+
+
+@pytest.fixture(scope="module")
+def fuzzed_multi_step():
+  """The toy model with 4 decode steps a call: a request can end (stop
+  string, stop token, length) anywhere inside a call."""
+  engine = E.toy_engine(max_batch=4, max_waiting=4, default_max_tokens=12, num_pages=200,
+                        page_size=8, batch_buckets=(1, 4), prefill_rows=4, min_chunk=16,
+                        prefill_chunk=64, max_seq_len=256, warmup=False, decode_steps=4)
+  server = Server(engine, host="127.0.0.1", port=0).start()
+  client = Client(server.address)
+  try:
+    yield server, client
+  finally:
+    client.close()
+    server.stop(grace=0.5)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+@given(req=_requests(), stream=st.booleans(), timeout=st.just(10.0))
+def test_fuzzed_requests_on_multi_step_calls_get_a_status_or_a_consistent_answer(
+    fuzzed_multi_step, req, stream, timeout):
+  _fuzz_one(*fuzzed_multi_step, req, stream, timeout)
+
+
+def _fuzz_one(server, c, req, stream, timeout):
   try:
     if stream:
       chunks = list(c.stub.GenerateStream(req, timeout=timeout))
@@ -215,6 +243,8 @@ def test_fuzzed_requests_get_a_status_or_a_consistent_answer(fuzzed, req, stream
         if ch.HasField("final"):
           comp.finish_reason = ch.final.finish_reason
           comp.usage.CopyFrom(ch.final.usage)
+          if ch.final.WhichOneof("stop_reason") == "stop_token_id":
+            comp.stop_token_id = ch.final.stop_token_id
       _check_response(req, [by_index[i] for i in sorted(by_index)])
     else:
       r = c.stub.Generate(req, timeout=timeout)
