@@ -172,3 +172,16 @@ def test_gpu_mosaic_attention_on_cached_pages(stage, gpu_model):
   prefill, decode = (ours, xla) if stage == "prefill" else (xla, ours)
   out = _run(gpu_model, prompts, 64, prefill=prefill, decode=decode)
   testing.assert_close(out, ref, dtype=jnp.bfloat16, what=f"mosaic {stage} logits vs xla")
+
+
+@pytest.mark.gpu
+def test_gpu_fp8_prefill_attention_by_name(gpu_model):
+  # attention_prefill's mosaic_fp8 on the card, fresh and over cached pages;
+  # xla elsewhere: fp8's rounding, bounded as on the CPU.
+  rng = np.random.default_rng()
+  prompts = [rng.integers(3, 4096, n).tolist() for n in (200, 77, 1)]
+  xla = dict(attention="xla", matmul="xla", norm="xla")
+  ref = _run(gpu_model, prompts, 64, prefill=xla, decode=xla)
+  out = _run(gpu_model, prompts, 64, prefill=dict(xla, attention="mosaic_fp8"), decode=xla)
+  err = testing.rel_error(out, ref)
+  assert 1e-4 < err < 0.06, err
