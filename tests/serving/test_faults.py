@@ -208,10 +208,11 @@ def test_fuzzed_requests_get_a_status_or_a_consistent_answer(fuzzed, req, stream
   _fuzz_one(*fuzzed[:2], req, stream, timeout)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def fuzzed_multi_step():
   """The toy model with 4 decode steps a call: a request can end (stop
-  string, stop token, length) anywhere inside a call."""
+  string, stop token, length) anywhere inside a call. For one test (all its
+  examples): gone before the next test checks for leaked threads."""
   engine = E.toy_engine(max_batch=4, max_waiting=4, default_max_tokens=12, num_pages=200,
                         page_size=8, batch_buckets=(1, 4), prefill_rows=4, min_chunk=16,
                         prefill_chunk=64, max_seq_len=256, warmup=False, decode_steps=4)
