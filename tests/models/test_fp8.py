@@ -191,6 +191,15 @@ def _edit_tensors(d, edit):
   _write_safetensors(d / "model.safetensors", tensors)
 
 
+def _refused_after_edit(hf_oracle, tmp_path, edit, match):
+  """An fp8 checkpoint with ``edit(tensors)`` applied is refused, naming ``match``."""
+  d = tmp_path / "edited"
+  _fp8_checkpoint(hf_oracle / "llama", d)
+  _edit_tensors(d, edit)
+  with pytest.raises(ValueError, match=match):
+    models.load(d, dtype="float32")
+
+
 def _fp8_checkpoint(src, dst, config=CT_CONFIG, per_tensor=False, input_scales=None,
                     top=448.0):
   """``src``'s HF folder with every layer Linear quantized per output channel
@@ -346,12 +355,8 @@ def test_bad_weight_scales_are_refused(hf_oracle, tmp_path):
   def nan_scale(tensors):
     tensors["model.layers.0.mlp.down_proj.weight_scale"][3] = np.nan
 
-  d = tmp_path / "ckpt"
-  _fp8_checkpoint(hf_oracle / "llama", d)
-  _edit_tensors(d, nan_scale)
-  with pytest.raises(ValueError, match="down_proj.weight_scale' holds values that are not "
-                                       "finite and positive"):
-    models.load(d, dtype="float32")
+  _refused_after_edit(hf_oracle, tmp_path, nan_scale,
+                      "down_proj.weight_scale' holds values that are not finite and positive")
 
 
 # ---------------------------------------------------------------- fbgemm_fp8
@@ -542,12 +547,9 @@ def test_a_projection_in_16_bits_and_malformed_configs_are_refused(hf_oracle, tm
     tensors[n] = (tensors[n].astype(np.float32) * tensors.pop(n + "_scale")).astype(
         ml_dtypes.bfloat16)
 
-  d = tmp_path / "bf16_proj"
-  _fp8_checkpoint(hf_oracle / "llama", d)
-  _edit_tensors(d, to_bf16)
-  with pytest.raises(ValueError, match="down_proj.weight' is bfloat16, but config.json's "
-                                       "quantization_config makes every layer linear fp8"):
-    models.load(d, dtype="float32")
+  _refused_after_edit(hf_oracle, tmp_path, to_bf16,
+                      "down_proj.weight' is bfloat16, but config.json's quantization_config "
+                      "makes every layer linear fp8")
   for change, field in (
       (lambda c: c.update(config_groups=[c["config_groups"]["group_0"]]), "config_groups=["),
       (lambda c: c["config_groups"].update(group_0="FP8_DYNAMIC"), "group is 'FP8_DYNAMIC'"),
@@ -588,8 +590,4 @@ def test_tensors_the_scheme_does_not_read_and_nan_weights_are_refused(hf_oracle,
     else:
       tensors.update(extra)
 
-  d = tmp_path / "ckpt"
-  _fp8_checkpoint(hf_oracle / "llama", d)
-  _edit_tensors(d, edit)
-  with pytest.raises(ValueError, match=match):
-    models.load(d, dtype="float32")
+  _refused_after_edit(hf_oracle, tmp_path, edit, match)
