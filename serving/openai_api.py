@@ -116,6 +116,9 @@ def _structured(req: CompletionRequest | ChatCompletionRequest) -> api.Structure
   elif rf is not None and rf.type == "json_schema":
     put("json", rf.json_schema.schema_, "response_format")
   if not so:
+    if req.structured_outputs is not None:  # (given empty: no constraint would be applied)
+      raise APIError(400, "structured_outputs must give one of json, regex, choice, grammar, "
+                     "json_object", param="structured_outputs")
     return None
   if "json" in so and not isinstance(so["json"], str):
     so["json"] = json.dumps(so["json"])
@@ -217,6 +220,9 @@ class _Call:
     # legacy way to score a text; vLLM's echo_without_generation): one token
     # is computed and dropped.
     self.echo_only = not chat and bool(req.echo) and req.max_tokens == 0
+    if self.echo_only and (req.min_tokens or 0) > 0:
+      raise APIError(400, f"min_tokens={req.min_tokens} must be <= max_tokens=0",
+                     param="min_tokens")
     if self.echo_only:
       req = req.model_copy(update={"max_tokens": 1})
     sampling, self.per = sampling_from_json(req, chat)  # completions per prompt
@@ -245,8 +251,9 @@ class _Call:
     if echo and sampling.logprobs and req.stream:  # (the echo goes out before they are known)
       raise APIError(400, "echo with logprobs is not streamed: the prompt's logprobs would be "
                      "missing", param="echo")
-    self.echo = [self._text(p) if echo else "" for p in prompts]
-    self.echo_first = [self._first_id(p) if echo else None for p in prompts]
+    cut = sampling.truncate_prompt_tokens
+    self.echo = [self._text(p, cut) if echo else "" for p in prompts]
+    self.echo_first = [self._first_id(p, cut) if echo else None for p in prompts]
     if echo and sampling.logprobs and sampling.prompt_logprobs is None:  # (vLLM's way)
       sampling = dataclasses.replace(sampling, prompt_logprobs=sampling.top_logprobs)
     self.keys, requests = [], []
@@ -264,20 +271,26 @@ class _Call:
         raise APIError(400, f"echo with logprobs scores the prompt: {e}", param="echo") from None
       raise
 
-  def _text(self, prompt: dict) -> str:
-    if "prompt_text" in prompt:
-      return prompt["prompt_text"]
-    # Decoded whole: a character whose bytes span tokens has no piece of its own.
-    return self.engine.detokenize(prompt["prompt_ids"])
-
-  def _first_id(self, prompt: dict) -> int:
-    """The prompt's first token, which has no logprob (the engine's BOS rule)."""
+  def _ids(self, prompt: dict) -> list[int]:
     if "prompt_ids" in prompt:
-      return prompt["prompt_ids"][0]
+      return prompt["prompt_ids"]
     ids = self.engine.tokenize(prompt["prompt_text"], add_bos=prompt["add_bos"])
     if not ids:
       raise APIError(400, "the prompt is empty")
-    return ids[0]
+    return ids
+
+  def _text(self, prompt: dict, cut: int | None) -> str:
+    """The echoed prompt: as given, or the tokens truncate_prompt_tokens
+    keeps, decoded (what the model saw, as vLLM echoes it)."""
+    if "prompt_text" in prompt and (cut is None or cut >= len(self._ids(prompt))):
+      return prompt["prompt_text"]
+    # Decoded whole: a character whose bytes span tokens has no piece of its own.
+    return self.engine.detokenize(self._ids(prompt)[-cut:] if cut else self._ids(prompt))
+
+  def _first_id(self, prompt: dict, cut: int | None) -> int:
+    """The (kept) prompt's first token, which has no logprob (the engine's BOS rule)."""
+    ids = self._ids(prompt)
+    return (ids[-cut:] if cut else ids)[0]
 
   def prompt_of(self, i: int) -> int:
     return i // self.per

@@ -11,6 +11,7 @@ field's description). Responses serialize with the fields they were given
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
 import pydantic
@@ -43,6 +44,16 @@ def is_ids(p) -> bool:
 class _Body(BaseModel):
   model_config = ConfigDict(extra="forbid", strict=True)
 
+  @field_validator("*", mode="before")
+  @classmethod
+  def _null_is_default(cls, v, info):
+    # OpenAI's spec makes its optional fields nullable, and clients send an
+    # unset one as null: null means the default (n, stream, echo, ...).
+    field = cls.model_fields[info.field_name]
+    if v is None and not field.is_required() and field.default_factory is None:
+      return field.default
+    return v
+
 
 def _f(what: str, default=None, **kw):
   return Field(default, description=what, **kw)
@@ -71,8 +82,8 @@ class StreamOptions(_Body):
 class JSONSchemaFormat(_Body):
   name: str | None = _f("a string")
   description: str | None = _f("a string")
-  schema_: dict[str, Any] | bool = Field(default_factory=dict, alias="schema",
-                                         description="a JSON schema")
+  schema_: dict[str, Any] = Field(default_factory=dict, alias="schema",
+                                  description="a JSON schema (an object)")
   strict: bool | None = _f("true or false")  # (the output always matches the schema)
 
 
@@ -128,7 +139,7 @@ class _Generation(_Body):
   @field_validator("logit_bias")
   @classmethod
   def _token_ids(cls, v):
-    if v is not None and not all(t.lstrip("-").isdigit() for t in v):
+    if v is not None and not all(re.fullmatch(r"-?[0-9]+", t) for t in v):
       raise ValueError("the keys must be token ids")
     return v
 

@@ -77,10 +77,13 @@ class StructuredOutputs:
   json_object: bool = False
 
   def __post_init__(self):
-    kinds = [k for k in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, k)]
+    kinds = [k for k in ("json", "regex", "grammar") if getattr(self, k) is not None]
+    kinds += [k for k in ("choice", "json_object") if getattr(self, k)]
     if len(kinds) != 1:
       raise InvalidRequest("structured outputs: set exactly one of json, regex, choice, grammar, "
                            f"json_object (got {kinds or 'none'})")
+    if getattr(self, kinds[0]) == "":
+      raise InvalidRequest(f"structured {kinds[0]} must not be empty")
     for k in ("json", "regex", "grammar"):
       v = getattr(self, k)
       if v is not None and len(v) > MAX_GRAMMAR_CHARS:
@@ -94,7 +97,7 @@ class StructuredOutputs:
   @property
   def kind(self) -> str:
     return next(k for k in ("json", "regex", "choice", "grammar", "json_object")
-                if getattr(self, k))
+                if getattr(self, k) not in (None, (), False))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,6 +204,9 @@ class SamplingParams:
       raise InvalidRequest(
           f"min_tokens={self.min_tokens} must be <= max_tokens={self.max_tokens}",
           field="min_tokens")
+    if self.structured is not None and self.min_tokens > 0:  # (it would end short of them)
+      raise InvalidRequest(f"min_tokens={self.min_tokens} cannot go with structured outputs: "
+                           "the grammar decides where the output ends", field="min_tokens")
     if len(self.stop) > 16 or any(not s or len(s) > 256 for s in self.stop):
       raise InvalidRequest(
           f"stop has {len(self.stop)} strings; at most 16 non-empty strings of <= 256 chars",

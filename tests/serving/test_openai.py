@@ -821,3 +821,73 @@ def test_echo_logprobs_on_a_server_without_prompt_logprobs_names_echo():
                       {"prompt": "ab", "echo": True, "logprobs": 1, "max_tokens": 1})
   assert status == 400 and r["error"]["param"] == "echo", r
   assert "--enable-prompt-logprobs" in r["error"]["message"], r
+
+
+def test_echo_of_a_truncated_prompt_is_what_the_model_saw(openai):
+  """truncate_prompt_tokens with echo: the text, tokens, offsets and usage
+  are the kept tokens' (vLLM echoes the truncated prompt), not the prompt as
+  sent with its first token glued to the kept ones' logprobs."""
+  _, port = openai
+  status, r = _post(port, "/v1/completions", {
+      "prompt": "abcdefgh", "echo": True, "logprobs": 0, "max_tokens": 0,
+      "truncate_prompt_tokens": 3})
+  assert status == 200, r
+  (c,) = r["choices"]
+  assert c["text"] == "fgh" and c["logprobs"]["tokens"] == ["f", "g", "h"], c
+  assert c["logprobs"]["text_offset"] == [0, 1, 2] and r["usage"]["prompt_tokens"] == 3, r
+  assert c["logprobs"]["token_logprobs"][0] is None, c
+  # A cut longer than the prompt keeps it whole: the text as sent, BOS first.
+  _, r = _post(port, "/v1/completions", {"prompt": "ab", "echo": True, "logprobs": 0,
+                                          "max_tokens": 1, "temperature": 0,
+                                          "truncate_prompt_tokens": 50})
+  assert r["choices"][0]["text"] == "abc" and r["usage"]["prompt_tokens"] == 3, r
+
+
+@pytest.mark.parametrize("path,body,param", [
+    # given empty, no constraint would apply: refused, not ignored
+    ("/v1/completions", {"structured_outputs": {}}, "structured_outputs"),
+    ("/v1/completions", {"structured_outputs": {"json": None}}, "structured_outputs"),
+    ("/v1/completions", {"guided_regex": ""}, None),
+    # the grammar ends the output; min_tokens could not be met
+    ("/v1/completions", {"guided_choice": ["abc"], "min_tokens": 8}, "min_tokens"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_object"}, "min_tokens": 2},
+     "min_tokens"),
+    # a JSON schema is an object here (true, "anything", would apply nothing)
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": True}}}, "response_format.json_schema.schema"),
+    # "²" is a digit to str.isdigit, no token id
+    ("/v1/completions", {"logit_bias": {"²": 5}}, "logit_bias"),
+    ("/v1/completions", {"logit_bias": {"--5": 5}}, "logit_bias"),
+    # echo with max_tokens 0 generates nothing: the refusal says 0, as sent
+    ("/v1/completions", {"echo": True, "max_tokens": 0, "min_tokens": 5}, "min_tokens"),
+])
+def test_unusable_fields_are_refused_by_name(openai, path, body, param):
+  _, port = openai
+  prompt = {"messages": CHAT} if "chat" in path else {"prompt": "ab"}
+  status, r = _post(port, path, {**prompt, "max_tokens": 10, **body})
+  assert status == 400, r
+  assert r["error"]["param"] == param, r
+  msg = r["error"]["message"]
+  assert "Error(" not in msg and (param is None or param.split(".")[0] in msg), msg
+  if "max_tokens" in body and body["max_tokens"] == 0:
+    assert "max_tokens=0" in msg, msg
+
+
+def test_null_means_the_default(openai):
+  """OpenAI's spec makes these fields nullable and clients send an unset one
+  as null: it means the default, as vLLM takes it."""
+  _, port = openai
+  base = {"prompt": "a", "max_tokens": 2, "temperature": 0}
+  _, want = _post(port, "/v1/completions", base)
+  nulls = {"n": None, "stream": None, "echo": None, "add_special_tokens": None,
+           "stop": None, "logit_bias": None, "max_tokens": 2}
+  status, r = _post(port, "/v1/completions", {**base, **nulls})
+  assert status == 200 and r["choices"][0]["text"] == want["choices"][0]["text"] == "bc", r
+  assert len(r["choices"]) == 1
+  status, r = _post(port, "/v1/chat/completions", {
+      "messages": CHAT, "max_tokens": 2, "temperature": 0, "n": None, "stream": None,
+      "add_generation_prompt": None, "stream_options": None})
+  assert status == 200 and r["object"] == "chat.completion", r
+  # Required fields stay required.
+  status, r = _post(port, "/v1/completions", {"prompt": None})
+  assert status == 400 and r["error"]["param"] == "prompt", r
