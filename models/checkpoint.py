@@ -33,6 +33,7 @@ q/k/v and gate/up are stored fused (``fuse_qkv``, ``fuse_gate_up``; the
 from __future__ import annotations
 
 import json
+import math
 import pathlib
 from typing import Any, Callable, NamedTuple
 
@@ -301,6 +302,20 @@ class _SafetensorsFile:
     self.header = header
     self.offset = 8 + n
     self._mm = None
+    size = path.stat().st_size - self.offset
+    for name, info in header.items():  # (a cut or edited file: named here, not in a reshape)
+      try:
+        a, b = info["data_offsets"]
+        count = math.prod(info["shape"])
+        width = np.dtype(_ST_DTYPES[info["dtype"]]).itemsize if info["dtype"] in _ST_DTYPES \
+            else None
+      except (KeyError, TypeError, ValueError):
+        raise ValueError(f"{path}: tensor {name!r} has no readable dtype, shape and "
+                         "data_offsets in the header") from None
+      if not 0 <= a <= b <= size or (width is not None and b - a != count * width):
+        raise ValueError(f"{path}: tensor {name!r} ({info['dtype']} {info['shape']}) needs "
+                         f"bytes {a}..{b} of {size} after the header; the file is cut short "
+                         "or its header is wrong")
 
   def get(self, name: str) -> np.ndarray:
     info = self.header[name]
@@ -506,6 +521,15 @@ def read_hf(folder, dtype=np.float32, tokenizer: bool = True
     raise ValueError(f"{folder}: config.json says tie_word_embeddings false, but no "
                      f"lm_head.weight is in {', '.join(f.name for f in files)}; if the output "
                      "head is the embedding, set tie_word_embeddings true")
+
+  if cfg.tie_embeddings and "lm_head.weight" in index and "model.embed_tokens.weight" in index:
+    head, embed = (index[k].get(k) for k in ("lm_head.weight", "model.embed_tokens.weight"))
+    if head.shape != embed.shape or not np.array_equal(head, embed):
+      # (transformers 5 keeps such a head, older versions overwrite it with
+      # the embedding: which model was meant is not ours to guess.)
+      raise ValueError(f"{folder}: config.json says tie_word_embeddings true, but "
+                       "lm_head.weight differs from model.embed_tokens.weight; set "
+                       "tie_word_embeddings false to use lm_head.weight")
 
   read = set()
 

@@ -290,6 +290,15 @@ def _refuse(field, value, supported) -> ValueError:
   return ValueError(f"config field {field}={value!r} is not supported; supported: {supported}")
 
 
+def _typed(field: str, v, kind: str = "int"):
+  """``v`` if it is a JSON integer (kind "int") or finite number ("number");
+  else the refusal naming the field (null included: no default is guessed)."""
+  if isinstance(v, bool) or not isinstance(v, int if kind == "int" else (int, float)) or (
+      kind == "number" and not math.isfinite(v)):
+    raise _refuse(field, v, "an integer" if kind == "int" else "a number")
+  return v
+
+
 def _rope(hf: dict[str, Any], max_pos: int) -> tuple[float, RopeScaling | None]:
   """(rope_theta, scaling) from rope_scaling / rope_parameters."""
   rs = hf.get("rope_scaling")
@@ -302,6 +311,8 @@ def _rope(hf: dict[str, Any], max_pos: int) -> tuple[float, RopeScaling | None]:
     rs, field = dict(params), "rope_parameters"
     if rope_theta is None:
       rope_theta = rs.get("rope_theta")
+  if rs is not None and not isinstance(rs, dict):
+    raise _refuse(field, rs, "an object such as {\"rope_type\": \"linear\", \"factor\": 2.0}")
   rs = dict(rs or {})
   inner = rs.pop("rope_theta", None)
   if inner is not None and rope_theta is not None and float(inner) != float(rope_theta):
@@ -321,9 +332,18 @@ def _rope(hf: dict[str, Any], max_pos: int) -> tuple[float, RopeScaling | None]:
     if k not in _ROPE_KEYS[kind]:
       raise _refuse(f"{field}.{k}", rs[k], f"rope_type {kind!r} with keys "
                     f"{sorted(_ROPE_KEYS[kind]) or 'none'}")
-  theta = float(rope_theta if rope_theta is not None else 10000.0)
+  theta = float(_typed("rope_theta", rope_theta, "number") if rope_theta is not None
+                else 10000.0)
   if kind == "default":
     return theta, None
+  need = {"llama3": ("factor", "low_freq_factor", "high_freq_factor"),
+          "linear": ("factor",), "dynamic": ("factor",)}.get(kind, ())
+  for k in need:
+    if rs.get(k) is None:
+      raise ValueError(f"config field {field} of rope_type {kind!r} needs {k}")
+  for k, v in rs.items():
+    if k not in ("truncate",) and v is not None:
+      _typed(f"{field}.{k}", v, "number")
   factor = rs.get("factor")
   orig = int(rs.get("original_max_position_embeddings") or max_pos)
   if kind == "llama3":
@@ -349,12 +369,37 @@ def _rope(hf: dict[str, Any], max_pos: int) -> tuple[float, RopeScaling | None]:
                             attention_factor=float(att), truncate=bool(rs.get("truncate", True)))
 
 
+# transformers builds the model from model_type, vLLM from architectures:
+# where both are given they must name the same one.
+MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
+               "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+
+
+def _architecture(hf: dict[str, Any]) -> str:
+  archs, model_type = hf.get("architectures"), hf.get("model_type")
+  supported = ", ".join(ARCHITECTURES)
+  if archs is not None and not (isinstance(archs, list) and all(isinstance(a, str)
+                                                                for a in archs)):
+    raise _refuse("architectures", archs, f"a list of one of {supported}")
+  if archs:
+    if len(archs) > 1 or archs[0] not in ARCHITECTURES:
+      named = archs[0] if len(archs) == 1 else archs
+      raise ValueError(f"unsupported architecture {named!r}; supported: {supported}")
+    arch = archs[0]
+    if model_type is not None and model_type != MODEL_TYPES[arch]:
+      raise ValueError(f"architectures {archs} is model_type "
+                       f"{MODEL_TYPES[arch]!r}, but model_type says {model_type!r}; "
+                       "transformers would build the latter: give one model")
+    return arch
+  by_type = {t: a for a, t in MODEL_TYPES.items()}
+  if model_type not in by_type:
+    raise ValueError(f"unsupported model_type {model_type!r} (and no architectures); "
+                     f"supported: {', '.join(by_type)} ({supported})")
+  return by_type[model_type]
+
+
 def _from_hf(cls, hf: dict[str, Any], name: str) -> ModelConfig:
-  archs = hf.get("architectures") or []
-  arch = archs[0] if archs else hf.get("model_type", "?")
-  if arch not in ARCHITECTURES or len(archs) > 1:
-    raise ValueError(
-        f"unsupported architecture {arch!r}; supported: {', '.join(ARCHITECTURES)}")
+  arch = _architecture(hf)
   known = ARCH_FIELDS[arch]
   for k, v in hf.items():
     if k in known or k in INERT_FIELDS or k.startswith("_"):
@@ -373,10 +418,18 @@ def _from_hf(cls, hf: dict[str, Any], name: str) -> ModelConfig:
   act = hf.get("hidden_act", "silu")
   if act not in ACTIVATIONS:
     raise _refuse("hidden_act", act, ", ".join(ACTIVATIONS))
+  for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+            "intermediate_size", "max_position_embeddings"):
+    _typed(k, get(k, 8192))
+  for k in ("num_key_value_heads", "head_dim", "sliding_window"):  # (null: the default)
+    if get(k) is not None:
+      _typed(k, get(k))
   heads = hf["num_attention_heads"]
   layers = hf["num_hidden_layers"]
-  head_dim = get("head_dim") or hf["hidden_size"] // heads
-  max_pos = int(get("max_position_embeddings", 8192))
+  # null means hidden_size // heads (transformers' rule); a 0 is refused below.
+  head_dim = get("head_dim") if get("head_dim") is not None else hf["hidden_size"] // heads
+  max_pos = get("max_position_embeddings", 8192)
+  eps = _typed("rms_norm_eps", hf.get("rms_norm_eps", 1e-6), "number")
   rope_theta, scaling = _rope(hf, max_pos)
   window, sliding = None, None
   if arch == "MistralForCausalLM":
@@ -386,7 +439,7 @@ def _from_hf(cls, hf: dict[str, Any], name: str) -> ModelConfig:
   if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
     types = hf.get("layer_types")
     if types is None:  # transformers: sliding from max_window_layers on
-      n = int(get("max_window_layers"))
+      n = _typed("max_window_layers", get("max_window_layers"))
       types = ["sliding_attention" if i >= n else "full_attention" for i in range(layers)]
     bad = [t for t in types if t not in ("full_attention", "sliding_attention")]
     if bad or len(types) != layers:
@@ -407,12 +460,12 @@ def _from_hf(cls, hf: dict[str, Any], name: str) -> ModelConfig:
       hidden_size=hf["hidden_size"],
       num_layers=layers,
       num_heads=heads,
-      num_kv_heads=hf.get("num_key_value_heads") or heads,
+      num_kv_heads=heads if hf.get("num_key_value_heads") is None else hf["num_key_value_heads"],
       head_dim=head_dim,
       intermediate_size=hf["intermediate_size"],
       rope_theta=rope_theta,
       rope_scaling=scaling,
-      rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+      rms_norm_eps=float(eps),
       tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
       qkv_bias=arch == "Qwen2ForCausalLM" or attention_bias,
       o_bias=arch in ("LlamaForCausalLM", "Qwen3ForCausalLM") and attention_bias,

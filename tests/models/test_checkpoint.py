@@ -325,6 +325,31 @@ def test_error_untied_config_without_its_head(hf_copy):
     models.load(hf_copy)
 
 
+def test_error_tied_config_with_another_head(hf_copy):
+  """tie_word_embeddings true beside an lm_head.weight of its own: transformers
+  5 keeps that head, older versions overwrite it with the embedding; the
+  embedding was used with no word. Refused unless the two are equal."""
+  cfg = json.loads((hf_copy / "config.json").read_text())
+  (hf_copy / "config.json").write_text(json.dumps({**cfg, "tie_word_embeddings": True}))
+  with pytest.raises(ValueError, match="tie_word_embeddings true, but lm_head.weight differs"):
+    models.load(hf_copy)
+  # A tied checkpoint that also wrote its head out (equal values) loads.
+  from safetensors.numpy import load_file
+
+  embed = next(load_file(f)["model.embed_tokens.weight"] for f in hf_copy.glob("*.safetensors")
+               if "model.embed_tokens.weight" in load_file(f))
+  _edit_tensors(hf_copy, lambda t: "lm_head.weight" in t and t.update({"lm_head.weight": embed}))
+  assert models.load(hf_copy).config.tie_embeddings
+
+
+def test_error_a_cut_safetensors_file_names_the_tensor(hf_copy):
+  f = sorted(hf_copy.glob("*.safetensors"))[-1]
+  f.write_bytes(f.read_bytes()[:-100])
+  with pytest.raises(ValueError, match=rf"{f.name}: tensor '.*' \(F32 .*\) needs bytes .* the "
+                     "file is cut short"):
+    models.load(hf_copy)
+
+
 def test_error_bad_specs(tmp_path):
   with pytest.raises(FileNotFoundError, match="no such model"):
     models.load(tmp_path / "nowhere")

@@ -232,6 +232,44 @@ def test_refused_values(tmp_path):
       _load_config(tmp_path, **fields)
 
 
+@pytest.mark.parametrize("fields, msg", [
+    # a missing or null value is refused by name, never a TypeError / KeyError
+    (dict(rope_scaling={"rope_type": "linear"}), r"rope_scaling of rope_type 'linear' needs factor"),
+    (dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "high_freq_factor": 4.0}),
+     r"rope_type 'llama3' needs low_freq_factor"),
+    (dict(rope_scaling={"rope_type": "linear", "factor": "2"}),
+     r"rope_scaling.factor='2' is not supported; supported: a number"),
+    (dict(rope_scaling="linear"), r"rope_scaling='linear' is not supported; supported: an object"),
+    (dict(rms_norm_eps=None), r"rms_norm_eps=None is not supported; supported: a number"),
+    (dict(max_position_embeddings=None), r"max_position_embeddings=None is not supported"),
+    (dict(num_attention_heads=4.0), r"num_attention_heads=4.0 is not supported"),
+    (dict(architectures=["Qwen2ForCausalLM"], max_window_layers=None),
+     r"max_window_layers=None is not supported"),
+    # 0 is no default: it was replaced by the head count / hidden_size // heads
+    (dict(num_key_value_heads=0), r"num_kv_heads must be a positive int, got 0"),
+    (dict(head_dim=0), r"head_dim must be a positive int, got 0"),
+    # transformers builds the model from model_type, vLLM from architectures
+    (dict(architectures=["MistralForCausalLM"], model_type="llama"),
+     r"architectures \['MistralForCausalLM'\] is model_type 'mistral', but model_type says "
+     r"'llama'"),
+    (dict(architectures="LlamaForCausalLM"), r"architectures='LlamaForCausalLM' is not "
+     r"supported; supported: a list of one of"),
+    (dict(architectures=None, model_type="gpt2"), r"unsupported model_type 'gpt2'"),
+])
+def test_malformed_values_are_refused_by_name(fields, msg):
+  with pytest.raises(ValueError, match=msg):
+    config_lib.ModelConfig.from_hf({**BASE, **fields})
+
+
+def test_model_type_alone_names_the_architecture():
+  """No architectures: model_type says which (as AutoModelForCausalLM reads it)."""
+  base = {k: v for k, v in BASE.items() if k != "architectures"}
+  for model_type, arch_window in (("llama", None), ("mistral", 4096), ("qwen3", None)):
+    m = config_lib.ModelConfig.from_hf({**base, "model_type": model_type})
+    assert m.sliding_window == arch_window and m.qk_norm == (model_type == "qwen3")
+  assert config_lib.ModelConfig.from_hf({**BASE, "model_type": "llama"}).sliding_window is None
+
+
 def test_rope_theta_in_two_places_must_agree():
   """rope_theta beside rope_parameters.rope_theta: transformers 5 reads the
   dict's, older versions the top-level one; two values are refused, one is
