@@ -9,11 +9,43 @@ Sources: a byte-level tokenizer that needs no files (the "tiny" model), a
 Hugging Face ``tokenizer.json`` (the ``tokenizers`` package), a sentencepiece
 ``tokenizer.model``, and the GPT-2 style BPE vocabulary embedded in a GGUF file.
 ``from_folder`` picks the right one for an HF folder.
+
+What an HF folder's files mean follows transformers:
+
+* eos ids (where generation stops): generation_config.json's
+  ``eos_token_id`` (an int or a list), else config.json's (transformers'
+  ``GenerationConfig.from_model_config``), else the tokenizer's
+  ``eos_token`` (tokenizer_config.json; for sentencepiece, its own). A
+  generation_config.json without the key falls through to config.json (where
+  transformers' ``generate`` would have no eos at all). ``eos_ids[0]`` is the
+  tokenizer's eos token when it is one of them (what a post-processor's
+  "$A </s>" appends, see ``add_eos``).
+* bos id (what ``add_bos`` prepends to a text prompt, as the tokenizer's own
+  ``encode`` does in transformers): tokenizer_config.json's ``bos_token``,
+  else generation_config.json's ``bos_token_id``, else config.json's (for
+  sentencepiece, then its own).
+* the chat template: chat_template.jinja (and additional_chat_templates/*.jinja,
+  named templates) take priority over tokenizer_config.json's
+  ``chat_template`` (a string, or named templates: a list of
+  {"name", "template"} or a dict). Of named templates the one named "default"
+  is used; without one, chat prompts are refused, naming the templates.
+  chat_template.json (a processor's file, which transformers' AutoTokenizer
+  does not read) is not used either: a folder whose only template is there
+  refuses chat prompts with a message that says so.
+* the template renders in transformers' Jinja environment
+  (``chat_template_utils._compile_jinja_template``): a sandbox with
+  trim_blocks, lstrip_blocks, ``{% break %}``/``{% continue %}``,
+  ``{% generation %}`` blocks, a ``tojson`` that keeps non-ASCII text and
+  key order, ``raise_exception``, ``strftime_now``; whatever a template
+  raises while rendering is a ValueError (INVALID_ARGUMENT at the server).
 """
 
 from __future__ import annotations
 
+import datetime
+import functools
 import json
+import logging
 import pathlib
 from typing import Any, Sequence
 
@@ -22,6 +54,9 @@ class Tokenizer:
   bos_id: int | None = None
   eos_ids: tuple[int, ...] = ()
   chat_template: str | None = None
+  # Set where the folder's templates cannot be used (named templates without
+  # a "default", only chat_template.json): apply_chat_template raises it.
+  chat_template_error: str | None = None
   bos_token: str = ""
   eos_token: str = ""
   add_bos: bool = False  # whether the model expects BOS before a plain prompt
@@ -40,22 +75,125 @@ class Tokenizer:
 
   def apply_chat_template(self, messages: list[dict[str, str]], *,
                           add_generation_prompt: bool = True) -> str | None:
+    # (getattr: serving's test tokenizer renders through this method too.)
+    error = getattr(self, "chat_template_error", None)
+    if error:
+      raise ValueError(error)
     if not self.chat_template:
       return None
-    import jinja2
-    from jinja2 import sandbox
+    return render_chat_template(self.chat_template, messages,
+                                add_generation_prompt=add_generation_prompt,
+                                bos_token=getattr(self, "bos_token", ""),
+                                eos_token=getattr(self, "eos_token", ""))
 
-    def raise_exception(msg):
-      raise ValueError(f"chat template: {msg}")
 
-    env = sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    env.globals["raise_exception"] = raise_exception
-    try:
-      tmpl = env.from_string(self.chat_template)
-    except jinja2.TemplateSyntaxError as e:
-      raise ValueError(f"chat template does not parse: {e}") from None
-    return tmpl.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                       bos_token=self.bos_token, eos_token=self.eos_token)
+class _TemplateRaised(Exception):
+  """A chat template's own raise_exception(message)."""
+
+
+@functools.lru_cache(maxsize=1)
+def _jinja_environment():
+  """transformers' chat-template environment (chat_template_utils.
+  _compile_jinja_template): the same sandbox, options, extensions, filters
+  and globals. ``{% generation %}`` renders its body (transformers tracks
+  where it lies for assistant masks, which nothing here asks for)."""
+  import jinja2
+  import jinja2.ext
+  import jinja2.nodes
+  import jinja2.utils
+  from jinja2 import sandbox
+
+  class GenerationBlock(jinja2.ext.Extension):
+    tags = {"generation"}
+
+    def parse(self, parser):
+      lineno = next(parser.stream).lineno
+      body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+      return jinja2.nodes.CallBlock(self.call_method("_render_body"), [], [], body
+                                    ).set_lineno(lineno)
+
+    def _render_body(self, caller):
+      return caller()
+
+  def raise_exception(message):
+    raise _TemplateRaised(message)
+
+  def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    # Not jinja's own: that one sorts keys and escapes HTML characters.
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
+
+  def strftime_now(format):
+    return datetime.datetime.now().strftime(format)
+
+  class TemplateDict:
+    """dict(...) without the dict type's attributes."""
+
+    def __call__(self, *args, **kwargs):
+      return dict(*args, **kwargs)
+
+    def fromkeys(self, *args, **kwargs):
+      return dict.fromkeys(*args, **kwargs)
+
+  class TemplateNamespace(jinja2.utils.Namespace):
+    """namespace(...) that refuses underscore-prefixed attributes."""
+
+    def __init__(*args, **kwargs):  # jinja's signature trick: namespace(self=...) works
+      self, args = args[0], args[1:]
+      attrs = dict(*args, **kwargs)
+      for name in attrs:
+        TemplateNamespace._check_name(name)
+      jinja2.utils.Namespace.__init__(self, attrs)
+
+    def __setitem__(self, name, value):
+      TemplateNamespace._check_name(name)
+      jinja2.utils.Namespace.__setitem__(self, name, value)
+
+    @staticmethod
+    def _check_name(name):
+      if isinstance(name, str) and name.startswith("_"):
+        raise jinja2.exceptions.SecurityError(
+            f"chat templates cannot store underscore-prefixed attributes on a namespace, "
+            f"but got {name!r}")
+
+  env = sandbox.ImmutableSandboxedEnvironment(
+      trim_blocks=True, lstrip_blocks=True,
+      extensions=[GenerationBlock, jinja2.ext.loopcontrols])
+  env.filters["tojson"] = tojson
+  env.globals["raise_exception"] = raise_exception
+  env.globals["strftime_now"] = strftime_now
+  env.globals["dict"] = TemplateDict()
+  env.globals["namespace"] = TemplateNamespace
+  return env
+
+
+@functools.lru_cache(maxsize=16)
+def _compile_chat_template(source: str):
+  import jinja2
+
+  try:
+    return _jinja_environment().from_string(source)
+  except jinja2.TemplateSyntaxError as e:
+    raise ValueError(f"chat template does not parse: {e}") from None
+  except Exception as e:  # noqa: BLE001: any other failure is the template's too
+    raise ValueError(f"chat template does not compile: {type(e).__name__}: {e}") from None
+
+
+def render_chat_template(source: str, messages: list[dict[str, Any]], *,
+                         add_generation_prompt: bool = True, bos_token: str = "",
+                         eos_token: str = "") -> str:
+  """``source`` rendered as transformers' ``apply_chat_template(tokenize=False)``
+  does (tools and documents None). Whatever the template raises is a
+  ValueError that says what."""
+  tmpl = _compile_chat_template(source)
+  try:
+    return tmpl.render(messages=messages, tools=None, documents=None,
+                       add_generation_prompt=add_generation_prompt,
+                       bos_token=bos_token, eos_token=eos_token)
+  except _TemplateRaised as e:
+    raise ValueError(f"chat template: {e}") from None
+  except Exception as e:  # noqa: BLE001: an undefined name, a sandbox refusal, a TypeError, ...
+    raise ValueError(f"chat template: rendering failed: {type(e).__name__}: {e}") from None
 
 
 class ByteTokenizer(Tokenizer):
@@ -111,20 +249,47 @@ class NoTokenizer(Tokenizer):
 
 
 def _ids(v) -> list[int]:
-  return [v] if isinstance(v, int) else [int(i) for i in (v or []) if isinstance(i, int)]
+  if isinstance(v, bool):
+    return []
+  return [v] if isinstance(v, int) else [int(i) for i in (v or [])
+                                         if isinstance(i, int) and not isinstance(i, bool)]
+
+
+def _read_json(path: pathlib.Path) -> dict[str, Any]:
+  """A JSON object file's contents; {} where the file is absent."""
+  if not path.is_file():
+    return {}
+  try:
+    value = json.loads(path.read_text(encoding="utf-8"))
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    raise ValueError(f"{path}: not valid JSON ({e})") from None
+  if not isinstance(value, dict):
+    raise ValueError(f"{path}: expected a JSON object, got {type(value).__name__}")
+  return value
+
+
+def generation_ids(folder: pathlib.Path, hf_config: dict[str, Any] | None = None
+                   ) -> tuple[int | None, list[int]]:
+  """(bos id, eos ids) as transformers' ``generate`` takes them: from
+  generation_config.json, else from config.json (``hf_config``, or read from
+  ``folder``) -- per key, so a generation_config.json without
+  ``eos_token_id`` falls through to config.json."""
+  folder = pathlib.Path(folder)
+  gcfg = _read_json(folder / "generation_config.json")
+  hf = hf_config if hf_config is not None else _read_json(folder / "config.json")
+  if not isinstance(hf, dict):
+    hf = {}
+  bos = next((v for v in (gcfg.get("bos_token_id"), hf.get("bos_token_id"))
+              if isinstance(v, int) and not isinstance(v, bool)), None)
+  eos = _ids(gcfg.get("eos_token_id")) or _ids(hf.get("eos_token_id"))
+  return bos, eos
 
 
 def no_tokenizer(folder: pathlib.Path, hf_config: dict[str, Any] | None = None) -> NoTokenizer:
   """A NoTokenizer for ``folder`` with bos/eos ids from its generation_config.json
   (first) or config.json."""
-  folder = pathlib.Path(folder)
-  gcfg: dict[str, Any] = {}
-  if (folder / "generation_config.json").exists():
-    gcfg = json.loads((folder / "generation_config.json").read_text())
-  hf = hf_config or {}
-  bos = gcfg.get("bos_token_id", hf.get("bos_token_id"))
-  eos = _ids(gcfg.get("eos_token_id")) or _ids(hf.get("eos_token_id"))
-  return NoTokenizer(str(folder), bos_id=bos if isinstance(bos, int) else None, eos_ids=eos)
+  bos, eos = generation_ids(folder, hf_config if hf_config is not None else {})
+  return NoTokenizer(str(folder), bos_id=bos, eos_ids=eos)
 
 
 def has_tokenizer(folder) -> bool:
@@ -135,7 +300,11 @@ def has_tokenizer(folder) -> bool:
 class HFTokenizer(Tokenizer):
   """A ``tokenizers.Tokenizer`` (from tokenizer.json or built from GGUF)."""
 
-  def __init__(self, tk, *, bos_id=None, eos_ids=(), chat_template=None):
+  def __init__(self, tk, *, bos_id=None, eos_ids=(), chat_template=None, bos_token=None,
+               eos_token=None):
+    """``bos_token``/``eos_token``: the strings a chat template sees
+    (tokenizer_config.json's, as in transformers); by default the tokens of
+    ``bos_id`` and ``eos_ids[0]``."""
     self.tk = tk
     self.bos_id = bos_id
     self.eos_ids = tuple(eos_ids)
@@ -148,8 +317,11 @@ class HFTokenizer(Tokenizer):
                     and special[1:1 + n] == plain)
     self.add_eos = (bool(self.eos_ids) and extra > self.add_bos
                     and special[-1] == self.eos_ids[0] and special[-1 - n:-1] == plain)
-    self.bos_token = tk.id_to_token(bos_id) if bos_id is not None else ""
-    self.eos_token = tk.id_to_token(self.eos_ids[0]) if self.eos_ids else ""
+    if bos_token is None:
+      bos_token = tk.id_to_token(bos_id) if bos_id is not None else None
+    if eos_token is None:
+      eos_token = tk.id_to_token(self.eos_ids[0]) if self.eos_ids else None
+    self.bos_token, self.eos_token = bos_token or "", eos_token or ""
 
   def encode(self, text: str) -> list[int]:
     return self.tk.encode(text, add_special_tokens=False).ids
@@ -191,16 +363,36 @@ def _byte_chars() -> dict[int, str]:
 
 class SentencePieceTokenizer(Tokenizer):
 
-  def __init__(self, path: pathlib.Path, *, bos_id=None, eos_ids=None, chat_template=None):
+  def __init__(self, path: pathlib.Path, *, bos_id=None, eos_ids=None, chat_template=None,
+               bos_token=None, eos_token=None):
+    """``bos_id``/``eos_ids``: the generation config's (None/empty: none).
+    ``bos_token``/``eos_token``: tokenizer_config.json's strings. bos is
+    ``bos_token``'s piece, else ``bos_id``, else the model's BOS; eos ids
+    are ``eos_ids``, else ``eos_token``'s piece, else the model's EOS."""
     import sentencepiece as spm
 
     self.sp = spm.SentencePieceProcessor(model_file=str(path))
-    self.bos_id = bos_id if bos_id is not None else (self.sp.bos_id() if self.sp.bos_id() >= 0 else None)
-    self.eos_ids = tuple(eos_ids) if eos_ids else ((self.sp.eos_id(),) if self.sp.eos_id() >= 0 else ())
+    sp_bos = self.sp.bos_id() if self.sp.bos_id() >= 0 else None
+    sp_eos = self.sp.eos_id() if self.sp.eos_id() >= 0 else None
+    cfg_bos, cfg_eos = self._piece_id(bos_token), self._piece_id(eos_token)
+    self.bos_id = next((i for i in (cfg_bos, bos_id, sp_bos) if i is not None), None)
+    own_eos = cfg_eos if cfg_eos is not None else sp_eos
+    eos = list(eos_ids) if eos_ids else ([own_eos] if own_eos is not None else [])
+    if own_eos in eos:  # the tokenizer's own first
+      eos.remove(own_eos)
+      eos.insert(0, own_eos)
+    self.eos_ids = tuple(eos)
     self.chat_template = chat_template
     self.add_bos = self.bos_id is not None
     self.bos_token = self.sp.id_to_piece(self.bos_id) if self.bos_id is not None else ""
-    self.eos_token = self.sp.id_to_piece(self.eos_ids[0]) if self.eos_ids else ""
+    # (the template's eos_token is tokenizer_config's, as in transformers)
+    self.eos_token = eos_token or (self.sp.id_to_piece(self.eos_ids[0]) if self.eos_ids else "")
+
+  def _piece_id(self, piece) -> int | None:
+    if not piece:
+      return None
+    i = self.sp.piece_to_id(piece)
+    return i if 0 <= i < self.sp.get_piece_size() and self.sp.id_to_piece(i) == piece else None
 
   def encode(self, text: str) -> list[int]:
     return self.sp.encode(text)
@@ -221,33 +413,101 @@ class SentencePieceTokenizer(Tokenizer):
     return out
 
 
-def _token_id(tk, value) -> int | None:
-  """An id from tokenizer_config's bos/eos entry (a string or an AddedToken dict)."""
-  if value is None:
-    return None
+def _token_str(value) -> str | None:
+  """tokenizer_config's bos/eos entry (a string or an AddedToken dict) as a string."""
   if isinstance(value, dict):
     value = value.get("content")
+  return value if isinstance(value, str) and value else None
+
+
+def _token_id(tk, value) -> int | None:
+  """An id from tokenizer_config's bos/eos entry (a string or an AddedToken dict)."""
+  value = _token_str(value)
+  if value is None:
+    return None
   return tk.token_to_id(value) if hasattr(tk, "token_to_id") else None
 
 
-def from_folder(folder: pathlib.Path) -> Tokenizer:
-  """tokenizer.json if present, else tokenizer.model; bos/eos and the chat
-  template from tokenizer_config.json / generation_config.json."""
+def _named_templates(value, where: str) -> dict[str, str]:
+  """tokenizer_config's named templates: [{"name": ..., "template": ...}, ...] or
+  {name: template}."""
+  if isinstance(value, (list, tuple)):
+    if not all(isinstance(t, dict) and isinstance(t.get("name"), str)
+               and isinstance(t.get("template"), str) for t in value):
+      raise ValueError(f"{where}: chat_template is a list, but not of "
+                       '{"name": <str>, "template": <str>} entries')
+    return {t["name"]: t["template"] for t in value}
+  if not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+    raise ValueError(f"{where}: chat_template is a dict, but not of name -> template strings")
+  return dict(value)
+
+
+def chat_template_of(folder: pathlib.Path, tcfg: dict[str, Any] | None = None
+                     ) -> tuple[str | None, str | None]:
+  """(template, error) for ``folder`` as transformers' AutoTokenizer reads it:
+  chat_template.jinja ("default") and additional_chat_templates/<name>.jinja
+  take priority over tokenizer_config.json's chat_template; of named
+  templates, "default" (transformers uses "tool_use" only given tools). The
+  error (template None) says why chat prompts cannot be rendered."""
   folder = pathlib.Path(folder)
-  tcfg: dict[str, Any] = {}
-  if (folder / "tokenizer_config.json").exists():
-    tcfg = json.loads((folder / "tokenizer_config.json").read_text())
-  gcfg: dict[str, Any] = {}
-  if (folder / "generation_config.json").exists():
-    gcfg = json.loads((folder / "generation_config.json").read_text())
-  template = tcfg.get("chat_template")
-  if template is None and (folder / "chat_template.jinja").exists():
-    template = (folder / "chat_template.jinja").read_text()
-  if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
-    template = next((t["template"] for t in template if t.get("name") == "default"),
-                    template[0]["template"] if template else None)
-  gen_eos = gcfg.get("eos_token_id")
-  gen_eos = [gen_eos] if isinstance(gen_eos, int) else list(gen_eos or [])
+  if tcfg is None:
+    tcfg = _read_json(folder / "tokenizer_config.json")
+  templates: dict[str, str] = {}
+  jinja, extra = folder / "chat_template.jinja", folder / "additional_chat_templates"
+  where = str(jinja)
+  if jinja.is_file():
+    templates["default"] = jinja.read_text(encoding="utf-8")
+  if extra.is_dir():
+    for f in sorted(extra.glob("*.jinja")):
+      templates[f.name[:-len(".jinja")]] = f.read_text(encoding="utf-8")
+    if templates.keys() - {"default"}:
+      where = (f"{extra} (whose templates replace tokenizer_config.json's chat_template, "
+               "as in transformers)")
+  if not templates:
+    where = str(folder / "tokenizer_config.json")
+    value = tcfg.get("chat_template")
+    if isinstance(value, str):
+      templates["default"] = value
+    elif isinstance(value, (list, tuple, dict)):
+      templates = _named_templates(value, where)
+    elif value is not None:
+      raise ValueError(f"{where}: chat_template must be a string or named templates, got "
+                       f"{type(value).__name__}")
+  legacy = folder / "chat_template.json"
+  if not templates:
+    if legacy.is_file():
+      return None, (f"{legacy}: a processor's chat template file, which transformers' "
+                    "AutoTokenizer does not read, so the model's tokenizer has no chat "
+                    "template; put the template in chat_template.jinja to use it, or send "
+                    "the prompt as text")
+    return None, None
+  if "default" not in templates:
+    return None, (f"{where}: named chat templates {sorted(templates)} and none named "
+                  "'default' (the one transformers renders without tools); name one "
+                  "'default', or send the prompt as text")
+  template = templates["default"]
+  if legacy.is_file():
+    try:
+      other = _read_json(legacy).get("chat_template")
+    except ValueError:
+      other = None
+    if other != template:
+      logging.getLogger(__name__).warning(
+          "%s: not used, as transformers' AutoTokenizer does not read it (the chat template "
+          "is the tokenizer's: %s)", legacy, where)
+  return template, None
+
+
+def from_folder(folder: pathlib.Path) -> Tokenizer:
+  """tokenizer.json if present, else tokenizer.model; bos/eos ids, their
+  strings and the chat template as the module docstring says (from
+  tokenizer_config.json, generation_config.json, config.json,
+  chat_template.jinja)."""
+  folder = pathlib.Path(folder)
+  tcfg = _read_json(folder / "tokenizer_config.json")
+  template, template_error = chat_template_of(folder, tcfg)
+  gen_bos, gen_eos = generation_ids(folder)
+  bos_token, eos_token = _token_str(tcfg.get("bos_token")), _token_str(tcfg.get("eos_token"))
 
   if (folder / "tokenizer.json").exists():
     import tokenizers
@@ -256,17 +516,28 @@ def from_folder(folder: pathlib.Path) -> Tokenizer:
       tk = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
     except Exception as e:
       raise ValueError(f"{folder / 'tokenizer.json'}: cannot be read: {e}") from None
-    bos = _token_id(tk, tcfg.get("bos_token"))
+    bos = _token_id(tk, bos_token)
     if bos is None:
-      bos = gcfg.get("bos_token_id")
-    eos = gen_eos or [i for i in [_token_id(tk, tcfg.get("eos_token"))] if i is not None]
-    return HFTokenizer(tk, bos_id=bos, eos_ids=eos, chat_template=template)
-  if (folder / "tokenizer.model").exists():
-    return SentencePieceTokenizer(folder / "tokenizer.model", bos_id=gcfg.get("bos_token_id"),
-                                  eos_ids=gen_eos, chat_template=template)
-  raise FileNotFoundError(
-      f"{folder}: no tokenizer found: expected tokenizer.json (Hugging Face tokenizers) "
-      "or tokenizer.model (sentencepiece)")
+      bos = gen_bos
+    own_eos = _token_id(tk, eos_token)
+    eos = list(gen_eos) or ([own_eos] if own_eos is not None else [])
+    if own_eos in eos:  # the tokenizer's own first: what add_eos appends
+      eos.remove(own_eos)
+      eos.insert(0, own_eos)
+    # (the template's eos_token is tokenizer_config's, as in transformers,
+    # whatever ids generation stops at)
+    out: Tokenizer = HFTokenizer(tk, bos_id=bos, eos_ids=eos, chat_template=template,
+                                 eos_token=eos_token)
+  elif (folder / "tokenizer.model").exists():
+    out = SentencePieceTokenizer(folder / "tokenizer.model", bos_id=gen_bos, eos_ids=gen_eos,
+                                 chat_template=template, bos_token=bos_token,
+                                 eos_token=eos_token)
+  else:
+    raise FileNotFoundError(
+        f"{folder}: no tokenizer found: expected tokenizer.json (Hugging Face tokenizers) "
+        "or tokenizer.model (sentencepiece)")
+  out.chat_template_error = template_error
+  return out
 
 
 # llama.cpp's pre-tokenizer names -> the split regex of the original tokenizer.

@@ -130,7 +130,8 @@ def _structured(req: CompletionRequest | ChatCompletionRequest) -> api.Structure
 def sampling_from_json(req: CompletionRequest | ChatCompletionRequest,
                        chat: bool) -> tuple[api.SamplingParams, int]:
   """(SamplingParams, n) from an OpenAI request body; OpenAI's defaults
-  (temperature 1, 16 tokens for completions, the context for chat)."""
+  (temperature 1, 16 tokens for completions; chat without a limit gets the
+  engine's, ``serve --default-max-tokens``)."""
   kw = {k: getattr(req, k) for k in _SAME if getattr(req, k) is not None}
   kw.setdefault("temperature", 1.0)
   max_tokens = req.max_completion_tokens if chat else None

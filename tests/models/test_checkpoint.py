@@ -3,7 +3,6 @@ from known weights (Q/K permuted as llama.cpp does), the embedded default
 model, and clear errors for bad inputs."""
 
 import json
-import pathlib
 import re
 import shutil
 
