@@ -57,7 +57,11 @@ def main(argv=None) -> int:
   t1 = time.perf_counter()
   text = args.prompt
   if args.chat:
-    text = model.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])
+    try:
+      text = model.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])
+    except ValueError as e:  # (the template's own raise_exception, or a render error)
+      print(f"error: {e}", file=sys.stderr)
+      return 2
     if text is None:
       p.error(f"{args.model}: the model ships no chat template; drop --chat")
   ids = model.tokenizer.encode(text)

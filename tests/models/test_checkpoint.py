@@ -377,6 +377,22 @@ def test_cli(capsys, tmp_path):
   assert "unknown matmul backend 'bogus'" in capsys.readouterr().err
 
 
+def test_cli_chat_template_that_raises(capsys, monkeypatch):
+  """A template's raise_exception is an error line and exit status 2, not a traceback."""
+  from models import generate
+
+  load = models.load
+
+  def with_template(*a, **kw):
+    m = load(*a, **kw)
+    monkeypatch.setattr(m.tokenizer, "chat_template", "{{ raise_exception('no system role') }}")
+    return m
+
+  monkeypatch.setattr(models, "load", with_template)
+  assert generate.main(["--model", "tiny", "--prompt", "x", "--chat", "--dtype", "float32"]) == 2
+  assert "no system role" in capsys.readouterr().err
+
+
 def test_hf_folder_with_sentencepiece(tmp_path):
   """An HF folder written here (bf16 safetensors, tokenizer.model): the
   sentencepiece path and the bf16 reader."""
