@@ -736,6 +736,8 @@ class _OpenAI:
         ids = self.engine.tokenize(req.prompt, add_bos=add)
     except api.InvalidRequest as e:
       raise APIError(400, str(e)) from None
+    except api.EngineFailed as e:  # (an engine process that died)
+      raise APIError(500, str(e), "internal_error") from None
     return TokenizeResponse(count=len(ids), max_model_len=_max_model_len(self.engine.info),
                             tokens=ids).json_bytes()
 
@@ -748,6 +750,8 @@ class _OpenAI:
       return DetokenizeResponse(prompt=self.engine.detokenize(req.tokens)).json_bytes()
     except api.InvalidRequest as e:
       raise APIError(400, str(e)) from None
+    except api.EngineFailed as e:
+      raise APIError(500, str(e), "internal_error") from None
 
   def _check_model(self, model: str | None) -> None:
     if model not in (None, "", self.engine.info.model_name):

@@ -319,10 +319,12 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
           raise api.InvalidRequest(f"the text has {len(request.text)} chars; at most "
                                    f"{MAX_PROMPT_CHARS}")
         ids = self.engine.tokenize(request.text, add_bos=request.add_bos)
+      pieces = self.engine.token_pieces(ids)
     except api.InvalidRequest as e:
       context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-    return pb.TokenizeResponse(token_ids=ids, pieces=self.engine.token_pieces(ids),
-                               prompt=prompt)
+    except api.EngineFailed as e:  # (an engine process that died: Generate's status)
+      context.abort(grpc.StatusCode.INTERNAL, str(e))
+    return pb.TokenizeResponse(token_ids=ids, pieces=pieces, prompt=prompt)
 
   def Detokenize(self, request, context):
     try:
@@ -332,6 +334,8 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
       text = self.engine.detokenize(list(request.token_ids))
     except api.InvalidRequest as e:
       context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+    except api.EngineFailed as e:
+      context.abort(grpc.StatusCode.INTERNAL, str(e))
     return pb.DetokenizeResponse(text=text)
 
   def ModelInfo(self, request, context):

@@ -63,6 +63,14 @@ def guided_drafts(seq: Seq, d: list[int]) -> tuple[list[int], np.ndarray]:
   return d[:len(words) - 1], np.stack(words)
 
 
+def _admits_a_token(words: np.ndarray, allowed_ids) -> bool:
+  """Whether an allow row (``Guide.words``) admits a token, of ``allowed_ids`` if any."""
+  if not allowed_ids:
+    return bool(words.any())
+  ids = np.asarray(allowed_ids)
+  return bool(((words[ids >> 5] >> (ids & 31)) & 1).any())
+
+
 class Guided:
   """The engine's grammars and the structured requests whose allow rows are
   due. It holds the engine for its KV pages and its slots' device state."""
@@ -123,5 +131,11 @@ class Guided:
     words = np.full((b, sampling.mask_words(e.runner.vocab_size)), -1, np.int32)
     self.grammars.fill([s.guide for s in seqs], words)
     slots = np.full((b,), e.config.max_batch, np.int32)  # out of range: dropped
-    slots[:len(seqs)] = [s.slot for s in seqs]
+    for i, s in enumerate(seqs):
+      if _admits_a_token(words[i], s.params.allowed_token_ids):
+        slots[i] = s.slot
+      else:  # (the client's constraints contradict: INVALID_ARGUMENT, not our error)
+        e.outputs.fail(s, f"structured output: after {len(s.generated)} tokens the grammar "
+                       + ("and allowed_token_ids admit" if s.params.allowed_token_ids
+                          else "admits") + " no next token", invalid=True)
     e._slot_tokens = sampling.set_allow(e._slot_tokens, slots, words)

@@ -124,6 +124,9 @@ class Intake:
       raise api.InvalidRequest(f"priority={request.priority} needs priority scheduling "
                                "(serve --scheduling-policy priority)")
     guide = self.grammars.guide(p.structured) if p.structured is not None else None
+    if guide is not None and (not guide.allowed().any() or guide.stopped and guide.error):
+      # (the first mask finds a grammar that nothing matches: llguidance stops it)
+      raise api.InvalidRequest(f"structured {p.structured.kind}: no output can match it")
     if guide is not None and p.allowed_token_ids and not guide.allowed()[
         list(p.allowed_token_ids)].any():
       # Else the request would end (STOP) at its first step with no output.

@@ -48,9 +48,12 @@ def grammar(spec: api.StructuredOutputs) -> str:
       schema = json.loads(spec.json)
     except json.JSONDecodeError as e:
       raise api.InvalidRequest(f"structured json: the schema is not JSON: {e}") from None
-    if not isinstance(schema, (dict, bool)):
+    if not isinstance(schema, dict):  # (true / false, JSON Schema's "anything" / "nothing")
       raise api.InvalidRequest("structured json: the schema must be a JSON object")
-    return LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=_JSON_OPTIONS)
+    try:
+      return LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=_JSON_OPTIONS)
+    except ValueError as e:  # (llguidance refusing the schema: the client's)
+      raise api.InvalidRequest(f"structured json: {e}") from None
   if spec.json_object:
     return LLMatcher.grammar_from_json_schema('{"type": "object"}', defaults=_JSON_OPTIONS)
   if spec.regex is not None:

@@ -120,6 +120,31 @@ def test_a_dead_engine_process_fails_requests_and_calls():
   engine.stop()
 
 
+def test_tokenize_after_the_engine_process_died_is_an_internal_error():
+  """Tokenize / Detokenize (gRPC and HTTP) once the engine process is gone:
+  the reason, as Generate gets it (INTERNAL / 500), not UNKNOWN and a traceback."""
+  import http.client
+
+  engine = ProcessEngine(E.tiny_engine, max_batch=2)
+  with running(engine, http_port=0) as (server, c):
+    engine._proc.kill()
+    engine._proc.join(30)
+    for call in (lambda: c.stub.Tokenize(pb.TokenizeRequest(text="x")),
+                 lambda: c.stub.Detokenize(pb.DetokenizeRequest(token_ids=[5]))):
+      with pytest.raises(grpc.RpcError) as e:
+        call()
+      assert e.value.code() == grpc.StatusCode.INTERNAL, e.value
+      assert "engine process" in e.value.details(), e.value.details()
+    for path, body in (("/tokenize", {"prompt": "x"}), ("/detokenize", {"tokens": [5]})):
+      conn = http.client.HTTPConnection("127.0.0.1", server.openai_http.server_port, timeout=30)
+      conn.request("POST", path, body=json.dumps(body),
+                   headers={"Content-Type": "application/json"})
+      r = conn.getresponse()
+      out = json.loads(r.read())
+      conn.close()
+      assert r.status == 500 and "engine process" in out["error"]["message"], out
+
+
 def test_metrics_of_the_engine_process_reach_the_server():
   import urllib.request
 

@@ -205,6 +205,12 @@ def test_sampled_structured_outputs_match_and_n_completions_each_match(counting)
     (dict(), "set exactly one of"),
     (dict(json_object=False), "set exactly one of"),
     (dict(choice={"choices": ["a", ""]}), "must not be empty"),
+    (dict(regex=""), "regex must not be empty"),
+    # JSON Schema's true / false: no object schema for llguidance (was UNKNOWN)
+    (dict(json="true"), "the schema must be a JSON object"),
+    (dict(json="false"), "the schema must be a JSON object"),
+    # a regex no text matches: nothing could be generated (was INTERNAL)
+    (dict(regex="[^\\x00-\\x{10FFFF}]"), "no output can match it"),
 ])
 def test_bad_structured_outputs_are_invalid_argument(counting, spec, match):
   _, c = counting
@@ -225,6 +231,14 @@ def test_allowed_ids_outside_the_grammars_first_set_are_invalid_argument(countin
   r = c.generate("a", structured_outputs=dict(regex="[bc]x"),
                  allowed_token_ids=[ord("c"), ord("d"), ord("x")])
   assert r.text == "cx" and r.finish_reason == pb.FINISH_REASON_STOP
+  # Contradicting later: "a" may start, "b" may not follow. The client's
+  # constraints, so INVALID_ARGUMENT (it was INTERNAL, counted as our error).
+  for spec in (dict(regex="ab"), dict(choice={"choices": ["a", "ab"]})):
+    with pytest.raises(grpc.RpcError) as e:
+      c.generate("z", structured_outputs=spec, allowed_token_ids=[ord("a")], max_tokens=4)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value
+    assert "after 1 tokens the grammar and allowed_token_ids admit no next token" in (
+        e.value.details()), e.value.details()
 
 
 def test_structured_outputs_survive_preemption():
