@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import pathlib
+import re
 import ssl
 import sys
 import time
@@ -71,6 +72,20 @@ _SPECULATION_FLAGS = ("prompt_lookup_max", "prompt_lookup_min", "speculative_max
                       "speculative_patience")
 
 
+# EngineConfig fields whose serve flag is not --<field with dashes>.
+_FLAG_OF = {"prefix_caching": "--no-prefix-cache", "warmup": "--no-warmup",
+            "scheduling": "--scheduling-policy", "prompt_logprobs": "--enable-prompt-logprobs",
+            "token_budget": "--max-num-batched-tokens", "min_chunk": "--prefill-chunk"}
+
+
+def _as_flags(message: str) -> str:
+  """An EngineConfig error with its fields named as the serve flags that set them."""
+  def flag(m):
+    name = _FLAG_OF.get(m.group(1), "--" + m.group(1).replace("_", "-"))
+    return name if m.group(2) in (None, "True") else f"{name} {m.group(2)}"
+  return re.sub(r"EngineConfig\.(\w+)(?:=([^\s,;:)]+))?", flag, message)
+
+
 def _engine_config(a) -> dict:
   from serving import engine as E
 
@@ -105,7 +120,7 @@ def _engine_config(a) -> dict:
   try:
     E.EngineConfig(**cfg)  # bad flags fail here, before any model is loaded
   except ValueError as e:
-    raise SystemExit(f"serve: {e}") from None
+    raise SystemExit(f"serve: {_as_flags(str(e))}") from None
   return cfg
 
 
@@ -392,6 +407,7 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("-v", "--verbose", action="store_true",
                  help="log at INFO level (serve always does)")
   sub = p.add_subparsers(dest="cmd", required=True, title="commands", metavar="COMMAND")
+  p.commands = sub.choices  # name -> the command's parser (main's errors use its usage)
 
   def command(name):
     return sub.add_parser(name, help=COMMANDS[name], description=COMMANDS[name],
@@ -594,21 +610,25 @@ def parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
   p = parser()
   a = p.parse_args(argv)
+  # (the command's own usage line with the error, as argparse gives its own)
+  err = p.commands[a.cmd].error
+  if a.cmd == "loadgen" and a.json and not a.json.parent.is_dir():  # (before the load, not after)
+    err(f"--json {a.json}: {a.json.parent} is not a directory")
   if a.cmd == "loadgen" and not 0.0 <= a.range_ratio < 1.0:
-    p.error(f"--range-ratio must be in [0, 1), got {a.range_ratio}")
+    err(f"--range-ratio must be in [0, 1), got {a.range_ratio}")
   if (a.cmd == "serve" and a.gpu_memory_utilization is not None
       and not 0.0 < a.gpu_memory_utilization <= 1.0):
-    p.error(f"--gpu-memory-utilization must be in (0, 1], got {a.gpu_memory_utilization}")
+    err(f"--gpu-memory-utilization must be in (0, 1], got {a.gpu_memory_utilization}")
   if a.cmd == "loadgen" and a.concurrency is not None and a.rate is not None:
-    p.error(f"--concurrency {a.concurrency} and --rate {a.rate:g}: give one of them")
+    err(f"--concurrency {a.concurrency} and --rate {a.rate:g}: give one of them")
   if a.cmd == "loadgen" and a.prefix_groups != 1 and not a.shared_prefix_len:
-    p.error(f"--prefix-groups {a.prefix_groups} needs --shared-prefix-len")
+    err(f"--prefix-groups {a.prefix_groups} needs --shared-prefix-len")
   if a.cmd == "generate" and a.timeout is not None and not a.timeout > 0:
-    p.error(f"--timeout {a.timeout:g}: seconds > 0")
+    err(f"--timeout {a.timeout:g}: seconds > 0")
   if a.cmd == "serve" and a.ready_file and not a.ready_file.parent.is_dir():
-    p.error(f"--ready-file {a.ready_file}: {a.ready_file.parent} is not a directory")
+    err(f"--ready-file {a.ready_file}: {a.ready_file.parent} is not a directory")
   if a.cmd == "generate" and a.top_logprobs and not a.logprobs:
-    p.error(f"--top-logprobs {a.top_logprobs} needs --logprobs")
+    err(f"--top-logprobs {a.top_logprobs} needs --logprobs")
   if a.cmd == "loadgen" and a.concurrency is None and a.rate is None:
     a.concurrency = 1
   logging.basicConfig(level=logging.INFO if a.verbose or a.cmd == "serve" else logging.WARNING,

@@ -168,8 +168,9 @@ class EngineConfig:
     if self.scheduling not in SCHEDULING:
       raise ValueError(f"{v('scheduling')} must be one of {SCHEDULING}")
     if self.prefill_first and (self.mixed_steps or self.decode_prefill_budget is not None):
-      raise ValueError("prefill_first runs no decodes beside prompt chunks: it cannot be "
-                       "combined with mixed_steps or decode_prefill_budget")
+      raise ValueError(f"{v('prefill_first')} runs no decodes beside prompt chunks: it cannot "
+                       "be combined with EngineConfig.mixed_steps or "
+                       "EngineConfig.decode_prefill_budget")
 
   @property
   def budget(self) -> int:

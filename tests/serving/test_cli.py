@@ -215,13 +215,16 @@ def _never_start(self):
 
 
 @pytest.mark.parametrize("flag, value, field", [
-    ("--stream-interval", "0", "stream_interval"), ("--decode-steps", "0", "decode_steps"),
-    ("--max-batch", "-1", "max_batch"), ("--max-seq-len", "0", "max_seq_len=0"),
+    ("--stream-interval", "0", "--stream-interval 0 must be >= 1"),
+    ("--decode-steps", "0", "--decode-steps 0 must be >= 1"),
+    ("--max-batch", "-1", "--max-batch -1 must be >= 1"),
+    ("--max-seq-len", "0", "--max-seq-len 0 must be >= 1"),
     ("--page-size", "0", "page_size=0"),
     ("--max-seq-len", "1025", "max_seq_len=1025 is more than the 1024 tokens"),
-    ("--max-num-batched-tokens", "0", "token_budget=0 must be >= EngineConfig.max_batch"),
-    ("--token-budget", "4", "token_budget=4 must be >= EngineConfig.max_batch"),
-    ("--prefill-chunk", "0", "prefill_chunk=0 must be >= 1"),
+    # (EngineConfig's errors name the flags, not its fields)
+    ("--max-num-batched-tokens", "0", "--max-num-batched-tokens 0 must be >= --max-batch 64"),
+    ("--token-budget", "4", "--max-num-batched-tokens 4 must be >= --max-batch 64"),
+    ("--prefill-chunk", "0", "--prefill-chunk 0 must be >= 1"),
     ("--matmul-backend", "xla", "the counting model has no matmul backend option"),
     ("--dtype", "bfloat16", "the counting model has no dtype option"),
     ("--num-pages", "0", "num_pages=0 must be >= 2"),
@@ -332,7 +335,8 @@ def test_loadgen_refuses_bad_counts_before_connecting(flag, bad, message, capsys
     cli.main(["loadgen", "--target", "127.0.0.1:1", flag, bad,
               *(["--concurrency", "4"] if message.startswith("--concurrency") else [])])
   assert e.value.code == 2  # argparse's usage error, before any connection
-  assert message in capsys.readouterr().err
+  err = capsys.readouterr().err
+  assert message in err and "usage: python -m serving loadgen" in err, err  # (its own usage)
 
 
 def test_serve_kv_cache_dtype_flag():
@@ -454,7 +458,7 @@ def test_serve_compile_threads_default_is_one_per_core_up_to_8(monkeypatch):
     monkeypatch.setattr(config_lib.os, "cpu_count", lambda c=cores: c)
     assert cfg()["compile_threads"] == want
   assert cfg("--compile-threads", "3")["compile_threads"] == 3  # a given value is kept
-  with pytest.raises(SystemExit, match="compile_threads=0 must be >= 1"):
+  with pytest.raises(SystemExit, match="--compile-threads 0 must be >= 1"):
     cfg("--compile-threads", "0")
 
 
@@ -477,9 +481,9 @@ def test_serve_speculation_flags_reach_the_engine_config():
             "--speculative-patience", "0")
   assert (got["num_speculative_tokens"], got["prompt_lookup_max"], got["prompt_lookup_min"],
           got["speculative_max_batch"], got["speculative_patience"]) == (4, 5, 2, 2, 0)
-  with pytest.raises(SystemExit, match="serve: .*speculative_patience"):
+  with pytest.raises(SystemExit, match="serve: --speculative-patience -1 must be >= 0"):
     cfg("--num-speculative-tokens", "4", "--speculative-patience", "-1")
-  with pytest.raises(SystemExit, match="serve: .*prompt_lookup_max"):
+  with pytest.raises(SystemExit, match="serve: --prompt-lookup-max 1 must be >= --prompt-lookup-min 2"):
     cfg("--num-speculative-tokens", "4", "--prompt-lookup-max", "1", "--prompt-lookup-min", "2")
   # Each sets how drafts are made: without speculation it would change
   # nothing, so it is refused by name, the default's value too.
@@ -546,6 +550,9 @@ def test_client_and_serve_flags_that_would_do_nothing_or_fail_late_are_refused_f
   refused(["generate", *target, "hi", "--timeout", "-1"], "--timeout -1: seconds > 0")
   refused(["serve", "--model", "counting", "--ready-file", str(tmp_path / "no" / "r.json")],
           "--ready-file .* is not a directory")
+  # (it was a traceback after the whole load, its results lost)
+  refused(["loadgen", *target, "--json", str(tmp_path / "no" / "r.json")],
+          "python -m serving loadgen: error: --json .* is not a directory")
   refused(["serve", "--model", "counting", "--no-warmup", "--compile-threads", "4"],
           "--compile-threads 4 .* nothing with --no-warmup")
   # A chunk below the smallest bucket (16) is a chunk, not an error about
