@@ -152,7 +152,7 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
     try:
       which = request.WhichOneof("prompt")
       if which is None:
-        raise api.InvalidRequest("the request has no prompt: set text or token_ids")
+        raise api.InvalidRequest("the request has no prompt: set text, token_ids or chat")
       if which == "text" and len(request.text) > MAX_PROMPT_CHARS:
         raise api.InvalidRequest(f"the prompt text has {len(request.text)} chars; at most "
                                  f"{MAX_PROMPT_CHARS}")
@@ -188,8 +188,18 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
       for key in keys[:len(handles)]:
         self.engine.cancel(key)
       raise
-    context.add_callback(lambda: [self.engine.cancel(k) for k in keys])
+    context.add_callback(lambda: self._release(keys, context))
     return rid, keys, Events(handles)
+
+  def _release(self, keys, context) -> None:
+    """Cancels a call's requests that still run once the call is over; after
+    its deadline the engine ends them itself, so they count as DEADLINE, not
+    CANCELLED (its deadline is the call's, from within a step)."""
+    remaining = context.time_remaining()
+    if remaining is not None and remaining <= 0:
+      return
+    for key in keys:
+      self.engine.cancel(key)
 
   def _events(self, events: Events, context):
     """(completion index, event) until every completion's Final; Deltas of a
@@ -260,8 +270,7 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
           yield chunk
     finally:
       events.close()
-      for key in keys:
-        self.engine.cancel(key)
+      self._release(keys, context)
 
   def Generate(self, request, context):
     with self.call_in_progress():
@@ -281,8 +290,7 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
           finals[i] = ev
     finally:
       events.close()
-      for key in keys:
-        self.engine.cancel(key)
+      self._release(keys, context)
     if any(f is None for f in finals):
       context.abort(grpc.StatusCode.CANCELLED, "the request was cancelled")
 

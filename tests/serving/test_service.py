@@ -382,6 +382,10 @@ def test_cancel_and_deadline_free_all_pages():
     wait_for(lambda: engine.stats().pages_in_use == 0 and engine.stats().running == 0,
              what="pages freed after deadlines")
     engine.alloc.check()
+    # The 8 expired calls' requests end as DEADLINE (their calls' own cancel
+    # counted them as cancelled, a queued one always).
+    wait_for(lambda: 'requests_finished_total{reason="deadline"} 8.0' in server.metrics.render(),
+             what="8 deadlines counted")
 
 
 def test_bearer_token_is_required_when_set():
