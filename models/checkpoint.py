@@ -42,7 +42,7 @@ import numpy as np
 
 from kernels import matmul as mm
 from models import tokenizer as tok_lib
-from models.config import ModelConfig
+from models.config import ModelConfig, RopeScaling
 
 _ST_DTYPES = {
     "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "F64": np.float64,
@@ -635,6 +635,15 @@ def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2")
+# The "<arch>." metadata keys read_gguf computes (or checks); any other is refused.
+_GGUF_KEYS = frozenset({
+    "attention.head_count", "attention.head_count_kv", "embedding_length", "vocab_size",
+    "block_count", "attention.key_length", "attention.value_length", "rope.dimension_count",
+    "feed_forward_length", "rope.freq_base", "attention.layer_norm_rms_epsilon",
+    "context_length", "attention.sliding_window", "rope.scaling.type", "rope.scaling.factor",
+    "rope.scaling.original_context_length",
+    "rope.scaling.finetuned",  # (how the model was trained: no effect on its logits)
+})
 
 
 def read_gguf(path, dtype=np.float32) -> tuple[ModelConfig, dict, tok_lib.Tokenizer]:
@@ -659,35 +668,74 @@ def read_gguf(path, dtype=np.float32) -> tuple[ModelConfig, dict, tok_lib.Tokeni
     factors = tuple(float(x) for x in
                     np.asarray(gguf.quants.dequantize(t.data, t.tensor_type)).reshape(-1))
 
-  def meta(key, default=None, required=True):
+  unknown = sorted(k for k in fields if k.startswith(f"{arch}.")
+                   and k.removeprefix(f"{arch}.") not in _GGUF_KEYS)
+  if unknown:  # (what llama.cpp would compute from them, this loader does not)
+    k = unknown[0]
+    raise ValueError(f"{path}: GGUF metadata {k}={fields[k]!r} is not computed here; refused "
+                     "rather than ignored")
+
+  def meta(key, default=None, required=True, kind=int):
     v = fields.get(f"{arch}.{key}", default)
     if v is None and required:
       raise ValueError(f"{path}: GGUF metadata {arch}.{key} is missing")
+    if isinstance(v, list) and v and all(x == v[0] for x in v):
+      v = v[0]  # (a per-layer value, the same in every layer)
+    if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float) if kind is float
+                                                                 else int)):
+      raise ValueError(f"{path}: GGUF metadata {arch}.{key}={v!r} is not supported; "
+                       f"supported: {'a number' if kind is float else 'an integer'} "
+                       "(the same in every layer)")
     return v
 
-  heads = int(meta("attention.head_count"))
-  d = int(meta("embedding_length"))
+  heads = meta("attention.head_count")
+  d = meta("embedding_length")
   tokens = fields.get("tokenizer.ggml.tokens")
-  vocab = int(meta("vocab_size", None, required=False) or (len(tokens) if tokens else 0))
+  vocab = meta("vocab_size", None, required=False) or (len(tokens) if tokens else 0)
   if not vocab:
     vocab = int(tensors["token_embd.weight"].shape[-1])
+  head_dim = (meta("attention.key_length", None, required=False)
+              or meta("rope.dimension_count", None, required=False) or d // heads)
+  for key in ("attention.value_length", "rope.dimension_count"):
+    v = meta(key, None, required=False)
+    if v is not None and v != head_dim:  # (values of another width; RoPE on part of a head)
+      raise ValueError(f"{path}: GGUF metadata {arch}.{key}={v} is not supported; supported: "
+                       f"the head dim, {head_dim}")
+  window = meta("attention.sliding_window", None, required=False)
+  if window is not None and arch != "mistral":
+    # (llama.cpp's llama and qwen2 graphs attend over the whole context)
+    raise ValueError(f"{path}: GGUF metadata {arch}.attention.sliding_window={window} is not "
+                     "supported for this architecture; supported: mistral")
+  kind = fields.get(f"{arch}.rope.scaling.type", "none")
+  orig = meta("rope.scaling.original_context_length", None, required=False)
+  max_pos = meta("context_length", 8192)
+  if kind == "none":
+    scaling = None
+  elif kind == "linear":
+    scaling = RopeScaling(float(meta("rope.scaling.factor", kind=float)),
+                          original_max_position_embeddings=orig or max_pos, rope_type="linear")
+  else:
+    raise ValueError(f"{path}: GGUF metadata {arch}.rope.scaling.type={kind!r} is not "
+                     "supported; supported: none, linear (Llama-3's scaling as rope_freqs.weight)")
   cfg = ModelConfig(
       name=path.stem,
       vocab_size=vocab,
       hidden_size=d,
-      num_layers=int(meta("block_count")),
+      num_layers=meta("block_count"),
       num_heads=heads,
-      num_kv_heads=int(meta("attention.head_count_kv", heads)),
-      head_dim=int(meta("attention.key_length", None, required=False)
-                   or meta("rope.dimension_count", None, required=False) or d // heads),
-      intermediate_size=int(meta("feed_forward_length")),
+      num_kv_heads=meta("attention.head_count_kv", heads),
+      head_dim=head_dim,
+      intermediate_size=meta("feed_forward_length"),
       # GGUF keeps float32: 1e-5 comes back as 9.99999975e-06; print it as written.
-      rope_theta=float(f'{meta("rope.freq_base", 10000.0):.7g}'),
-      rms_norm_eps=float(f'{meta("attention.layer_norm_rms_epsilon", 1e-5):.7g}'),
+      rope_theta=float(f'{meta("rope.freq_base", 10000.0, kind=float):.7g}'),
+      rope_scaling=scaling,
+      rms_norm_eps=float(f'{meta("attention.layer_norm_rms_epsilon", 1e-5, kind=float):.7g}'),
       tie_embeddings="output.weight" not in tensors,
       qkv_bias="blk.0.attn_q.bias" in tensors,
-      sliding_window=meta("attention.sliding_window", None, required=False),
-      max_position_embeddings=int(meta("context_length", 8192)),
+      o_bias="blk.0.attn_output.bias" in tensors,
+      mlp_bias="blk.0.ffn_down.bias" in tensors,
+      sliding_window=window,
+      max_position_embeddings=max_pos,
       rope_freq_factors=factors,
   )
   tokenizer = tok_lib.from_gguf_fields(fields, str(path))
@@ -705,13 +753,20 @@ def read_gguf(path, dtype=np.float32) -> tuple[ModelConfig, dict, tok_lib.Tokeni
     names[f"layers.attn.{ours}.b"] = f"blk.{{i}}.{theirs}.bias"
   for ours, theirs in (("w_gate", "ffn_gate"), ("w_up", "ffn_up"), ("w_down", "ffn_down")):
     names[f"layers.mlp.{ours}.w"] = f"blk.{{i}}.{theirs}.weight"
+    names[f"layers.mlp.{ours}.b"] = f"blk.{{i}}.{theirs}.bias"
+  read = {"rope_freqs.weight"}
 
   def get(name, layer):
     del layer
     if name not in tensors:
       raise ValueError(f"{path}: tensor {name!r} missing")
+    read.add(name)
     t = tensors[name]
-    a = gguf.quants.dequantize(t.data, t.tensor_type)
+    try:
+      a = gguf.quants.dequantize(t.data, t.tensor_type)
+    except NotImplementedError:
+      raise ValueError(f"{path}: tensor {name!r} has type {t.tensor_type.name}, which is not "
+                       "read here") from None
     a = np.asarray(a).reshape(tuple(int(x) for x in reversed(t.shape)))  # numpy order: [out, in]
     if permuted and (".attn_q." in name or ".attn_k." in name):
       a = _unpermute(a, cfg.num_heads if ".attn_q." in name else cfg.num_kv_heads)
@@ -720,6 +775,10 @@ def read_gguf(path, dtype=np.float32) -> tuple[ModelConfig, dict, tok_lib.Tokeni
     return a
 
   params = _fill(cfg, get, names, dtype, str(path), "loading gguf")
+  unread = sorted(set(tensors) - read)
+  if unread:  # (a tensor llama.cpp would use, or a layer past block_count)
+    raise ValueError(f"{path}: tensor {unread[0]!r} is not read by this model "
+                     f"({len(unread)} unread tensors); refused rather than dropped")
   return cfg, params, tokenizer
 
 

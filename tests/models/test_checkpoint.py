@@ -124,7 +124,8 @@ def _permute(w, n_heads):
   return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _write_gguf(path, cfg, params, rope_factors=None):
+def _write_gguf(path, cfg, params, rope_factors=None, edit=None):
+  """``edit(writer)`` adds metadata or tensors after the model's own."""
   import gguf
 
   w = gguf.GGUFWriter(str(path), "llama")
@@ -166,6 +167,8 @@ def _write_gguf(path, cfg, params, rope_factors=None):
     w.add_tensor(f"blk.{i}.ffn_gate.weight", f32(u["w_gate"][i].T))
     w.add_tensor(f"blk.{i}.ffn_up.weight", f32(u["w_up"][i].T))
     w.add_tensor(f"blk.{i}.ffn_down.weight", f32(np.asarray(L["mlp"]["w_down"]["w"][i]).T))
+  if edit is not None:
+    edit(w)
   w.write_header_to_file()
   w.write_kv_data_to_file()
   w.write_tensors_to_file()
@@ -193,6 +196,86 @@ def test_gguf_import_undoes_rope_permutation(tmp_path, scaled):
   testing.assert_close(_logits(g, ids), _logits(m, ids), dtype=jnp.float32, what="gguf logits")
   assert g.tokenizer.decode(g.tokenizer.encode("héllo, world")) == "héllo, world"
   assert g.tokenizer.encode("<s>") == [0]  # control tokens are matched whole
+
+
+def test_gguf_linear_rope_scaling_is_computed(tmp_path):
+  """llama.rope.scaling.type linear (what llama.cpp's converter writes for an
+  HF rope_scaling of that type): positions divided by the factor, as the HF
+  config computes it. It loaded unscaled, with no error."""
+  import gguf
+
+  cfg = models.config.get("tiny")
+  params = model_lib.random_params(cfg, seed=int(np.random.default_rng().integers(1 << 30)))
+
+  def linear(w):
+    w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+    w.add_rope_scaling_factor(4.0)
+
+  _write_gguf(tmp_path / "t.gguf", cfg, params, edit=linear)
+  g = models.load(tmp_path / "t.gguf", dtype="float32")
+  scaled = cfg.replace(rope_scaling=models.config.RopeScaling(
+      4.0, original_max_position_embeddings=cfg.max_position_embeddings, rope_type="linear"))
+  assert g.config.rope_scaling == scaled.rope_scaling
+  m = models.Model(scaled, params, tok_lib.ByteTokenizer(), dtype="float32")
+  plain = models.Model(cfg, params, tok_lib.ByteTokenizer(), dtype="float32")
+  ids = _ids(m)
+  testing.assert_close(_logits(g, ids), _logits(m, ids), dtype=jnp.float32, what="gguf logits")
+  assert not np.allclose(_logits(g, ids), _logits(plain, ids), atol=1e-3)  # (it is scaled)
+
+
+def _tensor(name, shape):
+  return lambda w: w.add_tensor(name, np.ones(shape, np.float32))
+
+
+@pytest.mark.parametrize("edit, match", [
+    # metadata llama.cpp computes and this loader does not: refused by name
+    (lambda w: (w.add_key_length(64), w.add_uint32("llama.rope.dimension_count", 32)),
+     r"llama.rope.dimension_count=32 is not supported; supported: the head dim, 64"),
+    (lambda w: w.add_uint32("llama.attention.value_length", 32), r"llama.attention.value_length"),
+    (lambda w: w.add_float32("llama.attn_logit_softcapping", 50.0),
+     r"llama.attn_logit_softcapping=50.0 is not computed here"),
+    (lambda w: w.add_uint32("llama.expert_count", 8), r"llama.expert_count=8 is not computed"),
+    (lambda w: w.add_uint32("llama.some_future_key", 1), r"llama.some_future_key=1"),
+    (lambda w: w.add_uint32("llama.attention.sliding_window", 4),
+     r"llama.attention.sliding_window=4 is not supported for this architecture"),
+    (lambda w: w.add_string("llama.rope.scaling.type", "yarn"),
+     r"llama.rope.scaling.type='yarn' is not supported; supported: none, linear"),
+    # a per-layer head count that varies
+    (lambda w: w.add_array("llama.attention.head_count_kv", [2, 1]),
+     r"head_count_kv=\[2, 1\] is not supported; supported: an integer \(the same in every"),
+    # tensors the model does not read: dropped with no error before
+    (_tensor("blk.0.attn_q_norm.weight", (64,)), r"tensor 'blk.0.attn_q_norm.weight' is not "
+     r"read by this model \(1 unread tensors\); refused rather than dropped"),
+    (_tensor("blk.2.attn_norm.weight", (128,)), r"tensor 'blk.2.attn_norm.weight' is not read"),
+])
+def test_gguf_metadata_and_tensors_not_computed_are_refused(tmp_path, edit, match):
+  cfg = models.config.get("tiny")
+  params = model_lib.random_params(cfg, seed=0)
+  _write_gguf(tmp_path / "t.gguf", cfg, params, edit=edit)
+  with pytest.raises(ValueError, match=match):
+    models.load(tmp_path / "t.gguf", dtype="float32")
+
+
+def test_gguf_output_and_mlp_biases_are_read(tmp_path):
+  """llama.cpp's llama graph adds attn_output.bias and the ffn biases where a
+  file has them; they were dropped."""
+  cfg = models.config.get("tiny")
+  params = model_lib.random_params(cfg, seed=1)
+
+  def biases(w):
+    for i in range(cfg.num_layers):
+      w.add_tensor(f"blk.{i}.attn_output.bias", np.full((cfg.hidden_size,), 0.5, np.float32))
+      for n, size in (("ffn_gate", cfg.intermediate_size), ("ffn_up", cfg.intermediate_size),
+                      ("ffn_down", cfg.hidden_size)):
+        w.add_tensor(f"blk.{i}.{n}.bias", np.full((size,), 0.25, np.float32))
+
+  _write_gguf(tmp_path / "t.gguf", cfg, params, edit=biases)
+  g = models.load(tmp_path / "t.gguf", dtype="float32")
+  assert g.config.o_bias and g.config.mlp_bias and not g.config.qkv_bias
+  plain = models.Model(cfg, params, tok_lib.ByteTokenizer(), dtype="float32")
+  ids = _ids(plain)
+  assert not np.allclose(_logits(g, ids), _logits(plain, ids), atol=1e-3)
+  np.testing.assert_allclose(np.asarray(g.params["layers"]["attn"]["wo"]["b"]), 0.5)
 
 
 DEFAULT = model_lib.default_model_path()
