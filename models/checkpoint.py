@@ -643,6 +643,7 @@ _GGUF_KEYS = frozenset({
     "context_length", "attention.sliding_window", "rope.scaling.type", "rope.scaling.factor",
     "rope.scaling.original_context_length",
     "rope.scaling.finetuned",  # (how the model was trained: no effect on its logits)
+    "expert_count", "expert_used_count",  # (0 in some dense conversions; else refused)
 })
 
 
@@ -674,6 +675,11 @@ def read_gguf(path, dtype=np.float32) -> tuple[ModelConfig, dict, tok_lib.Tokeni
     k = unknown[0]
     raise ValueError(f"{path}: GGUF metadata {k}={fields[k]!r} is not computed here; refused "
                      "rather than ignored")
+
+  for key in ("expert_count", "expert_used_count"):
+    if fields.get(f"{arch}.{key}", 0) != 0:
+      raise ValueError(f"{path}: GGUF metadata {arch}.{key}={fields[f'{arch}.{key}']!r} is not "
+                       "supported; supported: 0 (a dense model)")
 
   def meta(key, default=None, required=True, kind=int):
     v = fields.get(f"{arch}.{key}", default)

@@ -234,7 +234,7 @@ def _tensor(name, shape):
     (lambda w: w.add_uint32("llama.attention.value_length", 32), r"llama.attention.value_length"),
     (lambda w: w.add_float32("llama.attn_logit_softcapping", 50.0),
      r"llama.attn_logit_softcapping=50.0 is not computed here"),
-    (lambda w: w.add_uint32("llama.expert_count", 8), r"llama.expert_count=8 is not computed"),
+    (lambda w: w.add_uint32("llama.expert_count", 8), r"llama.expert_count=8 is not supported"),
     (lambda w: w.add_uint32("llama.some_future_key", 1), r"llama.some_future_key=1"),
     (lambda w: w.add_uint32("llama.attention.sliding_window", 4),
      r"llama.attention.sliding_window=4 is not supported for this architecture"),
