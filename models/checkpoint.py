@@ -847,8 +847,14 @@ def read_orbax(directory, dtype) -> tuple[ModelConfig, dict, tok_lib.Tokenizer]:
   meta_path = directory / "model.json"
   if not meta_path.exists():
     raise FileNotFoundError(f"{meta_path}: missing (not a directory written by models.save)")
-  meta = json.loads(meta_path.read_text())
-  cfg = ModelConfig.from_dict(meta["config"])
+  try:
+    meta = json.loads(meta_path.read_text())
+    cfg = ModelConfig.from_dict(meta["config"])
+  except json.JSONDecodeError as e:
+    raise ValueError(f"{meta_path}: not valid JSON ({e})") from None
+  except (KeyError, TypeError, ValueError) as e:  # (no config, a field of another version)
+    raise ValueError(f"{meta_path}: not a model config this version reads "
+                     f"({type(e).__name__}: {e})") from None
   if meta.get("tokenizer") == "byte":
     tokenizer: tok_lib.Tokenizer = tok_lib.ByteTokenizer()
   elif meta.get("tokenizer") == "none":
@@ -858,6 +864,21 @@ def read_orbax(directory, dtype) -> tuple[ModelConfig, dict, tok_lib.Tokenizer]:
   saved = jnp.dtype(meta.get("dtype", "float32"))
   target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, saved), _target(cfg),
                         is_leaf=lambda x: isinstance(x, tuple))
+  try:
+    params = _restore(ocp, directory, meta_path, meta, cfg, saved, target)
+  except ValueError:
+    raise
+  except Exception as e:  # (orbax / TensorStore on a damaged or incomplete params folder)
+    first = (str(e).strip().splitlines() or [""])[0][:200]
+    raise ValueError(f"{directory / 'params'}: cannot be restored ({type(e).__name__}: "
+                     f"{first})") from None
+  params = jax.tree.map(lambda a: jnp.asarray(a, dtype), params)
+  return cfg, params, tokenizer
+
+
+def _restore(ocp, directory, meta_path, meta, cfg, saved, target) -> dict:
+  import jax
+
   with ocp.StandardCheckpointer() as ckptr:
     stored = ckptr.metadata(directory / "params")
     tree = getattr(stored, "item_metadata", stored)
@@ -876,8 +897,7 @@ def read_orbax(directory, dtype) -> tuple[ModelConfig, dict, tok_lib.Tokenizer]:
       elif layout != GATE_UP_LAYOUT:
         raise ValueError(f"{meta_path}: unknown gate_up_layout {layout!r} "
                          f"(this version reads 'pairs' and {GATE_UP_LAYOUT!r})")
-  params = jax.tree.map(lambda a: jnp.asarray(a, dtype), params)
-  return cfg, params, tokenizer
+  return params
 
 
 def _fuse_tree(params: dict, cfg: ModelConfig) -> dict:

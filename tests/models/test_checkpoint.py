@@ -88,6 +88,29 @@ def test_fuse_and_split_are_inverse():
     np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.parametrize("damage, match", [
+    (lambda d: _edit_json(d / "model.json", lambda j: j.pop("config")),
+     r"model.json: not a model config this version reads \(KeyError"),
+    (lambda d: _edit_json(d / "model.json", lambda j: j["config"].update(foo=1)),
+     r"model.json: not a model config this version reads \(TypeError: .*foo"),
+    (lambda d: (d / "model.json").write_text("{oops"), r"model.json: not valid JSON"),
+    (lambda d: (d / "params" / "_METADATA").unlink(), r"params: cannot be restored"),
+])
+def test_a_damaged_saved_directory_is_one_error_naming_the_file(tmp_path, damage, match):
+  """(KeyError, TypeError or orbax's tracebacks before.)"""
+  m, _ = _random_model(models.config.get("tiny"))
+  d = models.save(tmp_path / "ck", m)
+  damage(d)
+  with pytest.raises(ValueError, match=match):
+    models.load(d, dtype="float32")
+
+
+def _edit_json(path, edit):
+  j = json.loads(path.read_text())
+  edit(j)
+  path.write_text(json.dumps(j))
+
+
 def test_orbax_directory_with_paired_gate_up_still_loads(tmp_path):
   """A directory written when the fused gate/up columns alternated per feature
   (no gate_up_layout in model.json) loads in today's order, same logits."""
