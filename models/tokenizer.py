@@ -10,6 +10,11 @@ Hugging Face ``tokenizer.json`` (the ``tokenizers`` package), a sentencepiece
 ``tokenizer.model``, and the GPT-2 style BPE vocabulary embedded in a GGUF file.
 ``from_folder`` picks the right one for an HF folder.
 
+A GGUF's tokenizer is what transformers builds from it: CONTROL tokens
+(token_type 3) are special, USER_DEFINED ones (4) added tokens that are text
+(decode keeps them), and tokenizer.ggml.add_bos_token / add_eos_token its
+post-processor, so the tokenizer.json ``models.save`` writes keeps them.
+
 What an HF folder's files mean follows transformers:
 
 * eos ids (where generation stops): generation_config.json's
@@ -576,18 +581,51 @@ def from_gguf_fields(fields: dict[str, Any], path: str = "<gguf>") -> Tokenizer:
     tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
   tk.decoder = decoders.ByteLevel()
   types = list(fields.get("tokenizer.ggml.token_type", []))
-  # 3 = CONTROL, 4 = USER_DEFINED: matched whole in the text, never split.
-  special = [tokenizers.AddedToken(tokens[i], special=True, normalized=False)
-             for i, t in enumerate(types) if t in (3, 4)]
-  tk.add_special_tokens(special)
+  # Both matched whole in the text, never split (llama.cpp, transformers):
+  # 3 = CONTROL, a special token (decode skips it); 4 = USER_DEFINED (e.g.
+  # <think>, <tool_call>), an added token that is text (decode keeps it).
+  tk.add_special_tokens([tokenizers.AddedToken(tokens[i], special=True, normalized=False)
+                         for i, t in enumerate(types[:len(tokens)]) if t == 3])
+  tk.add_tokens([tokenizers.AddedToken(tokens[i], special=False, normalized=False)
+                 for i, t in enumerate(types[:len(tokens)]) if t == 4])
   bos = fields.get("tokenizer.ggml.bos_token_id")
   eos = fields.get("tokenizer.ggml.eos_token_id")
   eos_ids = [int(eos)] if eos is not None else []
   eot = fields.get("tokenizer.ggml.eot_token_id")
   if eot is not None and int(eot) not in eos_ids:
     eos_ids.append(int(eot))
+  # tokenizer.ggml.add_bos_token / add_eos_token as the tokenizer's own
+  # post-processor (as in transformers' tokenizer for the GGUF), so that
+  # tokenizer.json (models.save) keeps them: from_folder reads add_bos /
+  # add_eos off it.
+  add_bos = (bool(fields.get("tokenizer.ggml.add_bos_token", False)) and bos is not None
+             and 0 <= int(bos) < len(tokens))
+  add_eos = (bool(fields.get("tokenizer.ggml.add_eos_token", False)) and bool(eos_ids)
+             and 0 <= eos_ids[0] < len(tokens))
+  tk.post_processor = _bos_eos_template(tokens, int(bos) if add_bos else None,
+                                        eos_ids[0] if add_eos else None)
   out = HFTokenizer(tk, bos_id=None if bos is None else int(bos), eos_ids=eos_ids,
                     chat_template=fields.get("tokenizer.chat_template"))
-  out.add_bos = bool(fields.get("tokenizer.ggml.add_bos_token", False)) and bos is not None
-  out.add_eos = bool(fields.get("tokenizer.ggml.add_eos_token", False)) and bool(eos_ids)
+  out.add_bos, out.add_eos = add_bos, add_eos
   return out
+
+
+def _bos_eos_template(tokens: Sequence[str], bos: int | None, eos: int | None):
+  """transformers' post-processor for add_bos_token / add_eos_token
+  (``update_post_processor``): "<bos> $A <eos>", for pairs "<bos> $A <eos>
+  <bos>:1 $B:1 <eos>:1"; without either, "$A" / "$A $B:1"."""
+  from tokenizers import processors
+
+  def label(i, other):  # the token's text, as transformers names it, where the template can
+    text = tokens[i]
+    plain = ":" not in text and not text.startswith("$") and text != other
+    return text if plain else f"<token {i}>"
+
+  b = label(bos, None) if bos is not None else None
+  e = label(eos, b if eos != bos else None) if eos is not None else None
+  single = [f"{b}:0"] * (b is not None) + ["$A:0"] + [f"{e}:0"] * (e is not None)
+  pair = single + [f"{b}:1"] * (b is not None) + ["$B:1"] + [f"{e}:1"] * (e is not None)
+  special = {x: i for x, i in ((b, bos), (e, eos)) if x is not None}
+  return processors.TemplateProcessing(
+      single=single, pair=pair,
+      special_tokens=[{"id": x, "ids": [i], "tokens": [tokens[i]]} for x, i in special.items()])

@@ -552,3 +552,37 @@ def jax_tree_bf16(params):
   import jax
 
   return jax.tree.map(lambda a: jnp.asarray(a, jnp.bfloat16), params)
+
+
+@pytest.mark.parametrize("add_bos, add_eos", [(True, True), (True, False), (False, True),
+                                              (False, False)])
+def test_gguf_tokenizer_survives_save(tmp_path, add_bos, add_eos):
+  """A GGUF model saved and loaded back tokenizes as it did: BOS/EOS as
+  tokenizer.ggml.add_bos_token / add_eos_token say (the saved tokenizer.json
+  had no post-processor, so they were lost: the server's tokenize(add_bos=
+  True) gave the reloaded model no BOS), and user-defined tokens (type 4)
+  kept as text by decode."""
+  from serving.engine.intake import Intake
+
+  cfg = models.config.get("tiny")
+  params = model_lib.random_params(cfg, seed=2)
+  _write_gguf(tmp_path / "t.gguf", cfg, params,
+              edit=lambda w: (w.add_add_bos_token(add_bos), w.add_add_eos_token(add_eos)))
+  g = models.load(tmp_path / "t.gguf", dtype="float32")
+  models.save(tmp_path / "saved", g)
+  r = models.load(tmp_path / "saved", dtype="float32")
+  texts = ["the cat", "a<extra_0>b", "<s>x</s> <extra_3>", "héllo\n"]
+  plain = g.tokenizer.encode("the cat")
+  extra0 = 2 + 256  # "<s>", "</s>", the byte alphabet, then <extra_i>
+  for m in (g, r):
+    t = m.tokenizer
+    assert (t.add_bos, t.add_eos, t.bos_id, t.eos_ids) == (add_bos, add_eos, 0, (1,))
+    intake = Intake(t, vocab_size=cfg.vocab_size, model_name="x", max_seq_len=64, capacity=2,
+                    config=None, eos_ids=t.eos_ids, grammars=None)
+    assert intake.tokenize("the cat", add_bos=True) == [0] * add_bos + plain + [1] * add_eos
+    assert intake.tokenize("the cat") == plain
+    assert [t.encode(s) for s in texts] == [g.tokenizer.encode(s) for s in texts]
+    assert t.encode("a<extra_0>b")[1] == extra0 and len(t.encode("a<extra_0>b")) == 3
+    assert t.decode(t.encode("a<extra_0>b")) == "a<extra_0>b"
+    assert t.decode([0, *t.encode("x<extra_1>"), 1]) == "x<extra_1>"
+    assert t.token_bytes() == g.tokenizer.token_bytes()
