@@ -443,7 +443,8 @@ def test_the_engine_process_dying_under_load_fails_its_requests_and_health(sig, 
   resource_tracker.ensure_running()  # (once a process: its pipe is no leak)
   # gRPC's own pollers live while any gRPC object does: one held throughout.
   anchor = grpc.insecure_channel("127.0.0.1:9")
-  with serving(E.tiny_engine()):
+  # (the HTTP side's first start makes a pipe that lives as long as the process)
+  with serving(E.tiny_engine(), http_port=0):
     pass
   before_threads = {t for t in threading.enumerate() if _ours(t)}
   before_fds = _fds()
