@@ -97,6 +97,7 @@ from this checkout under the name only while they register.
 """
 
 import functools
+import math
 import importlib
 import importlib.metadata
 import importlib.util
@@ -335,7 +336,14 @@ def _run(op_name: str, tensors: dict[str, Tensor], backend: str | None, static: 
   if dev.type == "cpu" and on_gpu:
     raise ValueError(f"mosaic.{op_name}: the tensors are on the CPU but jax's kernels are "
                      f"chosen for {target_lib.current().name}; move them to CUDA")
+  if math.prod(expect[0]) == 0:  # (what the fake promised: nothing to compute)
+    return torch.empty(expect[0], dtype=expect[1], device=dev)
   impl = registry.get_op(op_name).explicit_choice(backend)
+  if ((impl or "").startswith("mosaic") and dev.type == "cpu" and op_name != "rms_norm"
+      and tuple(int(x) for x in jax.__version__.split(".")[:2]) < (0, 11)):
+    raise ValueError(f"mosaic.{op_name}: backend='mosaic' on CPU tensors runs the kernel in "
+                     f"Pallas' interpreter, which needs jax >= 0.11 (this is {jax.__version__}); "
+                     "use backend='xla' or CUDA tensors")
   if impl == "reference":
     raise ValueError(f"mosaic.{op_name}: backend 'reference' returns float32 (the op's meaning, "
                      f"for tests); the torch op promises {expect[1]}: pick another backend")
@@ -351,6 +359,15 @@ def _backend_arg(op_name: str, backend: Optional[str]) -> None:
   if backend is not None:
     _load_ops()
     registry.get_op(op_name).get(backend)  # an unknown name fails here, listing the valid ones
+
+
+def _one_device(op_name: str, **tensors: Tensor | None) -> None:
+  """The fakes' check too: a meta tensor beside a CPU one makes torch run the
+  fake, whose output (empty memory) would be the result."""
+  given = {n: t for n, t in tensors.items() if t is not None}
+  if len({t.device for t in given.values()}) > 1:
+    raise ValueError(f"mosaic.{op_name}: all tensors must be on one device, got "
+                     + ", ".join(f"{n} on {t.device}" for n, t in given.items()))
 
 
 def _float_dtype(op_name: str, what: str, t: Tensor) -> None:
@@ -372,6 +389,7 @@ def _prefill_meta(q, k, v, causal, scale, sliding_window, layout, backend):
   """Checks a call (shapes, dtypes, arguments) and returns its output (shape, dtype)."""
   op = "attention_prefill"
   _backend_arg(op, backend)
+  _one_device(op, q=q, k=k, v=v)
   if layout not in LAYOUTS:
     raise ValueError(f"mosaic.{op}: layout={layout!r} must be one of {LAYOUTS} "
                      "(bshd: [B, S, H, D], the jax op's; bhsd: [B, H, S, D], torch SDPA's)")
@@ -394,6 +412,11 @@ def _prefill_meta(q, k, v, causal, scale, sliding_window, layout, backend):
                      f"k {tuple(k.shape)} ({layout})")
   if Hq % Hkv:
     raise ValueError(f"mosaic.{op}: query heads ({Hq}) must be a multiple of kv heads ({Hkv})")
+  if causal and Sq > Skv:
+    # (the queries are the last Sq positions of the keys: the first Sq - Skv
+    # would see none; SDPA's is_causal aligns the first query with the first key)
+    raise ValueError(f"mosaic.{op}: causal with more queries ({Sq}) than keys ({Skv}): the "
+                     "queries are the last Sq positions of the keys")
   if scale is not None and not scale > 0:
     raise ValueError(f"mosaic.{op}: scale={scale} must be positive (None: head_dim ** -0.5)")
   if sliding_window is not None and sliding_window < 1:
@@ -431,6 +454,7 @@ def _(q, k, v, causal=True, scale=None, sliding_window=None, layout="bshd", back
 def _decode_meta(q, k_pages, v_pages, lengths, page_table, scale, backend):
   op = "attention_decode"
   _backend_arg(op, backend)
+  _one_device(op, q=q, k_pages=k_pages, v_pages=v_pages, lengths=lengths, page_table=page_table)
   if q.dim() != 4:
     raise ValueError(f"mosaic.{op}: q must be [B, Tq, Hq, D], got {tuple(q.shape)}")
   if k_pages.dim() != 4:
@@ -472,6 +496,14 @@ def attention_decode(q: Tensor, k_pages: Tensor, v_pages: Tensor, lengths: Tenso
   t of sequence b sits at position lengths[b] - Tq + t and sees every cached
   token at or before it. Returns [B, Tq, Hq, D] in q's dtype."""
   expect = _decode_meta(q, k_pages, v_pages, lengths, page_table, scale, backend)
+  if lengths.device.type == "cpu" and lengths.numel():  # (on CUDA, reading them is a sync)
+    pages = k_pages.shape[1]
+    if int(lengths.min()) < 0:
+      raise ValueError(f"mosaic.attention_decode: lengths must be >= 0, got {lengths.tolist()}")
+    if page_table.numel() and not (0 <= int(page_table.min()) and
+                                   int(page_table.max()) < pages):
+      raise ValueError(f"mosaic.attention_decode: page_table entries must be in [0, {pages}), "
+                       f"got [{int(page_table.min())}, {int(page_table.max())}]")
   static = dict(sm_scale=None if scale is None else float(scale))
   return _run("attention_decode", dict(q=q, k_pages=k_pages, v_pages=v_pages, lengths=lengths,
                                        page_table=page_table), backend, static, expect)
@@ -493,6 +525,7 @@ ACTIVATIONS = (None, "swiglu")
 def _matmul_meta(a, b, bias, residual, out_dtype, activation, rms_eps, backend):
   op = "matmul"
   _backend_arg(op, backend)
+  _one_device(op, a=a, b=b, bias=bias, residual=residual)
   if a.dim() != 2 or b.dim() != 2:
     raise ValueError(f"mosaic.{op}: a must be [M, K] and b [K, N], got {tuple(a.shape)} and "
                      f"{tuple(b.shape)} (the layer stack of the jax op is not served here)")
@@ -559,6 +592,7 @@ def _(a, b, bias=None, residual=None, out_dtype=None, activation=None, rms_eps=N
 def _rms_norm_meta(x, weight, eps, backend):
   op = "rms_norm"
   _backend_arg(op, backend)
+  _one_device(op, x=x, weight=weight)
   if x.dim() < 1:
     raise ValueError(f"mosaic.{op}: x needs a feature axis, got shape {tuple(x.shape)}")
   if tuple(weight.shape) != (x.shape[-1],):
@@ -655,9 +689,9 @@ def register_transformers_attention() -> None:
   """Registers ``attn_implementation="mosaic"`` in transformers: this
   module's ``transformers_attention``, with transformers' ``sdpa_mask`` as its
   mask function (the mask is left out exactly when it is plain causal)."""
+  _load_ops()  # (first: transformers' import of HF's `kernels` must not find ours)
   from transformers import AttentionInterface
   from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-  _load_ops()
   AttentionInterface.register(NAME, transformers_attention)
   AttentionMaskInterface.register(NAME, sdpa_mask)

@@ -287,6 +287,27 @@ def test_strided_inputs_are_made_contiguous():
     (lambda: torch.ops.mosaic.matmul(torch.ones(4, 64, dtype=torch.int32),
                                      torch.ones(64, 64, dtype=torch.int32)), "a.dtype"),
     (lambda: torch.ops.mosaic.rms_norm(randn(4, 64), randn(32)), "weight"),
+    # values the jax op checks only outside jit: read here on the CPU (a page
+    # past the cache gave NaN rows, a negative length zeros, with no error)
+    (lambda: torch.ops.mosaic.attention_decode(
+        randn(1, 1, 2, 64), randn(2, 3, 16, 64), randn(2, 3, 16, 64),
+        torch.tensor([5], dtype=torch.int32), torch.tensor([[99, 0, 1]], dtype=torch.int32)),
+     r"page_table entries must be in \[0, 3\)"),
+    (lambda: torch.ops.mosaic.attention_decode(
+        randn(1, 1, 2, 64), randn(2, 3, 16, 64), randn(2, 3, 16, 64),
+        torch.tensor([-5], dtype=torch.int32), torch.zeros(1, 3, dtype=torch.int32)),
+     "lengths must be >= 0"),
+    # causal with more queries than keys: rows that see no key came back zeros
+    (lambda: torch.ops.mosaic.attention_prefill(randn(1, 24, 2, 64), randn(1, 8, 2, 64),
+                                                randn(1, 8, 2, 64)),
+     r"causal with more queries \(24\) than keys \(8\)"),
+    # a meta tensor beside a CPU one ran the fake: its empty memory was the result
+    (lambda: torch.ops.mosaic.attention_prefill(randn(1, 8, 2, 64),
+                                                torch.empty(1, 8, 2, 64, device="meta"),
+                                                torch.empty(1, 8, 2, 64, device="meta")),
+     "all tensors must be on one device"),
+    (lambda: torch.ops.mosaic.rms_norm(randn(4, 64), torch.empty(64, device="meta")),
+     "all tensors must be on one device"),
 ])
 def test_refusals_name_the_argument(call, match):
   with pytest.raises((ValueError, registry.BackendError), match=match):
@@ -294,10 +315,44 @@ def test_refusals_name_the_argument(call, match):
 
 
 def test_mosaic_backend_refuses_what_the_kernel_cannot_run():
-  """An explicit backend that cannot run the call says why (the registry's reason)."""
-  with pytest.raises(registry.BackendError, match="head dim 32"):
+  """An explicit backend that cannot run the call says why: under jax < 0.11
+  the kernels do not interpret on the CPU (matmul hung in the interpreter),
+  else the registry's reason."""
+  import jax
+
+  old_jax = tuple(int(x) for x in jax.__version__.split(".")[:2]) < (0, 11)
+  with pytest.raises((ValueError, registry.BackendError),
+                     match="needs jax >= 0.11" if old_jax else "head dim 32"):
     torch.ops.mosaic.attention_prefill(randn(1, 8, 2, 32).bfloat16(), randn(1, 8, 2, 32).bfloat16(),
                                        randn(1, 8, 2, 32).bfloat16(), backend="mosaic")
+  if old_jax:
+    with pytest.raises(ValueError, match="needs jax >= 0.11"):
+      torch.ops.mosaic.matmul(randn(8, 64).half(), randn(64, 64).half(), backend="mosaic")
+
+
+def test_empty_inputs_give_what_the_fakes_promise():
+  """A zero-size output is returned as the fake shapes it (B=0 raised a
+  ZeroDivisionError, M=0 'empty matmul is not supported')."""
+  o = torch.ops.mosaic.attention_prefill(randn(0, 8, 2, 64), randn(0, 8, 2, 64),
+                                         randn(0, 8, 2, 64))
+  assert o.shape == (0, 8, 2, 64) and o.dtype == torch.float32
+  y = torch.ops.mosaic.matmul(randn(0, 64), randn(64, 32), out_dtype=torch.bfloat16)
+  assert y.shape == (0, 32) and y.dtype == torch.bfloat16
+
+
+def test_transformers_registration_in_a_fresh_interpreter():
+  """The README's order (import, register, then transformers) in a fresh
+  interpreter: registering imported transformers, whose import of Hugging
+  Face's `kernels` found ours (ImportError) until the ops had been loaded."""
+  import subprocess
+
+  code = ("import mosaic.torch as mt\n"
+          "mt.register_transformers_attention()\n"
+          "from transformers import AttentionInterface\n"
+          "assert 'mosaic' in AttentionInterface._global_mapping, 'not registered'\n"
+          "print('ok')\n")
+  r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+  assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
 
 
 # --------------------------------------------------------------------------
