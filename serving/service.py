@@ -563,7 +563,11 @@ class Server:
         return
       self.health.enter_graceful_shutdown()  # every status NOT_SERVING, for good
       end = time.monotonic() + timeout
-      finished = self.engine.drain(timeout)
+      try:
+        finished = self.engine.drain(timeout)
+      except api.EngineFailed as e:  # (an engine process that died: nothing left to drain)
+        log.warning("drain: %s; stopping", e)
+        finished = True
       if not finished:
         log.warning("drain timed out after %g s; cancelling the requests still running",
                     timeout)

@@ -4,6 +4,7 @@ import concurrent.futures
 import gzip
 import json
 import re
+import time
 
 import grpc
 import pytest
@@ -143,6 +144,19 @@ def test_tokenize_after_the_engine_process_died_is_an_internal_error():
       out = json.loads(r.read())
       conn.close()
       assert r.status == 500 and "engine process" in out["error"]["message"], out
+
+
+def test_a_drain_after_the_engine_process_died_stops_the_server():
+  """SIGTERM to the process group (systemd, `timeout`) reaches the engine
+  process too: the drain then found it dead, its thread died on the error and
+  the server never stopped (serve hung until SIGKILL)."""
+  engine = ProcessEngine(E.tiny_engine, max_batch=2)
+  with running(engine) as (server, c):
+    engine._proc.kill()
+    engine._proc.join(30)
+    t0 = time.monotonic()
+    server.drain_and_stop(timeout=5.0)
+    assert server._stopped.is_set() and time.monotonic() - t0 < 5.0
 
 
 def test_metrics_of_the_engine_process_reach_the_server():
