@@ -124,11 +124,11 @@ class Intake:
       raise api.InvalidRequest(f"priority={request.priority} needs priority scheduling "
                                "(serve --scheduling-policy priority)")
     guide = self.grammars.guide(p.structured) if p.structured is not None else None
-    if guide is not None and (not guide.allowed().any() or guide.stopped and guide.error):
+    first = guide.allowed() if guide is not None else None  # (one mask for both checks)
+    if guide is not None and (not first.any() or guide.stopped and guide.error):
       # (the first mask finds a grammar that nothing matches: llguidance stops it)
       raise api.InvalidRequest(f"structured {p.structured.kind}: no output can match it")
-    if guide is not None and p.allowed_token_ids and not guide.allowed()[
-        list(p.allowed_token_ids)].any():
+    if guide is not None and p.allowed_token_ids and not first[list(p.allowed_token_ids)].any():
       # Else the request would end (STOP) at its first step with no output.
       raise api.InvalidRequest("allowed_token_ids and the structured output admit no common "
                                "first token", field="allowed_token_ids")
