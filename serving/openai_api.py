@@ -253,8 +253,9 @@ class _Call:
       raise APIError(400, "echo with logprobs is not streamed: the prompt's logprobs would be "
                      "missing", param="echo")
     cut = sampling.truncate_prompt_tokens
-    self.echo = [self._text(p, cut) if echo else "" for p in prompts]
-    self.echo_first = [self._first_id(p, cut) if echo else None for p in prompts]
+    echoed = [self._echo(p, cut) if echo else ("", None) for p in prompts]
+    self.echo = [text for text, _ in echoed]
+    self.echo_first = [first for _, first in echoed]
     if echo and sampling.logprobs and sampling.prompt_logprobs is None:  # (vLLM's way)
       sampling = dataclasses.replace(sampling, prompt_logprobs=sampling.top_logprobs)
     self.keys, requests = [], []
@@ -272,26 +273,21 @@ class _Call:
         raise APIError(400, f"echo with logprobs scores the prompt: {e}", param="echo") from None
       raise
 
-  def _ids(self, prompt: dict) -> list[int]:
+  def _echo(self, prompt: dict, cut: int | None) -> tuple[str, int]:
+    """The echoed prompt and its first token (which has no logprob: the
+    engine's BOS rule): as given, or the tokens truncate_prompt_tokens keeps
+    (what the model saw, as vLLM echoes it), tokenized once."""
     if "prompt_ids" in prompt:
-      return prompt["prompt_ids"]
-    ids = self.engine.tokenize(prompt["prompt_text"], add_bos=prompt["add_bos"])
-    if not ids:
-      raise APIError(400, "the prompt is empty")
-    return ids
-
-  def _text(self, prompt: dict, cut: int | None) -> str:
-    """The echoed prompt: as given, or the tokens truncate_prompt_tokens
-    keeps, decoded (what the model saw, as vLLM echoes it)."""
-    if "prompt_text" in prompt and (cut is None or cut >= len(self._ids(prompt))):
-      return prompt["prompt_text"]
+      ids = prompt["prompt_ids"]
+    else:
+      ids = self.engine.tokenize(prompt["prompt_text"], add_bos=prompt["add_bos"])
+      if not ids:
+        raise APIError(400, "the prompt is empty")
+    kept = ids[-cut:] if cut else ids
+    if "prompt_text" in prompt and len(kept) == len(ids):
+      return prompt["prompt_text"], kept[0]
     # Decoded whole: a character whose bytes span tokens has no piece of its own.
-    return self.engine.detokenize(self._ids(prompt)[-cut:] if cut else self._ids(prompt))
-
-  def _first_id(self, prompt: dict, cut: int | None) -> int:
-    """The (kept) prompt's first token, which has no logprob (the engine's BOS rule)."""
-    ids = self._ids(prompt)
-    return (ids[-cut:] if cut else ids)[0]
+    return self.engine.detokenize(kept), kept[0]
 
   def prompt_of(self, i: int) -> int:
     return i // self.per
